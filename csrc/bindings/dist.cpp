@@ -1,0 +1,4 @@
+#include "bindings/bindings.h"
+namespace cx::bindings {
+void bind_dist(py::module_& m) {}
+}

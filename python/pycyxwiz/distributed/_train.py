@@ -1,0 +1,2 @@
+"""Data-parallel training (issue 4)."""
+__all__: list = []
