@@ -191,3 +191,30 @@ def test_mlp_learns_digits_to_95_percent():
     loss_fn.forward(model.forward(X[test]), y[test])
     assert loss_fn.accuracy() >= 0.95, f"held-out accuracy {loss_fn.accuracy():.3f}"
     assert time.perf_counter() - start < 60
+
+
+def _threads_in_child(env):
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", "import pycyxwiz as cx; print(cx.get_num_threads())"],
+                         env={**clean, **env}, capture_output=True, text=True, check=True, cwd="/")
+    return int(out.stdout.strip())
+
+
+@pytest.mark.parametrize("env,expect_one", [({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, True),
+                                             ({"WORLD_SIZE": "4"}, True),
+                                             ({"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "4"}, False)])
+def test_default_blas_threads_are_one_per_rank_when_ranks_share_a_host(env, expect_one):
+    import os
+
+    n = _threads_in_child(env)
+    if expect_one:
+        assert n == 1
+    else:  # one rank on this host: OpenBLAS's all-cores default, as for a plain process
+        single = _threads_in_child({})
+        assert n == single
+        assert single >= min(2, os.cpu_count())
