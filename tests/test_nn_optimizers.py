@@ -199,3 +199,29 @@ def test_clip_grad_norm_matches_numpy():
     before = model.flat_gradients().copy()
     cx.clip_grad_norm(model, 10.0)  # below the limit: untouched
     np.testing.assert_array_equal(model.flat_gradients(), before)
+
+
+def test_vectorised_and_scalar_kernels_agree():
+    """The AVX2 paths against the plain scalar reference (PYCYXWIZ_NN_SCALAR=1), in a child process."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, pycyxwiz as cx\n"
+        "m = cx.SequentialModel(); m.add(cx.LinearModule(37, 29, seed=1))\n"
+        "rng = np.random.default_rng(0)\n"
+        "for opt in (cx.AdamOptimizer(0.01, weight_decay=0.1), cx.AdamWOptimizer(0.01),\n"
+        "            cx.RMSpropOptimizer(0.01, momentum=0.9), cx.SGDOptimizer(0.1, momentum=0.9, nesterov=True)):\n"
+        "    for _ in range(4):\n"
+        "        m.flat_gradients()[...] = rng.standard_normal(m.num_parameters()).astype(np.float32)\n"
+        "        opt.step(m)\n"
+        "np.save(__import__('sys').stdout.buffer, m.flat_parameters())\n"
+    )
+    outs = []
+    for scalar in ("0", "1"):
+        env = {**os.environ, "PYCYXWIZ_NN_SCALAR": scalar}
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True, cwd="/")
+        import io
+        outs.append(np.load(io.BytesIO(r.stdout)))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
