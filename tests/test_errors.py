@@ -377,3 +377,60 @@ def test_ranks_disagreeing_on_world_size_are_refused():
                        timeout=30)
     assert not outs[1].ok
     assert "WORLD_SIZE=3" in outs[1].message and "WORLD_SIZE=2" in outs[1].message, outs[1]
+
+
+# ---- nothing from the network is trusted -----------------------------------------------
+
+def hold_group(port_file):
+    # rank 0 publishes its store port, then waits for the test's hostile client
+    if D.get_rank() == 0:
+        with open(port_file, "w") as f:
+            f.write(os.environ["MASTER_PORT"])
+    time.sleep(1.5)
+    x = np.ones(3, np.float32)
+    D.all_reduce(x)
+    return x.tolist()
+
+
+def test_store_refuses_an_oversized_frame_without_allocating(tmp_path):
+    import struct
+    port_file = str(tmp_path / "port")
+    result = {}
+
+    def hostile():
+        deadline = time.monotonic() + 20
+        while not os.path.exists(port_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        with open(port_file) as f:
+            port = int(f.read())
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            # a well-formed header announcing a 2 GiB value
+            s.sendall(struct.pack("<I4BII", 0x31535843, 2, 0, 0, 0, 4, 2 << 30) + b"key!")
+            s.settimeout(5)
+            try:
+                result["reply"] = s.recv(16)  # b"" = the store closed the connection
+            except OSError as e:
+                result["reply"] = repr(e)
+
+    th = threading.Thread(target=hostile)
+    th.start()
+    outs = ranks.run(hold_group, 2, args=(port_file,), timeout=60)
+    th.join()
+    assert result["reply"] == b""
+    assert outs == [[2.0, 2.0, 2.0]] * 2  # and the group works regardless
+
+
+def length_disagreement():
+    try:
+        D.all_reduce(np.ones(1 << 16, np.float32))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_frame_longer_than_the_receive_posted_is_an_error():
+    # ranks configured with different chunk sizes cut the same message differently
+    outs = ranks.run(length_disagreement, 2, per_rank_env={0: {"CX_CHUNK_BYTES": 4096},
+                                                          1: {"CX_CHUNK_BYTES": 8192}}, timeout=60)
+    assert all("bytes where" in m and "expected" in m for m in outs), outs
