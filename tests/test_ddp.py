@@ -153,8 +153,9 @@ def test_buckets_are_reverse_order_contiguous_slices_within_the_caps():
     assert buckets[0] == (7, 7, offsets[7], 7)             # the small first bucket
     assert buckets[1] == (3, 6, offsets[3], 751)           # 3004 bytes; the empty tensor joins its neighbours
     assert buckets[2] == (2, 2, offsets[2], 5000)          # alone: bigger than the cap
-    # a 25 MiB cap holds everything of a small model; the first bucket is capped at 1 MiB
-    assert cx._core.dist._assign_buckets([10, 10, 300_000, 5], 4, 1 << 20, 25 << 20) == [(2, 3, 20, 300_005), (0, 1, 0, 20)]
+    # the first bucket is capped at 1 MiB (the 1.2 MB tensor starts the next); 25 MiB holds the rest
+    assert cx._core.dist._assign_buckets([10, 10, 300_000, 5], 4, 1 << 20, 25 << 20) == \
+        [(3, 3, 300_020, 5), (0, 2, 0, 300_020)]
 
 
 # ---- parameter check ----------------------------------------------------------------
