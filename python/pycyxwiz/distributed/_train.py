@@ -301,7 +301,7 @@ class DistributedTrainer:
                 history.val_losses.append(vl)
                 history.val_accuracies.append(va)
                 msg += f" - val_loss {vl:.4f} - val_acc {va:.4f}"
-            msg += f" - {g_count / max(epoch_time, 1e-9):,.0f} samples/s - {epoch_time:.2f}s"
+            msg += f" - {g_count / max(epoch_time, 1e-9):,.0f} samples/s - {epoch_time:.3f}s"
             out.line(msg)
             self._epoch, self._position, self._partial = epoch + 1, 0, (0.0, 0.0, 0.0)
             history.epochs_completed = epoch + 1
