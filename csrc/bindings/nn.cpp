@@ -298,6 +298,18 @@ void bind_nn(py::module_& m) {
       .def("param_slices", &SequentialModel::param_slices,
            "(offset, count) of every parameter tensor in the flat buffers.")
       .def("num_parameters", &SequentialModel::num_parameters)
+      .def(
+          "_set_grad_ready_hook",
+          [](SequentialModel& s, py::object fn) {
+            if (fn.is_none()) return s.clear_grad_ready_hook();
+            // For tests and tools: the C++ hook runs without the GIL, so take it.
+            auto holder = std::make_shared<py::object>(fn);
+            s.set_grad_ready_hook([holder](size_t i) {
+              py::gil_scoped_acquire gil;
+              (*holder)(i);
+            });
+          },
+          py::arg("fn"), "Test hook: fn(param_index) as each gradient becomes final in backward (see sequential.h).")
       .def("summary", &SequentialModel::summary)
       .def("__repr__", &SequentialModel::repr)
       .def("__len__", &SequentialModel::size)

@@ -3,13 +3,17 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace cx::nn::kernels {
 
 namespace {
 
+// PYCYXWIZ_NN_SCALAR=1 forces the scalar reference paths (tests compare the two).
 bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          !(std::getenv("PYCYXWIZ_NN_SCALAR") && std::string(std::getenv("PYCYXWIZ_NN_SCALAR")) == "1");
   return yes;
 }
 

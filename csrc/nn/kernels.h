@@ -1,6 +1,7 @@
 // defines: the vectorised loops over flat buffers that optimizers, losses and
 // clipping use. Each has a plain scalar reference beside an AVX2 path picked at
 // run time (the shipped build targets baseline x86-64; see DESIGN.md "Build").
+// PYCYXWIZ_NN_SCALAR=1 in the environment forces the scalar paths.
 #pragma once
 
 #include <cstddef>
