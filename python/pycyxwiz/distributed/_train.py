@@ -397,15 +397,16 @@ class DistributedTrainer:
                 with open(path, "rb") as f:
                     data = f.read()
             except OSError as e:
-                err = f"load_checkpoint: cannot read {path!r}: {e.strerror or e}"
+                err = f"load_checkpoint: cannot read {path!r} on rank 0: {e.strerror or e}"
         if self.get_world_size() > 1:
             head = np.array([len(data) if not err else -1], np.int64)
-            _pg.broadcast(head, root=0)
+            _pg.broadcast(head, src=0)
             if head[0] < 0:
-                raise OSError(err or f"load_checkpoint: rank 0 could not read {path!r}")
+                raise OSError(err or f"load_checkpoint: cannot read {path!r} on rank 0 (rank 0 reads checkpoints "
+                              f"for every rank; see its error)")
             buf = np.frombuffer(data, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
             if buf.size:
-                _pg.broadcast(buf, root=0)
+                _pg.broadcast(buf, src=0)
             data = buf.tobytes()
         elif err:
             raise OSError(err)
