@@ -239,3 +239,31 @@ def test_bad_checkpoints_are_reported_on_every_rank(tmp_path, case, exc, text, w
     for o in outs:
         assert not o.ok and text in o.message, (o.exc_type, o.message)
         assert o.exc_type == exc or o.is_a(exc)
+
+
+# ---- the examples, launched by hand as the seed shows (RANK=... python script.py) ----------
+
+def run_script(args, world, cwd):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ranks.free_port()), WORLD_SIZE=str(world),
+               OPENBLAS_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "examples", args[0]), *args[1:]], cwd=cwd,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, outs
+    return outs
+
+
+def test_train_digits_example_on_two_ranks_reports_held_out_accuracy(tmp_path):
+    out0, out1 = run_script(["train_digits.py", "--epochs", "8"], 2, tmp_path)
+    assert out1 == ""
+    line = [l for l in out0.splitlines() if l.startswith("held-out test:")][0]
+    assert float(line.split("accuracy ")[1].split()[0]) > 0.93
+
+
+def test_quickstart_runs_as_a_plain_script(tmp_path):
+    (out,) = run_script(["quickstart.py"], 1, tmp_path)
+    assert "Epoch 10/10" in out and (tmp_path / "model.cyxmodel").exists()
