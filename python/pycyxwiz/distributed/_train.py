@@ -1,2 +1,468 @@
-"""Data-parallel training (issue 4)."""
-__all__: list = []
+"""Data-parallel training (issue 4): DDP, sampler, batch iterator and the high-level trainer.
+
+    trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    config = cx.distributed.DistributedTrainingConfig(); config.epochs = 10; config.batch_size = 64
+    history = trainer.fit(X_train, y_train, config)
+
+DistributedDataParallel, DistributedSampler, DistributedBatchIterator and the trainer's
+per-batch engine are C++ (csrc/train/). This module holds what is Python by nature: the
+epoch loop (one C++ call per batch), the progress bar and log lines (rank 0 only), the
+history, and checkpoint files.
+
+Checkpoint file format (version 1): an uncompressed NumPy ``.npz`` archive with
+``meta`` (UTF-8 JSON: format, version, epoch and batch position to resume at, partial
+epoch sums, history, sampler seed/shuffle, world size), ``model`` (the ``.cyxmodel``
+bytes: architecture, parameters, buffers) and ``opt.<name>`` (the optimizer's state
+arrays; its scalars are in ``meta``). Files are written to a temporary name, fsynced
+and renamed, so a reader sees either the old complete file or the new complete file.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from .. import _core
+from . import _pg
+
+_d = _core.dist
+
+DDPConfig = _d.DDPConfig
+DistributedDataParallel = _d.DistributedDataParallel
+DistributedSampler = _d.DistributedSampler
+DistributedBatchIterator = _d.DistributedBatchIterator
+
+__all__ = [
+    "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
+]
+
+_CKPT_FORMAT = "pycyxwiz-checkpoint"
+_CKPT_VERSION = 1
+
+
+class DistributedTrainingConfig:
+    """Options of DistributedTrainer.fit (seed 004 fields, plus resume_from and drop_last).
+
+        config = cx.distributed.DistributedTrainingConfig()
+        config.epochs = 10; config.batch_size = 64          # batch_size is per rank
+
+    Setting an attribute that does not exist raises AttributeError (a typo never goes unnoticed).
+    """
+
+    __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
+                 "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
+                 "resume_from", "drop_last")
+
+    def __init__(self, **kw: Any) -> None:
+        self.epochs: int = 10
+        self.batch_size: int = 32                # per rank; the effective batch is batch_size * world_size
+        self.shuffle: bool = True
+        self.seed: int = 42                      # sampler shuffle and validation split
+        self.verbose: bool = True                # rank 0 prints progress and per-epoch summaries
+        self.log_every_n_batches: int = 10       # progress update / log line every n batches (0: epoch lines only)
+        self.checkpoint_every_n_epochs: int = 0  # 0: never
+        self.checkpoint_dir: str = "./checkpoints"
+        self.save_on_master_only: bool = True
+        self.validation_split: float = 0.0       # fraction of (X, y) held out when no X_val/y_val is given
+        self.resume_from: Optional[str] = None   # checkpoint file to continue from
+        self.drop_last: bool = False             # drop each rank's last, shorter batch
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    def __repr__(self) -> str:
+        return "DistributedTrainingConfig(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+class DistributedTrainingHistory:
+    """What fit() measured: global (all-rank, sample-weighted) metrics per epoch, time and throughput.
+
+        history = trainer.fit(X, y, config)
+        print(history.train_losses[-1], history.samples_per_second)
+    """
+
+    def __init__(self) -> None:
+        self.train_losses: List[float] = []
+        self.train_accuracies: List[float] = []
+        self.val_losses: List[float] = []
+        self.val_accuracies: List[float] = []
+        self.total_time_seconds: float = 0.0
+        self.samples_per_second: float = 0.0   # training samples over all ranks / training time
+        self.effective_batch_size: int = 0     # batch_size * world_size
+        self.world_size: int = 1
+        self.epochs_completed: int = 0
+        self.total_samples: float = 0.0        # training samples processed over all ranks
+        self.train_time_seconds: float = 0.0   # time in the training loops (throughput's denominator)
+
+    def _to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "DistributedTrainingHistory":
+        h = cls()
+        for k, v in d.items():
+            if hasattr(h, k):
+                setattr(h, k, v)
+        return h
+
+    def __repr__(self) -> str:
+        last = lambda xs: f"{xs[-1]:.4f}" if xs else "-"  # noqa: E731
+        return (f"DistributedTrainingHistory(epochs={len(self.train_losses)}, train_loss={last(self.train_losses)}, "
+                f"train_acc={last(self.train_accuracies)}, val_loss={last(self.val_losses)}, "
+                f"val_acc={last(self.val_accuracies)}, samples_per_second={self.samples_per_second:.0f}, "
+                f"world_size={self.world_size})")
+
+
+def _as_inputs(X: Any, who: str) -> np.ndarray:
+    X = np.asarray(X)
+    if X.ndim < 2:
+        raise ValueError(f"{who}: X must have shape (samples, features), got shape {X.shape}")
+    return np.ascontiguousarray(X, dtype=np.float32)
+
+
+def _as_targets(y: Any, who: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.dtype.kind in "iu":
+        return np.ascontiguousarray(y, dtype=np.int64)
+    if y.dtype.kind == "f":
+        return np.ascontiguousarray(y, dtype=np.float32)
+    raise TypeError(f"{who}: y must hold integer class labels or float targets, got dtype {y.dtype}")
+
+
+class _Progress:
+    """Rank 0's output: a redrawn bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, enabled: bool, stream=None) -> None:
+        self.stream = stream or sys.stdout
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def update(self, epoch: int, epochs: int, done: int, total: int, loss: float, acc: float, sps: float) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            width = 24
+            fill = int(width * done / max(total, 1))
+            bar = "=" * fill + (">" if fill < width else "") + "." * max(width - fill - 1, 0)
+            self.stream.write(f"\rEpoch {epoch}/{epochs} [{bar}] {done}/{total} - loss {loss:.4f} - acc {acc:.4f}"
+                              f" - {sps:,.0f} samples/s\x1b[K")
+        else:
+            self.stream.write(f"Epoch {epoch}/{epochs} batch {done}/{total} - loss {loss:.4f} - acc {acc:.4f}"
+                              f" - {sps:.0f} samples/s\n")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+class DistributedTrainer:
+    """Trains a SequentialModel data-parallel over the process group of cx.distributed.init().
+
+        trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+        history = trainer.fit(X_train, y_train, config); loss, acc = trainer.evaluate(X_test, y_test)
+
+    Construction wraps the model in DistributedDataParallel (rank 0's weights are copied to
+    every rank), so every rank must create its trainer. fit, evaluate and load_checkpoint are
+    collective (every rank calls them); save_checkpoint is not.
+    """
+
+    def __init__(self, model, loss_fn, optimizer, ddp_config: Optional[DDPConfig] = None) -> None:
+        if not _pg.is_initialized():
+            raise RuntimeError("DistributedTrainer: the process group is not initialised; call "
+                               "cx.distributed.init() first (without RANK/WORLD_SIZE it is a world of one process)")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self._core = _d._TrainerCore(model, loss_fn, optimizer, ddp_config or DDPConfig())
+        self.ddp: DistributedDataParallel = self._core.ddp
+        self.config = DistributedTrainingConfig()
+        # Where the current fit stands (saved in checkpoints).
+        self._epoch = 0
+        self._position = 0
+        self._partial = (0.0, 0.0, 0.0)
+        self._history = DistributedTrainingHistory()
+
+    # ---- info ----------------------------------------------------------------------
+    def is_master(self) -> bool:
+        return self.ddp.is_master()
+
+    def get_rank(self) -> int:
+        return self.ddp.get_rank()
+
+    def get_world_size(self) -> int:
+        return self.ddp.get_world_size()
+
+    def __repr__(self) -> str:
+        return (f"DistributedTrainer(rank={self.get_rank()}, world_size={self.get_world_size()}, "
+                f"loss_fn={self.loss_fn!r}, optimizer={self.optimizer!r})")
+
+    # ---- training ------------------------------------------------------------------
+    def fit(self, X, y, *args, resume_from: Optional[str] = None) -> DistributedTrainingHistory:
+        """fit(X, y, config) or fit(X, y, X_val, y_val, config); returns a DistributedTrainingHistory.
+
+            history = trainer.fit(X, y, config)
+            history = trainer.fit(X, y, X_val, y_val, config, resume_from="checkpoints/epoch_0004.ckpt")
+        """
+        X_val = y_val = None
+        config: Optional[DistributedTrainingConfig] = None
+        if len(args) == 1:
+            config = args[0]
+        elif len(args) == 2:
+            X_val, y_val = args
+        elif len(args) == 3:
+            X_val, y_val, config = args
+        elif len(args) > 3:
+            raise TypeError("fit() takes (X, y, config) or (X, y, X_val, y_val, config)")
+        if config is None:
+            config = DistributedTrainingConfig()
+        if not isinstance(config, DistributedTrainingConfig):
+            raise TypeError(f"fit: config must be a DistributedTrainingConfig, got {type(config).__name__}")
+        self._check_config(config)
+        if (X_val is None) != (y_val is None):
+            raise ValueError("fit: pass both X_val and y_val, or neither")
+        self.config = config
+        X = _as_inputs(X, "fit")
+        y = _as_targets(y, "fit")
+        if X.shape[0] != y.shape[0]:
+            raise ValueError(f"fit: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
+        if X_val is None and config.validation_split > 0:
+            n_val = int(round(X.shape[0] * config.validation_split))
+            if n_val >= 1:
+                perm = np.random.default_rng(config.seed).permutation(X.shape[0])  # the same on every rank
+                tr, va = np.sort(perm[n_val:]), np.sort(perm[:n_val])
+                X_val, y_val, X, y = X[va], y[va], np.ascontiguousarray(X[tr]), np.ascontiguousarray(y[tr])
+        if X_val is not None:
+            X_val = _as_inputs(X_val, "fit")
+            y_val = _as_targets(y_val, "fit")
+        if X.shape[0] == 0:
+            raise ValueError("fit: the training set is empty")
+
+        world = self.get_world_size()
+        sampler = DistributedSampler(X.shape[0], shuffle=config.shuffle, seed=config.seed,
+                                     drop_last=False)
+        batches = DistributedBatchIterator(sampler, config.batch_size, drop_last=config.drop_last)
+        if batches.num_batches() == 0:
+            raise ValueError(f"fit: with drop_last each rank's {sampler.local_size()} samples make no batch of "
+                             f"{config.batch_size}; lower batch_size or set drop_last = False")
+
+        resume_from = resume_from if resume_from is not None else config.resume_from
+        self._epoch, self._position, self._partial = 0, 0, (0.0, 0.0, 0.0)
+        self._history = DistributedTrainingHistory()
+        if resume_from:
+            self.load_checkpoint(resume_from)
+        history = self._history
+        history.effective_batch_size = config.batch_size * world
+        history.world_size = world
+        self._fit_sampler = sampler
+
+        out = _Progress(config.verbose and self.is_master())
+        log_every = max(int(config.log_every_n_batches), 0)
+        start = time.perf_counter()
+        self.model.zero_grad()
+        for epoch in range(self._epoch, config.epochs):
+            batches.reset(epoch)
+            if self._position:
+                batches.set_position(self._position)
+            ls, cs, ns = self._partial
+            self._epoch = epoch
+            t0 = time.perf_counter()
+            total = batches.num_batches()
+            while batches.has_next():
+                bl, bc, bn = self._core.train_batch(X, y, batches)
+                ls, cs, ns = ls + bl, cs + bc, ns + bn
+                self._position = batches.position()
+                self._partial = (ls, cs, ns)
+                done = batches.position()
+                if log_every and (done % log_every == 0 or done == total):
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    out.update(epoch + 1, config.epochs, done, total, ls / max(ns, 1), cs / max(ns, 1),
+                               ns * world / dt)
+            g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
+            epoch_time = time.perf_counter() - t0
+            history.train_time_seconds += epoch_time
+            history.total_samples += g_count
+            history.train_losses.append(g_loss / g_count)
+            history.train_accuracies.append(g_correct / g_count)
+            msg = (f"Epoch {epoch + 1}/{config.epochs} - loss {g_loss / g_count:.4f} - "
+                   f"acc {g_correct / g_count:.4f}")
+            if X_val is not None:
+                vl, va = self.evaluate(X_val, y_val, batch_size=max(config.batch_size, 256))
+                history.val_losses.append(vl)
+                history.val_accuracies.append(va)
+                msg += f" - val_loss {vl:.4f} - val_acc {va:.4f}"
+            msg += f" - {g_count / max(epoch_time, 1e-9):,.0f} samples/s - {epoch_time:.3f}s"
+            out.line(msg)
+            self._epoch, self._position, self._partial = epoch + 1, 0, (0.0, 0.0, 0.0)
+            history.epochs_completed = epoch + 1
+            if config.checkpoint_every_n_epochs and (epoch + 1) % config.checkpoint_every_n_epochs == 0:
+                path = os.path.join(config.checkpoint_dir, f"epoch_{epoch + 1:04d}.ckpt")
+                self.save_checkpoint(path)
+                out.line(f"saved checkpoint {path}")
+        history.total_time_seconds += time.perf_counter() - start
+        history.samples_per_second = history.total_samples / max(history.train_time_seconds, 1e-9)
+        return history
+
+    @staticmethod
+    def _check_config(c: DistributedTrainingConfig) -> None:
+        if not isinstance(c.epochs, int) or c.epochs < 0:
+            raise ValueError(f"DistributedTrainingConfig.epochs must be an int >= 0, got {c.epochs!r}")
+        if not isinstance(c.batch_size, int) or c.batch_size < 1:
+            raise ValueError(f"DistributedTrainingConfig.batch_size must be an int >= 1, got {c.batch_size!r}")
+        if not 0.0 <= c.validation_split < 1.0:
+            raise ValueError(f"DistributedTrainingConfig.validation_split must be in [0, 1), got "
+                             f"{c.validation_split!r}")
+        if c.checkpoint_every_n_epochs < 0 or c.log_every_n_batches < 0:
+            raise ValueError("DistributedTrainingConfig.checkpoint_every_n_epochs and log_every_n_batches must "
+                             "be >= 0")
+
+    def evaluate(self, X, y, batch_size: int = 256) -> Tuple[float, float]:
+        """Collective: (mean loss, accuracy) over all of (X, y); each rank evaluates a shard.
+
+            loss, accuracy = trainer.evaluate(X_test, y_test)
+        """
+        X = _as_inputs(X, "evaluate")
+        y = _as_targets(y, "evaluate")
+        if X.shape[0] != y.shape[0]:
+            raise ValueError(f"evaluate: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
+        if X.shape[0] == 0:
+            raise ValueError("evaluate: the data set is empty")
+        ls, cs, ns = self._core.evaluate(X, y, batch_size)
+        return ls / ns, cs / ns
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def _checkpoint_bytes(self) -> bytes:
+        sd = self.optimizer.state_dict()
+        scalars = {k: v for k, v in sd.items() if not isinstance(v, np.ndarray)}
+        arrays = {f"opt.{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
+        sampler = getattr(self, "_fit_sampler", None)
+        meta = {
+            "format": _CKPT_FORMAT, "version": _CKPT_VERSION,
+            "epoch": self._epoch, "position": self._position, "partial": list(self._partial),
+            "world_size": self.get_world_size(),
+            "sampler": {"seed": sampler.seed if sampler else self.config.seed,
+                        "shuffle": sampler.shuffle if sampler else self.config.shuffle,
+                        "epoch": self._epoch, "batch_size": self.config.batch_size},
+            # The only random state the trainer uses is the sampler's: a pure function of
+            # (seed, epoch), so the seed and the epoch restore it exactly.
+            "rng": {"sampler_seed": self.config.seed},
+            "optimizer": scalars,
+            "history": self._history._to_json(),
+        }
+        buf = io.BytesIO()
+        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                 model=np.frombuffer(_d._model_to_bytes(self.model), np.uint8), **arrays)
+        return buf.getvalue()
+
+    def save_checkpoint(self, path: str) -> Optional[str]:
+        """Writes model, optimizer state, epoch, sampler position and history to `path`, atomically.
+
+            trainer.save_checkpoint("model.ckpt")
+
+        Not collective. With config.save_on_master_only (the default) only rank 0 writes; otherwise
+        rank r > 0 writes `path` + ".rank<r>". Returns the path written, or None.
+        """
+        path = os.fspath(path)
+        if self.config.save_on_master_only and not self.is_master():
+            return None
+        if not self.is_master():
+            path = f"{path}.rank{self.get_rank()}"
+        data = self._checkpoint_bytes()
+        _atomic_write(path, data)
+        return path
+
+    def load_checkpoint(self, path: str) -> None:
+        """Collective: restores a checkpoint written by save_checkpoint on every rank.
+
+            trainer.load_checkpoint("model.ckpt")
+
+        Rank 0 reads the file and sends it to the others, so only rank 0 needs it. The next
+        fit(..., resume_from=...) (or fit after this call with the same config) continues at
+        the saved epoch and batch.
+        """
+        path = os.fspath(path)
+        data, err = b"", ""
+        if self.is_master():
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                err = f"load_checkpoint: cannot read {path!r} on rank 0: {e.strerror or e}"
+        if self.get_world_size() > 1:
+            head = np.array([len(data) if not err else -1], np.int64)
+            _pg.broadcast(head, src=0)
+            if head[0] < 0:
+                raise OSError(err or f"load_checkpoint: cannot read {path!r} on rank 0 (rank 0 reads checkpoints "
+                              f"for every rank; see its error)")
+            buf = np.frombuffer(data, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
+            if buf.size:
+                _pg.broadcast(buf, src=0)
+            data = buf.tobytes()
+        elif err:
+            raise OSError(err)
+        self._restore(data, path)
+
+    def _restore(self, data: bytes, path: str) -> None:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                meta = json.loads(z["meta"].tobytes().decode())
+                model_bytes = z["model"].tobytes()
+                arrays = {k[4:]: np.array(z[k]) for k in z.files if k.startswith("opt.")}
+        except Exception as e:  # zipfile.BadZipFile, KeyError, ValueError, ...
+            raise OSError(f"load_checkpoint: {path!r} is not a readable pycyxwiz checkpoint ({e}); it may be "
+                          f"truncated or from another program") from None
+        if meta.get("format") != _CKPT_FORMAT or meta.get("version") != _CKPT_VERSION:
+            raise OSError(f"load_checkpoint: {path!r} is not a pycyxwiz checkpoint of version {_CKPT_VERSION}")
+        _d._model_load_bytes(self.model, model_bytes, path)
+        sd = dict(meta["optimizer"])
+        sd.update(arrays)
+        if sd.get("type") != self.optimizer.state_dict().get("type"):
+            raise ValueError(f"load_checkpoint: {path!r} holds {sd.get('type')} optimizer state but the trainer's "
+                             f"optimizer is {self.optimizer!r}")
+        self.optimizer.load_state_dict(sd)
+        self.model.zero_grad()
+        self._epoch = int(meta["epoch"])
+        self._position = int(meta["position"])
+        self._partial = tuple(float(v) for v in meta["partial"])
+        self._history = DistributedTrainingHistory._from_json(meta["history"])
+        if meta.get("world_size") != self.get_world_size() and self._position:
+            raise ValueError(f"load_checkpoint: {path!r} was saved mid-epoch with world_size "
+                             f"{meta.get('world_size')}; it can only be resumed with the same world size "
+                             f"(this run has {self.get_world_size()})")
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Temporary file in the same directory, fsync, rename, fsync the directory."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass

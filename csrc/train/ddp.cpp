@@ -1,0 +1,214 @@
+#include "train/ddp.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace cx::train {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+size_t mb_to_bytes(double mb, const char* field) {
+  CX_CHECK(mb > 0.0, InvalidArgument, "DistributedDataParallel: DDPConfig.", field, " must be > 0, got ", mb);
+  return static_cast<size_t>(mb * kMiB);
+}
+
+// FNV-1a over the bytes: equal tensors hash equal; a differing bit differs.
+uint64_t fnv1a(const float* p, size_t n) {
+  const auto* b = reinterpret_cast<const unsigned char*>(p);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < n * sizeof(float); ++i) {
+    h ^= b[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialModel> model, DDPConfig cfg,
+                                                 std::shared_ptr<dist::ProcessGroup> group)
+    : model_(std::move(model)), cfg_(cfg), group_(std::move(group)) {
+  CX_CHECK(model_ != nullptr, InvalidArgument, "DistributedDataParallel: model is None");
+  CX_CHECK(group_ != nullptr, InvalidArgument,
+           "DistributedDataParallel: no process group; call cx.distributed.init() first");
+  size_t cap = mb_to_bytes(cfg_.bucket_size_mb, "bucket_size_mb");
+  size_t first = std::min(cap, mb_to_bytes(cfg_.first_bucket_mb, "first_bucket_mb"));
+  auto slices = model_->param_slices();
+  num_params_ = slices.size();
+  num_elems_ = model_->num_parameters();
+  std::vector<size_t> counts;
+  for (auto [off, n] : slices) counts.push_back(n);
+  buckets_ = assign_buckets(counts, sizeof(float), first, cap);
+  bucket_of_.assign(num_params_, 0);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t p = buckets_[b].first_param; p <= buckets_[b].last_param && p < num_params_; ++p) bucket_of_[p] = b;
+  pending_.assign(buckets_.size(), 0);
+  ready_.assign(buckets_.size(), 0);
+  dirty_.assign(buckets_.size(), 0);
+  seen_.assign(num_params_, 0);
+
+  if (cfg_.broadcast_parameters) broadcast_parameters();
+  // The hook holds a raw pointer: the destructor clears it before we go away.
+  model_->set_grad_ready_hook([this](size_t i) { on_grad_ready(i); });
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  model_->clear_grad_ready_hook();
+  try {
+    wait_in_flight();
+  } catch (...) {
+    // The group is poisoned; its next user sees the error.
+  }
+}
+
+void DistributedDataParallel::broadcast_parameters() {
+  CX_CHECK(model_->num_parameters() == num_elems_, InvalidArgument,
+           "DistributedDataParallel: the model changed after it was wrapped (", num_elems_, " parameters then, ",
+           model_->num_parameters(), " now); wrap it after the last add()");
+  wait_in_flight();
+  if (num_elems_) group_->broadcast(model_->flat_params(), num_elems_, dist::DataType::kFloat32, 0, false);
+  broadcast_buffers();
+}
+
+void DistributedDataParallel::broadcast_buffers() {
+  for (size_t i = 0; i < model_->size(); ++i)
+    for (auto* buf : model_->module(i)->buffers())
+      if (!buf->empty()) group_->broadcast(buf->data(), buf->size(), dist::DataType::kFloat32, 0, false);
+}
+
+void DistributedDataParallel::wait_in_flight() {
+  // Wait for all, then rethrow the first error (the group is poisoned anyway).
+  std::vector<dist::ProcessGroup::WorkPtr> works;
+  works.swap(in_flight_);
+  for (auto& w : works) w->wait();
+}
+
+void DistributedDataParallel::launch(size_t b) {
+  const Bucket& bk = buckets_[b];
+  if (bk.count)
+    in_flight_.push_back(group_->all_reduce(model_->flat_grads() + bk.offset, bk.count, dist::DataType::kFloat32,
+                                            dist::ReduceOp::kAvg, true));
+  ++launched_total_;
+  dirty_[b] = 0;
+}
+
+void DistributedDataParallel::launch_ready_in_order() {
+  while (next_bucket_ < buckets_.size() && ready_[next_bucket_]) launch(next_bucket_++);
+}
+
+// Runs on the thread running backward, without the GIL (Note [Overlap]).
+void DistributedDataParallel::on_grad_ready(size_t param) {
+  if (!in_backward_ || param >= num_params_) return;  // model.backward called directly: sync reduces it
+  if (seen_[param]) return;
+  seen_[param] = 1;
+  size_t b = bucket_of_[param];
+  if (--pending_[b] == 0) {
+    ready_[b] = 1;
+    if (launching_) launch_ready_in_order();
+  }
+}
+
+const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, const nn::Shape& shape,
+                                                    bool input_grad) {
+  CX_CHECK(model_->param_slices().size() == num_params_ && model_->num_parameters() == num_elems_,
+           InvalidArgument, "DistributedDataParallel.backward: the model changed after it was wrapped; wrap it "
+           "after the last add()");
+  wait_in_flight();  // in-flight reductions read and write the buffer backward adds into
+  size_t k = backwards_since_sync_;
+  launching_ = require_sync_ && k + 1 >= period_;  // Note [Accumulation]
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    pending_[b] = buckets_[b].last_param - buckets_[b].first_param + 1;
+    ready_[b] = 0;
+    dirty_[b] = 1;
+  }
+  std::fill(seen_.begin(), seen_.end(), 0);
+  next_bucket_ = 0;
+  in_backward_ = true;
+  ++backwards_since_sync_;
+  any_unsynced_ = true;
+  const nn::Tensor* gx = nullptr;
+  try {
+    gx = model_->backward(grad_output, shape, input_grad);
+  } catch (...) {
+    in_backward_ = false;
+    // Nothing of this backward may be reduced now: other ranks may not have got here.
+    throw;
+  }
+  in_backward_ = false;
+
+  std::vector<size_t> unused;
+  for (size_t p = 0; p < num_params_; ++p)
+    if (!seen_[p]) unused.push_back(p);
+  if (!unused.empty()) {
+    if (!cfg_.find_unused_parameters) {
+      std::ostringstream os;
+      for (size_t i = 0; i < unused.size() && i < 20; ++i) os << (i ? ", " : "") << unused[i];
+      if (unused.size() > 20) os << ", ...";
+      CX_THROW(InvalidArgument, "DistributedDataParallel (rank ", group_->rank(), "): parameters [", os.str(),
+               "] received no gradient in this backward, so their buckets can never be reduced. Likely causes: "
+               "part of the model is not used to compute the output, or backward failed part-way. Set "
+               "DDPConfig.find_unused_parameters = True to reduce them anyway (as they are, zeros after "
+               "zero_grad).");
+    }
+    // Note [Accumulation]: an unused parameter contributes nothing; its bucket is ready as it is.
+    for (size_t b = 0; b < buckets_.size(); ++b) ready_[b] = 1;
+  }
+  if (launching_) launch_ready_in_order();
+  return gx;
+}
+
+void DistributedDataParallel::sync_gradients() {
+  if (!any_unsynced_ && in_flight_.empty()) return;  // nothing new since the last sync
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    if (dirty_[b]) launch(b);
+  wait_in_flight();
+  if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;
+  backwards_since_sync_ = 0;
+  any_unsynced_ = false;
+}
+
+void DistributedDataParallel::update_parameters(nn::Optimizer& opt) {
+  sync_gradients();
+  opt.step(*model_);
+  model_->zero_grad();
+}
+
+std::vector<ParamMismatch> DistributedDataParallel::check_parameters() {
+  wait_in_flight();
+  auto slices = model_->param_slices();
+  size_t n = slices.size();
+  // Hashes are gathered as int64 (same bits); the count goes first so that models
+  // of different shapes are reported, not mis-compared.
+  std::vector<int64_t> mine(n + 1);
+  mine[0] = static_cast<int64_t>(n);
+  for (size_t i = 0; i < n; ++i)
+    mine[i + 1] = static_cast<int64_t>(fnv1a(model_->flat_params() + slices[i].first, slices[i].second));
+  int world = group_->size();
+  std::vector<int64_t> counts(world);
+  std::vector<void*> outs;
+  for (int r = 0; r < world; ++r) outs.push_back(&counts[r]);
+  group_->all_gather(mine.data(), outs, 1, dist::DataType::kInt64, false);
+  for (int r = 0; r < world; ++r)
+    CX_CHECK(counts[r] == static_cast<int64_t>(n), MismatchError, "check_parameters (rank ", group_->rank(),
+             "): rank ", r, " has a model with ", counts[r], " parameter tensors, this rank has ", n,
+             "; every rank must build the same architecture");
+  std::vector<std::vector<int64_t>> all(world, std::vector<int64_t>(n + 1));
+  outs.clear();
+  for (int r = 0; r < world; ++r) outs.push_back(all[r].data());
+  group_->all_gather(mine.data(), outs, n + 1, dist::DataType::kInt64, false);
+  std::vector<ParamMismatch> out;
+  for (size_t i = 0; i < n; ++i) {
+    ParamMismatch m{i, {}};
+    for (int r = 1; r < world; ++r)
+      if (all[r][i + 1] != all[0][i + 1]) m.ranks.push_back(r);
+    if (!m.ranks.empty()) out.push_back(std::move(m));
+  }
+  return out;
+}
+
+}  // namespace cx::train

@@ -1,0 +1,128 @@
+// defines: DDPConfig and DistributedDataParallel, which keeps the replicas of a
+// SequentialModel identical by averaging gradients across the default process
+// group, overlapping that communication with backward.
+//
+// Usage from C++ (one call each per batch):
+//   DistributedDataParallel ddp(model, DDPConfig{});   // broadcasts rank 0's weights
+//   model->forward(x, shape); ddp.backward(g, shape, false);
+//   ddp.update_parameters(opt);                        // waits, averages, steps, zeroes grads
+//
+// Note [Overlap]
+// The model's grad-ready hook (Note [Gradient-ready hook] in nn/sequential.h)
+// tells us, during backward, when a parameter's gradient is final. When every
+// parameter of bucket b is final, b is ready; ready buckets are launched as
+// asynchronous AVG all-reduces on the group's communication thread strictly in
+// index order (a bucket ready early waits for its predecessors), so every rank
+// submits the same sequence of collectives and the group's one comm thread
+// pairs them up. Communication of the last layers thus runs while backward is
+// still computing the first ones. sync_gradients() launches whatever is left
+// and waits for all of it.
+//
+// Note [Accumulation]
+// A bucket is "dirty" when it holds local gradient not yet part of an
+// all-reduce. AVG is linear and its result is the same on every rank, so
+// averaging some micro-batches early and the rest later gives the same
+// average: a bucket may be reduced any number of times before the step, as long
+// as it is reduced once after its last local contribution. That makes every
+// schedule below correct; they differ only in how much they communicate:
+//   - inside no_sync(), backward launches nothing; the next synced backward or
+//     sync_gradients() reduces the accumulated sum once;
+//   - the seed's pattern (backward k times, then sync_gradients) is learned: a
+//     backward launches only if it is the k-th since the last sync, k being the
+//     count seen in the previous cycle (1 to start with), so after the first
+//     cycle the inner steps do not communicate.
+// Before a backward writes into the gradient buffer again, it waits for the
+// reductions in flight (they read and write the same memory).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/process_group.h"
+#include "nn/optimizer.h"
+#include "nn/sequential.h"
+#include "train/buckets.h"
+
+namespace cx::train {
+
+struct DDPConfig {
+  bool broadcast_parameters = true;  // copy rank 0's parameters (and buffers) to every rank at construction
+  double bucket_size_mb = 25.0;      // cap per gradient bucket, MiB
+  bool find_unused_parameters = false;
+  double first_bucket_mb = 1.0;      // cap of bucket 0 (Note [Bucket order])
+};
+
+// One parameter tensor that differs between ranks.
+struct ParamMismatch {
+  size_t param_index;
+  std::vector<int> ranks;  // ranks whose copy differs from rank 0's
+};
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<nn::SequentialModel> model, DDPConfig cfg,
+                          std::shared_ptr<dist::ProcessGroup> group);
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // Runs model.backward with the overlapped bucket all-reduce (Note [Overlap]).
+  const nn::Tensor* backward(const float* grad_output, const nn::Shape& shape, bool input_grad);
+  // Launches every dirty bucket, waits for all reductions: flat_grads() then
+  // holds the average over ranks of what backward accumulated.
+  void sync_gradients();
+  // sync_gradients() if needed, optimizer.step(model), model.zero_grad().
+  void update_parameters(nn::Optimizer& opt);
+
+  void set_require_sync(bool on) { require_sync_ = on; }
+  bool require_sync() const { return require_sync_; }
+
+  // Copies rank 0's parameters (and module buffers) to every rank.
+  void broadcast_parameters();
+  void broadcast_buffers();
+  // Hashes every parameter tensor, gathers the hashes and compares them with
+  // rank 0's; same answer on every rank. Collective: every rank must call it.
+  std::vector<ParamMismatch> check_parameters();
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  size_t bucket_of(size_t param) const { return bucket_of_.at(param); }
+  // Collectives launched so far (tests use it to see that no_sync communicates less).
+  uint64_t allreduce_count() const { return launched_total_; }
+  const DDPConfig& config() const { return cfg_; }
+  const std::shared_ptr<nn::SequentialModel>& model() const { return model_; }
+  int rank() const { return group_->rank(); }
+  int world_size() const { return group_->size(); }
+  bool is_master() const { return group_->rank() == 0; }
+
+ private:
+  void on_grad_ready(size_t param);
+  void launch(size_t b);
+  void launch_ready_in_order();
+  void wait_in_flight();
+
+  std::shared_ptr<nn::SequentialModel> model_;
+  DDPConfig cfg_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  size_t num_params_ = 0;             // parameter tensors at construction (checked against re-layouts)
+  size_t num_elems_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;     // param index -> bucket
+  // Per backward (touched on the thread running backward only).
+  std::vector<size_t> pending_;       // params of bucket b not yet final in this backward
+  std::vector<char> ready_;           // all of bucket b final in this backward
+  std::vector<char> dirty_;           // Note [Accumulation]
+  std::vector<char> seen_;            // param got its hook in this backward
+  size_t next_bucket_ = 0;            // next bucket to launch in this backward
+  bool launching_ = false;            // this backward may launch
+  bool in_backward_ = false;
+  std::vector<dist::ProcessGroup::WorkPtr> in_flight_;
+  bool require_sync_ = true;
+  size_t backwards_since_sync_ = 0;
+  size_t period_ = 1;                 // backwards per sync seen in the last cycle
+  bool any_unsynced_ = false;         // something to reduce since the last sync
+  uint64_t launched_total_ = 0;
+};
+
+}  // namespace cx::train

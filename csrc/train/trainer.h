@@ -1,0 +1,73 @@
+// defines: TrainerCore, the per-batch engine behind DistributedTrainer: gather a
+// batch's rows, forward, loss, backward with the overlapped bucket all-reduce
+// (DistributedDataParallel), optimizer step. One call per batch from Python;
+// the epoch loop, printing and checkpoint files live in
+// python/pycyxwiz/distributed/_train.py.
+//
+// Reported metrics are sums (loss * rows, correct rows, rows) so that a
+// sample-weighted global mean is one SUM all-reduce away (reduce_stats).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "nn/loss.h"
+#include "nn/optimizer.h"
+#include "nn/sequential.h"
+#include "train/ddp.h"
+#include "train/sampler.h"
+
+namespace cx::train {
+
+// A view of the targets of a whole data set: class labels or dense float rows.
+struct Targets {
+  enum class Kind { kInt64, kInt32, kFloat32 } kind = Kind::kInt64;
+  const void* data = nullptr;
+  size_t rows = 0;
+  nn::Shape row_shape;  // per-row shape of dense targets ({} for labels)
+};
+
+struct BatchStats {
+  double loss_sum = 0;  // sum over rows of the loss (batch mean * rows)
+  double correct = 0;   // rows classified correctly (NaN for MSELoss)
+  double count = 0;     // rows
+};
+
+class TrainerCore {
+ public:
+  TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
+              std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group, DDPConfig cfg);
+
+  // Trains on the iterator's next batch of rows of (X, y): one optimizer step.
+  BatchStats train_batch(const float* X, const nn::Shape& x_shape, const Targets& y, DistributedBatchIterator& it);
+  // Loss/correct sums of rows [begin, end) in eval mode, in chunks of batch rows.
+  BatchStats evaluate(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin, size_t end,
+                      size_t batch);
+  // SUM over ranks, in float64.
+  BatchStats reduce_stats(const BatchStats& s);
+
+  DistributedDataParallel& ddp() { return *ddp_; }
+  const std::shared_ptr<DistributedDataParallel>& ddp_ptr() const { return ddp_; }
+  dist::ProcessGroup& group() { return *group_; }
+
+ private:
+  // Loss of the model's last output against targets rows_ (gathered), adds to s.
+  void loss_forward(const nn::Tensor& out, size_t n, BatchStats& s);
+  void gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n);
+  void slice(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin, size_t n);
+
+  std::shared_ptr<nn::SequentialModel> model_;
+  std::shared_ptr<nn::Loss> loss_;
+  std::shared_ptr<nn::Optimizer> opt_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  std::shared_ptr<DistributedDataParallel> ddp_;
+  std::vector<float> x_;          // gathered input rows
+  std::vector<int64_t> y_labels_;  // gathered labels (int32 labels widened)
+  std::vector<float> y_dense_;    // gathered dense targets
+  nn::Shape xb_shape_, yb_shape_;
+  Targets::Kind y_kind_ = Targets::Kind::kInt64;
+};
+
+}  // namespace cx::train
