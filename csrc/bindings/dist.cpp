@@ -24,16 +24,30 @@ struct View {
   DataType dt = DataType::kBytes;
 };
 
-// dtype by name; ml_dtypes' bfloat16 included. nullopt: not reducible (moved as bytes).
+// The reducible dtype of an array, from its descriptor's kind and size (cheap:
+// this runs on every call); ml_dtypes' bfloat16 (kind 'V') is recognised by
+// name. nullopt: not reducible (moved as bytes).
 std::optional<DataType> reducible_dtype(const py::dtype& d) {
-  std::string name = py::str(d.attr("name"));
-  if (name == "float32") return DataType::kFloat32;
-  if (name == "float64") return DataType::kFloat64;
-  if (name == "float16") return DataType::kFloat16;
-  if (name == "bfloat16") return DataType::kBFloat16;
-  if (name == "int32") return DataType::kInt32;
-  if (name == "int64") return DataType::kInt64;
-  if (name == "uint8") return DataType::kUInt8;
+  const char kind = d.kind();
+  const auto size = d.itemsize();
+  switch (kind) {
+    case 'f':
+      if (size == 4) return DataType::kFloat32;
+      if (size == 8) return DataType::kFloat64;
+      if (size == 2) return DataType::kFloat16;
+      break;
+    case 'i':
+      if (size == 4) return DataType::kInt32;
+      if (size == 8) return DataType::kInt64;
+      break;
+    case 'u':
+      if (size == 1) return DataType::kUInt8;
+      break;
+    case 'V':
+      if (size == 2 && std::string(py::str(d.attr("name"))) == "bfloat16") return DataType::kBFloat16;
+      break;
+    default: break;
+  }
   return std::nullopt;
 }
 
@@ -151,11 +165,12 @@ struct PyWork {
   }
 };
 
-py::object finish(ProcessGroup::WorkPtr w, bool async, py::list keep) {
+template <typename... Keep>
+py::object finish(ProcessGroup::WorkPtr w, bool async, const Keep&... keep) {
   if (!async) return py::none();
   auto pw = std::make_unique<PyWork>();
   pw->work = std::move(w);
-  pw->keep = std::move(keep);
+  (pw->keep.append(keep), ...);
   return py::cast(std::move(pw));
 }
 
@@ -249,7 +264,7 @@ void bind_dist(py::module_& m) {
         auto pg = require_default_group("all_reduce()");
         View v = view_of(arr, "the array", true, true, dtype);
         auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr)));
+        return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false, py::arg("dtype") = py::none());
 
@@ -259,7 +274,7 @@ void bind_dist(py::module_& m) {
         auto pg = require_default_group("broadcast()");
         View v = view_of(arr, "the array", true, false);
         auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr)));
+        return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false);
 
@@ -272,7 +287,7 @@ void bind_dist(py::module_& m) {
         std::vector<void*> outs;
         for (auto& b : blocks) outs.push_back(b.ptr);
         auto w = call([&] { return pg->all_gather(in.ptr, outs, in.count, in.dt, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(out, arr)));
+        return finish(w, async_op, out, arr);
       },
       py::arg("out"), py::arg("arr"), py::arg("async_op") = false);
 
@@ -285,7 +300,7 @@ void bind_dist(py::module_& m) {
         std::vector<const void*> ins;
         for (auto& b : blocks) ins.push_back(b.ptr);
         auto w = call([&] { return pg->reduce_scatter(ins, o.ptr, o.count, o.dt, op, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(out, inputs)));
+        return finish(w, async_op, out, inputs);
       },
       py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
       py::arg("dtype") = py::none());
@@ -296,7 +311,7 @@ void bind_dist(py::module_& m) {
         auto pg = require_default_group("reduce()");
         View v = view_of(arr, "the array", true, true, dtype);
         auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr)));
+        return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
       py::arg("dtype") = py::none());
@@ -314,7 +329,7 @@ void bind_dist(py::module_& m) {
           for (auto& b : blocks_of(scatter_list, "scatter_list", o, pg->size(), false)) ins.push_back(b.ptr);
         }
         auto w = call([&] { return pg->scatter(ins, o.ptr, o.count, o.dt, src, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr, scatter_list)));
+        return finish(w, async_op, arr, scatter_list);
       },
       py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0, py::arg("async_op") = false);
 
@@ -331,7 +346,7 @@ void bind_dist(py::module_& m) {
           for (auto& b : blocks_of(gather_list, "gather_list", in, pg->size(), true)) outs.push_back(b.ptr);
         }
         auto w = call([&] { return pg->gather(in.ptr, outs, in.count, in.dt, dst, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr, gather_list)));
+        return finish(w, async_op, arr, gather_list);
       },
       py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0, py::arg("async_op") = false);
 
@@ -365,7 +380,7 @@ void bind_dist(py::module_& m) {
         for (auto& b : ib) ins.push_back(b.ptr);
         for (auto& b : ob) outs.push_back(b.ptr);
         auto w = call([&] { return pg->all_to_all(ins, outs, ref.count, ref.dt, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(out, inputs)));
+        return finish(w, async_op, out, inputs);
       },
       py::arg("out"), py::arg("inputs"), py::arg("async_op") = false);
 
@@ -374,7 +389,7 @@ void bind_dist(py::module_& m) {
       [](bool async_op) {
         auto pg = require_default_group("barrier()");
         auto w = call([&] { return pg->barrier(async_op); });
-        return finish(w, async_op, py::list());
+        return finish(w, async_op);
       },
       py::arg("async_op") = false);
 
@@ -384,7 +399,7 @@ void bind_dist(py::module_& m) {
         auto pg = require_default_group("send()");
         View v = view_of(arr, "the array", false, false);
         auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr)));
+        return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("dst"), py::arg("async_op") = false);
 
@@ -394,7 +409,7 @@ void bind_dist(py::module_& m) {
         auto pg = require_default_group("recv()");
         View v = view_of(arr, "the array", true, false);
         auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op); });
-        return finish(w, async_op, py::list(py::make_tuple(arr)));
+        return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("src"), py::arg("async_op") = false);
 }

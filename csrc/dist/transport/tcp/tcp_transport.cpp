@@ -209,7 +209,7 @@ bool TcpTransport::progress_send(int peer) {
   return moved;
 }
 
-void TcpTransport::check_header(int peer) {
+void TcpTransport::check_header(int peer, const char* early, size_t early_n) {
   Peer& p = peers_[peer];
   const char* h = p.rhdr;
   if (get<uint32_t>(h, 0) != kFrameMagic) {
@@ -221,8 +221,10 @@ void TcpTransport::check_header(int peer) {
     // The peer failed and tells us why; read its message (bounded) and raise it.
     if (len > kMaxAbortMessage) CX_THROW(ConnectionError, "rank ", peer, " aborted (message too long)");
     std::string msg(len, '\0');
+    size_t have = std::min<size_t>(early_n, len);  // read together with the header
+    std::memcpy(msg.data(), early, have);
     try {
-      tcp::recv_exact(p.fd.get(), msg.data(), len, Deadline::after_ms(1000), "an aborting peer");
+      tcp::recv_exact(p.fd.get(), msg.data() + have, len - have, Deadline::after_ms(1000), "an aborting peer");
     } catch (const Error&) {
       msg = "rank " + std::to_string(peer) + " aborted the group";
     }
@@ -249,18 +251,27 @@ bool TcpTransport::progress_recv(int peer) {
   while (!p.recvs.empty()) {
     RecvOp& r = p.recvs.front();
     if (!p.in_payload) {
-      ssize_t k = ::recv(p.fd.get(), p.rhdr + p.rhdr_got, kHeaderBytes - p.rhdr_got, MSG_DONTWAIT);
+      // Header and payload in one readv: a small message costs one syscall. The
+      // payload bytes land in the caller's buffer before the header is checked;
+      // if the header turns out wrong the collective fails anyway.
+      iovec iov[2];
+      iov[0] = {p.rhdr + p.rhdr_got, kHeaderBytes - p.rhdr_got};
+      iov[1] = {r.buf, r.len};
+      ssize_t k = ::readv(p.fd.get(), iov, 2);
       if (k == 0) peer_closed(peer, "receiving from");
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
         peer_closed(peer, "receiving from");
       }
       moved = true;
-      p.rhdr_got += static_cast<size_t>(k);
+      size_t got = static_cast<size_t>(k);
+      size_t hdr_part = std::min(got, kHeaderBytes - p.rhdr_got);
+      p.rhdr_got += hdr_part;
       if (p.rhdr_got < kHeaderBytes) continue;
       p.rhdr_got = 0;
-      check_header(peer);
+      check_header(peer, r.buf, got - hdr_part);
       p.in_payload = true;
+      r.done = got - hdr_part;
     }
     if (r.done < r.len) {
       ssize_t k = ::recv(p.fd.get(), r.buf + r.done, r.len - r.done, MSG_DONTWAIT);

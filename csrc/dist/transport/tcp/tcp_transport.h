@@ -75,7 +75,9 @@ class TcpTransport : public Transport {
   bool progress();                 // true if any byte moved
   bool progress_send(int peer);
   bool progress_recv(int peer);
-  void check_header(int peer);     // validates rhdr; throws on mismatch/abort
+  // Validates rhdr; throws on mismatch or a peer's abort. `early` holds bytes
+  // that arrived right after the header (read in the same call).
+  void check_header(int peer, const char* early, size_t early_n);
   void block(const char* why_peer_hint);
   [[noreturn]] void peer_closed(int peer, const char* during);
   void salvage_abort(int peer);  // throws the peer's abort reason if it left one
