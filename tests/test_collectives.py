@@ -51,7 +51,7 @@ def test_all_reduce_matches_numpy_for_every_dtype_op_and_size(world):
         assert fails == []
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_all_reduce_multi_chunk_ring_paths_with_tiny_chunks(world):
     # A 24-byte chunk and no small-message shortcut force the chunked, pipelined ring
     # (several chunks per segment, uneven segments) with messages of a few hundred bytes.

@@ -92,7 +92,7 @@ Config Config::from_environment() {
   }
   if (const char* v = env("CX_CHUNK_BYTES")) c.chunk_bytes = parse_int("CX_CHUNK_BYTES", v, 1, 1LL << 30, "bytes (1 .. 2^30)");
   if (const char* v = env("CX_SMALL_ALLREDUCE_BYTES")) {
-    c.small_allreduce_bytes = parse_int("CX_SMALL_ALLREDUCE_BYTES", v, 0, 1LL << 30, "bytes (0 .. 2^30)");
+    c.small_allreduce_bytes = parse_int("CX_SMALL_ALLREDUCE_BYTES", v, -1, 1LL << 30, "bytes (0 .. 2^30, or -1 for automatic)");
   }
   if (const char* v = env("CX_SPIN_US")) c.spin_us = static_cast<int>(parse_int("CX_SPIN_US", v, 0, 1000000, "microseconds"));
   return c;

@@ -4,6 +4,7 @@
 // |----------------|--------------------------------------|------------|----------------------|
 // | all_reduce     | ring: reduce-scatter + all-gather    | 2(p-1)     | 2(p-1)/p * n         |
 // | all_reduce     | recursive doubling (n <= threshold)  | log2(p)+2  | log2(p) * n          |
+// (threshold: 128 KiB for 2 ranks, 512 KiB for more; Note [small all_reduce threshold])
 // | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
 // | all_gather     | ring                                 | p-1        | (p-1) * n            |
 // | reduce_scatter | ring                                 | p-1        | (p-1) * n            |
@@ -24,7 +25,7 @@ namespace cx::dist::algo {
 
 struct AlgoOptions {
   size_t chunk_bytes = 512 * 1024;        // pipelining unit of the ring and chain algorithms
-  size_t small_allreduce_bytes = 16 * 1024;  // at or below: recursive doubling
+  size_t small_allreduce_bytes = 128 * 1024;  // at or below: recursive doubling
   size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
   int depth = 4;                          // receives kept in flight
 };
