@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -90,13 +92,26 @@ void set_nonblocking(int fd, bool on) {
   ::fcntl(fd, F_SETFL, on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK));
 }
 
+// Socket buffer size: CX_SOCKET_BUFFER_BYTES, default 0 = the kernel's
+// autotuning. Setting SO_SNDBUF/SO_RCVBUF turns autotuning off and is silently
+// capped at net.core.{w,r}mem_max (208 KiB on many systems), so a fixed size
+// only helps where those limits are raised.
+static int socket_buffer_bytes() {
+  static const int v = [] {
+    const char* e = std::getenv("CX_SOCKET_BUFFER_BYTES");
+    return e ? std::max(0, std::atoi(e)) : 0;
+  }();
+  return v;
+}
+
 void tune_socket(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  int buf = 4 << 20;
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  if (int buf = socket_buffer_bytes()) {
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  }
 }
 
 Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, const std::string& what) {
