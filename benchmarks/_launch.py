@@ -44,6 +44,11 @@ MPI_MCA = {
 # Grace period for the surviving ranks after one rank failed: they usually fail on their own
 # with a better message (the peer that died), which we prefer to a bare "killed".
 _GRACE_S = 3.0
+# Set by run_all: a monotonic time by which the whole suite must be done. Every column's
+# timeout is clipped to it (but given at least _MIN_TIMEOUT_S), so one hung library cannot
+# push the suite far past its budget.
+suite_deadline: float | None = None
+_MIN_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -179,6 +184,8 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
     The worker must write DIR/rank<r>.json; see _worker_io.RankReport.
     """
     t0 = time.monotonic()
+    if suite_deadline is not None:
+        timeout_s = min(timeout_s, max(_MIN_TIMEOUT_S, suite_deadline - t0))
     with tempfile.TemporaryDirectory(prefix=f"cxbench-{lib}-") as tmp:
         out_dir = Path(tmp)
         env = _base_env()
