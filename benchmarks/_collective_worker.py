@@ -147,7 +147,7 @@ def main(argv=None) -> int:
             report.add({"nominal": nbytes, "bytes": case.bytes, "correct": correct, "times": times})
             del case
         comm.barrier()
-        comm.close()
+        report.finish(comm)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
         report.fail(exc)
         return 1

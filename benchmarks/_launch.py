@@ -61,6 +61,8 @@ class RunResult:
     reason: str = ""  # empty when ok; else why the column (or its last steps) is n/a
     ranks: list = field(default_factory=list)  # per-rank payloads, rank order; None where missing
     wall_s: float = 0.0
+    load: float = 0.0  # 1-minute load average when the run ended: high = other work competed for the CPUs
+    warning: str = ""  # trouble after every rank had finished its work (e.g. a crash at exit)
 
 
 def free_port() -> int:
@@ -119,6 +121,13 @@ def _kill(procs: list) -> None:
         except ProcessLookupError:
             pass
         p.wait()
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return 0.0
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -224,6 +233,15 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
         finally:
             _kill(procs)
         ranks = _collect(out_dir, world)
+        if all(r and r.get("done") for r in ranks):
+            # Every rank finished and saved its results: a crash in teardown (seen with gloo:
+            # "terminate called without an active exception") does not void the numbers.
+            notes = [r["close_error"] for r in ranks if r.get("close_error")]
+            if reason:
+                stderr = _reason_from_stderr(_tail(logs[min(bad, len(logs) - 1)])) if bad >= 0 else ""
+                notes.append(stderr or reason)
+            warning = ("after finishing: " + notes[0]) if notes else ""
+            return RunResult(lib, world, True, "", ranks, time.monotonic() - t0, _load(), warning)
         # Prefer the error a worker wrote itself (it names the exception), then its stderr.
         errors = [r.get("error") for r in ranks if r and r.get("error")]
         if errors:
@@ -232,4 +250,4 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
             reason = _reason_from_stderr(_tail(logs[min(bad, len(logs) - 1)])) or reason
         elif not reason and any(r is None for r in ranks):
             reason = "a rank wrote no result: " + (_reason_from_stderr(_tail(logs[0])) or "no output")
-        return RunResult(lib, world, not reason, reason, ranks, time.monotonic() - t0)
+        return RunResult(lib, world, not reason, reason, ranks, time.monotonic() - t0, _load())

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
                         "rss_before": before, "rss_with_arrays": with_arrays, "peak": peak,
                         "growth": peak - with_arrays if reset_ok else None, "peak_reset": reset_ok})
             del case
-        comm.close()
+        report.finish(comm)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
         report.fail(exc)
         return 1

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         step["data_bytes"] = X.nbytes + y.nbytes
         step["rss_base"], step["peak_rss"] = base, peak_rss_bytes()
         report.add(step)
-        comm.close()
+        report.finish(comm)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
         report.fail(exc)
         return 1

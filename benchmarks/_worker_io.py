@@ -29,6 +29,16 @@ class RankReport:
         self.data["steps"].append(step)
         self.save()
 
+    def finish(self, comm) -> None:
+        """Mark the work complete, then close the library; a failing close is only a warning."""
+        self.data["done"] = True
+        self.save()
+        try:
+            comm.close()
+        except Exception as exc:  # noqa: BLE001
+            self.data["close_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            self.save()
+
     def fail(self, exc: BaseException) -> None:
         msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
         self.data["error"] = (msg[0] if msg else type(exc).__name__)[:300]

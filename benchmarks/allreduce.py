@@ -54,7 +54,8 @@ def run_column(lib: str, op: str, world: int, sizes: list, iters_scale: float, t
     args = ["--op", op, "--iters-scale", str(iters_scale), "--sizes", *map(str, sizes)]
     run = run_ranks(lib, "benchmarks._collective_worker", args, world, timeout_s)
     col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason,
-           "wall_s": round(run.wall_s, 2), "results": [], "version": ""}
+           "wall_s": round(run.wall_s, 2), "load": run.load, "warning": run.warning,
+           "results": [], "version": ""}
     ranks = run.ranks if run.ranks and all(r is not None for r in run.ranks) else []
     if ranks:
         col["version"] = ranks[0].get("info", {}).get("version", "")
@@ -143,6 +144,7 @@ def tables(payload: dict, markdown: bool = False) -> str:
         else:
             out.append(title + "\n" + format_table(headers, rows))
         notes = [f"{lib}: n/a ({c['reason']})" for lib, c in cols.items() if c["reason"]]
+        notes += [f"{lib}: warning ({c['warning']})" for lib, c in cols.items() if c.get("warning")]
         if notes:
             out.append("\n".join(("- " if markdown else "  ") + n for n in notes))
     if two_way:

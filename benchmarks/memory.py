@@ -37,7 +37,8 @@ def run_collective(libs: list, worlds: list, sizes: list, op: str, timeout_s: fl
             log(f"  memory {op} world {world}: {lib} ...", end="", flush=True)
             args = ["--op", op, "--sizes", *map(str, sizes)]
             run = run_ranks(lib, "benchmarks._memory_worker", args, world, timeout_s)
-            col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason, "results": []}
+            col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason, "warning": run.warning,
+                   "results": []}
             ranks = run.ranks if run.ranks and all(r is not None for r in run.ranks) else []
             if ranks:
                 for i in range(min(len(r["steps"]) for r in ranks)):

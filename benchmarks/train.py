@@ -29,7 +29,8 @@ TRAIN_LIBS = ("pycyxwiz", "torch")
 def run_column(lib: str, world: int, samples_per_rank: int, epochs: int, timeout_s: float) -> dict:
     args = ["--samples-per-rank", str(samples_per_rank), "--epochs", str(epochs)]
     run = run_ranks(lib, "benchmarks._train_worker", args, world, timeout_s)
-    col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason, "wall_s": round(run.wall_s, 2)}
+    col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason, "wall_s": round(run.wall_s, 2),
+           "load": run.load, "warning": run.warning}
     steps = [r["steps"][0] for r in run.ranks if r and r.get("steps")] if run.ranks else []
     if run.ok and len(steps) == world:
         seconds = max(s["seconds"] for s in steps)
@@ -90,6 +91,8 @@ def table(payload: dict, markdown: bool = False) -> str:
              f"1 thread/rank: global samples/s; speedup over the same library on 1 rank (scaling efficiency)")
     text = (f"**{title}**\n\n" if markdown else title + "\n") + format_table(headers, rows, markdown)
     notes = sorted({f"{c['lib']}: n/a ({c['reason']})" for c in payload["columns"] if not c["ok"]})
+    notes += sorted({f"{c['lib']} ({c['world']} ranks): warning ({c['warning']})"
+                     for c in payload["columns"] if c.get("warning")})
     if notes:
         text += "\n\n" + "\n".join(("- " if markdown else "  ") + n for n in notes)
     return text
