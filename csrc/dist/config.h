@@ -1,0 +1,38 @@
+// defines: Backend, Config (seed 004's DistributedConfig) and its environment parsing.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace cx::dist {
+
+enum class Backend : uint8_t { kCpu = 0, kNccl = 1 };
+
+struct Config {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  Backend backend = Backend::kCpu;
+  int64_t timeout_ms = 30000;
+
+  // Tuning knobs (every rank must agree). Environment: CX_CHUNK_BYTES,
+  // CX_SMALL_ALLREDUCE_BYTES, CX_SPIN_US. Tests use a tiny chunk to force the
+  // multi-chunk paths with small messages.
+  int64_t chunk_bytes = 512 * 1024;
+  int64_t small_allreduce_bytes = 16 * 1024;
+  int spin_us = -1;  // -1: chosen from the number of ranks per core
+
+  // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
+  // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS; under mpirun or srun also
+  // OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK} and SLURM_{PROCID,NTASKS,LOCALID}.
+  // Neither RANK nor WORLD_SIZE anywhere: a single process (rank 0 of 1).
+  // Throws InvalidArgument naming the variable and its value.
+  static Config from_environment();
+
+  // Throws InvalidArgument for an impossible configuration.
+  void validate() const;
+};
+
+}  // namespace cx::dist

@@ -1,0 +1,419 @@
+#include "dist/transport/tcp/tcp_transport.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+namespace cx::dist {
+
+namespace {
+
+constexpr uint32_t kFrameMagic = 0x31465843;  // "CXF1"
+constexpr uint32_t kHandshakeMagic = 0x31485843;  // "CXH1"
+constexpr uint8_t kData = 1;
+constexpr uint8_t kAbort = 2;
+constexpr uint64_t kMaxAbortMessage = 64 * 1024;
+
+template <typename T>
+void put(char* p, size_t off, T v) {
+  std::memcpy(p + off, &v, sizeof(T));
+}
+template <typename T>
+T get(const char* p, size_t off) {
+  T v;
+  std::memcpy(&v, p + off, sizeof(T));
+  return v;
+}
+
+OpDesc desc_of(const char* h) {
+  OpDesc d;
+  d.kind = static_cast<CollectiveKind>(static_cast<uint8_t>(h[5]));
+  d.dtype = static_cast<DataType>(static_cast<uint8_t>(h[6]));
+  d.op = static_cast<ReduceOp>(static_cast<uint8_t>(h[7]));
+  d.root = get<int32_t>(h, 8);
+  d.count = get<uint64_t>(h, 16);
+  d.seq = get<uint64_t>(h, 24);
+  return d;
+}
+
+}  // namespace
+
+std::string OpDesc::describe() const {
+  std::ostringstream os;
+  os << kind_name(kind) << "(count=" << count;
+  if (dtype != DataType::kBytes) os << ", dtype=" << dtype_name(dtype);
+  if (op != ReduceOp::kNone) os << ", op=" << op_name(op);
+  if (root >= 0) os << ", " << (kind == CollectiveKind::kSendRecv ? "peer" : "root") << "=" << root;
+  os << ")";
+  if (kind == CollectiveKind::kSendRecv) {
+    os << " as message #" << seq << " between the pair";
+  } else {
+    os << " as collective #" << seq;
+  }
+  return os.str();
+}
+
+TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t nonce, const Deadline& dl,
+                           TcpOptions opt)
+    : rank_(rank), world_(world), opt_(opt), peers_(static_cast<size_t>(world)) {
+  const std::string ip = store.local_ip();
+  tcp::Fd listener = tcp::listen_on(ip, 0, "listening port");
+  const int port = tcp::bound_port(listener.get());
+  store.set("addr/" + std::to_string(rank), ip + ":" + std::to_string(port), dl);
+
+  // Lower ranks: we connect. Each hello names our rank and the group's nonce, so a
+  // stray connection (another job, a previous group) is never taken for a peer.
+  for (int j = 0; j < rank; ++j) {
+    std::string a = store.get("addr/" + std::to_string(j), dl,
+                              detail::concat("Timeout waiting for peers: rank ", rank, " waited ", dl.timeout_ms,
+                                             " ms for rank ", j, " to publish its address"));
+    auto colon = a.rfind(':');
+    std::string host = a.substr(0, colon);
+    int p = std::stoi(a.substr(colon + 1));
+    std::string what = detail::concat("rank ", j, " (", a, ")");
+    tcp::Fd fd = tcp::connect_with_retry(host, p, dl, what);
+    char hello[16];
+    put<uint32_t>(hello, 0, kHandshakeMagic);
+    put<int32_t>(hello, 4, rank);
+    put<uint64_t>(hello, 8, nonce);
+    tcp::send_exact(fd.get(), hello, sizeof(hello), dl, what);
+    char ack[8];
+    tcp::recv_exact(fd.get(), ack, sizeof(ack), dl, what);
+    if (get<uint32_t>(ack, 0) != kHandshakeMagic || get<int32_t>(ack, 4) != j) {
+      CX_THROW(ConnectionError, "rank ", rank, ": the process at ", a, " is not rank ", j, " of this group");
+    }
+    peers_[j].fd = std::move(fd);
+    peers_[j].addr = a;
+  }
+  // Higher ranks connect to us.
+  int expected = world - 1 - rank;
+  while (expected > 0) {
+    tcp::Fd fd = tcp::accept_until(listener.get(), dl);
+    if (!fd.valid()) {
+      std::ostringstream missing;
+      for (int j = rank + 1; j < world; ++j)
+        if (!peers_[j].fd.valid()) missing << (missing.tellp() ? ", " : "") << j;
+      CX_THROW(TimeoutError, "Timeout waiting for peers: rank ", rank, " waited ", dl.timeout_ms,
+               " ms for rank(s) ", missing.str(), " to connect. Start all WORLD_SIZE=", world,
+               " processes, or raise DISTRIBUTED_TIMEOUT_MS");
+    }
+    char hello[16];
+    try {
+      tcp::recv_exact(fd.get(), hello, sizeof(hello), Deadline::after_ms(std::min<int64_t>(dl.timeout_ms, 5000)),
+                      "a connecting peer");
+    } catch (const Error&) {
+      continue;  // not one of ours
+    }
+    int32_t j = get<int32_t>(hello, 4);
+    if (get<uint32_t>(hello, 0) != kHandshakeMagic || get<uint64_t>(hello, 8) != nonce || j <= rank || j >= world ||
+        peers_[j].fd.valid()) {
+      continue;  // stray or stale connection: drop it
+    }
+    char ack[8];
+    put<uint32_t>(ack, 0, kHandshakeMagic);
+    put<int32_t>(ack, 4, rank);
+    tcp::send_exact(fd.get(), ack, sizeof(ack), dl, detail::concat("rank ", j));
+    peers_[j].fd = std::move(fd);
+    peers_[j].addr = "rank " + std::to_string(j);
+    --expected;
+  }
+  for (int j = 0; j < world; ++j) {
+    if (j == rank) continue;
+    tcp::set_nonblocking(peers_[j].fd.get(), true);
+    if (j > rank) {
+      // Learn the peer's listening address for messages.
+      peers_[j].addr = store.get("addr/" + std::to_string(j), dl, "timed out reading a peer address");
+    }
+  }
+}
+
+TcpTransport::~TcpTransport() = default;
+
+void TcpTransport::begin(const OpDesc& desc, const Deadline& dl) {
+  if (aborted_) CX_THROW(Error, "transport used after abort");
+  desc_ = desc;
+  deadline_ = dl;
+  done_.clear();
+  pending_ = 0;
+}
+
+void TcpTransport::fill_header(char* h, uint8_t type, uint64_t payload_len, uint32_t abort_kind) const {
+  put<uint32_t>(h, 0, kFrameMagic);
+  h[4] = static_cast<char>(type);
+  h[5] = static_cast<char>(desc_.kind);
+  h[6] = static_cast<char>(desc_.dtype);
+  h[7] = static_cast<char>(desc_.op);
+  put<int32_t>(h, 8, desc_.root);
+  put<uint32_t>(h, 12, abort_kind);
+  put<uint64_t>(h, 16, desc_.count);
+  put<uint64_t>(h, 24, desc_.seq);
+  put<uint64_t>(h, 32, payload_len);
+}
+
+Transport::Req TcpTransport::isend(int peer, const void* buf, size_t bytes) {
+  Req id = static_cast<Req>(done_.size());
+  done_.push_back(0);
+  ++pending_;
+  SendOp op{static_cast<const char*>(buf), bytes, 0, id, {}};
+  fill_header(op.hdr, kData, bytes, 0);
+  peers_[peer].sends.push_back(op);
+  // Start writing at once: small messages usually leave in this one call.
+  progress_send(peer);
+  return id;
+}
+
+Transport::Req TcpTransport::irecv(int peer, void* buf, size_t bytes) {
+  Req id = static_cast<Req>(done_.size());
+  done_.push_back(0);
+  ++pending_;
+  peers_[peer].recvs.push_back(RecvOp{static_cast<char*>(buf), bytes, 0, id});
+  return id;
+}
+
+bool TcpTransport::progress_send(int peer) {
+  Peer& p = peers_[peer];
+  bool moved = false;
+  while (!p.sends.empty()) {
+    SendOp& s = p.sends.front();
+    iovec iov[2];
+    int n = 0;
+    if (s.done < kHeaderBytes) {
+      iov[n++] = {s.hdr + s.done, kHeaderBytes - s.done};
+      if (s.len) iov[n++] = {const_cast<char*>(s.buf), s.len};
+    } else {
+      iov[n++] = {const_cast<char*>(s.buf) + (s.done - kHeaderBytes), s.len - (s.done - kHeaderBytes)};
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = static_cast<size_t>(n);
+    ssize_t k = ::sendmsg(p.fd.get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
+      peer_closed(peer, "sending to");
+    }
+    moved = true;
+    s.done += static_cast<size_t>(k);
+    if (s.done == kHeaderBytes + s.len) {
+      done_[static_cast<size_t>(s.id)] = 1;
+      --pending_;
+      p.sends.pop_front();
+    }
+  }
+  return moved;
+}
+
+void TcpTransport::check_header(int peer) {
+  Peer& p = peers_[peer];
+  const char* h = p.rhdr;
+  if (get<uint32_t>(h, 0) != kFrameMagic) {
+    CX_THROW(ConnectionError, "rank ", rank_, ": garbled data from rank ", peer, " during ", desc_.describe(),
+             " (not a pycyxwiz frame)");
+  }
+  uint64_t len = get<uint64_t>(h, 32);
+  if (static_cast<uint8_t>(h[4]) == kAbort) {
+    // The peer failed and tells us why; read its message (bounded) and raise it.
+    if (len > kMaxAbortMessage) CX_THROW(ConnectionError, "rank ", peer, " aborted (message too long)");
+    std::string msg(len, '\0');
+    try {
+      tcp::recv_exact(p.fd.get(), msg.data(), len, Deadline::after_ms(1000), "an aborting peer");
+    } catch (const Error&) {
+      msg = "rank " + std::to_string(peer) + " aborted the group";
+    }
+    rethrow_as(static_cast<ErrorKind>(get<uint32_t>(h, 12)), msg);
+  }
+  OpDesc theirs = desc_of(h);
+  if (!(theirs == desc_)) {
+    CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", desc_.describe(), " but rank ",
+             peer, " called ", theirs.describe(),
+             ". Every rank must call the same collectives in the same order with the same count, dtype, op "
+             "and root.");
+  }
+  const RecvOp& r = p.recvs.front();
+  if (len != r.len) {
+    CX_THROW(MismatchError, "rank ", rank_, ": rank ", peer, " sent a message of ", len, " bytes where ", r.len,
+             " were expected during ", desc_.describe(),
+             " (ranks disagree on the message layout; are the pycyxwiz versions the same?)");
+  }
+}
+
+bool TcpTransport::progress_recv(int peer) {
+  Peer& p = peers_[peer];
+  bool moved = false;
+  while (!p.recvs.empty()) {
+    RecvOp& r = p.recvs.front();
+    if (!p.in_payload) {
+      ssize_t k = ::recv(p.fd.get(), p.rhdr + p.rhdr_got, kHeaderBytes - p.rhdr_got, MSG_DONTWAIT);
+      if (k == 0) peer_closed(peer, "receiving from");
+      if (k < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
+        peer_closed(peer, "receiving from");
+      }
+      moved = true;
+      p.rhdr_got += static_cast<size_t>(k);
+      if (p.rhdr_got < kHeaderBytes) continue;
+      p.rhdr_got = 0;
+      check_header(peer);
+      p.in_payload = true;
+    }
+    if (r.done < r.len) {
+      ssize_t k = ::recv(p.fd.get(), r.buf + r.done, r.len - r.done, MSG_DONTWAIT);
+      if (k == 0) peer_closed(peer, "receiving from");
+      if (k < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
+        peer_closed(peer, "receiving from");
+      }
+      moved = true;
+      r.done += static_cast<size_t>(k);
+    }
+    if (r.done == r.len) {
+      p.in_payload = false;
+      done_[static_cast<size_t>(r.id)] = 1;
+      --pending_;
+      p.recvs.pop_front();
+    }
+  }
+  return moved;
+}
+
+bool TcpTransport::progress() {
+  bool moved = false;
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    Peer& p = peers_[j];
+    if (!p.sends.empty()) moved |= progress_send(j);
+    if (!p.recvs.empty()) moved |= progress_recv(j);
+  }
+  return moved;
+}
+
+void TcpTransport::peer_closed(int peer, const char* during) {
+  int e = errno;
+  CX_THROW(ConnectionError, "rank ", rank_, ": lost the connection to rank ", peer, " (", peers_[peer].addr,
+           ") while ", during, " it during ", desc_.describe(), ": rank ", peer,
+           " exited, crashed or was killed (", e ? std::strerror(e) : "connection closed", ")");
+}
+
+void TcpTransport::timed_out() {
+  std::ostringstream waiting;
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    if (!peers_[j].recvs.empty() || !peers_[j].sends.empty()) {
+      waiting << (waiting.tellp() ? ", " : "") << "rank " << j << " (" << peers_[j].addr << ")";
+    }
+  }
+  CX_THROW(TimeoutError, "rank ", rank_, ": ", desc_.describe(), " timed out after ", deadline_.timeout_ms,
+           " ms waiting for ", waiting.str(),
+           ". That rank is stuck, much slower, or did not call the same collective; raise timeout_ms "
+           "(DISTRIBUTED_TIMEOUT_MS) if it is only slow.");
+}
+
+void TcpTransport::block(const char*) {
+  std::vector<pollfd> fds;
+  fds.reserve(static_cast<size_t>(world_));
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    short ev = 0;
+    if (!peers_[j].recvs.empty()) ev |= POLLIN;
+    if (!peers_[j].sends.empty()) ev |= POLLOUT;
+    if (ev) fds.push_back({peers_[j].fd.get(), ev, 0});
+  }
+  if (fds.empty()) return;
+  int rc = ::poll(fds.data(), fds.size(), deadline_.remaining_ms(100));
+  if (rc == 0 && deadline_.expired()) timed_out();
+}
+
+void TcpTransport::wait(Req r) {
+  auto spin_until = Clock::now() + std::chrono::microseconds(opt_.spin_us);
+  while (!done_[static_cast<size_t>(r)]) {
+    if (progress()) {
+      spin_until = Clock::now() + std::chrono::microseconds(opt_.spin_us);
+      continue;
+    }
+    if (Clock::now() < spin_until) {
+      if (opt_.spin_us > 0 && world_ > 2) sched_yield();
+      continue;
+    }
+    if (deadline_.expired()) timed_out();
+    block(nullptr);
+  }
+}
+
+void TcpTransport::wait_all() {
+  for (size_t i = 0; i < done_.size(); ++i) wait(static_cast<Req>(i));
+}
+
+void TcpTransport::abort(ErrorKind kind, const std::string& msg) {
+  if (aborted_) return;
+  aborted_ = true;
+  std::string text = msg.substr(0, kMaxAbortMessage);
+  for (int j = 0; j < world_; ++j) {
+    Peer& p = peers_[j];
+    if (j == rank_ || !p.fd.valid()) continue;
+    auto dl = Deadline::after_ms(200);
+    try {
+      // A half-written frame would garble the stream: finish it first.
+      if (!p.sends.empty() && p.sends.front().done > 0) {
+        SendOp& s = p.sends.front();
+        if (s.done < kHeaderBytes) {
+          tcp::send_exact(p.fd.get(), s.hdr + s.done, kHeaderBytes - s.done, dl, "peer");
+          s.done = kHeaderBytes;
+        }
+        tcp::send_exact(p.fd.get(), s.buf + (s.done - kHeaderBytes), s.len - (s.done - kHeaderBytes), dl, "peer");
+      }
+      char h[kHeaderBytes];
+      fill_header(h, kAbort, text.size(), static_cast<uint32_t>(kind));
+      tcp::send_exact(p.fd.get(), h, kHeaderBytes, dl, "peer");
+      tcp::send_exact(p.fd.get(), text.data(), text.size(), dl, "peer");
+    } catch (const Error&) {
+      // The peer is gone or not reading: it will see the connection close.
+    }
+    p.sends.clear();
+    p.recvs.clear();
+    // Half-close: the peer reads our abort frame, then end-of-stream. The
+    // descriptor itself stays open until the group is destroyed, so no reset
+    // can overtake the frame.
+    ::shutdown(p.fd.get(), SHUT_WR);
+  }
+}
+
+}  // namespace cx::dist
+
+namespace cx::dist {
+
+void TcpTransport::close(const Deadline& dl) {
+  std::vector<int> open;
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_ || !peers_[j].fd.valid()) continue;
+    ::shutdown(peers_[j].fd.get(), SHUT_WR);
+    open.push_back(j);
+  }
+  // Read (and drop) whatever is left until every peer has closed its side too.
+  char sink[4096];
+  while (!open.empty() && !dl.expired()) {
+    std::vector<pollfd> fds;
+    for (int j : open) fds.push_back({peers_[j].fd.get(), POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), dl.remaining_ms(100)) <= 0) continue;
+    std::vector<int> still;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      int j = open[i];
+      if (fds[i].revents) {
+        ssize_t k = ::recv(peers_[j].fd.get(), sink, sizeof(sink), MSG_DONTWAIT);
+        if (k > 0 || (k < 0 && (errno == EAGAIN || errno == EINTR))) {
+          still.push_back(j);
+        }
+      } else {
+        still.push_back(j);
+      }
+    }
+    open.swap(still);
+  }
+}
+
+}  // namespace cx::dist

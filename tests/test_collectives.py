@@ -1,0 +1,327 @@
+"""Every collective x op x dtype x world size against an independent NumPy reference.
+
+Each test body runs in every rank as a separate process (see ranks.py).
+"""
+import numpy as np
+import pytest
+
+import ranks
+from refs import OPS, REDUCE_DTYPES, bf16_round, contribution, expected, valid_pair
+
+import pycyxwiz as cx
+
+D = cx.distributed
+
+SMALL_SIZES = [0, 1, 2, 3, 7, 100, 1000, 10000]
+
+
+# ---- per-rank bodies ------------------------------------------------------------
+
+def all_reduce_matrix(sizes):
+    r, p = D.get_rank(), D.get_world_size()
+    failures = []
+    for dtype in REDUCE_DTYPES:
+        for op in OPS:
+            if not valid_pair(dtype, op):
+                continue
+            for n in sizes:
+                x = contribution(r, n, dtype, op)
+                kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+                D.all_reduce(x, op=getattr(D.ReduceOp, op), **kw)
+                want = expected(p, n, dtype, op)
+                if not np.array_equal(x, want):
+                    bad = np.flatnonzero(x != want)[:3]
+                    failures.append(f"{dtype} {op} n={n}: at {bad.tolist()} got {x[bad].tolist()} "
+                                    f"want {want[bad].tolist()}")
+    return failures
+
+
+def large_all_reduce(n):
+    r, p = D.get_rank(), D.get_world_size()
+    x = contribution(r, n, "float32", "SUM")
+    D.all_reduce(x)
+    return np.array_equal(x, expected(p, n, "float32", "SUM")), x[: 4].tolist()
+
+
+# ---- all_reduce -------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_reduce_matches_numpy_for_every_dtype_op_and_size(world):
+    for fails in ranks.run(all_reduce_matrix, world, args=(SMALL_SIZES,)):
+        assert fails == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_multi_chunk_ring_paths_with_tiny_chunks(world):
+    # A 24-byte chunk and no small-message shortcut force the chunked, pipelined ring
+    # (several chunks per segment, uneven segments) with messages of a few hundred bytes.
+    env = {"CX_CHUNK_BYTES": 24, "CX_SMALL_ALLREDUCE_BYTES": 0}
+    for fails in ranks.run(all_reduce_matrix, world, args=([3, 5, 17, 100, 1001],), env=env):
+        assert fails == []
+
+
+def test_all_reduce_world_of_eight_small_messages():
+    for fails in ranks.run(all_reduce_matrix, 8, args=([0, 1, 5, 64],), timeout=120):
+        assert fails == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_16_mib(world):
+    out = ranks.run(large_all_reduce, world, args=(4 << 20,), timeout=120)
+    assert all(ok for ok, _ in out)
+    assert all(head == out[0][1] for _, head in out)
+
+
+def seed_all_reduce_example():
+    # seed 000: rank 0 holds [1, 2, 3], the others zeros; SUM gives [1, 2, 3] everywhere
+    if D.get_rank() == 0:
+        t = np.array([1.0, 2.0, 3.0], np.float32)
+    else:
+        t = np.array([0.0, 0.0, 0.0], np.float32)
+    D.all_reduce(t, op=D.ReduceOp.SUM)
+    return t.tolist()
+
+
+def test_seed_all_reduce_example_prints_what_the_guide_says():
+    assert ranks.run(seed_all_reduce_example, 3) == [[1.0, 2.0, 3.0]] * 3
+
+
+# ---- broadcast ----------------------------------------------------------------------
+
+def broadcast_body(sizes):
+    r, p = D.get_rank(), D.get_world_size()
+    fails = []
+    for root in range(p):
+        for n in sizes:
+            want = np.arange(n, dtype=np.float64) * (root + 1) - 7
+            x = want.copy() if r == root else np.full(n, -1.0)
+            D.broadcast(x, src=root)
+            if not np.array_equal(x, want):
+                fails.append((root, n))
+    # any dtype moves as bytes, e.g. a structured or complex array
+    c = np.array([1 + 2j, 3 - 4j]) if r == 0 else np.zeros(2, complex)
+    D.broadcast(c, src=0)
+    if c.tolist() != [1 + 2j, 3 - 4j]:
+        fails.append("complex")
+    # seed 000's example
+    b = np.array([1.0, 2.0, 3.0], np.float32) if r == 0 else np.zeros(3, np.float32)
+    D.broadcast(b, src=0)
+    return fails, b.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_broadcast_from_every_root(world):
+    for fails, b in ranks.run(broadcast_body, world, args=([0, 1, 5, 1000, 100000],)):
+        assert fails == []
+        assert b == [1.0, 2.0, 3.0]
+
+
+def test_broadcast_pipelined_chain_with_tiny_chunks():
+    for fails, _ in ranks.run(broadcast_body, 4, args=([100000],), env={"CX_CHUNK_BYTES": 1000}):
+        assert fails == []
+
+
+# ---- all_gather / reduce_scatter ----------------------------------------------------
+
+def all_gather_body(sizes):
+    r, p = D.get_rank(), D.get_world_size()
+    fails = []
+    for n in sizes:
+        mine = np.arange(n, dtype=np.int32) + 1000 * r
+        lst = [np.empty_like(mine) for _ in range(p)]
+        D.all_gather(lst, mine)
+        whole = np.empty((p, n), np.int32)
+        D.all_gather(whole, mine)
+        want = np.stack([np.arange(n, dtype=np.int32) + 1000 * k for k in range(p)])
+        if not (np.array_equal(np.stack(lst), want) and np.array_equal(whole, want)):
+            fails.append(n)
+    return fails
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_gather_list_and_array_forms(world):
+    for fails in ranks.run(all_gather_body, world, args=([0, 1, 3, 1000, 70000],)):
+        assert fails == []
+
+
+def test_all_gather_with_tiny_chunks():
+    for fails in ranks.run(all_gather_body, 3, args=([1000],), env={"CX_CHUNK_BYTES": 100}):
+        assert fails == []
+
+
+def reduce_scatter_body(sizes):
+    r, p = D.get_rank(), D.get_world_size()
+    fails = []
+    for op in OPS:
+        for n in sizes:
+            # block k of rank j: contribution(j * p + k) so every block differs
+            blocks = [contribution(r * p + k, n, "float32", op) for k in range(p)]
+            ins = np.stack(blocks) if blocks else np.empty((p, n), np.float32)
+            keep = ins.copy()
+            out = np.empty(n, np.float32)
+            D.reduce_scatter(out, list(blocks), op=getattr(D.ReduceOp, op))
+            out2 = np.empty(n, np.float32)
+            D.reduce_scatter(out2, ins, op=getattr(D.ReduceOp, op))
+            mine = np.stack([contribution(j * p + r, n, "float32", op) for j in range(p)])
+            want = {"SUM": mine.sum(0), "AVG": mine.sum(0) / np.float32(p), "PRODUCT": mine.prod(0),
+                    "MIN": mine.min(0), "MAX": mine.max(0)}[op].astype(np.float32)
+            if not (np.array_equal(out, want) and np.array_equal(out2, want)):
+                fails.append((op, n))
+            if not np.array_equal(ins, keep):
+                fails.append((op, n, "input modified"))
+    return fails
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_reduce_scatter_every_op(world):
+    for fails in ranks.run(reduce_scatter_body, world, args=([0, 1, 5, 1000, 50000],)):
+        assert fails == []
+
+
+def test_reduce_scatter_with_tiny_chunks():
+    for fails in ranks.run(reduce_scatter_body, 3, args=([1000],), env={"CX_CHUNK_BYTES": 64}):
+        assert fails == []
+
+
+# ---- reduce / scatter / gather / all_to_all ------------------------------------------
+
+def rooted_body(n):
+    r, p = D.get_rank(), D.get_world_size()
+    fails = []
+    for root in range(p):
+        for op in OPS:
+            x = contribution(r, n, "float64", op)
+            D.reduce(x, dst=root, op=getattr(D.ReduceOp, op))
+            if r == root and not np.array_equal(x, expected(p, n, "float64", op)):
+                fails.append(("reduce", root, op))
+        # scatter: root hands block k to rank k
+        src_blocks = [np.full(n, 10 * root + k, np.float32) for k in range(p)] if r == root else None
+        out = np.empty(n, np.float32)
+        D.scatter(out, src_blocks, src=root)
+        if not np.array_equal(out, np.full(n, 10 * root + r, np.float32)):
+            fails.append(("scatter", root))
+        # gather: every rank's block lands on root
+        g = [np.empty(n, np.int64) for _ in range(p)] if r == root else None
+        D.gather(np.full(n, r * 3, np.int64), g, dst=root)
+        if r == root and not all(np.array_equal(g[k], np.full(n, k * 3)) for k in range(p)):
+            fails.append(("gather", root))
+    # all_to_all: block k of rank j goes to rank k
+    ins = [np.full(n, 100 * r + k, np.int32) for k in range(p)]
+    outs = [np.empty(n, np.int32) for _ in range(p)]
+    D.all_to_all(outs, ins)
+    if not all(np.array_equal(outs[j], np.full(n, 100 * j + r)) for j in range(p)):
+        fails.append("all_to_all")
+    arr_in = np.stack(ins)
+    arr_out = np.empty_like(arr_in)
+    D.all_to_all(arr_out, arr_in)
+    if not np.array_equal(arr_out, np.stack(outs)):
+        fails.append("all_to_all array form")
+    return fails
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_reduce_scatter_gather_all_to_all_from_every_root(world):
+    for fails in ranks.run(rooted_body, world, args=(33,)):
+        assert fails == []
+
+
+def test_reduce_large_chunked():
+    for fails in ranks.run(rooted_body, 3, args=(20000,), env={"CX_CHUNK_BYTES": 4096}):
+        assert fails == []
+
+
+def seed_scatter_example():
+    # seed 000: rank 0 scatters [1.0], [2.0], [3.0]; rank k receives k + 1
+    if D.get_rank() == 0:
+        scatter_list = [np.array([1.0], np.float32), np.array([2.0], np.float32), np.array([3.0], np.float32)]
+    else:
+        scatter_list = [None]
+    t = np.empty(1, np.float32)
+    D.scatter(t, scatter_list if D.get_rank() == 0 else None, src=0)
+    # and all_gather of the result, as in the guide
+    tensor_list = [np.empty_like(t) for _ in range(D.get_world_size())]
+    D.all_gather(tensor_list, t)
+    return t.tolist(), [x.tolist() for x in tensor_list]
+
+
+def test_seed_scatter_and_all_gather_examples():
+    out = ranks.run(seed_scatter_example, 3)
+    assert [t for t, _ in out] == [[1.0], [2.0], [3.0]]
+    assert all(g == [[1.0], [2.0], [3.0]] for _, g in out)
+
+
+# ---- send / recv, barrier ---------------------------------------------------------
+
+def p2p_body():
+    r, p = D.get_rank(), D.get_world_size()
+    # a ring of messages: each rank sends to the right and receives from the left
+    right, left = (r + 1) % p, (r - 1) % p
+    out = np.arange(50, dtype=np.float32) + r
+    got = np.empty(50, np.float32)
+    if r % 2 == 0:
+        D.send(out, right)
+        D.recv(got, left)
+    else:
+        D.recv(got, left)
+        D.send(out, right)
+    # async send/recv pairs with rank 0
+    if r == 0:
+        hs = [D.recv(np.empty(3, np.int64), k, async_op=True) for k in range(1, p)]
+        for h in hs:
+            h.wait()
+    else:
+        D.send(np.array([r, r, r], np.int64), 0)
+    for _ in range(3):
+        D.barrier()
+    return np.array_equal(got, np.arange(50, dtype=np.float32) + left)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_send_recv_ring_and_barrier(world):
+    assert all(ranks.run(p2p_body, world))
+
+
+# ---- async ---------------------------------------------------------------------------
+
+def async_body():
+    r, p = D.get_rank(), D.get_world_size()
+    xs = [np.full(1000 * (i + 1), float(r + i), np.float32) for i in range(6)]
+    works = [D.all_reduce(x, async_op=True) for x in xs]
+    b = np.full(10, float(r), np.float64)
+    wb = D.broadcast(b, src=p - 1, async_op=True)
+    # a blocking call after async ones runs after them, in submission order
+    y = np.ones(7, np.float32)
+    D.all_reduce(y)
+    assert all(w.wait(timeout=30) for w in works)
+    wb.wait()
+    assert all(w.is_completed() for w in works)
+    ok = all(np.all(x == sum(k + i for k in range(p))) for i, x in enumerate(xs))
+    return ok and np.all(b == p - 1) and np.all(y == p), repr(works[0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_async_work_handles_complete_in_submission_order(world):
+    for ok, rep in ranks.run(async_body, world):
+        assert ok
+        assert "completed" in rep
+
+
+# ---- the world of one, in this very process ---------------------------------------
+
+def test_plain_process_without_launcher_is_a_world_of_one(monkeypatch):
+    for v in ["RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+              "PMI_RANK", "PMI_SIZE"]:
+        monkeypatch.delenv(v, raising=False)
+    D.init()
+    try:
+        assert D.is_initialized() and D.get_rank() == 0 and D.get_world_size() == 1 and D.is_master()
+        x = np.arange(4, dtype=np.float32)
+        D.all_reduce(x, op=D.ReduceOp.AVG)
+        assert x.tolist() == [0, 1, 2, 3]
+        out = np.empty((1, 4), np.float32)
+        D.all_gather(out, x)
+        assert out.tolist() == [[0, 1, 2, 3]]
+        D.barrier()
+    finally:
+        D.finalize()
+    assert not D.is_initialized()
