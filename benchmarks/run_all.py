@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="collective world sizes")
     ap.add_argument("--libs", nargs="+", choices=LIBRARIES, default=list(LIBRARIES))
     ap.add_argument("--skip", nargs="*", choices=STEPS, default=[])
+    ap.add_argument("--rounds", type=int, help="rounds per collective column, best kept (default 2; 1 with --quick)")
     ap.add_argument("--budget", type=float, default=14.0, help="minutes the whole suite may take")
     a = ap.parse_args(argv)
     start = time.monotonic()
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
         else:
             sizes = coll.DEFAULT_SIZES if op == "all_reduce" else OTHER_SIZES
         print(f"{op} ...", flush=True)
-        p = coll.run(op, a.worlds, a.libs, sizes, scale, timeout_s=180, loopback=parts.get("loopback"))
+        p = coll.run(op, a.worlds, a.libs, sizes, scale, timeout_s=180, loopback=parts.get("loopback"),
+                     rounds=a.rounds or (1 if a.quick else 2))
         write_json(coll.SHORT_NAME[op], p)
         if op != "barrier":
             coll.plot(p, RESULTS / f"{coll.SHORT_NAME[op]}.png")
