@@ -24,7 +24,7 @@ from benchmarks import _launch
 from benchmarks import allreduce as coll
 from benchmarks import loopback, memory, train
 from benchmarks._launch import LIBRARIES, RESULTS, mpi_available
-from benchmarks._report import machine_info, write_json
+from benchmarks._report import format_table, machine_info, write_json
 
 STEPS = ("loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "train", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
@@ -37,6 +37,59 @@ def _versions(payloads: list) -> str:
             if c.get("version"):
                 seen.setdefault(c["lib"], c["version"])
     return ", ".join(f"{k} {v}" for k, v in seen.items())
+
+
+def _medians(payload: dict | None, lib: str, world: int) -> dict:
+    """{nominal size: median seconds} of one column, {} when absent."""
+    for c in (payload or {}).get("columns", []):
+        if c["lib"] == lib and c["world"] == world:
+            return {r["nominal"]: r["median_s"] for r in c["results"]}
+    return {}
+
+
+def _ratios(payload, other: str, world: int, sizes=None) -> dict:
+    cx, ot = _medians(payload, "pycyxwiz", world), _medians(payload, other, world)
+    return {s: ot[s] / cx[s] for s in cx if s in ot and cx[s] > 0 and (sizes is None or sizes(s))}
+
+
+def targets(parts: dict) -> list:
+    """Issue 5's targets as rows [target, ranks, measured, goal, met]: reported, never asserted."""
+    rows = []
+    ar = parts.get("all_reduce")
+    lb = parts.get("loopback") or {}
+
+    def add(name, world, value, goal, met, fmt="{:.2f}x"):
+        rows.append([name, str(world), "n/a" if value is None else fmt.format(value), goal,
+                     "n/a" if value is None else ("yes" if met(value) else "**no**")])
+
+    for world in (ar or {}).get("worlds", []):
+        big = _ratios(ar, "gloo", world, lambda s: s >= 256 << 10)
+        add("all_reduce busbw vs gloo, >= 256 KiB (worst size)", world, min(big.values()) if big else None,
+            ">= 1.5x", lambda v: v >= 1.5)
+        tcp = _ratios(ar, "mpi-tcp", world)
+        add("all_reduce vs Open MPI TCP, every size (worst size)", world, min(tcp.values()) if tcp else None,
+            ">= 1.0x", lambda v: v >= 1.0)
+        g8 = _ratios(ar, "gloo", world).get(8)
+        add("8-byte all_reduce latency vs gloo", world, g8, ">= 10x", lambda v: v >= 10)
+        m8 = _ratios(ar, "mpi-tcp", world).get(8)
+        add("8-byte all_reduce latency vs Open MPI TCP", world, m8, ">= 0.67x (<= 1.5x its time)",
+            lambda v: v >= 1 / 1.5)
+    bar = parts.get("barrier")
+    if bar and lb.get("rtt_8B_us"):
+        for world in bar["worlds"]:
+            t = _medians(bar, "pycyxwiz", world).get(0)
+            add("barrier time / loopback 8-byte RTT", world, t * 1e6 / lb["rtt_8B_us"] if t else None,
+                "<= 1 round trip", lambda v: v <= 1.0, "{:.2f} RTT")
+    tr = parts.get("train")
+    if tr:
+        from benchmarks.train import _sps
+
+        cx2, th2, cx1 = _sps(tr, "pycyxwiz", 2), _sps(tr, "torch", 2), _sps(tr, "pycyxwiz", 1)
+        add("training samples/s vs PyTorch DDP", 2, cx2 / th2 if cx2 and th2 else None, ">= 1.5x",
+            lambda v: v >= 1.5)
+        add("training samples/s vs itself on 1 rank", 2, cx2 / cx1 if cx2 and cx1 else None, "> 1.0x",
+            lambda v: v > 1.0)
+    return rows
 
 
 def summary(parts: dict, argv: list, seconds: float) -> str:
@@ -64,7 +117,13 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
     lb = parts.get("loopback")
     if lb:
         lines += ["", f"Loopback TCP limit (plain sockets, two processes): **{lb['one_way_GBps']:.2f} GB/s** one "
-                      f"stream one way, **{lb['two_way_each_GBps']:.2f} GB/s** each way with both directions busy."]
+                      f"stream one way, **{lb['two_way_each_GBps']:.2f} GB/s** each way with both directions busy"
+                      + (f"; 8-byte round trip {lb['rtt_8B_us']:.0f} us (blocking sockets)." if lb.get("rtt_8B_us")
+                         else ".")]
+    rows = targets(parts)
+    if rows:
+        lines += ["", "## Targets (issue 5), as measured in this run", "",
+                  format_table(["target", "ranks", "measured", "goal", "met"], rows, markdown=True)]
     for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
         p = parts.get(op)
         if not p:
