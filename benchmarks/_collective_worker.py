@@ -9,7 +9,9 @@ rank's report; the parent takes the max over ranks per call, then the median.
 
 Sizes follow nccl-tests: all_reduce and broadcast move a buffer of `size` bytes; all_gather's
 `size` is the gathered output (each rank contributes size/n); reduce_scatter's `size` is the
-input (each rank keeps size/n). float32 SUM throughout.
+input (each rank keeps size/n). float32 SUM throughout. "pingpong" is the library's own
+point-to-point round trip (rank 0 sends `size` bytes to rank 1, which sends them back; other
+ranks idle): the transport's round trip, the yardstick for barrier and tiny all-reduce cost.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 
 from benchmarks._worker_io import RankReport, open_comm
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
 
 
 def iterations(nbytes: int, scale: float = 1.0) -> tuple[int, int]:
@@ -38,7 +40,7 @@ def iterations(nbytes: int, scale: float = 1.0) -> tuple[int, int]:
 def _counts(op: str, nbytes: int, world: int) -> tuple[int, int]:
     """(input elements, output elements) per rank for a nominal size in bytes."""
     n = max(1, nbytes // 4)
-    if op in ("all_reduce", "broadcast"):
+    if op in ("all_reduce", "broadcast", "pingpong"):
         return n, n
     per_rank = max(1, n // world)
     if op == "all_gather":
@@ -55,7 +57,7 @@ class Case:
         self.op, self.comm = op, comm
         n_in, n_out = _counts(op, nbytes, comm.world)
         self.inp = np.zeros(n_in, np.float32)
-        self.out = self.inp if op in ("all_reduce", "broadcast") else np.zeros(n_out, np.float32)
+        self.out = self.inp if op in ("all_reduce", "broadcast", "pingpong") else np.zeros(n_out, np.float32)
         self.bytes = (n_in if op != "all_gather" else n_out) * 4
         self.call = self._bind()
 
@@ -64,6 +66,8 @@ class Case:
         inp, out = self.inp, self.out
         if op == "barrier":
             return self.comm.barrier
+        if op == "pingpong":
+            return self._pingpong()
         if name == "pycyxwiz":
             d = self.comm.d
             return {
@@ -93,9 +97,24 @@ class Case:
             }[op]
         raise ValueError(name)
 
+    def _pingpong(self):
+        name, buf, rank = self.comm.name, self.inp, self.comm.rank
+        if name == "pycyxwiz":
+            send, recv = (lambda p: self.comm.d.send(buf, p)), (lambda p: self.comm.d.recv(buf, p))
+        elif name == "gloo":
+            t = self.comm.torch.from_numpy(buf)
+            send, recv = (lambda p: self.comm.dist.send(t, p)), (lambda p: self.comm.dist.recv(t, p))
+        else:
+            send, recv = (lambda p: self.comm.comm.Send(buf, p)), (lambda p: self.comm.comm.Recv(buf, p))
+        if rank == 0:
+            return lambda: (send(1), recv(1))
+        if rank == 1:
+            return lambda: (recv(0), send(0))
+        return lambda: None
+
     def check(self) -> bool:
         """Run once on rank-dependent inputs and compare a few outputs with the closed form."""
-        if self.op == "barrier":
+        if self.op in ("barrier", "pingpong"):
             self.call()
             return True
         r, n = self.comm.rank, self.comm.world

@@ -46,7 +46,7 @@ SHORT_NAME = {"all_reduce": "allreduce", "broadcast": "broadcast", "all_gather":
 
 def bus_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "barrier": 0.0}[op]
+            "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "barrier": 0.0, "pingpong": 0.0}[op]
 
 
 def run_column(lib: str, op: str, world: int, sizes: list, iters_scale: float, timeout_s: float) -> dict:
@@ -148,12 +148,12 @@ def tables(payload: dict, markdown: bool = False) -> str:
         headers = ["size"] + [lib for lib in libs]
         if has_cx:
             headers += [f"cx/{lib}" for lib in others]
-            if two_way and op != "barrier":
+            if two_way and op not in ("barrier", "pingpong"):
                 headers.append("cx/tcp-2way")
         rows = []
         for nominal in payload["sizes"]:
             row = [human_size(nominal)]
-            small = nominal < LATENCY_BELOW or op == "barrier"
+            small = nominal < LATENCY_BELOW or op in ("barrier", "pingpong")
             cells = {lib: _cell(cols.get(lib), nominal) for lib in libs}
             for lib in libs:
                 c = cells[lib]
@@ -168,7 +168,7 @@ def tables(payload: dict, markdown: bool = False) -> str:
                     o = cells[lib]
                     ratio = o["median_s"] / cx["median_s"] if cx and o and cx["median_s"] > 0 else None
                     row.append(fmt_ratio(ratio))
-                if two_way and op != "barrier":
+                if two_way and op not in ("barrier", "pingpong"):
                     frac = cx["busbw_GBps"] / two_way if cx and cx["busbw_GBps"] and not small else None
                     row.append("" if frac is None else f"{100 * frac:.0f}%")
             rows.append(row)
@@ -236,9 +236,11 @@ def main(argv=None) -> int:
     sizes = sorted(a.sizes or (QUICK_SIZES if a.quick else DEFAULT_SIZES))
     if a.op == "barrier":
         sizes = [0]
+    elif a.op == "pingpong" and not a.sizes:
+        sizes = [8]
     scale = a.iters_scale * (0.34 if a.quick else 1.0)
     loopback = None
-    if not a.no_loopback and a.op != "barrier":
+    if not a.no_loopback and a.op not in ("barrier", "pingpong"):
         from benchmarks import loopback as lbm
 
         print("measuring loopback TCP ...", flush=True)
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
     print()
     print(tables(payload))
     print(f"\nwrote {write_json(name, payload)}")
-    png = plot(payload, RESULTS / f"{name}.png")
+    png = plot(payload, RESULTS / f"{name}.png") if a.op not in ("barrier", "pingpong") else None
     if png:
         print(f"wrote {png}")
     return 0

@@ -5,7 +5,8 @@
     python -m benchmarks --skip train memory
 
 Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
-reduce_scatter (8 B .. 64 MiB), barrier latency, training (1, 2, 4 ranks), memory. Writes
+reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
+(1, 2, 4 ranks), memory. Writes
 benchmarks/results/<name>.json and .png for each, and SUMMARY.md: the markdown tables that
 go into the README. Each column has a timeout, clipped so the suite stays within --budget.
 """
@@ -26,7 +27,8 @@ from benchmarks import loopback, memory, train
 from benchmarks._launch import LIBRARIES, RESULTS, mpi_available
 from benchmarks._report import format_table, machine_info, write_json
 
-STEPS = ("loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "train", "memory")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
+STEPS = ("loopback", *COLLECTIVES, "train", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
 
 
@@ -74,12 +76,14 @@ def targets(parts: dict) -> list:
         m8 = _ratios(ar, "mpi-tcp", world).get(8)
         add("8-byte all_reduce latency vs Open MPI TCP", world, m8, ">= 0.67x (<= 1.5x its time)",
             lambda v: v >= 1 / 1.5)
-    bar = parts.get("barrier")
-    if bar and lb.get("rtt_8B_us"):
-        for world in bar["worlds"]:
-            t = _medians(bar, "pycyxwiz", world).get(0)
-            add("barrier time / loopback 8-byte RTT", world, t * 1e6 / lb["rtt_8B_us"] if t else None,
-                "<= 1 round trip", lambda v: v <= 1.0, "{:.2f} RTT")
+    pp = parts.get("pingpong")
+    for op, size, label in (("barrier", 0, "barrier"), ("all_reduce", 8, "8-byte all_reduce")):
+        p = parts.get(op)
+        for world in (p or {}).get("worlds", []):
+            t = _medians(p, "pycyxwiz", world).get(size)
+            rtt = _medians(pp, "pycyxwiz", world).get(8)
+            add(f"{label} time / pycyxwiz 8-byte send-recv round trip", world,
+                t / rtt if t and rtt else None, "<= 1 round trip", lambda v: v <= 1.0, "{:.2f} RTT")
     tr = parts.get("train")
     if tr:
         from benchmarks.train import _sps
@@ -124,13 +128,13 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
     if rows:
         lines += ["", "## Targets (issue 5), as measured in this run", "",
                   format_table(["target", "ranks", "measured", "goal", "met"], rows, markdown=True)]
-    for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
+    for op in COLLECTIVES:
         p = parts.get(op)
         if not p:
             continue
         name = coll.SHORT_NAME[op]
         lines += ["", f"## {op}", "", coll.tables(p, markdown=True)]
-        if (RESULTS / f"{name}.png").exists() and op != "barrier":
+        if (RESULTS / f"{name}.png").exists() and op not in ("barrier", "pingpong"):
             lines += ["", f"![{op} busbw vs size]({name}.png)"]
     if parts.get("train"):
         lines += ["", "## training", "", train.table(parts["train"], markdown=True), "", "![training](train.png)"]
@@ -162,11 +166,13 @@ def main(argv=None) -> int:
         print("loopback TCP ...", flush=True)
         parts["loopback"] = loopback.measure(1 << 30, repeats=3)
         write_json("loopback", {"benchmark": "loopback", **parts["loopback"]})
-    for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
+    for op in COLLECTIVES:
         if op in a.skip:
             continue
         if op == "barrier":
             sizes = [0]
+        elif op == "pingpong":
+            sizes = [8]
         elif a.quick:
             sizes = coll.QUICK_SIZES
         else:
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
         p = coll.run(op, a.worlds, a.libs, sizes, scale, timeout_s=180, loopback=parts.get("loopback"),
                      rounds=a.rounds or (1 if a.quick else 2))
         write_json(coll.SHORT_NAME[op], p)
-        if op != "barrier":
+        if op not in ("barrier", "pingpong"):
             coll.plot(p, RESULTS / f"{coll.SHORT_NAME[op]}.png")
         print(coll.tables(p) + "\n", flush=True)
         parts[op] = p
