@@ -50,10 +50,10 @@ class RankFailure(AssertionError):
 
 
 def _child(fn, rank, world, env, args, init, conn):
-    os.environ.update({k: str(v) for k, v in env.items()})
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world)
-    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.update({k: str(v) for k, v in env.items()})  # may override the three above
     try:
         import pycyxwiz as cx
 

@@ -211,7 +211,10 @@ void ProcessGroup::shutdown() {
   bool failed = poisoned();
   if (transport_) {
     std::lock_guard<std::mutex> ex(exec_mu_);
-    transport_->close(Deadline::after_ms(failed ? 200 : cfg_.timeout_ms));
+    // A short grace period only: a peer that is still working (or has died)
+    // must not hold up this process's exit. Closing with nothing unread sends
+    // a FIN, never a reset, so data we sent still reaches peers that read it.
+    transport_->close(Deadline::after_ms(failed ? 20 : 100));
   }
   if (store_ && cfg_.rank != 0) {
     try {

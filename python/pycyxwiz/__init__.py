@@ -11,7 +11,7 @@ _preload_blas()
 from . import _core  # noqa: E402
 from ._nn import *  # noqa: E402,F401,F403
 from ._nn import __all__ as _nn_all  # noqa: E402
-from . import distributed  # noqa: E402
+from . import datasets, distributed  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["distributed", "__version__", *_nn_all]
+__all__ = ["datasets", "distributed", "__version__", *_nn_all]

@@ -1,2 +1,68 @@
-"""The model stack (issue 3): modules, Sequential model, losses, optimizers."""
-__all__: list = []
+"""The model stack (issue 3): modules, Sequential model, losses, optimizers, schedulers.
+
+    model = cx.SequentialModel(); model.add(cx.LinearModule(64, 10))
+    loss = cx.CrossEntropyLoss(); opt = cx.AdamOptimizer(1e-3)
+
+Everything here is implemented in C++ (csrc/nn/); this module only re-exports it.
+"""
+from ._core import (
+    BatchNormModule,
+    BCEWithLogitsLoss,
+    CosineAnnealingLR,
+    CrossEntropyLoss,
+    DropoutModule,
+    FlattenModule,
+    GELUModule,
+    LeakyReLUModule,
+    LinearModule,
+    LinearWarmupLR,
+    LRScheduler,
+    Module,
+    MSELoss,
+    Optimizer,
+    ReLUModule,
+    SequentialModel,
+    SigmoidModule,
+    SoftmaxModule,
+    StepLR,
+    TanhModule,
+    AdamOptimizer,
+    AdamWOptimizer,
+    RMSpropOptimizer,
+    SGDOptimizer,
+    clip_grad_norm,
+    get_num_threads,
+    manual_seed,
+    set_num_threads,
+)
+
+__all__ = [
+    "Module",
+    "SequentialModel",
+    "LinearModule",
+    "ReLUModule",
+    "LeakyReLUModule",
+    "SigmoidModule",
+    "TanhModule",
+    "GELUModule",
+    "SoftmaxModule",
+    "DropoutModule",
+    "BatchNormModule",
+    "FlattenModule",
+    "CrossEntropyLoss",
+    "MSELoss",
+    "BCEWithLogitsLoss",
+    "Optimizer",
+    "SGDOptimizer",
+    "AdamOptimizer",
+    "AdamWOptimizer",
+    "RMSpropOptimizer",
+    "LRScheduler",
+    "StepLR",
+    "CosineAnnealingLR",
+    "LinearWarmupLR",
+    "clip_grad_norm",
+    "set_num_threads",
+    "get_num_threads",
+    "manual_seed",
+]

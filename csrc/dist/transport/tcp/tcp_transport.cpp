@@ -293,8 +293,52 @@ bool TcpTransport::progress() {
   return moved;
 }
 
+// A peer that gave up (timeout, mismatch, its own dead peer) leaves an ABORT
+// frame in the stream before closing. When its connection fails under us, read
+// on for that frame (bounded in time and bytes) so we raise its reason rather
+// than a bare "connection lost".
+void TcpTransport::salvage_abort(int peer) {
+  Peer& p = peers_[peer];
+  auto dl = Deadline::after_ms(200);
+  std::vector<char> sink(64 * 1024);
+  size_t budget = 64u << 20;
+  auto skip = [&](size_t n) {
+    while (n > 0) {
+      size_t k = std::min(n, sink.size());
+      tcp::recv_exact(p.fd.get(), sink.data(), k, dl, "peer");
+      n -= k;
+    }
+  };
+  try {
+    if (p.rhdr_got > 0) return;  // mid-header: the stream cannot be followed
+    if (p.in_payload && !p.recvs.empty()) {
+      const RecvOp& r = p.recvs.front();
+      if (r.len - r.done > budget) return;
+      skip(r.len - r.done);
+    }
+    for (;;) {
+      char h[kHeaderBytes];
+      tcp::recv_exact(p.fd.get(), h, kHeaderBytes, dl, "peer");
+      if (get<uint32_t>(h, 0) != kFrameMagic) return;
+      uint64_t len = get<uint64_t>(h, 32);
+      if (static_cast<uint8_t>(h[4]) == kAbort) {
+        if (len > kMaxAbortMessage) return;
+        std::string msg(len, '\0');
+        tcp::recv_exact(p.fd.get(), msg.data(), len, dl, "peer");
+        rethrow_as(static_cast<ErrorKind>(get<uint32_t>(h, 12)), msg);
+      }
+      if (len > budget) return;
+      budget -= len;
+      skip(len);
+    }
+  } catch (const ConnectionError&) {
+  } catch (const TimeoutError&) {
+  }
+}
+
 void TcpTransport::peer_closed(int peer, const char* during) {
   int e = errno;
+  salvage_abort(peer);
   CX_THROW(ConnectionError, "rank ", rank_, ": lost the connection to rank ", peer, " (", peers_[peer].addr,
            ") while ", during, " it during ", desc_.describe(), ": rank ", peer,
            " exited, crashed or was killed (", e ? std::strerror(e) : "connection closed", ")");

@@ -78,6 +78,7 @@ class TcpTransport : public Transport {
   void check_header(int peer);     // validates rhdr; throws on mismatch/abort
   void block(const char* why_peer_hint);
   [[noreturn]] void peer_closed(int peer, const char* during);
+  void salvage_abort(int peer);  // throws the peer's abort reason if it left one
   [[noreturn]] void timed_out();
   void fill_header(char* h, uint8_t type, uint64_t payload_len, uint32_t abort_kind) const;
 

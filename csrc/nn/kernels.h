@@ -1,0 +1,31 @@
+// defines: the vectorised loops over flat buffers that optimizers, losses and
+// clipping use. Each has a plain scalar reference beside an AVX2 path picked at
+// run time (the shipped build targets baseline x86-64; see DESIGN.md "Build").
+// PYCYXWIZ_NN_SCALAR=1 in the environment forces the scalar paths.
+#pragma once
+
+#include <cstddef>
+
+namespace cx::nn::kernels {
+
+// Adam / AdamW on n elements. g_scale multiplies the gradient read (1 normally).
+// l2 adds l2*p to the gradient (Adam's weight_decay); decay multiplies p by
+// (1 - lr*wd) first (AdamW's decoupled decay; pass 1 for none).
+// step_size = lr / (1 - beta1^t); inv_bc2_sqrt = 1 / sqrt(1 - beta2^t).
+void adam(float* p, const float* g, float* m, float* v, size_t n, float beta1, float beta2, float eps,
+          float step_size, float inv_bc2_sqrt, float l2, float decay);
+
+// RMSprop: v = a*v + (1-a) g^2; if momentum: buf = mu*buf + g/(sqrt(v)+eps), p -= lr*buf;
+// else p -= lr*g/(sqrt(v)+eps). g includes l2*p.
+void rmsprop(float* p, const float* g, float* v, float* buf, size_t n, float lr, float alpha, float eps,
+             float momentum, float l2);
+
+// SGD (PyTorch's formula): d = g + l2*p; if momentum: buf = mu*buf + d; d = nesterov ? d + mu*buf : buf;
+// p -= lr*d. buf may be null when momentum == 0.
+void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentum, bool nesterov, float l2);
+
+// sum of squares in double (for global-norm clipping).
+double sum_squares(const float* x, size_t n);
+void scale(float* x, size_t n, float s);
+
+}  // namespace cx::nn::kernels

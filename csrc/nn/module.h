@@ -1,0 +1,115 @@
+// defines: Module, the base of every layer; ModuleKind (the ids written into
+// .cyxmodel files); ParamSpec.
+//
+// A module is a pure function of its input and parameters plus whatever it must
+// remember for backward (a dropout mask, batch-norm statistics). The model owns
+// the activations: forward writes into a buffer the model provides, and backward
+// gets the same input and output pointers back, so a module never copies or keeps
+// its input.
+//
+// Parameters: a module declares its parameter tensors (ParamSpec, e.g. Linear's
+// weight (out, in) then bias (out,)). Until it is added to a SequentialModel it
+// owns a small storage of its own; add() moves the values into the model's flat
+// buffers and re-points the module there (attach). Within a module the tensors
+// are contiguous and in declaration order, so the model's layout is "layer order,
+// weight then bias".
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/tensor.h"
+
+namespace cx::nn {
+
+class ByteWriter;
+
+// Stored in model files: never renumber.
+enum class ModuleKind : uint16_t {
+  kLinear = 1,
+  kReLU = 2,
+  kLeakyReLU = 3,
+  kSigmoid = 4,
+  kTanh = 5,
+  kGELU = 6,
+  kSoftmax = 7,
+  kDropout = 8,
+  kBatchNorm = 9,
+  kFlatten = 10,
+};
+
+struct ParamSpec {
+  std::string name;  // "weight", "bias"
+  Shape shape;
+};
+
+// Called by backward with a module-local parameter index once that parameter's
+// gradient is final for this backward call.
+using ParamDone = std::function<void(size_t local_index)>;
+
+class Module {
+ public:
+  virtual ~Module() = default;
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  virtual ModuleKind kind() const = 0;
+  virtual std::string type_name() const = 0;  // "Linear"
+  virtual std::string repr() const = 0;       // "Linear(784, 256, bias=True)"
+
+  // Shape of the output for an input shape (batch first). Throws InvalidArgument
+  // saying which input shape it expects.
+  virtual Shape output_shape(const Shape& in) const = 0;
+  // y has room for output_shape(in).
+  virtual void forward(const float* x, const Shape& in, float* y, bool training) = 0;
+  // x, y: the input and output of the last forward; gy: dL/dy. Accumulates (+=)
+  // parameter gradients, calls done(i) for each parameter once its gradient is
+  // final (in reverse declaration order), and writes dL/dx into gx unless null.
+  virtual void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
+                        const ParamDone& done) = 0;
+
+  // Non-trainable state saved with the model (BatchNorm's running statistics).
+  virtual std::vector<std::vector<float>*> buffers() { return {}; }
+  // Hyper-parameters, written to model files right after the kind.
+  virtual void write_config(ByteWriter& w) const {}
+
+  const std::vector<ParamSpec>& param_specs() const { return specs_; }
+  size_t num_params() const { return total_; }  // scalars over all its tensors
+  float* param(size_t i) { return p_->data() + offset_ + local_off_[i]; }
+  float* grad(size_t i) { return g_->data() + offset_ + local_off_[i]; }
+  const float* param(size_t i) const { return p_->data() + offset_ + local_off_[i]; }
+  size_t param_offset(size_t i) const { return offset_ + local_off_[i]; }
+  const std::shared_ptr<FloatStorage>& param_storage() const { return p_; }
+  const std::shared_ptr<FloatStorage>& grad_storage() const { return g_; }
+
+  // SequentialModel only: from now on this module's parameters live in
+  // (params, grads) starting at `offset`. Copies the current values over.
+  void attach(std::shared_ptr<FloatStorage> params, std::shared_ptr<FloatStorage> grads, size_t offset);
+  bool in_model() const { return in_model_; }
+  void set_in_model() { in_model_ = true; }
+
+  // Using a module on its own (tests, experiments): keeps a copy of the input.
+  const Tensor& forward_standalone(const float* x, const Shape& in, bool training);
+  const Tensor& backward_standalone(const float* gy, const Shape& shape);
+
+ protected:
+  // Derived constructors call this once; it allocates the module's own storage.
+  void declare_params(std::vector<ParamSpec> specs);
+
+ private:
+  std::vector<ParamSpec> specs_;
+  std::vector<size_t> local_off_;
+  size_t total_ = 0;
+  std::shared_ptr<FloatStorage> p_ = std::make_shared<FloatStorage>(0);
+  std::shared_ptr<FloatStorage> g_ = std::make_shared<FloatStorage>(0);
+  size_t offset_ = 0;
+  bool in_model_ = false;
+  Tensor sx_, sy_, sgx_;
+  bool standalone_ready_ = false;
+};
+
+}  // namespace cx::nn

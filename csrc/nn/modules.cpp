@@ -1,0 +1,385 @@
+#include "nn/modules.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "common/error.h"
+#include "nn/blas.h"
+#include "nn/serialize.h"
+
+namespace cx::nn {
+
+namespace {
+std::string fmt_float(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// (batch, features) with features == want (0: any).
+void check_2d(const Module& m, const Shape& in, size_t want, const char* what) {
+  bool ok = in.size() == 2 && (want == 0 || in[1] == want);
+  if (!ok) {
+    std::string expect = want ? "(batch, " + std::to_string(want) + ")" : std::string("(batch, ") + what + ")";
+    CX_THROW(InvalidArgument, m.repr(), " expects input of shape ", expect, ", got ", shape_str(in));
+  }
+}
+}  // namespace
+
+// ---------------------------------------------------------------- Linear
+
+LinearModule::LinearModule(size_t in, size_t out, bool bias, LinearInit init, uint64_t seed)
+    : in_(in), out_(out), bias_(bias), init_(init) {
+  CX_CHECK(in >= 1 && out >= 1, InvalidArgument, "LinearModule: in_features and out_features must be >= 1, got (",
+           in, ", ", out, ")");
+  std::vector<ParamSpec> specs{{"weight", {out, in}}};
+  if (bias) specs.push_back({"bias", {out}});
+  declare_params(std::move(specs));
+  reset_parameters(seed);
+}
+
+void LinearModule::reset_parameters(uint64_t seed) {
+  double bound = init_ == LinearInit::kKaiming ? std::sqrt(6.0 / in_) : std::sqrt(6.0 / (in_ + out_));
+  Rng rng(seed);
+  float* w = param(0);
+  for (size_t i = 0; i < in_ * out_; ++i) w[i] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+  if (bias_) std::fill(param(1), param(1) + out_, 0.0f);
+}
+
+std::string LinearModule::repr() const {
+  std::string s = "Linear(" + std::to_string(in_) + ", " + std::to_string(out_);
+  if (!bias_) s += ", bias=False";
+  return s + ")";
+}
+
+Shape LinearModule::output_shape(const Shape& in) const {
+  check_2d(*this, in, in_, "");
+  return {in[0], out_};
+}
+
+void LinearModule::forward(const float* x, const Shape& in, float* y, bool) {
+  const int B = static_cast<int>(in[0]), I = static_cast<int>(in_), O = static_cast<int>(out_);
+  if (bias_) {
+    const float* b = param(1);
+    for (int r = 0; r < B; ++r) std::memcpy(y + static_cast<size_t>(r) * O, b, O * sizeof(float));
+  }
+  gemm(false, true, B, O, I, 1.0f, x, I, param(0), I, bias_ ? 1.0f : 0.0f, y, O);
+}
+
+void LinearModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
+                            const ParamDone& done) {
+  const int B = static_cast<int>(in[0]), I = static_cast<int>(in_), O = static_cast<int>(out_);
+  // Parameter gradients first, so the hook can start communicating them while
+  // dL/dx (the rest of this backward) is still being computed.
+  if (bias_) {
+    float* db = grad(1);
+    for (int r = 0; r < B; ++r) {
+      const float* row = gy + static_cast<size_t>(r) * O;
+      for (int j = 0; j < O; ++j) db[j] += row[j];
+    }
+    done(1);
+  }
+  gemm(true, false, O, I, B, 1.0f, gy, O, x, I, 1.0f, grad(0), I);  // dW += gy^T x
+  done(0);
+  if (gx) gemm(false, false, B, I, O, 1.0f, gy, O, param(0), I, 0.0f, gx, I);  // dx = gy W
+}
+
+void LinearModule::write_config(ByteWriter& w) const {
+  w.u64(in_);
+  w.u64(out_);
+  w.u8(bias_ ? 1 : 0);
+  w.u8(static_cast<uint8_t>(init_));
+}
+
+// ---------------------------------------------------------------- element-wise
+
+Shape ElementwiseModule::output_shape(const Shape& in) const {
+  if (in.size() < 2) CX_THROW(InvalidArgument, repr(), " expects input of shape (batch, features...), got ", shape_str(in));
+  return in;
+}
+
+void ReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+void ReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
+                          const ParamDone&) {
+  if (!gx) return;
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) gx[i] = x[i] > 0.0f ? gy[i] : 0.0f;
+}
+
+LeakyReLUModule::LeakyReLUModule(float s) : slope_(s) {
+  CX_CHECK(std::isfinite(s), InvalidArgument, "LeakyReLUModule: negative_slope must be finite, got ", s);
+}
+std::string LeakyReLUModule::repr() const { return "LeakyReLU(negative_slope=" + fmt_float(slope_) + ")"; }
+void LeakyReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : slope_ * x[i];
+}
+void LeakyReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
+                               const ParamDone&) {
+  if (!gx) return;
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) gx[i] = x[i] > 0.0f ? gy[i] : slope_ * gy[i];
+}
+void LeakyReLUModule::write_config(ByteWriter& w) const { w.f32(slope_); }
+
+void SigmoidModule::forward(const float* x, const Shape& in, float* y, bool) {
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) {
+    // Stable on both sides: exp of a non-positive number never overflows.
+    float e = std::exp(-std::fabs(x[i]));
+    y[i] = x[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  }
+}
+void SigmoidModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
+                             const ParamDone&) {
+  if (!gx) return;
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) gx[i] = gy[i] * y[i] * (1.0f - y[i]);
+}
+
+void TanhModule::forward(const float* x, const Shape& in, float* y, bool) {
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
+}
+void TanhModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
+                          const ParamDone&) {
+  if (!gx) return;
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) gx[i] = gy[i] * (1.0f - y[i] * y[i]);
+}
+
+void GELUModule::forward(const float* x, const Shape& in, float* y, bool) {
+  size_t n = numel(in);
+  for (size_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * 0.70710678118654752f));
+}
+void GELUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
+                          const ParamDone&) {
+  if (!gx) return;
+  size_t n = numel(in);
+  const float kInvSqrt2Pi = 0.39894228040143268f;
+  for (size_t i = 0; i < n; ++i) {
+    float cdf = 0.5f * (1.0f + std::erf(x[i] * 0.70710678118654752f));
+    float pdf = kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]);
+    gx[i] = gy[i] * (cdf + x[i] * pdf);
+  }
+}
+
+// ---------------------------------------------------------------- Softmax
+
+Shape SoftmaxModule::output_shape(const Shape& in) const {
+  check_2d(*this, in, 0, "features");
+  return in;
+}
+void SoftmaxModule::forward(const float* x, const Shape& in, float* y, bool) {
+  size_t B = in[0], F = in[1];
+  for (size_t r = 0; r < B; ++r) {
+    const float* xr = x + r * F;
+    float* yr = y + r * F;
+    float mx = *std::max_element(xr, xr + F);
+    float s = 0.0f;
+    for (size_t j = 0; j < F; ++j) s += (yr[j] = std::exp(xr[j] - mx));
+    float inv = 1.0f / s;
+    for (size_t j = 0; j < F; ++j) yr[j] *= inv;
+  }
+}
+void SoftmaxModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
+                             const ParamDone&) {
+  if (!gx) return;
+  size_t B = in[0], F = in[1];
+  for (size_t r = 0; r < B; ++r) {
+    const float *yr = y + r * F, *gr = gy + r * F;
+    float dot = 0.0f;
+    for (size_t j = 0; j < F; ++j) dot += gr[j] * yr[j];
+    for (size_t j = 0; j < F; ++j) gx[r * F + j] = yr[j] * (gr[j] - dot);
+  }
+}
+
+// ---------------------------------------------------------------- Dropout
+
+DropoutModule::DropoutModule(float p, uint64_t seed) : p_(p), seed_(seed), rng_(seed) {
+  CX_CHECK(p >= 0.0f && p < 1.0f, InvalidArgument, "DropoutModule: p must be in [0, 1), got ", p);
+}
+std::string DropoutModule::repr() const { return "Dropout(p=" + fmt_float(p_) + ")"; }
+void DropoutModule::forward(const float* x, const Shape& in, float* y, bool training) {
+  size_t n = numel(in);
+  last_training_ = training && p_ > 0.0f;
+  if (!last_training_) {
+    std::memcpy(y, x, n * sizeof(float));
+    return;
+  }
+  mask_.resize(in);
+  float* m = mask_.data();
+  const float keep_scale = 1.0f / (1.0f - p_);
+  for (size_t i = 0; i < n; ++i) m[i] = rng_.uniform() >= p_ ? keep_scale : 0.0f;
+  for (size_t i = 0; i < n; ++i) y[i] = x[i] * m[i];
+}
+void DropoutModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
+                             const ParamDone&) {
+  if (!gx) return;
+  size_t n = numel(in);
+  if (!last_training_) {
+    std::memcpy(gx, gy, n * sizeof(float));
+    return;
+  }
+  const float* m = mask_.data();
+  for (size_t i = 0; i < n; ++i) gx[i] = gy[i] * m[i];
+}
+void DropoutModule::write_config(ByteWriter& w) const {
+  w.f32(p_);
+  w.u64(seed_);
+}
+
+// ---------------------------------------------------------------- BatchNorm
+
+BatchNormModule::BatchNormModule(size_t features, float eps, float momentum)
+    : f_(features), eps_(eps), momentum_(momentum), running_mean_(features, 0.0f), running_var_(features, 1.0f) {
+  CX_CHECK(features >= 1, InvalidArgument, "BatchNormModule: features must be >= 1, got ", features);
+  CX_CHECK(eps > 0.0f, InvalidArgument, "BatchNormModule: eps must be > 0, got ", eps);
+  CX_CHECK(momentum >= 0.0f && momentum <= 1.0f, InvalidArgument, "BatchNormModule: momentum must be in [0, 1], got ",
+           momentum);
+  declare_params({{"weight", {features}}, {"bias", {features}}});
+  std::fill(param(0), param(0) + features, 1.0f);
+}
+std::string BatchNormModule::repr() const {
+  return "BatchNorm(" + std::to_string(f_) + ", eps=" + fmt_float(eps_) + ", momentum=" + fmt_float(momentum_) + ")";
+}
+Shape BatchNormModule::output_shape(const Shape& in) const {
+  check_2d(*this, in, f_, "");
+  return in;
+}
+void BatchNormModule::forward(const float* x, const Shape& in, float* y, bool training) {
+  const size_t B = in[0], F = f_;
+  last_training_ = training;
+  xhat_.resize(in);
+  invstd_.assign(F, 0.0f);
+  float* xh = xhat_.data();
+  const float *gamma = param(0), *beta = param(1);
+  if (training) {
+    CX_CHECK(B >= 2, InvalidArgument, repr(), " needs a batch of at least 2 in training mode, got ", shape_str(in));
+    std::vector<double> mean(F, 0.0), var(F, 0.0);
+    for (size_t r = 0; r < B; ++r)
+      for (size_t j = 0; j < F; ++j) mean[j] += x[r * F + j];
+    for (size_t j = 0; j < F; ++j) mean[j] /= static_cast<double>(B);
+    for (size_t r = 0; r < B; ++r)
+      for (size_t j = 0; j < F; ++j) {
+        double d = x[r * F + j] - mean[j];
+        var[j] += d * d;
+      }
+    for (size_t j = 0; j < F; ++j) {
+      double biased = var[j] / static_cast<double>(B);
+      invstd_[j] = static_cast<float>(1.0 / std::sqrt(biased + eps_));
+      double unbiased = var[j] / static_cast<double>(B - 1);
+      running_mean_[j] = static_cast<float>((1.0 - momentum_) * running_mean_[j] + momentum_ * mean[j]);
+      running_var_[j] = static_cast<float>((1.0 - momentum_) * running_var_[j] + momentum_ * unbiased);
+    }
+    for (size_t r = 0; r < B; ++r)
+      for (size_t j = 0; j < F; ++j) {
+        float h = static_cast<float>(x[r * F + j] - mean[j]) * invstd_[j];
+        xh[r * F + j] = h;
+        y[r * F + j] = gamma[j] * h + beta[j];
+      }
+  } else {
+    for (size_t j = 0; j < F; ++j) invstd_[j] = 1.0f / std::sqrt(running_var_[j] + eps_);
+    for (size_t r = 0; r < B; ++r)
+      for (size_t j = 0; j < F; ++j) {
+        float h = (x[r * F + j] - running_mean_[j]) * invstd_[j];
+        xh[r * F + j] = h;
+        y[r * F + j] = gamma[j] * h + beta[j];
+      }
+  }
+}
+void BatchNormModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
+                               const ParamDone& done) {
+  const size_t B = in[0], F = f_;
+  const float* xh = xhat_.data();
+  std::vector<float> sum_gy(F, 0.0f), sum_gy_xh(F, 0.0f);
+  for (size_t r = 0; r < B; ++r)
+    for (size_t j = 0; j < F; ++j) {
+      sum_gy[j] += gy[r * F + j];
+      sum_gy_xh[j] += gy[r * F + j] * xh[r * F + j];
+    }
+  float *dgamma = grad(0), *dbeta = grad(1);
+  for (size_t j = 0; j < F; ++j) dbeta[j] += sum_gy[j];
+  done(1);
+  for (size_t j = 0; j < F; ++j) dgamma[j] += sum_gy_xh[j];
+  done(0);
+  if (!gx) return;
+  const float* gamma = param(0);
+  if (last_training_) {
+    // dx = gamma * invstd / B * (B*gy - sum(gy) - xhat * sum(gy*xhat))
+    const float invB = 1.0f / static_cast<float>(B);
+    for (size_t r = 0; r < B; ++r)
+      for (size_t j = 0; j < F; ++j) {
+        size_t k = r * F + j;
+        gx[k] = gamma[j] * invstd_[j] * (gy[k] - invB * sum_gy[j] - xh[k] * invB * sum_gy_xh[j]);
+      }
+  } else {
+    for (size_t r = 0; r < B; ++r)
+      for (size_t j = 0; j < F; ++j) gx[r * F + j] = gy[r * F + j] * gamma[j] * invstd_[j];
+  }
+}
+void BatchNormModule::write_config(ByteWriter& w) const {
+  w.u64(f_);
+  w.f32(eps_);
+  w.f32(momentum_);
+}
+
+// ---------------------------------------------------------------- Flatten
+
+Shape FlattenModule::output_shape(const Shape& in) const {
+  if (in.size() < 2) CX_THROW(InvalidArgument, "Flatten() expects input of shape (batch, d1, ...), got ", shape_str(in));
+  return {in[0], numel(Shape(in.begin() + 1, in.end()))};
+}
+void FlattenModule::forward(const float* x, const Shape& in, float* y, bool) {
+  std::memcpy(y, x, numel(in) * sizeof(float));
+}
+void FlattenModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
+                             const ParamDone&) {
+  if (gx) std::memcpy(gx, gy, numel(in) * sizeof(float));
+}
+
+// ---------------------------------------------------------------- files
+
+std::shared_ptr<Module> read_module(ByteReader& r) {
+  uint16_t kind = r.u16();
+  try {
+    switch (static_cast<ModuleKind>(kind)) {
+      case ModuleKind::kLinear: {
+        uint64_t in = r.u64(), out = r.u64();
+        uint8_t bias = r.u8(), init = r.u8();
+        if (init > 1 || bias > 1) r.fail("bad Linear hyper-parameters");
+        if (in == 0 || out == 0 || in > (1ull << 31) || out > (1ull << 31) || in * out > r.remaining() / 4)
+          r.fail("bad Linear sizes (" + std::to_string(in) + ", " + std::to_string(out) + ")");
+        return std::make_shared<LinearModule>(in, out, bias != 0, static_cast<LinearInit>(init), 0);
+      }
+      case ModuleKind::kReLU: return std::make_shared<ReLUModule>();
+      case ModuleKind::kLeakyReLU: return std::make_shared<LeakyReLUModule>(r.f32());
+      case ModuleKind::kSigmoid: return std::make_shared<SigmoidModule>();
+      case ModuleKind::kTanh: return std::make_shared<TanhModule>();
+      case ModuleKind::kGELU: return std::make_shared<GELUModule>();
+      case ModuleKind::kSoftmax: return std::make_shared<SoftmaxModule>();
+      case ModuleKind::kDropout: {
+        float p = r.f32();
+        uint64_t seed = r.u64();
+        return std::make_shared<DropoutModule>(p, seed);
+      }
+      case ModuleKind::kBatchNorm: {
+        uint64_t f = r.u64();
+        float eps = r.f32(), mom = r.f32();
+        if (f == 0 || f > r.remaining() / 4) r.fail("bad BatchNorm size " + std::to_string(f));
+        return std::make_shared<BatchNormModule>(f, eps, mom);
+      }
+      case ModuleKind::kFlatten: return std::make_shared<FlattenModule>();
+    }
+  } catch (const InvalidArgument& e) {
+    r.fail(std::string("bad module hyper-parameters: ") + e.what());
+  }
+  r.fail("unknown module kind " + std::to_string(kind) + " (written by a newer pycyxwiz?)");
+}
+
+}  // namespace cx::nn

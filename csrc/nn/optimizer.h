@@ -1,0 +1,136 @@
+// defines: Optimizer and SGDOptimizer, AdamOptimizer, AdamWOptimizer,
+// RMSpropOptimizer; StateDict; clip_grad_norm.
+//
+// An optimizer updates one flat parameter buffer from one flat gradient buffer
+// (Note [Flat buffers] in sequential.h) in a single vectorised pass; its state
+// (momentum, moments) is flat too, sized on the first step. Formulas follow
+// PyTorch's documented algorithms, so results match torch.optim to float
+// rounding.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "nn/sequential.h"
+
+namespace cx::nn {
+
+// Everything needed to resume exactly: hyper-parameters and the step count as
+// scalars, the per-parameter state as float arrays. Python sees a dict.
+struct StateDict {
+  std::string type;  // "Adam", "AdamW", "SGD", "RMSprop"
+  std::map<std::string, double> scalars;
+  std::map<std::string, std::vector<float>> arrays;
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(double lr);
+  virtual ~Optimizer() = default;
+  virtual std::string type_name() const = 0;
+  virtual std::string repr() const = 0;
+
+  // One update of model.flat_params() from model.flat_grads().
+  void step(SequentialModel& model) { step(model.flat_params(), model.flat_grads(), model.num_parameters()); }
+  // The same over any flat buffer of n parameters. The optimizer's state is
+  // sized by the first call; later calls must pass the same n.
+  void step(float* params, const float* grads, size_t n);
+  void zero_grad(SequentialModel& model) { model.zero_grad(); }
+
+  double lr() const { return lr_; }
+  void set_lr(double lr);
+  int64_t steps() const { return t_; }
+
+  StateDict state_dict() const;
+  // Restores hyper-parameters, step count and state; checks type and sizes.
+  void load_state_dict(const StateDict& sd);
+
+ protected:
+  virtual void update(float* p, const float* g, size_t n) = 0;  // t_ already counts this step
+  // Named state arrays, allocated on the first step.
+  virtual std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() = 0;
+  virtual void get_hparams(std::map<std::string, double>& s) const = 0;
+  virtual void set_hparams(const std::map<std::string, double>& s) = 0;
+  virtual bool needs_array(const std::string& name) const { return true; }
+
+  double lr_;
+  int64_t t_ = 0;
+  size_t n_ = 0;  // parameters the state was built for (0: not yet)
+};
+
+class SGDOptimizer : public Optimizer {
+ public:
+  SGDOptimizer(double lr, double momentum = 0.0, bool nesterov = false, double weight_decay = 0.0);
+  std::string type_name() const override { return "SGD"; }
+  std::string repr() const override;
+
+ protected:
+  void update(float* p, const float* g, size_t n) override;
+  std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
+  void get_hparams(std::map<std::string, double>& s) const override;
+  void set_hparams(const std::map<std::string, double>& s) override;
+  bool needs_array(const std::string&) const override { return momentum_ != 0.0; }
+
+ private:
+  double momentum_, weight_decay_;
+  bool nesterov_;
+  std::vector<float> buf_;
+};
+
+// Adam (Kingma & Ba); weight_decay is L2 added to the gradient, as torch.optim.Adam.
+class AdamOptimizer : public Optimizer {
+ public:
+  AdamOptimizer(double lr = 1e-3, double beta1 = 0.9, double beta2 = 0.999, double eps = 1e-8,
+                double weight_decay = 0.0);
+  std::string type_name() const override { return decoupled_ ? "AdamW" : "Adam"; }
+  std::string repr() const override;
+
+ protected:
+  void update(float* p, const float* g, size_t n) override;
+  std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
+  void get_hparams(std::map<std::string, double>& s) const override;
+  void set_hparams(const std::map<std::string, double>& s) override;
+  bool decoupled_ = false;
+
+ private:
+  double beta1_, beta2_, eps_, weight_decay_;
+  std::vector<float> m_, v_;
+};
+
+// AdamW (Loshchilov & Hutter): decay applied to the weights, p *= 1 - lr*wd.
+class AdamWOptimizer : public AdamOptimizer {
+ public:
+  AdamWOptimizer(double lr = 1e-3, double beta1 = 0.9, double beta2 = 0.999, double eps = 1e-8,
+                 double weight_decay = 1e-2);
+};
+
+// RMSprop as torch.optim.RMSprop (centered=False).
+class RMSpropOptimizer : public Optimizer {
+ public:
+  RMSpropOptimizer(double lr = 1e-2, double alpha = 0.99, double eps = 1e-8, double weight_decay = 0.0,
+                   double momentum = 0.0);
+  std::string type_name() const override { return "RMSprop"; }
+  std::string repr() const override;
+
+ protected:
+  void update(float* p, const float* g, size_t n) override;
+  std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
+  void get_hparams(std::map<std::string, double>& s) const override;
+  void set_hparams(const std::map<std::string, double>& s) override;
+  bool needs_array(const std::string& name) const override { return name != "momentum_buffer" || momentum_ != 0.0; }
+
+ private:
+  double alpha_, eps_, weight_decay_, momentum_;
+  std::vector<float> v_, buf_;
+};
+
+// Scales all gradients so that their global L2 norm is at most max_norm;
+// returns the norm before clipping (computed in double).
+double clip_grad_norm(float* grads, size_t n, double max_norm);
+inline double clip_grad_norm(SequentialModel& m, double max_norm) {
+  return clip_grad_norm(m.flat_grads(), m.num_parameters(), max_norm);
+}
+
+}  // namespace cx::nn

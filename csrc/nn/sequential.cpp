@@ -1,0 +1,250 @@
+#include "nn/sequential.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "common/error.h"
+#include "nn/modules.h"
+#include "nn/serialize.h"
+
+namespace cx::nn {
+
+void SequentialModel::add(std::shared_ptr<Module> m) {
+  CX_CHECK(m != nullptr, InvalidArgument, "SequentialModel.add: module is None");
+  CX_CHECK(!m->in_model(), InvalidArgument, "SequentialModel.add: ", m->repr(),
+           " already belongs to a model; create a new module for each model");
+  size_t new_total = total_ + m->num_params();
+  if (m->num_params()) {
+    // Re-layout: fresh buffers, every module's values copied across (attach).
+    auto p = std::make_shared<FloatStorage>(new_total);
+    auto g = std::make_shared<FloatStorage>(new_total);
+    size_t off = 0;
+    for (auto& mod : modules_) {
+      if (mod->num_params()) mod->attach(p, g, off);
+      off += mod->num_params();
+    }
+    m->attach(p, g, off);
+    params_ = std::move(p);
+    grads_ = std::move(g);
+  }
+  first_param_.push_back(owners_.size());
+  for (size_t i = 0; i < m->param_specs().size(); ++i) owners_.emplace_back(modules_.size(), i);
+  m->set_in_model();
+  modules_.push_back(std::move(m));
+  total_ = new_total;
+  have_forward_ = false;
+}
+
+std::vector<std::pair<size_t, size_t>> SequentialModel::param_slices() const {
+  std::vector<std::pair<size_t, size_t>> out;
+  out.reserve(owners_.size());
+  for (auto [mi, pi] : owners_) {
+    const Module& m = *modules_[mi];
+    out.emplace_back(m.param_offset(pi), numel(m.param_specs()[pi].shape));
+  }
+  return out;
+}
+
+const Tensor& SequentialModel::forward(const float* x, const Shape& shape) {
+  CX_CHECK(!modules_.empty(), InvalidArgument, "SequentialModel.forward: the model has no modules; add() some first");
+  CX_CHECK(shape.size() >= 2 && shape[0] >= 1, InvalidArgument,
+           "SequentialModel.forward: expected input of shape (batch, features) with batch >= 1, got ", shape_str(shape));
+  have_forward_ = false;
+  const size_t n = modules_.size();
+  shapes_.resize(n + 1);
+  acts_.resize(n);
+  shapes_[0] = shape;
+  for (size_t i = 0; i < n; ++i) {
+    try {
+      shapes_[i + 1] = modules_[i]->output_shape(shapes_[i]);
+    } catch (const InvalidArgument& e) {
+      CX_THROW(InvalidArgument, "SequentialModel.forward: layer ", i, ": ", e.what());
+    }
+    acts_[i].resize(shapes_[i + 1]);
+  }
+  input_ = x;
+  in_shape_ = shape;
+  const float* cur = x;
+  for (size_t i = 0; i < n; ++i) {
+    modules_[i]->forward(cur, shapes_[i], acts_[i].data(), training_);
+    cur = acts_[i].data();
+  }
+  have_forward_ = true;
+  return acts_.back();
+}
+
+const Tensor* SequentialModel::backward(const float* grad_output, const Shape& shape, bool input_grad) {
+  CX_CHECK(have_forward_, InvalidArgument,
+           "SequentialModel.backward: call forward() first (no forward since the model was built or changed)");
+  CX_CHECK(shape == shapes_.back(), InvalidArgument, "SequentialModel.backward: grad_output must have the output's shape ",
+           shape_str(shapes_.back()), ", got ", shape_str(shape));
+  const size_t n = modules_.size();
+  const float* gy = grad_output;
+  int slot = 0;
+  for (size_t k = n; k-- > 0;) {
+    Module& m = *modules_[k];
+    bool need_gx = k > 0 || input_grad;
+    if (!need_gx && m.num_params() == 0) break;
+    float* gx = nullptr;
+    if (need_gx) {
+      gbuf_[slot].resize(shapes_[k]);
+      gx = gbuf_[slot].data();
+    }
+    const float* x = k == 0 ? input_ : acts_[k - 1].data();
+    size_t base = first_param_[k];
+    if (hook_) {
+      m.backward(x, acts_[k].data(), shapes_[k], gy, gx, [this, base](size_t i) { hook_(base + i); });
+    } else {
+      static const ParamDone kNoop = [](size_t) {};
+      m.backward(x, acts_[k].data(), shapes_[k], gy, gx, kNoop);
+    }
+    gy = gx;
+    slot ^= 1;
+  }
+  return input_grad ? &gbuf_[slot ^ 1] : nullptr;
+}
+
+void SequentialModel::zero_grad() {
+  if (total_) std::memset(grads_->data(), 0, total_ * sizeof(float));
+}
+
+std::string SequentialModel::repr() const {
+  std::ostringstream os;
+  os << "SequentialModel(";
+  if (modules_.empty()) return "SequentialModel()";
+  os << "\n";
+  for (size_t i = 0; i < modules_.size(); ++i) os << "  (" << i << "): " << modules_[i]->repr() << "\n";
+  os << ")";
+  return os.str();
+}
+
+std::string SequentialModel::summary() const {
+  std::ostringstream os;
+  os << std::left << std::setw(6) << "#" << std::setw(40) << "layer" << std::right << std::setw(14) << "parameters"
+     << "\n";
+  os << std::string(60, '-') << "\n";
+  for (size_t i = 0; i < modules_.size(); ++i)
+    os << std::left << std::setw(6) << i << std::setw(40) << modules_[i]->repr() << std::right << std::setw(14)
+       << modules_[i]->num_params() << "\n";
+  os << std::string(60, '-') << "\n";
+  os << "total parameters: " << total_ << " (" << std::fixed << std::setprecision(2)
+     << (total_ * 4.0 / (1024.0 * 1024.0)) << " MiB float32)\n";
+  os << "mode: " << (training_ ? "train" : "eval");
+  return os.str();
+}
+
+// ---------------------------------------------------------------- files
+
+std::string SequentialModel::serialize() const {
+  ByteWriter payload;
+  payload.u32(static_cast<uint32_t>(modules_.size()));
+  for (const auto& m : modules_) {
+    payload.u16(static_cast<uint16_t>(m->kind()));
+    m->write_config(payload);
+    payload.u32(static_cast<uint32_t>(m->param_specs().size()));
+    for (size_t i = 0; i < m->param_specs().size(); ++i) {
+      size_t cnt = numel(m->param_specs()[i].shape);
+      payload.u64(cnt);
+      payload.floats(m->param(i), cnt);
+    }
+    auto bufs = m->buffers();
+    payload.u32(static_cast<uint32_t>(bufs.size()));
+    for (auto* b : bufs) {
+      payload.u64(b->size());
+      payload.floats(b->data(), b->size());
+    }
+  }
+  ByteWriter out;
+  out.raw(kModelMagic, sizeof kModelMagic);
+  out.u32(kModelFormatVersion);
+  out.u32(0);
+  out.u64(payload.bytes().size());
+  out.raw(payload.bytes().data(), payload.bytes().size());
+  out.u64(fnv1a64(out.bytes().data(), out.bytes().size()));
+  return std::move(out.bytes());
+}
+
+void SequentialModel::save(const std::string& path) const { atomic_write_file(path, serialize()); }
+
+std::shared_ptr<SequentialModel> SequentialModel::deserialize(const std::string& bytes, const std::string& what) {
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  const size_t n = bytes.size();
+  auto fail = [&](const std::string& why) { CX_THROW(IoError, what, ": ", why); };
+  size_t cmp = std::min(n, sizeof kModelMagic);
+  if (std::memcmp(p, kModelMagic, cmp) != 0 || n == 0)
+    fail("not a pycyxwiz model file (bad magic bytes; expected a .cyxmodel written by SequentialModel.save)");
+  if (n < kModelHeaderSize + 8)
+    fail("file is truncated (" + std::to_string(n) + " bytes, shorter than the header)");
+  ByteReader head(p, kModelHeaderSize, what);
+  uint8_t magic[8];
+  head.raw(magic, 8);
+  uint32_t version = head.u32();
+  uint32_t flags = head.u32();
+  uint64_t len = head.u64();
+  if (version != kModelFormatVersion)
+    fail("unsupported format version " + std::to_string(version) + " (this pycyxwiz reads version " +
+         std::to_string(kModelFormatVersion) + ")");
+  if (flags != 0) fail("unsupported header flags " + std::to_string(flags));
+  if (len > n || n - kModelHeaderSize - 8 < len)
+    fail("file is truncated (" + std::to_string(n) + " bytes, the header promises " +
+         std::to_string(kModelHeaderSize + len + 8) + ")");
+  if (n != kModelHeaderSize + len + 8)
+    fail("file has " + std::to_string(n - (kModelHeaderSize + len + 8)) + " unexpected trailing bytes");
+  ByteReader tail(p + kModelHeaderSize + len, 8, what);
+  uint64_t stored = tail.u64();
+  if (stored != fnv1a64(p, kModelHeaderSize + len))
+    fail("file is corrupted (checksum mismatch)");
+
+  ByteReader r(p + kModelHeaderSize, len, what);
+  auto model = std::make_shared<SequentialModel>();
+  uint32_t count = r.u32();
+  if (count > len) r.fail("malformed architecture (module count " + std::to_string(count) + ")");
+  std::vector<std::shared_ptr<Module>> mods;
+  std::vector<std::vector<std::vector<float>>> weights, buffers;
+  for (uint32_t i = 0; i < count; ++i) {
+    auto m = read_module(r);
+    uint32_t np = r.u32();
+    if (np != m->param_specs().size()) r.fail("layer " + std::to_string(i) + " (" + m->repr() + "): wrong number of parameter tensors");
+    std::vector<std::vector<float>> w;
+    for (uint32_t j = 0; j < np; ++j) {
+      uint64_t cnt = r.u64();
+      if (cnt != numel(m->param_specs()[j].shape))
+        r.fail("layer " + std::to_string(i) + " (" + m->repr() + "): parameter size mismatch");
+      std::vector<float> v(cnt);
+      r.floats(v.data(), cnt);
+      w.push_back(std::move(v));
+    }
+    auto bufs = m->buffers();
+    uint32_t nb = r.u32();
+    if (nb != bufs.size()) r.fail("layer " + std::to_string(i) + " (" + m->repr() + "): wrong number of buffers");
+    std::vector<std::vector<float>> bv;
+    for (uint32_t j = 0; j < nb; ++j) {
+      uint64_t cnt = r.u64();
+      if (cnt != bufs[j]->size()) r.fail("layer " + std::to_string(i) + " (" + m->repr() + "): buffer size mismatch");
+      std::vector<float> v(cnt);
+      r.floats(v.data(), cnt);
+      bv.push_back(std::move(v));
+    }
+    mods.push_back(std::move(m));
+    weights.push_back(std::move(w));
+    buffers.push_back(std::move(bv));
+  }
+  if (r.remaining() != 0) r.fail("malformed payload (" + std::to_string(r.remaining()) + " unparsed bytes)");
+  // Everything parsed: now build (cannot fail half-way on file contents).
+  for (size_t i = 0; i < mods.size(); ++i) {
+    for (size_t j = 0; j < weights[i].size(); ++j)
+      std::memcpy(mods[i]->param(j), weights[i][j].data(), weights[i][j].size() * sizeof(float));
+    auto bufs = mods[i]->buffers();
+    for (size_t j = 0; j < bufs.size(); ++j) *bufs[j] = buffers[i][j];
+    model->add(mods[i]);
+  }
+  return model;
+}
+
+std::shared_ptr<SequentialModel> SequentialModel::load(const std::string& path) {
+  return deserialize(read_whole_file(path), "cannot load model from '" + path + "'");
+}
+
+}  // namespace cx::nn

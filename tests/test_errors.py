@@ -1,0 +1,436 @@
+"""Every failure a user can cause ends in a clear error on every rank, never a hang."""
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ranks
+
+import pycyxwiz as cx
+
+D = cx.distributed
+
+
+def names(outcome):
+    return outcome.exc_bases
+
+
+# ---- a peer dies ------------------------------------------------------------------------
+
+def die_mid_collective():
+    r = D.get_rank()
+    x = np.ones(1 << 20, np.float32)
+    D.all_reduce(x)  # one good round first
+    if r == 2:
+        os._exit(3)  # killed, no cleanup
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            D.all_reduce(x)
+    finally:
+        elapsed = time.monotonic() - t0
+    return elapsed
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_dead_peer_is_named_on_every_surviving_rank(world):
+    outs = ranks.spawn(die_mid_collective, world, env={"DISTRIBUTED_TIMEOUT_MS": 15000}, timeout=60)
+    assert outs[2].exc_type == "Died"
+    for o in outs:
+        if o.rank == 2:
+            continue
+        assert not o.ok, f"rank {o.rank} did not notice"
+        assert o.is_a("DistributedConnectionError") and o.is_a("ConnectionError"), o
+        assert "rank 2" in o.message, o.message
+        assert "all_reduce" in o.message
+
+
+def slow_rank_times_out():
+    r = D.get_rank()
+    x = np.ones(10, np.float32)
+    if r == 1:
+        time.sleep(2.5)
+    t0 = time.monotonic()
+    try:
+        # The late rank may still complete this call (its partner's data had
+        # arrived before the partner gave up); it must fail on the next one.
+        D.all_reduce(x)
+        D.barrier()
+        return "no error"
+    except D.DistributedTimeoutError as e:
+        elapsed = time.monotonic() - t0
+        if r == 0:
+            time.sleep(2.5)  # stay alive while rank 1 catches up (a process that exits is reported as gone)
+        return ("timeout", str(e), elapsed)
+
+
+def test_timeout_names_this_rank_the_peer_the_operation_and_the_deadline():
+    outs = ranks.spawn(slow_rank_times_out, 2, env={"DISTRIBUTED_TIMEOUT_MS": 1000}, timeout=60)
+    o0 = outs[0]
+    assert o0.ok and o0.value[0] == "timeout", o0
+    msg, elapsed = o0.value[1], o0.value[2]
+    assert "rank 0" in msg and "rank 1" in msg and "all_reduce" in msg and "1000 ms" in msg, msg
+    assert elapsed < 2.4
+    # the late rank is told why instead of waiting for a partner that gave up
+    o1 = outs[1]
+    assert o1.ok and o1.value[0] == "timeout", o1
+    assert "rank 0" in o1.value[1]
+
+
+def poisoned_group_then_restart():
+    r = D.get_rank()
+    x = np.ones(10, np.float32)
+    if r == 1:
+        time.sleep(1.5)
+
+    def error_of(fn, *a):
+        try:
+            fn(*a)
+        except D.DistributedError as e:
+            return type(e).__name__, str(e)
+        return None
+
+    first = error_of(D.all_reduce, x)
+    second = error_of(D.barrier)
+    D.finalize()
+    cfg = D.DistributedConfig.from_environment()
+    cfg.timeout_ms = 20000
+    D.init(cfg)  # a fresh group on the same port works
+    y = np.full(3, r + 1.0, np.float32)
+    D.all_reduce(y)
+    return first, second, y.tolist()
+
+
+def test_group_is_poisoned_after_a_timeout_and_can_be_restarted():
+    outs = ranks.run(poisoned_group_then_restart, 2, env={"DISTRIBUTED_TIMEOUT_MS": 800}, timeout=60)
+    (first0, second0, y0), (first1, second1, y1) = outs
+    assert first0[0] == "DistributedTimeoutError"
+    assert second0[0] == "DistributedTimeoutError"  # the same error again ...
+    assert "failed earlier" in second0[1] and "finalize()" in second0[1]  # ... saying what to do
+    assert second1 is not None  # the late rank learns the group is gone
+    assert y0 == y1 == [3.0, 3.0, 3.0]
+
+
+# ---- mismatched collectives ------------------------------------------------------------
+
+def mismatched(kind):
+    r, p = D.get_rank(), D.get_world_size()
+    odd = r == p // 2  # one rank disagrees
+    try:
+        if kind == "count":
+            D.all_reduce(np.ones(20 if odd else 10, np.float32))
+        elif kind == "dtype":
+            D.all_reduce(np.ones(10, np.float64 if odd else np.float32))
+        elif kind == "op":
+            D.all_reduce(np.ones(10, np.float32), op=D.ReduceOp.MAX if odd else D.ReduceOp.SUM)
+        elif kind == "collective":
+            if odd:
+                D.broadcast(np.ones(10, np.float32), src=0)
+            else:
+                D.all_reduce(np.ones(10, np.float32))
+        elif kind == "large":
+            D.all_reduce(np.ones((1 << 20) + (7 if odd else 0), np.float32))
+        return "no error"
+    except ValueError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "large"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_mismatched_collectives_raise_value_error_on_every_rank(kind, world):
+    outs = ranks.run(mismatched, world, args=(kind,), env={"DISTRIBUTED_TIMEOUT_MS": 10000}, timeout=60)
+    for name, msg in outs:
+        assert name == "CollectiveMismatchError"
+        assert "mismatched collectives" in msg and " called " in msg and " but rank " in msg, msg
+    want = {"count": "count=20", "dtype": "float64", "op": "MAX", "collective": "broadcast",
+            "large": f"count={(1 << 20) + 7}"}[kind]
+    assert any(want in m for _, m in outs)
+
+
+# ---- bad arrays: refused before any byte is sent, group stays usable ----------------------
+
+def bad_arrays():
+    errs = []
+
+    def expect(exc, fn, *a, **kw):
+        try:
+            fn(*a, **kw)
+            errs.append(f"{fn.__name__}{a}: no error")
+        except exc as e:
+            errs.append((exc.__name__, str(e)))
+
+    x = np.ones((4, 4), np.float32)
+    expect(ValueError, D.all_reduce, x[:, 1])                      # non-contiguous
+    ro = np.ones(4, np.float32)
+    ro.setflags(write=False)
+    expect(ValueError, D.all_reduce, ro)                           # read-only
+    expect(TypeError, D.all_reduce, [1.0, 2.0])                    # not an array
+    expect(TypeError, D.all_reduce, np.ones(3, np.complex64))      # not reducible
+    expect(TypeError, D.all_reduce, np.ones(3, np.uint16))         # uint16 without dtype='bfloat16'
+    expect(ValueError, D.all_reduce, np.ones(3, np.int32), op=D.ReduceOp.AVG)
+    expect(ValueError, D.broadcast, np.ones(3), src=7)
+    expect(ValueError, D.all_gather, [np.ones(3)], np.ones(3))     # wrong number of outputs
+    expect(ValueError, D.all_gather, [np.ones(3), np.ones(4)], np.ones(3))
+    expect(ValueError, D.send, np.ones(3), D.get_rank())
+    # the group still works
+    y = np.ones(5, np.float32)
+    D.all_reduce(y)
+    return errs, y.tolist()
+
+
+def test_bad_arrays_are_refused_with_clear_errors_and_the_group_survives():
+    for errs, y in ranks.run(bad_arrays, 2):
+        kinds = [e[0] if isinstance(e, tuple) else e for e in errs]
+        assert kinds == ["ValueError", "ValueError", "TypeError", "TypeError", "TypeError", "ValueError",
+                         "ValueError", "ValueError", "ValueError", "ValueError"], errs
+        msgs = [e[1] for e in errs]
+        assert "C-contiguous" in msgs[0]
+        assert "read-only" in msgs[1]
+        assert "NumPy array, got list" in msgs[2]
+        assert "complex64" in msgs[3] and "cannot be reduced" in msgs[3]
+        assert "uint16" in msgs[4]
+        assert "AVG" in msgs[5] and "int32" in msgs[5]
+        assert "src=7" in msgs[6]
+        assert "world size is 2" in msgs[7]
+        assert "[1]" in msgs[8]
+        assert "itself" in msgs[9]
+        assert y == [2.0] * 5
+
+
+# ---- misuse of the API, in this process ----------------------------------------------------
+
+def test_collective_before_init_says_to_call_init():
+    assert not D.is_initialized()
+    with pytest.raises(D.DistributedError, match=r"call cx.distributed.init\(\) first"):
+        D.all_reduce(np.ones(3, np.float32))
+    with pytest.raises(D.DistributedError, match="not initialized"):
+        D.get_rank()
+
+
+def test_init_twice_is_refused(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    D.init()
+    try:
+        with pytest.raises(D.DistributedError, match=r"already called.*finalize\(\)"):
+            D.init()
+    finally:
+        D.finalize()
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"RANK": "x1", "WORLD_SIZE": "2"}, "RANK='x1'"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is out of range for WORLD_SIZE=4"),
+    ({"RANK": "-1", "WORLD_SIZE": "4"}, "RANK='-1'"),
+    ({"RANK": "1"}, "WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2"}, "RANK is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT='70000'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_BACKEND": "gloo"}, "DISTRIBUTED_BACKEND='gloo'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_TIMEOUT_MS": "0"}, "DISTRIBUTED_TIMEOUT_MS='0'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "gpu0"}, "LOCAL_RANK='gpu0'"),
+])
+def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
+              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"]:
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as ei:
+        D.DistributedConfig.from_environment()
+    assert needle in str(ei.value)
+    with pytest.raises(ValueError):
+        D.init()
+    assert not D.is_initialized()
+
+
+def test_environment_defaults_match_the_guide(monkeypatch):
+    for v in ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS"]:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    c = D.DistributedConfig.from_environment()
+    assert (c.rank, c.world_size, c.local_rank, c.master_addr, c.master_port, c.backend, c.timeout_ms) == \
+        (3, 4, 3, "127.0.0.1", 29500, D.BackendType.CPU, 30000)
+    monkeypatch.setenv("DISTRIBUTED_BACKEND", "NCCL")
+    assert D.DistributedConfig.from_environment().backend == D.BackendType.NCCL
+
+
+def test_mpirun_and_slurm_variables_are_understood(monkeypatch):
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK"]:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    c = D.DistributedConfig.from_environment()
+    assert (c.rank, c.world_size, c.local_rank) == (2, 3, 1)
+    for v in ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"]:
+        monkeypatch.delenv(v)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    c = D.DistributedConfig.from_environment()
+    assert (c.rank, c.world_size, c.local_rank) == (5, 8, 1)
+
+
+def test_explicit_config_is_validated():
+    c = D.DistributedConfig()
+    c.rank, c.world_size = 2, 2
+    with pytest.raises(ValueError, match="rank 2 is out of range for world_size 2"):
+        D.init(c)
+    c.rank, c.master_port = 0, 0
+    with pytest.raises(ValueError, match="master_port 0"):
+        D.init(c)
+
+
+# ---- ports and rendezvous ----------------------------------------------------------------
+
+def test_master_port_in_use_is_a_clear_message():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        c = D.DistributedConfig()
+        c.rank, c.world_size, c.master_port, c.timeout_ms = 0, 2, port, 2000
+        with pytest.raises(D.DistributedConnectionError) as ei:
+            D.init(c)
+    msg = str(ei.value)
+    assert f"MASTER_PORT {port}" in msg and "already in use" in msg
+    assert not D.is_initialized()
+
+
+def test_missing_rank_is_reported_by_rank_0_within_the_timeout():
+    c = D.DistributedConfig()
+    c.rank, c.world_size, c.master_port, c.timeout_ms = 0, 3, ranks.free_port(), 1500
+    t0 = time.monotonic()
+    with pytest.raises(D.DistributedTimeoutError) as ei:
+        D.init(c)
+    assert time.monotonic() - t0 < 5
+    assert "Timeout waiting for peers" in str(ei.value)
+
+
+def test_worker_without_rank_0_times_out_naming_the_store():
+    c = D.DistributedConfig()
+    c.rank, c.world_size, c.master_port, c.timeout_ms = 1, 2, ranks.free_port(), 1000
+    with pytest.raises(D.DistributedTimeoutError) as ei:
+        D.init(c)
+    msg = str(ei.value)
+    assert "Timeout waiting for peers" in msg and f"127.0.0.1:{c.master_port}" in msg and "Connection refused" in msg
+
+
+def test_foreign_server_on_master_port_is_detected():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def answer():
+        conn, _ = srv.accept()
+        conn.recv(100)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        time.sleep(1)
+        conn.close()
+
+    th = threading.Thread(target=answer, daemon=True)
+    th.start()
+    c = D.DistributedConfig()
+    c.rank, c.world_size, c.master_port, c.timeout_ms = 1, 2, port, 3000
+    with pytest.raises(D.DistributedConnectionError, match="not a pycyxwiz store"):
+        D.init(c)
+    srv.close()
+
+
+def late_starter():
+    x = np.full(3, D.get_rank() + 1.0, np.float32)
+    D.all_reduce(x)
+    return x.tolist()
+
+
+def test_ranks_may_start_in_any_order_and_late():
+    # rank 0 (the store) starts last, a second after the others
+    outs = ranks.run(late_starter, 3, start_delay={0: 1.0})
+    assert outs == [[6.0, 6.0, 6.0]] * 3
+
+
+def duplicate():
+    return D.get_rank()
+
+
+def test_two_processes_with_the_same_rank_are_refused():
+    outs = ranks.spawn(duplicate, 3, per_rank_env={2: {"RANK": "1"}}, env={"DISTRIBUTED_TIMEOUT_MS": 3000},
+                       timeout=30)
+    refused = [o for o in outs if not o.ok and "RANK=1 is already taken" in o.message]
+    assert refused and refused[0].is_a("ValueError"), outs
+    assert all(not o.ok for o in outs)  # the others are told, or time out waiting for rank 2
+
+
+def wrong_world():
+    return D.get_world_size()
+
+
+def test_ranks_disagreeing_on_world_size_are_refused():
+    outs = ranks.spawn(wrong_world, 2, env={"DISTRIBUTED_TIMEOUT_MS": 3000}, per_rank_env={1: {"WORLD_SIZE": "3"}},
+                       timeout=30)
+    assert not outs[1].ok
+    assert "WORLD_SIZE=3" in outs[1].message and "WORLD_SIZE=2" in outs[1].message, outs[1]
+
+
+# ---- nothing from the network is trusted -----------------------------------------------
+
+def hold_group(port_file):
+    # rank 0 publishes its store port, then waits for the test's hostile client
+    if D.get_rank() == 0:
+        with open(port_file, "w") as f:
+            f.write(os.environ["MASTER_PORT"])
+    time.sleep(1.5)
+    x = np.ones(3, np.float32)
+    D.all_reduce(x)
+    return x.tolist()
+
+
+def test_store_refuses_an_oversized_frame_without_allocating(tmp_path):
+    import struct
+    port_file = str(tmp_path / "port")
+    result = {}
+
+    def hostile():
+        deadline = time.monotonic() + 20
+        while not os.path.exists(port_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        with open(port_file) as f:
+            port = int(f.read())
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            # a well-formed header announcing a 2 GiB value
+            s.sendall(struct.pack("<I4BII", 0x31535843, 2, 0, 0, 0, 4, 2 << 30) + b"key!")
+            s.settimeout(5)
+            try:
+                result["reply"] = s.recv(16)  # b"" = the store closed the connection
+            except OSError as e:
+                result["reply"] = repr(e)
+
+    th = threading.Thread(target=hostile)
+    th.start()
+    outs = ranks.run(hold_group, 2, args=(port_file,), timeout=60)
+    th.join()
+    assert result["reply"] == b""
+    assert outs == [[2.0, 2.0, 2.0]] * 2  # and the group works regardless
+
+
+def length_disagreement():
+    try:
+        D.all_reduce(np.ones(1 << 16, np.float32))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_frame_longer_than_the_receive_posted_is_an_error():
+    # ranks configured with different chunk sizes cut the same message differently
+    outs = ranks.run(length_disagreement, 2, per_rank_env={0: {"CX_CHUNK_BYTES": 4096},
+                                                          1: {"CX_CHUNK_BYTES": 8192}}, timeout=60)
+    assert all("bytes where" in m and "expected" in m for m in outs), outs

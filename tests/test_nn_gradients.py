@@ -1,0 +1,227 @@
+"""Every module's and loss's backward against central finite differences of an
+independent float64 NumPy implementation of its forward."""
+import math
+
+import numpy as np
+import pytest
+
+import pycyxwiz as cx
+
+RNG = np.random.default_rng(1234)
+_erf = np.vectorize(math.erf)
+
+
+def numeric_grad(f, x, eps=1e-6):
+    """Central differences of scalar f at x (float64), element by element."""
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + eps
+        fp = f()
+        x[i] = old - eps
+        fm = f()
+        x[i] = old
+        g[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def away_from_zero(shape, margin=0.05):
+    x = RNG.standard_normal(shape)
+    return np.where(np.abs(x) < margin, np.sign(x + 1e-12) * margin * 2, x)
+
+
+def softmax64(z):
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def bn_train64(x, g, b, eps):
+    mu = x.mean(axis=0)
+    var = x.var(axis=0)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+# name -> (factory, input shape, reference forward f(x, params) in float64)
+CASES = {
+    "linear": (lambda: cx.LinearModule(5, 3, seed=1), (4, 5), lambda x, p: x @ p[0].T + p[1]),
+    "linear_nobias": (lambda: cx.LinearModule(5, 3, bias=False, init="xavier", seed=2), (4, 5), lambda x, p: x @ p[0].T),
+    "relu": (cx.ReLUModule, (4, 6), lambda x, p: np.maximum(x, 0)),
+    "leaky_relu": (lambda: cx.LeakyReLUModule(0.2), (4, 6), lambda x, p: np.where(x > 0, x, 0.2 * x)),
+    "sigmoid": (cx.SigmoidModule, (4, 6), lambda x, p: 1 / (1 + np.exp(-x))),
+    "tanh": (cx.TanhModule, (4, 6), lambda x, p: np.tanh(x)),
+    "gelu": (cx.GELUModule, (4, 6), lambda x, p: 0.5 * x * (1 + _erf(x / math.sqrt(2)))),
+    "softmax": (cx.SoftmaxModule, (4, 6), lambda x, p: softmax64(x)),
+    "batchnorm": (lambda: cx.BatchNormModule(5), (6, 5), lambda x, p: bn_train64(x, p[0], p[1], 1e-5)),
+    "flatten": (cx.FlattenModule, (3, 2, 4), lambda x, p: x.reshape(x.shape[0], -1)),
+    "dropout_eval_like_p0": (lambda: cx.DropoutModule(0.0, seed=3), (4, 6), lambda x, p: x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_module_backward_matches_finite_differences(name):
+    factory, shape, ref = CASES[name]
+    model = cx.SequentialModel()
+    model.add(factory())
+    for p in model.parameters():  # non-trivial parameters (e.g. BatchNorm's gamma 1, beta 0)
+        p[...] = RNG.standard_normal(p.shape).astype(np.float32)
+    x64 = away_from_zero(shape)
+    x32 = x64.astype(np.float32)
+    x64 = x32.astype(np.float64)
+    params64 = [p.astype(np.float64) for p in model.parameters()]
+
+    y = model.forward(x32)
+    y_ref = ref(x64, params64)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+    gy64 = RNG.standard_normal(y_ref.shape)
+    gy32 = gy64.astype(np.float32)
+    gy64 = gy32.astype(np.float64)
+    model.zero_grad()
+    gx = model.backward(gy32)
+
+    def loss():
+        return float(np.sum(ref(x64, params64) * gy64))
+
+    np.testing.assert_allclose(gx, numeric_grad(loss, x64), rtol=1e-4, atol=1e-5)
+    for got, p64 in zip(model.gradients(), params64):
+        np.testing.assert_allclose(got, numeric_grad(loss, p64), rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_masks_scale_and_vanish_in_eval():
+    model = cx.SequentialModel()
+    model.add(cx.DropoutModule(0.25, seed=7))
+    x = np.ones((200, 50), np.float32)
+    y = model.forward(x)
+    kept = y != 0
+    np.testing.assert_allclose(y[kept], 1 / 0.75, rtol=1e-6)
+    assert abs(1 - kept.mean() - 0.25) < 0.02
+    gy = RNG.standard_normal(y.shape).astype(np.float32)
+    np.testing.assert_allclose(model.backward(gy), gy * y, rtol=1e-6)  # gradient uses the same mask
+    model.eval()
+    np.testing.assert_array_equal(model.forward(x), x)
+    np.testing.assert_array_equal(model.backward(gy), gy)
+
+
+def test_dropout_is_reproducible_from_its_seed():
+    outs = []
+    for _ in range(2):
+        model = cx.SequentialModel()
+        model.add(cx.DropoutModule(0.5, seed=11))
+        outs.append(model.forward(np.ones((8, 16), np.float32)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_batchnorm_eval_uses_running_statistics():
+    bn = cx.BatchNormModule(3, momentum=0.5)
+    model = cx.SequentialModel()
+    model.add(bn)
+    x = RNG.standard_normal((10, 3)).astype(np.float32) * 2 + 1
+    model.forward(x)
+    x64 = x.astype(np.float64)
+    rm = 0.5 * x64.mean(axis=0)
+    rv = 0.5 * 1 + 0.5 * x64.var(axis=0, ddof=1)
+    np.testing.assert_allclose(bn.running_mean, rm, rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var, rv, rtol=1e-5)
+    model.eval()
+    x2 = RNG.standard_normal((4, 3)).astype(np.float32)
+    np.testing.assert_allclose(model.forward(x2), (x2 - rm) / np.sqrt(rv + 1e-5), rtol=1e-5, atol=1e-6)
+    gy = RNG.standard_normal((4, 3)).astype(np.float32)
+    np.testing.assert_allclose(model.backward(gy), gy / np.sqrt(rv + 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_deep_model_backward_matches_finite_differences():
+    model = cx.SequentialModel()
+    for m in [cx.LinearModule(6, 8, seed=1), cx.TanhModule(), cx.LinearModule(8, 7, seed=2), cx.GELUModule(),
+              cx.LinearModule(7, 4, seed=3), cx.SigmoidModule()]:
+        model.add(m)
+    x32 = RNG.standard_normal((5, 6)).astype(np.float32)
+    x64 = x32.astype(np.float64)
+    p64 = [p.astype(np.float64) for p in model.parameters()]
+
+    def ref():
+        h = np.tanh(x64 @ p64[0].T + p64[1])
+        h = h @ p64[2].T + p64[3]
+        h = 0.5 * h * (1 + _erf(h / math.sqrt(2)))
+        return 1 / (1 + np.exp(-(h @ p64[4].T + p64[5])))
+
+    gy = RNG.standard_normal((5, 4))
+    model.forward(x32)
+    gx = model.backward(gy.astype(np.float32))
+
+    def loss():
+        return float(np.sum(ref() * gy))
+
+    np.testing.assert_allclose(gx, numeric_grad(loss, x64), rtol=1e-3, atol=1e-5)
+    for got, p in zip(model.gradients(), p64):
+        np.testing.assert_allclose(got, numeric_grad(loss, p), rtol=1e-3, atol=1e-5)
+
+
+def test_standalone_module_forward_backward():
+    lin = cx.LinearModule(3, 2, seed=5)
+    x = RNG.standard_normal((4, 3)).astype(np.float32)
+    y = lin.forward(x)
+    w, b = lin.parameters()
+    np.testing.assert_allclose(y, x @ w.T + b, rtol=1e-5)
+    gy = RNG.standard_normal((4, 2)).astype(np.float32)
+    np.testing.assert_allclose(lin.backward(gy), gy @ w, rtol=1e-5)
+    np.testing.assert_allclose(lin.gradients()[0], gy.T @ x, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- losses
+
+def ce64(z, t_onehot):
+    m = z.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(z - m).sum(axis=1, keepdims=True))
+    return float(np.mean(np.sum(t_onehot * (lse - z), axis=1)))
+
+
+@pytest.mark.parametrize("label_dtype", [np.int32, np.int64, "onehot"])
+def test_cross_entropy_backward_matches_finite_differences(label_dtype):
+    z32 = (RNG.standard_normal((6, 5)) * 3).astype(np.float32)
+    z64 = z32.astype(np.float64)
+    labels = RNG.integers(0, 5, 6)
+    onehot = np.eye(5)[labels]
+    target = onehot.astype(np.float32) if label_dtype == "onehot" else labels.astype(label_dtype)
+    loss = cx.CrossEntropyLoss()
+    value = loss.forward(z32, target)
+    assert value == pytest.approx(ce64(z64, onehot), rel=1e-5)
+    np.testing.assert_allclose(loss.backward(), numeric_grad(lambda: ce64(z64, onehot), z64), rtol=1e-4, atol=1e-6)
+    assert loss.accuracy() == pytest.approx(np.mean(z32.argmax(axis=1) == labels))
+
+
+def test_cross_entropy_is_stable_for_huge_logits():
+    z = np.array([[1000.0, 0.0, -1000.0], [-5e4, 5e4, 0.0]], np.float32)
+    loss = cx.CrossEntropyLoss()
+    assert loss.forward(z, np.array([0, 1])) == pytest.approx(0.0, abs=1e-6)
+    assert np.isfinite(loss.forward(z, np.array([2, 0]))) and loss.forward(z, np.array([2, 0])) > 1e3
+    assert np.all(np.isfinite(loss.backward()))
+
+
+def test_mse_backward_matches_finite_differences():
+    o32 = RNG.standard_normal((4, 3)).astype(np.float32)
+    t32 = RNG.standard_normal((4, 3)).astype(np.float32)
+    o64, t64 = o32.astype(np.float64), t32.astype(np.float64)
+    loss = cx.MSELoss()
+
+    def ref():
+        return float(np.mean((o64 - t64) ** 2))
+
+    assert loss.forward(o32, t32) == pytest.approx(ref(), rel=1e-5)
+    np.testing.assert_allclose(loss.backward(), numeric_grad(ref, o64), rtol=1e-4, atol=1e-6)
+
+
+def test_bce_with_logits_backward_matches_finite_differences():
+    x32 = (RNG.standard_normal((5, 2)) * 4).astype(np.float32)
+    t32 = RNG.uniform(0, 1, (5, 2)).astype(np.float32)
+    x64, t64 = x32.astype(np.float64), t32.astype(np.float64)
+    loss = cx.BCEWithLogitsLoss()
+
+    def ref():
+        p = 1 / (1 + np.exp(-x64))
+        return float(np.mean(-(t64 * np.log(p) + (1 - t64) * np.log(1 - p))))
+
+    assert loss.forward(x32, t32) == pytest.approx(ref(), rel=1e-5)
+    np.testing.assert_allclose(loss.backward(), numeric_grad(ref, x64), rtol=1e-4, atol=1e-6)
+    assert np.isfinite(loss.forward(np.array([[100.0, -100.0]], np.float32), np.array([[0.0, 1.0]], np.float32)))
