@@ -41,7 +41,7 @@ DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 
 QUICK_SIZES = [8, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
 LATENCY_BELOW = 64 << 10
 SHORT_NAME = {"all_reduce": "allreduce", "broadcast": "broadcast", "all_gather": "allgather",
-              "reduce_scatter": "reducescatter", "barrier": "barrier"}
+              "reduce_scatter": "reducescatter", "barrier": "barrier", "pingpong": "pingpong"}
 
 
 def bus_factor(op: str, n: int) -> float:
