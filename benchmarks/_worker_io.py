@@ -154,7 +154,8 @@ class MpiComm(Comm):
         self.comm = MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.world = self.comm.Get_size()
-        self.version = MPI.Get_library_version().splitlines()[0].strip()
+        # "Open MPI v4.1.4, package: ..., ident: ..." (NUL-terminated): keep the first field.
+        self.version = MPI.Get_library_version().replace("\x00", "").split(",")[0].strip()
 
     def barrier(self):
         self.comm.Barrier()

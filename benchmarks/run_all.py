@@ -37,7 +37,7 @@ def _versions(payloads: list) -> str:
     for p in payloads:
         for c in p.get("columns", []):
             if c.get("version"):
-                seen.setdefault(c["lib"], c["version"])
+                seen.setdefault(c["lib"], c["version"].replace("\x00", "").split(",")[0].strip())
     return ", ".join(f"{k} {v}" for k, v in seen.items())
 
 
