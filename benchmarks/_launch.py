@@ -1,0 +1,253 @@
+"""Start the ranks of one library column as real OS processes, and never hang.
+
+    run = run_ranks("pycyxwiz", "benchmarks._collective_worker", ["--op", "all_reduce"], world=2, timeout_s=60)
+    run.ok, run.reason, run.ranks   # per-rank JSON payloads written by the worker
+
+Every rank is a separate interpreter on 127.0.0.1. pycyxwiz and torch ranks get
+RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in the environment (a fresh free port per
+run); Open MPI ranks are started by `mpirun`. A worker reports through a JSON file per rank
+in a private directory, rewritten after every finished step, so a column that dies or hangs
+half way still yields the steps it finished. When one rank fails, the others get a short
+grace period and are then killed with their whole process group; a run that passes its
+timeout is killed the same way. The failure becomes `reason`, which the tables print as
+"n/a (reason)".
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+MPI_INSTALL_HINT = (
+    "Open MPI not found: apt-get install -y openmpi-bin libopenmpi-dev, "
+    "then pip install --force-reinstall --no-binary mpi4py mpi4py"
+)
+
+# The library columns. "mpi-tcp" forces Open MPI onto TCP (the transport pycyxwiz has);
+# "mpi-default" lets it pick shared memory (vader), the best a user gets on one host.
+LIBRARIES = ("pycyxwiz", "gloo", "mpi-tcp", "mpi-default")
+MPI_MCA = {
+    "mpi-tcp": ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
+    "mpi-default": [],
+}
+# Grace period for the surviving ranks after one rank failed: they usually fail on their own
+# with a better message (the peer that died), which we prefer to a bare "killed".
+_GRACE_S = 3.0
+# Set by run_all: a monotonic time by which the whole suite must be done. Every column's
+# timeout is clipped to it (but given at least _MIN_TIMEOUT_S), so one hung library cannot
+# push the suite far past its budget.
+suite_deadline: float | None = None
+_MIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RunResult:
+    """What one column (one library, one world size) produced."""
+
+    lib: str
+    world: int
+    ok: bool
+    reason: str = ""  # empty when ok; else why the column (or its last steps) is n/a
+    ranks: list = field(default_factory=list)  # per-rank payloads, rank order; None where missing
+    wall_s: float = 0.0
+    load: float = 0.0  # 1-minute load average when the run ended: high = other work competed for the CPUs
+    warning: str = ""  # trouble after every rank had finished its work (e.g. a crash at exit)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; we release it at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_thread_env() -> dict:
+    """One compute thread per rank for every library and BLAS that reads the environment."""
+    return {
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def mpi_available() -> tuple[bool, str]:
+    """(True, "") when mpirun and mpi4py are both usable, else (False, how to install)."""
+    if shutil.which("mpirun") is None:
+        return False, MPI_INSTALL_HINT
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mpi4py"], capture_output=True, text=True, timeout=60
+    )
+    if probe.returncode != 0:
+        return False, "mpi4py not importable: pip install mpi4py (after installing Open MPI)"
+    return True, ""
+
+
+def _base_env() -> dict:
+    env = dict(os.environ)
+    env.update(one_thread_env())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo otherwise resolves the hostname to pick an interface
+    return env
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the group: mpirun's ranks, torch's helpers
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return 0.0
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _reason_from_stderr(text: str) -> str:
+    """The most telling line of a crashed rank's stderr: the exception line if there is one."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ("Error" in ln or "Exception" in ln) and not ln.startswith("File "):
+            return ln[:200]
+    return lines[-1][:200] if lines else ""
+
+
+def _watch(procs: list, timeout_s: float) -> tuple[str, int]:
+    """Wait for all processes; return (failure reason or "", index of first failing proc)."""
+    start = time.monotonic()
+    failed_at = None
+    first_bad = -1
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        now = time.monotonic()
+        if bad and failed_at is None:
+            failed_at, first_bad = now, bad[0]
+        if failed_at is not None and now - failed_at > _GRACE_S:
+            _kill(procs)
+            break
+        if now - start > timeout_s:
+            _kill(procs)
+            return f"timed out after {timeout_s:.0f}s (killed)", -1
+        time.sleep(0.02)
+    codes = [p.returncode for p in procs]
+    if first_bad < 0:
+        first_bad = next((i for i, c in enumerate(codes) if c != 0), -1)
+    if first_bad < 0:
+        return "", -1
+    return f"exit code {codes[first_bad]}", first_bad
+
+
+def _collect(out_dir: Path, world: int) -> list:
+    ranks = []
+    for r in range(world):
+        f = out_dir / f"rank{r}.json"
+        try:
+            ranks.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            ranks.append(None)
+    return ranks
+
+
+def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
+              extra_env: dict | None = None) -> RunResult:
+    """Run `python -m module args --lib ... --out DIR` on `world` ranks of library column `lib`.
+
+    The worker must write DIR/rank<r>.json; see _worker_io.RankReport.
+    """
+    t0 = time.monotonic()
+    if suite_deadline is not None:
+        timeout_s = min(timeout_s, max(_MIN_TIMEOUT_S, suite_deadline - t0))
+    with tempfile.TemporaryDirectory(prefix=f"cxbench-{lib}-") as tmp:
+        out_dir = Path(tmp)
+        env = _base_env()
+        env.update(extra_env or {})
+        worker_lib = "mpi" if lib.startswith("mpi") else lib
+        cmd = [sys.executable, "-m", module, "--lib", worker_lib, "--out", str(out_dir), *args]
+        procs, logs = [], []
+        if lib.startswith("mpi"):
+            ok, why = mpi_available()
+            if not ok:
+                return RunResult(lib, world, False, why)
+            mpirun = ["mpirun", "-n", str(world), "--oversubscribe", "--bind-to", "none"]
+            if hasattr(os, "geteuid") and os.geteuid() == 0:
+                mpirun.append("--allow-run-as-root")
+            mpirun += MPI_MCA[lib]
+            for key in one_thread_env():
+                mpirun += ["-x", key]
+            log = out_dir / "mpirun.stderr"
+            logs.append(log)
+            with open(log, "w") as fh:
+                procs.append(subprocess.Popen(mpirun + cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                              stderr=fh, start_new_session=True))
+        else:
+            port = free_port()
+            for r in range(world):
+                renv = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                renv.setdefault("DISTRIBUTED_TIMEOUT_MS", str(int(min(timeout_s, 60) * 1000)))
+                log = out_dir / f"rank{r}.stderr"
+                logs.append(log)
+                with open(log, "w") as fh:
+                    procs.append(subprocess.Popen(cmd, env=renv, cwd=REPO, stdout=subprocess.DEVNULL,
+                                                  stderr=fh, start_new_session=True))
+        try:
+            reason, bad = _watch(procs, timeout_s)
+        finally:
+            _kill(procs)
+        ranks = _collect(out_dir, world)
+        if all(r and r.get("done") for r in ranks):
+            # Every rank finished and saved its results: a crash in teardown (seen with gloo:
+            # "terminate called without an active exception") does not void the numbers.
+            notes = [r["close_error"] for r in ranks if r.get("close_error")]
+            if reason:
+                stderr = _reason_from_stderr(_tail(logs[min(bad, len(logs) - 1)])) if bad >= 0 else ""
+                notes.append(stderr or reason)
+            warning = ("after finishing: " + notes[0]) if notes else ""
+            return RunResult(lib, world, True, "", ranks, time.monotonic() - t0, _load(), warning)
+        # Prefer the error a worker wrote itself (it names the exception), then its stderr.
+        errors = [r.get("error") for r in ranks if r and r.get("error")]
+        if errors:
+            reason = errors[0]
+        elif reason and bad >= 0:
+            reason = _reason_from_stderr(_tail(logs[min(bad, len(logs) - 1)])) or reason
+        elif not reason and any(r is None for r in ranks):
+            reason = "a rank wrote no result: " + (_reason_from_stderr(_tail(logs[0])) or "no output")
+        return RunResult(lib, world, not reason, reason, ranks, time.monotonic() - t0, _load())

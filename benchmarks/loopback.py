@@ -1,0 +1,290 @@
+"""The ceiling: what plain loopback TCP carries between two processes on this machine.
+
+    python -m benchmarks.loopback            # prints one-way and two-way GB/s, writes results/loopback.json
+
+A ring all-reduce on 2 ranks sends and receives at once on every rank, so it cannot beat the
+two-way figure (bytes per second each way while both directions run). busbw of a ring
+all-reduce equals what each rank sends per second, so "pycyxwiz busbw / two-way" is the
+fraction of the wire the library achieves.
+
+Two real processes, plain blocking sockets, 1 MiB send/recv calls, measured by loopback.c
+(compiled on first use; Python sockets, the code below, where no C compiler is found), with the
+kernel's default socket buffers and with 4 MiB ones; the better is the limit:
+  one-way   A sends, B receives, one connection
+  two-way   A and B each send and receive at once (a sender thread and a receiver thread in
+            each process; socket calls release the GIL), one connection per direction, like a
+            ring's left and right neighbours
+  rtt       8-byte ping-pong, blocking sockets, TCP_NODELAY: the floor for a barrier or a
+            0-byte all-reduce on 2 ranks (Python adds a few us per call to both sides)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+CHUNK = 1 << 20
+# Socket buffer sizes tried: the kernel's default (autotuned) and 4 MiB, what a tuned library
+# sets (pycyxwiz's TCP transport does). The limit reported is the better of the two.
+BUFFERS = (0, 4 << 20)
+_sockbuf = 0
+
+
+def _tune(sock: socket.socket) -> socket.socket:
+    if _sockbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _sockbuf)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _sockbuf)
+    return sock
+
+
+def _send(sock: socket.socket, total: int) -> None:
+    buf = memoryview(bytearray(CHUNK))
+    left = total
+    while left > 0:
+        n = min(left, CHUNK)
+        sock.sendall(buf[:n])
+        left -= n
+
+
+def _recv(sock: socket.socket, total: int, result: dict) -> None:
+    buf = memoryview(bytearray(CHUNK))
+    got = 0
+    t0 = None
+    while got < total:
+        n = sock.recv_into(buf, min(CHUNK, total - got))
+        if n == 0:
+            raise ConnectionError("peer closed early")
+        if t0 is None:
+            t0 = time.perf_counter()
+        got += n
+    result["seconds"] = time.perf_counter() - t0
+    result["bytes"] = got
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed early")
+        data += chunk
+    return data
+
+
+def measure_rtt(rounds: int = 2000) -> float:
+    """Median 8-byte round trip in microseconds between two processes."""
+    la, lb, port = _listen()
+    lb.close()
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.loopback", "--peer", "rtt",
+                              "--port", str(port), "--bytes", str(rounds)], cwd=_repo())
+    try:
+        conn, _ = la.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            conn.sendall(b"q" * 8)
+            _recv_exact(conn, 8)
+            times.append(time.perf_counter() - t0)
+        conn.close()
+        child.wait(timeout=60)
+        times.sort()
+        return times[len(times) // 2] * 1e6
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        la.close()
+
+
+def _connect(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s = _tune(socket.socket())
+            s.connect(("127.0.0.1", port))
+            return s
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _peer(mode: str, port: int, total: int) -> None:
+    """The child process: connects to the parent's listener(s) and plays its role."""
+    if mode == "rtt":
+        with _connect(port) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(total):
+                _recv_exact(s, 8)
+                s.sendall(b"p" * 8)
+        return
+    if mode == "one":
+        with _connect(port) as s:
+            _send(s, total)
+            s.recv(1)  # wait for the receiver's ack so the socket is drained before close
+        return
+    out, inn = _connect(port), _connect(port + 1)
+    res: dict = {}
+    t = threading.Thread(target=_recv, args=(inn, total, res))
+    t.start()
+    _send(out, total)
+    t.join()
+    print(json.dumps(res), flush=True)
+    out.close()
+    inn.close()
+
+
+def _listen() -> tuple[socket.socket, socket.socket, int]:
+    """Two listeners on consecutive ports (for the two directions)."""
+    for _ in range(50):
+        a = _tune(socket.socket())
+        a.bind(("127.0.0.1", 0))
+        port = a.getsockname()[1]
+        b = _tune(socket.socket())
+        try:
+            b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            a.close()
+            b.close()
+            continue
+        a.listen(1)
+        b.listen(1)
+        return a, b, port
+    raise OSError("no two consecutive free ports")
+
+
+def measure_once(mode: str, total: int) -> float:
+    """GB/s (1e9 bytes/s) in one direction; for two-way, the mean of the two directions."""
+    la, lb, port = _listen()
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.loopback", "--peer", mode,
+                              "--port", str(port), "--bytes", str(total), "--sockbuf", str(_sockbuf)],
+                             stdout=subprocess.PIPE, text=True, cwd=_repo())
+    try:
+        if mode == "one":
+            conn, _ = la.accept()
+            res: dict = {}
+            _recv(conn, total, res)
+            conn.sendall(b"k")
+            conn.close()
+            child.wait(timeout=60)
+            return res["bytes"] / res["seconds"] / 1e9
+        inn, _ = la.accept()   # child's outgoing
+        out, _ = lb.accept()   # child's incoming
+        res = {}
+        t = threading.Thread(target=_recv, args=(inn, total, res))
+        t.start()
+        _send(out, total)
+        t.join()
+        theirs = json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+        inn.close()
+        out.close()
+        return (res["bytes"] / res["seconds"] + theirs["bytes"] / theirs["seconds"]) / 2 / 1e9
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        la.close()
+        lb.close()
+
+
+def _repo() -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _c_binary() -> str | None:
+    """Compile loopback.c once into the temp dir (keyed by its hash); None without a compiler."""
+    import hashlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    src = Path(__file__).with_name("loopback.c")
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None or not src.exists():
+        return None
+    tag = hashlib.sha1(src.read_bytes()).hexdigest()[:12]
+    exe = Path(tempfile.gettempdir()) / f"cxbench-loopback-{tag}"
+    if not exe.exists():
+        tmp = exe.with_suffix(".tmp")
+        r = subprocess.run([cc, "-O2", "-pthread", "-o", str(tmp), str(src)], capture_output=True, text=True)
+        if r.returncode != 0:
+            return None
+        tmp.replace(exe)
+    return str(exe)
+
+
+def _c_run(exe: str, mode: str, n: int, buf: int) -> float:
+    out = subprocess.run([exe, mode, str(n), str(buf)], capture_output=True, text=True, timeout=120, check=True)
+    return float(out.stdout.strip())
+
+
+def measure(total_bytes: int = 2 << 30, repeats: int = 3, use_c: bool = True) -> dict:
+    """Median over `repeats` of one-way and two-way throughput (GB/s per direction) for each
+    socket buffer size in BUFFERS, the better buffer size as the limit, and the 8-byte RTT.
+    Uses the C program (loopback.c) when a compiler is found, Python sockets otherwise."""
+    global _sockbuf
+    exe = _c_binary() if use_c else None
+    by_buf = {}
+    for buf in BUFFERS:
+        _sockbuf = buf
+        if exe:
+            one = sorted(_c_run(exe, "one", total_bytes, buf) for _ in range(repeats))
+            two = sorted(_c_run(exe, "two", total_bytes, buf) for _ in range(repeats))
+        else:
+            one = sorted(measure_once("one", total_bytes) for _ in range(repeats))
+            two = sorted(measure_once("two", total_bytes) for _ in range(repeats))
+        by_buf["default" if buf == 0 else f"{buf >> 20}MiB"] = {
+            "one_way_GBps": one[len(one) // 2], "two_way_each_GBps": two[len(two) // 2],
+            "one_way_all": one, "two_way_all": two}
+    _sockbuf = 0
+    return {
+        "method": "C (loopback.c)" if exe else "Python sockets",
+        "one_way_GBps": max(v["one_way_GBps"] for v in by_buf.values()),
+        "two_way_each_GBps": max(v["two_way_each_GBps"] for v in by_buf.values()),
+        "rtt_8B_us": _c_run(exe, "rtt", 5000, 0) if exe else measure_rtt(),
+        "by_socket_buffer": by_buf,
+        "bytes_per_run": total_bytes,
+        "chunk": CHUNK,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bytes", type=int, default=2 << 30, help="bytes per direction per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peer", choices=["one", "two", "rtt"], help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--sockbuf", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--python", action="store_true", help="measure with Python sockets, not loopback.c")
+    a = ap.parse_args(argv)
+    if a.peer:
+        global _sockbuf
+        _sockbuf = a.sockbuf
+        _peer(a.peer, a.port, a.bytes)
+        return 0
+    res = measure(a.bytes, a.repeats, use_c=not a.python)
+    print(f"method: {res['method']}")
+    print(f"loopback TCP, one stream one way:        {res['one_way_GBps']:.2f} GB/s")
+    print(f"loopback TCP, both directions at once:   {res['two_way_each_GBps']:.2f} GB/s each way")
+    for name, v in res["by_socket_buffer"].items():
+        print(f"  socket buffers {name:>7}: {v['one_way_GBps']:.2f} one way, {v['two_way_each_GBps']:.2f} each way")
+    print(f"loopback TCP, 8-byte round trip:         {res['rtt_8B_us']:.1f} us (blocking sockets)")
+    if not a.no_save:
+        from benchmarks._report import write_json
+
+        write_json("loopback", {"benchmark": "loopback", **res})
+    return 0
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):
+        sys.path.insert(0, _repo())
+    sys.exit(main())

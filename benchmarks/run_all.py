@@ -1,0 +1,211 @@
+"""The whole suite in one command (< 15 minutes on a 2-core machine).
+
+    python -m benchmarks                # same as python -m benchmarks.run_all
+    python -m benchmarks --quick        # ~3 minutes: fewer sizes and calls, no 4-rank training
+    python -m benchmarks --skip train memory
+
+Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
+reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
+(1, 2, 4 ranks), memory. Writes
+benchmarks/results/<name>.json and .png for each, and SUMMARY.md: the markdown tables that
+go into the README. Each column has a timeout, clipped so the suite stays within --budget.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+if __package__ in (None, ""):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _launch
+from benchmarks import allreduce as coll
+from benchmarks import loopback, memory, train
+from benchmarks._launch import LIBRARIES, RESULTS, mpi_available
+from benchmarks._report import format_table, machine_info, write_json
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
+STEPS = ("loopback", *COLLECTIVES, "train", "memory")
+OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
+
+
+def _versions(payloads: list) -> str:
+    seen = {}
+    for p in payloads:
+        for c in p.get("columns", []):
+            if c.get("version"):
+                seen.setdefault(c["lib"], c["version"].replace("\x00", "").split(",")[0].strip())
+    return ", ".join(f"{k} {v}" for k, v in seen.items())
+
+
+def _medians(payload: dict | None, lib: str, world: int) -> dict:
+    """{nominal size: median seconds} of one column, {} when absent."""
+    for c in (payload or {}).get("columns", []):
+        if c["lib"] == lib and c["world"] == world:
+            return {r["nominal"]: r["median_s"] for r in c["results"]}
+    return {}
+
+
+def _ratios(payload, other: str, world: int, sizes=None) -> dict:
+    cx, ot = _medians(payload, "pycyxwiz", world), _medians(payload, other, world)
+    return {s: ot[s] / cx[s] for s in cx if s in ot and cx[s] > 0 and (sizes is None or sizes(s))}
+
+
+def targets(parts: dict) -> list:
+    """Issue 5's targets as rows [target, ranks, measured, goal, met]: reported, never asserted."""
+    rows = []
+    ar = parts.get("all_reduce")
+    lb = parts.get("loopback") or {}
+
+    def add(name, world, value, goal, met, fmt="{:.2f}x"):
+        rows.append([name, str(world), "n/a" if value is None else fmt.format(value), goal,
+                     "n/a" if value is None else ("yes" if met(value) else "**no**")])
+
+    for world in (ar or {}).get("worlds", []):
+        big = _ratios(ar, "gloo", world, lambda s: s >= 256 << 10)
+        add("all_reduce busbw vs gloo, >= 256 KiB (worst size)", world, min(big.values()) if big else None,
+            ">= 1.5x", lambda v: v >= 1.5)
+        tcp = _ratios(ar, "mpi-tcp", world)
+        add("all_reduce vs Open MPI TCP, every size (worst size)", world, min(tcp.values()) if tcp else None,
+            ">= 1.0x", lambda v: v >= 1.0)
+        g8 = _ratios(ar, "gloo", world).get(8)
+        add("8-byte all_reduce latency vs gloo", world, g8, ">= 10x", lambda v: v >= 10)
+        m8 = _ratios(ar, "mpi-tcp", world).get(8)
+        add("8-byte all_reduce latency vs Open MPI TCP", world, m8, ">= 0.67x (<= 1.5x its time)",
+            lambda v: v >= 1 / 1.5)
+    pp = parts.get("pingpong")
+    for op, size, label in (("barrier", 0, "barrier"), ("all_reduce", 8, "8-byte all_reduce")):
+        p = parts.get(op)
+        for world in (p or {}).get("worlds", []):
+            t = _medians(p, "pycyxwiz", world).get(size)
+            rtt = _medians(pp, "pycyxwiz", world).get(8)
+            add(f"{label} time / pycyxwiz 8-byte send-recv round trip", world,
+                t / rtt if t and rtt else None, "<= 1 round trip", lambda v: v <= 1.0, "{:.2f} RTT")
+    tr = parts.get("train")
+    if tr:
+        from benchmarks.train import _sps
+
+        cx2, th2, cx1 = _sps(tr, "pycyxwiz", 2), _sps(tr, "torch", 2), _sps(tr, "pycyxwiz", 1)
+        add("training samples/s vs PyTorch DDP", 2, cx2 / th2 if cx2 and th2 else None, ">= 1.5x",
+            lambda v: v >= 1.5)
+        add("training samples/s vs itself on 1 rank", 2, cx2 / cx1 if cx2 and cx1 else None, "> 1.0x",
+            lambda v: v > 1.0)
+    return rows
+
+
+def summary(parts: dict, argv: list, seconds: float) -> str:
+    """SUMMARY.md: the tables and plots of this run, ready to paste into the README."""
+    m = machine_info()
+    lines = [
+        "# pycyxwiz benchmark summary",
+        "",
+        f"Run `python -m benchmarks {' '.join(argv)}`".rstrip() + f" on {m['date']}, git {m.get('git', '?')}: "
+        f"{m.get('host_cpus')} CPUs ({m.get('cpu', '?')}), {m['platform']}, Python {m['python']}; "
+        f"the suite took {seconds / 60:.1f} min.",
+        "",
+        "Every library runs as real processes on 127.0.0.1, side by side in the same run. These machines are "
+        "shared and noisy (10-30% run to run): read the ratios, not the absolute numbers. "
+        "cx/X = pycyxwiz's speed over X's (above 1 = pycyxwiz faster); busbw follows nccl-tests.",
+    ]
+    versions = _versions([p for p in parts.values() if isinstance(p, dict)])
+    if versions:
+        lines += ["", f"Versions: {versions}."]
+    loads = [c["load"] for p in parts.values() if isinstance(p, dict)
+             for c in p.get("columns", []) + p.get("collective", []) + p.get("train", []) if c.get("load")]
+    if loads:
+        lines += ["", f"1-minute load average as columns finished: {min(loads):.1f} to {max(loads):.1f} "
+                      f"(on {m.get('host_cpus')} CPUs; above that, other work was competing with the benchmark)."]
+    lb = parts.get("loopback")
+    if lb:
+        lines += ["", f"Loopback TCP limit (plain sockets, two processes): **{lb['one_way_GBps']:.2f} GB/s** one "
+                      f"stream one way, **{lb['two_way_each_GBps']:.2f} GB/s** each way with both directions busy"
+                      + (f"; 8-byte round trip {lb['rtt_8B_us']:.0f} us (blocking sockets)." if lb.get("rtt_8B_us")
+                         else ".")]
+    rows = targets(parts)
+    if rows:
+        lines += ["", "## Targets (issue 5), as measured in this run", "",
+                  format_table(["target", "ranks", "measured", "goal", "met"], rows, markdown=True)]
+    for op in COLLECTIVES:
+        p = parts.get(op)
+        if not p:
+            continue
+        name = coll.SHORT_NAME[op]
+        lines += ["", f"## {op}", "", coll.tables(p, markdown=True)]
+        if (RESULTS / f"{name}.png").exists() and op not in ("barrier", "pingpong"):
+            lines += ["", f"![{op} busbw vs size]({name}.png)"]
+    if parts.get("train"):
+        lines += ["", "## training", "", train.table(parts["train"], markdown=True), "", "![training](train.png)"]
+    if parts.get("memory"):
+        lines += ["", "## memory", "", memory.tables(parts["memory"], markdown=True)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and calls (a smoke run, ~3 min)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="collective world sizes")
+    ap.add_argument("--libs", nargs="+", choices=LIBRARIES, default=list(LIBRARIES))
+    ap.add_argument("--skip", nargs="*", choices=STEPS, default=[])
+    ap.add_argument("--rounds", type=int, help="rounds per collective column, best kept (default 2; 1 with --quick)")
+    ap.add_argument("--budget", type=float, default=14.0, help="minutes the whole suite may take")
+    a = ap.parse_args(argv)
+    start = time.monotonic()
+    _launch.suite_deadline = start + a.budget * 60
+    ok, why = mpi_available()
+    if not ok:
+        print(f"Open MPI columns will be n/a: {why}")
+    print("tip: pycyxwiz must be built in this environment (pip install -e . --no-build-isolation)\n")
+    parts: dict = {}
+    scale = 0.34 if a.quick else 1.0
+
+    if "loopback" not in a.skip:
+        print("loopback TCP ...", flush=True)
+        parts["loopback"] = loopback.measure(1 << 30, repeats=3)
+        write_json("loopback", {"benchmark": "loopback", **parts["loopback"]})
+    for op in COLLECTIVES:
+        if op in a.skip:
+            continue
+        if op == "barrier":
+            sizes = [0]
+        elif op == "pingpong":
+            sizes = [8]
+        elif a.quick:
+            sizes = coll.QUICK_SIZES
+        else:
+            sizes = coll.DEFAULT_SIZES if op == "all_reduce" else OTHER_SIZES
+        print(f"{op} ...", flush=True)
+        p = coll.run(op, a.worlds, a.libs, sizes, scale, timeout_s=180, loopback=parts.get("loopback"),
+                     rounds=a.rounds or (1 if a.quick else 2))
+        write_json(coll.SHORT_NAME[op], p)
+        if op not in ("barrier", "pingpong"):
+            coll.plot(p, RESULTS / f"{coll.SHORT_NAME[op]}.png")
+        print(coll.tables(p) + "\n", flush=True)
+        parts[op] = p
+    if "train" not in a.skip:
+        print("training ...", flush=True)
+        worlds = [1, 2] if a.quick else [1, 2, 4]
+        p = train.run(worlds, list(train.TRAIN_LIBS), 4096 if a.quick else 8192, 2 if a.quick else 3)
+        write_json("train", p)
+        train.plot(p, RESULTS / "train.png")
+        print(train.table(p) + "\n", flush=True)
+        parts["train"] = p
+    if "memory" not in a.skip:
+        print("memory ...", flush=True)
+        sizes = [1 << 20, 64 << 20] if a.quick else memory.DEFAULT_SIZES
+        p = memory.run(a.libs, [2], sizes)
+        write_json("memory", p)
+        print(memory.tables(p) + "\n", flush=True)
+        parts["memory"] = p
+    seconds = time.monotonic() - start
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "SUMMARY.md").write_text(summary(parts, argv, seconds))
+    print(f"suite took {seconds / 60:.1f} min; wrote {RESULTS / 'SUMMARY.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
