@@ -1,6 +1,6 @@
 """Type-checks the .pyi stubs against seed 004's usage (not a pytest module; nothing here runs).
 
-    pip install mypy && MYPYPATH=python python -m mypy --ignore-missing-imports tests/typing/stubs_usage.py
+    pip install mypy && MYPYPATH=python python -m mypy --ignore-missing-imports tests/stub_check/stubs_usage.py
 
 The reveal-free asserts below are for mypy only: each line must type-check, and the
 `# type: ignore[...]` lines must be errors (warn_unused_ignores makes mypy say so if not).
