@@ -224,3 +224,46 @@ def backward_wrong_shape():
 def test_backward_with_a_wrong_gradient_shape_is_named():
     (o,) = ranks.spawn(backward_wrong_shape, 1)
     assert not o.ok and "(4, 6)" in o.message, o.message
+
+
+# ---- wrapping a model twice (Note [Unused parameters] in csrc/train/ddp.h) -----------
+
+def rewrap_steps(steps):
+    """A model wrapped, wrapped again, and the first wrapper dropped (as `trainer = DistributedTrainer(model, ...)`
+    run twice does): the newest wrapper keeps its gradient hook and trains like a single wrapper; the stale
+    one refuses to run instead of leaving buckets unreduced."""
+    import gc
+    r = D.get_rank()
+    model = make_model(seed=1)
+    old = D.DistributedDataParallel(model, D.DDPConfig())
+    cfg = D.DDPConfig()
+    cfg.bucket_size_mb = 1e-4                                 # one bucket per tensor: every hook matters
+    cfg.first_bucket_mb = 1e-4
+    new = D.DistributedDataParallel(model, cfg)
+    loss_fn = cx.CrossEntropyLoss()
+    X, y = data(2 * 6 * steps)
+    loss_fn.forward(old.forward(X[:6]), y[:6])
+    try:
+        old.backward(loss_fn.backward().astype(np.float32), input_grad=False)
+        stale = ""
+    except ValueError as e:
+        stale = str(e)
+    model.zero_grad()
+    del old
+    gc.collect()                                              # the old wrapper's destructor runs here
+    opt = cx.SGDOptimizer(0.1, momentum=0.9)
+    for s in range(steps):
+        rows = slice((2 * s + r) * 6, (2 * s + r + 1) * 6)
+        out = new.forward(np.ascontiguousarray(X[rows]))
+        loss_fn.forward(out, np.ascontiguousarray(y[rows]))
+        new.backward(loss_fn.backward().astype(np.float32), input_grad=False)
+        new.update_parameters(opt)
+    return model.flat_parameters().copy(), stale
+
+
+def test_rewrapping_a_model_keeps_the_newest_wrapper_working_and_the_stale_one_says_so():
+    steps = 3
+    want = ranks.run(ddp_steps, 1, args=(2, 6, steps, 25.0, 1, "plain", "sgd"))[0][0]
+    for got, stale in ranks.run(rewrap_steps, 2, args=(steps,)):
+        assert "wrapped by another DistributedDataParallel" in stale and "use the newest one" in stale, stale
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

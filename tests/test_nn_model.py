@@ -218,3 +218,30 @@ def test_default_blas_threads_are_one_per_rank_when_ranks_share_a_host(env, expe
         single = _threads_in_child({})
         assert n == single
         assert single >= min(2, os.cpu_count())
+
+
+def test_dropout_rng_state_round_trips_and_replays_the_same_masks():
+    model = cx.SequentialModel()
+    model.add(cx.DropoutModule(0.5, seed=3))
+    model.add(cx.LinearModule(8, 8, seed=1))
+    model.add(cx.DropoutModule(0.5, seed=4))
+    x = np.ones((4, 8), np.float32)
+    state = model.get_rng_state()
+    assert state.dtype == np.uint64 and state.shape == (2,)
+    first = model.forward(x)
+    assert not np.array_equal(model.get_rng_state(), state)  # drawing advanced the streams
+    assert not np.array_equal(model.forward(x), first)
+    model.set_rng_state(state)
+    assert np.array_equal(model.forward(x), first)           # the same masks again
+    drop = model[0]
+    s = drop.get_rng_state()
+    a = drop.forward(x)
+    drop.set_rng_state(s)
+    assert isinstance(s, int) and np.array_equal(drop.forward(x), a)
+    model.eval()
+    before = model.get_rng_state()
+    model.forward(x)
+    assert np.array_equal(model.get_rng_state(), before)     # eval mode draws nothing
+    with pytest.raises(ValueError, match="has 2 module\\(s\\) with a random-number generator .* got 1"):
+        model.set_rng_state(np.zeros(1, np.uint64))
+    assert cx.SequentialModel().get_rng_state().shape == (0,)

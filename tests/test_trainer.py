@@ -107,6 +107,53 @@ def test_resume_from_checkpoint_gives_the_weights_of_an_uninterrupted_run(tmp_pa
     assert sorted(os.listdir(tmp_path / "b")) == ["epoch_0003.ckpt", "epoch_0004.ckpt"]
 
 
+def mlp_with_dropout(seed=0, hidden=64):
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(64, hidden, seed=seed))
+    m.add(cx.ReLUModule())
+    m.add(cx.DropoutModule(0.3, seed=seed + 7))
+    m.add(cx.LinearModule(hidden, 10, seed=seed + 1))
+    return m
+
+
+def fit_dropout_with_checkpoints(ckpt_dir, epochs, resume_from):
+    Xtr, ytr, _, _ = digits_split()
+    model = mlp_with_dropout(seed=9)
+    initial_rng = model.get_rng_state().copy()
+    trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
+    forked_rng = model.get_rng_state().copy()
+    c = config(epochs=epochs, batch_size=16, checkpoint_every_n_epochs=1, checkpoint_dir=ckpt_dir)
+    h = trainer.fit(Xtr, ytr, c, resume_from=resume_from)
+    return model.flat_parameters().copy(), h.train_losses, initial_rng, forked_rng, model.get_rng_state().copy()
+
+
+def drop_rng_from_checkpoint(src, dst):
+    with np.load(src) as z:
+        arrays = {k: z[k] for k in z.files if k != "rng.modules"}
+        assert "rng.modules" in z.files and z["rng.modules"].shape == (2, 1)   # one row per rank, one Dropout
+    with open(dst, "wb") as f:                               # a file object: savez adds no ".npz"
+        np.savez(f, **arrays)
+
+
+def test_resume_with_dropout_draws_the_masks_of_an_uninterrupted_run_on_every_rank(tmp_path):
+    full = ranks.run(fit_dropout_with_checkpoints, 2, args=(str(tmp_path / "a"), 3, None))
+    (w0, l0, init0, fork0, end0), (w1, l1, init1, fork1, end1) = full
+    # Every rank builds the same model, then DDP gives each rank its own dropout stream;
+    # rank 0 keeps the model's own, so a world of one trains like the bare model.
+    assert np.array_equal(init0, init1) and np.array_equal(fork0, init0)
+    assert not np.array_equal(fork1, init1) and not np.array_equal(end0, end1)
+    ckpt = str(tmp_path / "a" / "epoch_0001.ckpt")
+    resumed = ranks.run(fit_dropout_with_checkpoints, 2, args=(str(tmp_path / "b"), 3, ckpt))
+    for (wa, la, *_, ea), (wb, lb, *_, eb) in zip(full, resumed):
+        assert np.array_equal(wa, wb)                        # bit-identical weights on every rank
+        assert la == lb and np.array_equal(ea, eb)
+    # Control: the same checkpoint without the generator states resumes with other masks.
+    stale = str(tmp_path / "stale.ckpt")
+    drop_rng_from_checkpoint(ckpt, stale)
+    blind = ranks.run(fit_dropout_with_checkpoints, 2, args=(str(tmp_path / "c"), 3, stale))
+    assert not np.array_equal(blind[0][0], full[0][0])
+
+
 def die_after_first_checkpoint(ckpt_dir):
     if D.get_rank() == 2:
         def killer():

@@ -208,7 +208,12 @@ void bind_nn(py::module_& m) {
       .def(py::init([](float p, py::object seed) { return std::make_shared<DropoutModule>(p, seed_or_next(seed)); }),
            py::arg("p") = 0.5f, py::arg("seed") = py::none())
       .def_property_readonly("p", &DropoutModule::p)
-      .def_property_readonly("seed", &DropoutModule::seed);
+      .def_property_readonly("seed", &DropoutModule::seed)
+      .def("get_rng_state", &DropoutModule::rng_state,
+           "The mask generator's state (an int): where its random stream stands now.\n\n"
+           "    s = drop.get_rng_state(); ...; drop.set_rng_state(s)   # the same masks again")
+      .def("set_rng_state", &DropoutModule::set_rng_state, py::arg("state"),
+           "Restores a state from get_rng_state().");
   module_cls<BatchNormModule>(m, "BatchNormModule",
                               "Batch normalisation over (batch, features) with running statistics for eval mode.")
       .def(py::init<size_t, float, float>(), py::arg("num_features"), py::arg("eps") = 1e-5f,
@@ -268,6 +273,24 @@ void bind_nn(py::module_& m) {
           py::arg("grad_output"), py::arg("input_grad") = true,
           "Accumulates parameter gradients; returns dL/d(input), or None with input_grad=False.")
       .def("zero_grad", &SequentialModel::zero_grad)
+      .def(
+          "get_rng_state",
+          [](const SequentialModel& s) {
+            auto v = s.rng_states();
+            py::array_t<uint64_t> out(static_cast<py::ssize_t>(v.size()));
+            if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(uint64_t));
+            return out;
+          },
+          "Generator states of the modules that have one (Dropout), layer order, as a uint64 array.\n\n"
+          "    state = model.get_rng_state(); ...; model.set_rng_state(state)   # same dropout masks again")
+      .def(
+          "set_rng_state",
+          [](SequentialModel& s, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> a) {
+            CX_CHECK(a.ndim() == 1, InvalidArgument, "SequentialModel.set_rng_state: expected a 1-D array from "
+                     "get_rng_state(), got ", a.ndim(), " dimensions");
+            s.set_rng_states(std::vector<uint64_t>(a.data(), a.data() + a.size()));
+          },
+          py::arg("state"), "Restores the states from get_rng_state() (same number of Dropout modules).")
       .def(
           "train", [](py::object self, bool mode) { self.cast<SequentialModel&>().train(mode); return self; },
           py::arg("mode") = true)

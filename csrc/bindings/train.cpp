@@ -13,6 +13,7 @@
 #include "dist/default_group.h"
 #include "nn/loss.h"
 #include "nn/optimizer.h"
+#include "nn/rng.h"
 #include "nn/sequential.h"
 #include "train/buckets.h"
 #include "train/ddp.h"
@@ -410,6 +411,8 @@ void bind_train(py::module_& m) {
         return py::bytes(s);
       },
       py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers).");
+  m.def("_fork_rng_stream", &nn::fork_stream, py::arg("state"), py::arg("stream"),
+        "The generator state DDP gives rank `stream` for rank 0's `state` (Note [Dropout across ranks]).");
   m.def(
       "_model_load_bytes",
       [](nn::SequentialModel& model, const py::bytes& b, const std::string& what) {

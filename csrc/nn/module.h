@@ -77,6 +77,17 @@ class Module {
   // Hyper-parameters, written to model files right after the kind.
   virtual void write_config(ByteWriter& w) const {}
 
+  // Note [RNG state]
+  // A module that draws random numbers while training (DropoutModule's masks)
+  // has a generator whose state is part of the training state, like optimizer
+  // moments: a resumed run draws the same masks as an uninterrupted one only if
+  // the state is saved and restored. It is not in .cyxmodel files (those hold
+  // the seed, so a loaded model starts its stream afresh); the trainer's
+  // checkpoints hold it (python/pycyxwiz/distributed/_train.py).
+  virtual bool has_rng_state() const { return false; }
+  virtual uint64_t rng_state() const { return 0; }
+  virtual void set_rng_state(uint64_t) {}
+
   const std::vector<ParamSpec>& param_specs() const { return specs_; }
   size_t num_params() const { return total_; }  // scalars over all its tensors
   float* param(size_t i) { return p_->data() + offset_ + local_off_[i]; }

@@ -135,6 +135,9 @@ class DropoutModule : public ElementwiseModule {
   void write_config(ByteWriter& w) const override;
   float p() const { return p_; }
   uint64_t seed() const { return seed_; }
+  bool has_rng_state() const override { return true; }
+  uint64_t rng_state() const override { return rng_.state(); }
+  void set_rng_state(uint64_t s) override { rng_.set_state(s); }
 
  private:
   float p_;

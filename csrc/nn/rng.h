@@ -28,6 +28,17 @@ class Rng {
   uint64_t s_;
 };
 
+// A generator state for stream `stream` derived from `state`: stream 0 is
+// `state` itself, other streams are hashed away from it (SplitMix64 states from
+// distinct hashes sit far apart on its 2^64 cycle, so the streams do not
+// overlap in practice). DDP gives rank r stream r (Note [Dropout across ranks]
+// in train/ddp.h).
+inline uint64_t fork_stream(uint64_t state, uint64_t stream) {
+  if (stream == 0) return state;
+  Rng r(state ^ (stream * 0xD1B54A32D192ED03ull));
+  return r.next();
+}
+
 // Sets the global seed; modules created afterwards without an explicit seed
 // draw theirs from it in creation order (default global seed: 0).
 void manual_seed(uint64_t seed);

@@ -106,6 +106,23 @@ const Tensor* SequentialModel::backward(const float* grad_output, const Shape& s
   return input_grad ? &gbuf_[slot ^ 1] : nullptr;
 }
 
+std::vector<uint64_t> SequentialModel::rng_states() const {
+  std::vector<uint64_t> out;
+  for (const auto& m : modules_)
+    if (m->has_rng_state()) out.push_back(m->rng_state());
+  return out;
+}
+
+void SequentialModel::set_rng_states(const std::vector<uint64_t>& states) {
+  size_t n = 0;
+  for (const auto& m : modules_) n += m->has_rng_state() ? 1 : 0;
+  CX_CHECK(states.size() == n, InvalidArgument, "SequentialModel.set_rng_state: this model has ", n,
+           " module(s) with a random-number generator (Dropout), got ", states.size(), " state(s)");
+  size_t k = 0;
+  for (const auto& m : modules_)
+    if (m->has_rng_state()) m->set_rng_state(states[k++]);
+}
+
 void SequentialModel::zero_grad() {
   if (total_) std::memset(grads_->data(), 0, total_ * sizeof(float));
 }

@@ -64,8 +64,28 @@ class SequentialModel {
   // written again by this backward.
   const Tensor* backward(const float* grad_output, const Shape& shape, bool input_grad = true);
 
-  void set_grad_ready_hook(GradReadyHook hook) { hook_ = std::move(hook); }
-  void clear_grad_ready_hook() { hook_ = nullptr; }
+  // `owner` identifies who set the hook (DDP passes itself): a model wrapped
+  // twice has one hook, the newest wrapper's, and an older wrapper can tell
+  // (hook_owner() != this) and must not clear it (clear_grad_ready_hook(owner)
+  // is a no-op unless owner set the current hook).
+  void set_grad_ready_hook(GradReadyHook hook, const void* owner = nullptr) {
+    hook_ = std::move(hook);
+    hook_owner_ = owner;
+  }
+  void clear_grad_ready_hook() {
+    hook_ = nullptr;
+    hook_owner_ = nullptr;
+  }
+  void clear_grad_ready_hook(const void* owner) {
+    if (hook_owner_ == owner) clear_grad_ready_hook();
+  }
+  const void* hook_owner() const { return hook_ ? hook_owner_ : nullptr; }
+
+  // The generator states of every module with one (Note [RNG state] in
+  // module.h), in layer order. set_rng_states takes as many as rng_states()
+  // returns (InvalidArgument otherwise).
+  std::vector<uint64_t> rng_states() const;
+  void set_rng_states(const std::vector<uint64_t>& states);
 
   void zero_grad();
   void train(bool on = true) { training_ = on; }
@@ -102,6 +122,7 @@ class SequentialModel {
   size_t total_ = 0;
   bool training_ = true;
   GradReadyHook hook_;
+  const void* hook_owner_ = nullptr;
 
   // State of the last forward, for backward.
   const float* input_ = nullptr;

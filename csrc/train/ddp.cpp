@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "nn/rng.h"
 
 namespace cx::train {
 
@@ -53,12 +54,21 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialM
   seen_.assign(num_params_, 0);
 
   if (cfg_.broadcast_parameters) broadcast_parameters();
-  // The hook holds a raw pointer: the destructor clears it before we go away.
-  model_->set_grad_ready_hook([this](size_t i) { on_grad_ready(i); });
+  fork_rng_streams();
+  // The hook holds a raw pointer: the destructor clears it before we go away
+  // (unless a newer wrapper has replaced it: Note [Unused parameters]).
+  model_->set_grad_ready_hook([this](size_t i) { on_grad_ready(i); }, this);
+}
+
+// Note [Dropout across ranks].
+void DistributedDataParallel::fork_rng_streams() {
+  auto states = model_->rng_states();
+  for (auto& s : states) s = nn::fork_stream(s, static_cast<uint64_t>(group_->rank()));
+  model_->set_rng_states(states);
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
-  model_->clear_grad_ready_hook();
+  model_->clear_grad_ready_hook(this);
   try {
     wait_in_flight();
   } catch (...) {
@@ -118,6 +128,9 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
   CX_CHECK(model_->param_slices().size() == num_params_ && model_->num_parameters() == num_elems_,
            InvalidArgument, "DistributedDataParallel.backward: the model changed after it was wrapped; wrap it "
            "after the last add()");
+  CX_CHECK(model_->hook_owner() == this, InvalidArgument, "DistributedDataParallel.backward (rank ", group_->rank(),
+           "): this model has been wrapped by another DistributedDataParallel (or DistributedTrainer) since this "
+           "one was made, and only the newest wrapper sees its gradients; use the newest one");
   wait_in_flight();  // in-flight reductions read and write the buffer backward adds into
   size_t k = backwards_since_sync_;
   launching_ = require_sync_ && k + 1 >= period_;  // Note [Accumulation]

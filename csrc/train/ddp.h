@@ -33,6 +33,47 @@
 //     cycle the inner steps do not communicate.
 // Before a backward writes into the gradient buffer again, it waits for the
 // reductions in flight (they read and write the same memory).
+//
+// Note [Unused parameters]
+// A bucket is launched when every parameter in it has been reported final by
+// the model's grad-ready hook. A parameter whose hook never fires would leave
+// its bucket (and, since launches are in index order, every later one)
+// waiting, and ranks would disagree about what has been reduced. With
+// SequentialModel this cannot happen in a backward that completes:
+//   - every module's backward accumulates and finalises every parameter it
+//     declares (Linear: bias then weight; BatchNorm: beta then gamma), in
+//     train and eval mode alike, even when the gradient is zero (dead ReLUs,
+//     dropped units, a zero grad_output);
+//   - backward(..., input_grad=false) stops early only at leading modules
+//     without parameters;
+//   - there is no way to freeze a parameter or skip a layer's backward;
+//   - a backward that throws is rethrown before anything of it is reduced.
+// The one path that used to silence hooks was wrapping a model twice: the
+// newer wrapper's hook replaced the older one's, and destroying the older one
+// cleared the newer one's hook. Hooks now carry their owner: destroying an
+// older wrapper leaves the newer one's hook alone, and backward through a
+// stale wrapper raises InvalidArgument saying to use the newest one.
+// So DDPConfig.find_unused_parameters changes nothing for today's modules. It
+// is kept (the seed names it) as a guarantee for any future module or model
+// that leaves a parameter unreported: after backward returns, the unreported
+// parameters are listed; with the flag set every bucket is then marked ready
+// and reduced as it is (the unused slices hold what they held, zeros after
+// zero_grad, so their average is too), in the same index order on every rank;
+// without it backward throws InvalidArgument naming the parameter indices and
+// the flag, never hangs. The check runs on every backward (it is a scan of one
+// byte per parameter tensor).
+//
+// Note [Dropout across ranks]
+// Each rank must draw its own dropout masks, or sample i of every rank's batch
+// would get the same mask and an N-rank step would not be a step on a batch of
+// N*b independent samples. PyTorch gets this from each process having its own
+// generator (and users seeding per rank); here every rank builds the same
+// model with the same seeds, so construction forks the streams: every module
+// with a generator (Note [RNG state] in nn/module.h) on rank r gets
+// nn::fork_stream(state, r). Rank 0's stream is left as it is, so a world of
+// one trains exactly like the bare model. Wrapping a model again forks again
+// (deterministically). Checkpoints of DistributedTrainer hold every rank's
+// states, so a resumed run draws the masks an uninterrupted one would.
 #pragma once
 
 #include <cstdint>
@@ -97,6 +138,7 @@ class DistributedDataParallel {
   bool is_master() const { return group_->rank() == 0; }
 
  private:
+  void fork_rng_streams();
   void on_grad_ready(size_t param);
   void launch(size_t b);
   void launch_ready_in_order();

@@ -12,8 +12,16 @@ history, and checkpoint files.
 Checkpoint file format (version 1): an uncompressed NumPy ``.npz`` archive with
 ``meta`` (UTF-8 JSON: format, version, epoch and batch position to resume at, partial
 epoch sums, history, sampler seed/shuffle, world size), ``model`` (the ``.cyxmodel``
-bytes: architecture, parameters, buffers) and ``opt.<name>`` (the optimizer's state
-arrays; its scalars are in ``meta``). Files are written to a temporary name, fsynced
+bytes: architecture, parameters, buffers), ``opt.<name>`` (the optimizer's state
+arrays; its scalars are in ``meta``) and ``rng.modules`` (uint64, one row per rank: the
+generator states of the model's Dropout modules, ``model.get_rng_state()`` on that rank;
+absent in files written before it existed, which then resume with the states as they are).
+
+Every rank draws its own dropout masks (Note [Dropout across ranks] in csrc/train/ddp.h),
+so a checkpoint must hold every rank's generator states although only rank 0 writes it.
+fit() all-gathers them at the end of every epoch (a few bytes); a checkpoint holds
+rank 0's live states and the other ranks' states from that gather, i.e. it is exact for
+the checkpoints fit writes and for any save_checkpoint between fits. Files are written to a temporary name, fsynced
 and renamed, so a reader sees either the old complete file or the new complete file.
 """
 from __future__ import annotations
@@ -192,6 +200,8 @@ class DistributedTrainer:
         self._position = 0
         self._partial = (0.0, 0.0, 0.0)
         self._history = DistributedTrainingHistory()
+        # Every rank's model.get_rng_state() at the last epoch end or load (rank 0 only needs it).
+        self._rng_by_rank: Optional[np.ndarray] = None
 
     # ---- info ----------------------------------------------------------------------
     def is_master(self) -> bool:
@@ -289,6 +299,7 @@ class DistributedTrainer:
                     out.update(epoch + 1, config.epochs, done, total, ls / max(ns, 1), cs / max(ns, 1),
                                ns * world / dt)
             g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
+            self._rng_by_rank = self._gather_rng_states()
             epoch_time = time.perf_counter() - t0
             history.train_time_seconds += epoch_time
             history.total_samples += g_count
@@ -341,10 +352,33 @@ class DistributedTrainer:
         return ls / ns, cs / ns
 
     # ---- checkpoints ---------------------------------------------------------------
+    def _gather_rng_states(self) -> np.ndarray:
+        """Collective: every rank's model.get_rng_state(), one row per rank (uint64)."""
+        mine = np.ascontiguousarray(self.model.get_rng_state(), dtype=np.uint64)
+        world = self.get_world_size()
+        rows = np.empty((world, mine.size), np.uint64)
+        if world == 1 or mine.size == 0:
+            rows[:] = mine
+        else:
+            _pg.all_gather(rows, mine)
+        return rows
+
+    def _rng_rows(self) -> np.ndarray:
+        """The rows a checkpoint holds: this rank's live states, the others' from the last gather."""
+        mine = np.ascontiguousarray(self.model.get_rng_state(), dtype=np.uint64)
+        rows = self._rng_by_rank
+        if rows is None or rows.shape != (self.get_world_size(), mine.size):
+            rows = mine[None, :]           # nothing gathered yet: only this rank's states are known
+        rows = rows.copy()
+        if rows.shape[0] > self.get_rank():
+            rows[self.get_rank()] = mine
+        return rows
+
     def _checkpoint_bytes(self) -> bytes:
         sd = self.optimizer.state_dict()
         scalars = {k: v for k, v in sd.items() if not isinstance(v, np.ndarray)}
         arrays = {f"opt.{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
+        arrays["rng.modules"] = self._rng_rows()
         sampler = getattr(self, "_fit_sampler", None)
         meta = {
             "format": _CKPT_FORMAT, "version": _CKPT_VERSION,
@@ -353,8 +387,8 @@ class DistributedTrainer:
             "sampler": {"seed": sampler.seed if sampler else self.config.seed,
                         "shuffle": sampler.shuffle if sampler else self.config.shuffle,
                         "epoch": self._epoch, "batch_size": self.config.batch_size},
-            # The only random state the trainer uses is the sampler's: a pure function of
-            # (seed, epoch), so the seed and the epoch restore it exactly.
+            # The sampler's order is a pure function of (seed, epoch), so the seed and the epoch
+            # restore it exactly; the model's generators (Dropout) are in the rng.modules array.
             "rng": {"sampler_seed": self.config.seed},
             "optimizer": scalars,
             "history": self._history._to_json(),
@@ -418,6 +452,7 @@ class DistributedTrainer:
                 meta = json.loads(z["meta"].tobytes().decode())
                 model_bytes = z["model"].tobytes()
                 arrays = {k[4:]: np.array(z[k]) for k in z.files if k.startswith("opt.")}
+                rng_rows = np.array(z["rng.modules"]) if "rng.modules" in z.files else None
         except Exception as e:  # zipfile.BadZipFile, KeyError, ValueError, ...
             raise OSError(f"load_checkpoint: {path!r} is not a readable pycyxwiz checkpoint ({e}); it may be "
                           f"truncated or from another program") from None
@@ -430,6 +465,8 @@ class DistributedTrainer:
             raise ValueError(f"load_checkpoint: {path!r} holds {sd.get('type')} optimizer state but the trainer's "
                              f"optimizer is {self.optimizer!r}")
         self.optimizer.load_state_dict(sd)
+        if rng_rows is not None:
+            self._restore_rng(rng_rows, meta, path)
         self.model.zero_grad()
         self._epoch = int(meta["epoch"])
         self._position = int(meta["position"])
@@ -439,6 +476,22 @@ class DistributedTrainer:
             raise ValueError(f"load_checkpoint: {path!r} was saved mid-epoch with world_size "
                              f"{meta.get('world_size')}; it can only be resumed with the same world size "
                              f"(this run has {self.get_world_size()})")
+
+
+    def _restore_rng(self, rows: np.ndarray, meta: dict, path: str) -> None:
+        n = int(self.model.get_rng_state().size)
+        if rows.dtype != np.uint64 or rows.ndim != 2 or rows.shape[1] != n:
+            raise ValueError(f"load_checkpoint: {path!r} holds generator states of shape {rows.shape} but this "
+                             f"model has {n} module(s) with a generator (Dropout); build the same architecture")
+        rank, world = self.get_rank(), self.get_world_size()
+        if rows.shape[0] == world:
+            mine = rows[rank]
+        else:
+            # Saved by another world size (or before any gather): rank 0's states are known,
+            # the others start their own streams from them, as at DDP construction.
+            mine = np.array([_core.dist._fork_rng_stream(int(s), rank) for s in rows[0]], np.uint64)
+        self.model.set_rng_state(mine)
+        self._rng_by_rank = rows.copy() if rows.shape[0] == world else None
 
 
 def _atomic_write(path: str, data: bytes) -> None:

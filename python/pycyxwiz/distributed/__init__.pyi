@@ -1,0 +1,43 @@
+# Type stub of cx.distributed: the process group and collectives (_pg.pyi), spawn (_spawn.py) and
+# data-parallel training (_train.pyi). Names as seed 004 writes them.
+
+from ._pg import (
+    BackendType as BackendType,
+    CollectiveMismatchError as CollectiveMismatchError,
+    DistributedConfig as DistributedConfig,
+    DistributedConnectionError as DistributedConnectionError,
+    DistributedError as DistributedError,
+    DistributedTimeoutError as DistributedTimeoutError,
+    ReduceOp as ReduceOp,
+    Work as Work,
+    all_gather as all_gather,
+    all_reduce as all_reduce,
+    all_to_all as all_to_all,
+    barrier as barrier,
+    broadcast as broadcast,
+    finalize as finalize,
+    gather as gather,
+    get_config as get_config,
+    get_local_rank as get_local_rank,
+    get_rank as get_rank,
+    get_world_size as get_world_size,
+    init as init,
+    is_initialized as is_initialized,
+    is_master as is_master,
+    recv as recv,
+    reduce as reduce,
+    reduce_scatter as reduce_scatter,
+    scatter as scatter,
+    send as send,
+)
+from ._spawn import SpawnError as SpawnError, spawn as spawn
+from ._train import (
+    DDPConfig as DDPConfig,
+    DistributedBatchIterator as DistributedBatchIterator,
+    DistributedDataParallel as DistributedDataParallel,
+    DistributedSampler as DistributedSampler,
+    DistributedTrainer as DistributedTrainer,
+    DistributedTrainingConfig as DistributedTrainingConfig,
+    DistributedTrainingHistory as DistributedTrainingHistory,
+)
+
