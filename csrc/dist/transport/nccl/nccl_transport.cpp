@@ -32,19 +32,33 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
   }
   if (rank == 0) store.set("nccl/id", mine.empty() ? id : kErrorMark + mine, dl);
   store.set("nccl/ready/" + std::to_string(rank), mine.empty() ? "" : kErrorMark + mine, dl);
-  if (err) std::rethrow_exception(err);
-  for (int q = 0; q < world; ++q) {
-    if (q == rank) continue;
-    std::string v = store.get("nccl/ready/" + std::to_string(q), dl,
-                              detail::concat("Timeout waiting for peers: rank ", rank, " waited for rank ", q,
-                                             " to join the NCCL communicator"));
-    if (!v.empty() && v[0] == kErrorMark) {
-      CX_THROW(Error, "rank ", q, " could not join the NCCL communicator: ", v.substr(1));
+  // Rank 0 hosts the store, so it stays until every rank has read what it
+  // needs ("seen"), even when it is about to fail itself.
+  std::string other;  // the first other rank's error
+  if (!err || rank == 0) {
+    for (int q = 0; q < world && (rank == 0 || other.empty()); ++q) {
+      if (q == rank) continue;
+      std::string v = store.get("nccl/ready/" + std::to_string(q), dl,
+                                detail::concat("Timeout waiting for peers: rank ", rank, " waited for rank ", q,
+                                               " to join the NCCL communicator"));
+      if (!v.empty() && v[0] == kErrorMark && other.empty()) {
+        other = detail::concat("rank ", q, " could not join the NCCL communicator: ", v.substr(1));
+      }
     }
   }
-  if (rank != 0) {
+  if (rank != 0 && !err && other.empty()) {
     id = store.get("nccl/id", dl, "Timeout waiting for peers: rank 0 did not publish the NCCL unique id");
   }
+  if (rank != 0) store.set("nccl/seen/" + std::to_string(rank), "", dl);
+  if (rank == 0) {
+    for (int q = 1; q < world; ++q) {
+      store.get("nccl/seen/" + std::to_string(q), dl,
+                detail::concat("Timeout waiting for peers: rank 0 waited for rank ", q, " to read the NCCL unique id"));
+    }
+  }
+  if (err) std::rethrow_exception(err);
+  if (!other.empty()) throw Error(other);
+  if (id.size() > 0 && id[0] == kErrorMark) throw Error("rank 0 could not join the NCCL communicator: " + id.substr(1));
   if (id.size() != kUniqueIdBytes) {
     CX_THROW(ConnectionError, "malformed NCCL unique id from the store (", id.size(), " bytes, expected ",
              kUniqueIdBytes, ")");
@@ -68,8 +82,7 @@ std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank) {
         for (auto& c : s) c = static_cast<char>(rd());
         return s;
       });
-  if (cfg.rank != 0) store.done(Deadline::after_ms(1000));
-  return id;
+  return id;  // no store.done(): rank 0 may already be gone once every rank has seen the id
 }
 
 // ---- CudaEvent -----------------------------------------------------------------------
