@@ -9,6 +9,10 @@
 
 #include "bindings/bindings.h"
 #include "dist/default_group.h"
+#include "dist/transport/nccl/cuda_driver.h"
+#include "dist/transport/nccl/kernels.h"
+#include "dist/transport/nccl/nccl_api.h"
+#include "dist/transport/nccl/nccl_transport.h"
 
 namespace cx::bindings {
 
@@ -16,12 +20,19 @@ using namespace cx::dist;
 
 namespace {
 
-// A checked view of a NumPy array handed to a collective.
+// A checked view of an array handed to a collective: a NumPy array with the
+// CPU backend, an array with __cuda_array_interface__ (CuPy) with NCCL.
 struct View {
-  py::array arr;
+  py::object obj;  // keeps the array alive
   void* ptr = nullptr;
   size_t count = 0;  // elements (of dt)
   DataType dt = DataType::kBytes;
+  size_t size = 0;    // elements of the array's own dtype
+  size_t nbytes = 0;
+  py::object dtype;  // the NumPy dtype (also for GPU arrays); its name only for messages
+  std::string dtype_name() const { return py::str(dtype.attr("name")); }
+  std::vector<int64_t> shape;
+  uintptr_t stream = 0;  // GPU arrays: the stream to order the collective after (0: legacy default)
 };
 
 // The reducible dtype of an array, from its descriptor's kind and size (cheap:
@@ -51,68 +62,145 @@ std::optional<DataType> reducible_dtype(const py::dtype& d) {
   return std::nullopt;
 }
 
-[[noreturn]] void not_an_array(const char* what, const py::handle& obj) {
-  std::string tname = py::str(py::type::handle_of(obj).attr("__name__"));
-  if (py::hasattr(obj, "__cuda_array_interface__")) {
-    CX_THROW(TypeMismatch, what, " is a GPU array (", tname,
-             "): GPU arrays need the NCCL backend, which this build of pycyxwiz does not have yet; "
-             "copy it to a NumPy array (e.g. cupy.asnumpy) or use NumPy arrays with the CPU backend");
+bool is_gpu_array(const py::handle& obj) { return py::hasattr(obj, "__cuda_array_interface__"); }
+bool is_array(const py::handle& obj, bool gpu) { return gpu ? is_gpu_array(obj) : py::isinstance<py::array>(obj); }
+std::string type_name(const py::handle& obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+
+[[noreturn]] void not_an_array(const char* what, const py::handle& obj, bool gpu) {
+  std::string tname = type_name(obj);
+  if (gpu && py::isinstance<py::array>(obj)) {
+    CX_THROW(TypeMismatch, what, " is a NumPy array, but the process group uses BackendType.NCCL, which works on "
+             "GPU arrays: pass cupy.asarray(a) (and use that array afterwards), or use BackendType.CPU "
+             "(DISTRIBUTED_BACKEND=cpu) for NumPy arrays");
+  }
+  if (gpu) {
+    CX_THROW(TypeMismatch, what, " must be a GPU array (a CuPy array, or any object with __cuda_array_interface__) "
+             "with BackendType.NCCL, got ", tname);
+  }
+  if (is_gpu_array(obj)) {
+    CX_THROW(TypeMismatch, what, " is a GPU array (", tname, "), but the process group uses BackendType.CPU, which "
+             "works on NumPy arrays: initialize with BackendType.NCCL (DISTRIBUTED_BACKEND=nccl) for GPU arrays, "
+             "or copy it to the host with cupy.asnumpy(a)");
   }
   CX_THROW(TypeMismatch, what, " must be a NumPy array, got ", tname);
 }
 
-// `reduce`: the collective combines elements, so the dtype must be one we can
-// reduce. `writable`: the collective writes into it.
-View view_of(const py::handle& obj, const char* what, bool writable, bool reduce,
-             const std::optional<std::string>& dtype_override = std::nullopt) {
-  if (!py::isinstance<py::array>(obj)) not_an_array(what, obj);
-  View v;
-  v.arr = py::reinterpret_borrow<py::array>(obj);
-  if (!(v.arr.flags() & py::array::c_style)) {
-    CX_THROW(InvalidArgument, what, " must be C-contiguous (collectives work in place on the array's memory): "
-                                    "pass numpy.ascontiguousarray(a) and use that array afterwards");
-  }
-  if (writable && !v.arr.writeable()) {
-    CX_THROW(InvalidArgument, what, " is read-only, but the collective writes its result into it in place");
-  }
-  v.ptr = const_cast<void*>(v.arr.data());
+// Fills dt/count from the dtype name (or the bfloat16 override).
+void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
+               const std::optional<std::string>& dtype_override) {
   std::optional<DataType> dt;
   if (dtype_override) {
     if (*dtype_override != "bfloat16") {
       CX_THROW(InvalidArgument, "dtype='", *dtype_override, "' is not supported: the only override is 'bfloat16' "
                                 "(for bfloat16 values stored in a uint16 array)");
     }
-    if (v.arr.itemsize() != 2) {
-      CX_THROW(TypeMismatch, "dtype='bfloat16' needs a 2-byte array (uint16 storage), got itemsize ", v.arr.itemsize());
+    if (itemsize != 2) {
+      CX_THROW(TypeMismatch, "dtype='bfloat16' needs a 2-byte array (uint16 storage), got itemsize ", itemsize);
     }
     dt = DataType::kBFloat16;
   } else {
-    dt = reducible_dtype(v.arr.dtype());
+    dt = reducible_dtype(py::reinterpret_borrow<py::dtype>(v.dtype));
   }
   if (dt) {
     v.dt = *dt;
-    v.count = static_cast<size_t>(v.arr.size());
+    v.count = v.size;
   } else if (reduce) {
-    std::string name = py::str(v.arr.dtype().attr("name"));
-    CX_THROW(TypeMismatch, what, " has dtype ", name, ", which cannot be reduced: use float32, float64, float16, "
-             "bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64 or uint8");
+    CX_THROW(TypeMismatch, what, " has dtype ", v.dtype_name(), ", which cannot be reduced: use float32, float64, "
+             "float16, bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64 or uint8");
   } else {
     v.dt = DataType::kBytes;  // moved, never combined: any dtype works
-    v.count = static_cast<size_t>(v.arr.nbytes());
+    v.count = v.nbytes;
   }
+}
+
+const char* kContiguous = " must be C-contiguous (collectives work in place on the array's memory): ";
+
+View numpy_view(const py::handle& obj, const char* what, bool writable, bool reduce,
+                const std::optional<std::string>& dtype_override) {
+  View v;
+  py::array arr = py::reinterpret_borrow<py::array>(obj);
+  v.obj = arr;
+  if (!(arr.flags() & py::array::c_style)) {
+    CX_THROW(InvalidArgument, what, kContiguous, "pass numpy.ascontiguousarray(a) and use that array afterwards");
+  }
+  if (writable && !arr.writeable()) {
+    CX_THROW(InvalidArgument, what, " is read-only, but the collective writes its result into it in place");
+  }
+  v.ptr = const_cast<void*>(arr.data());
+  v.size = static_cast<size_t>(arr.size());
+  v.nbytes = static_cast<size_t>(arr.nbytes());
+  v.dtype = arr.dtype();
+  for (py::ssize_t i = 0; i < arr.ndim(); ++i) v.shape.push_back(arr.shape(i));
+  set_dtype(v, static_cast<size_t>(arr.itemsize()), what, reduce, dtype_override);
   return v;
 }
 
+// __cuda_array_interface__ (versions 0..3): shape, typestr, data=(ptr, readonly),
+// strides (None: C-contiguous), mask (must be None), stream (v3; None: no sync).
+View gpu_view(const py::handle& obj, const char* what, bool writable, bool reduce,
+              const std::optional<std::string>& dtype_override) {
+  View v;
+  v.obj = py::reinterpret_borrow<py::object>(obj);
+  py::dict cai = obj.attr("__cuda_array_interface__");
+  auto bad = [&](const std::string& why) {
+    CX_THROW(TypeMismatch, what, " has an invalid __cuda_array_interface__ (", why, ")");
+  };
+  if (!cai.contains("shape") || !cai.contains("typestr") || !cai.contains("data")) bad("shape, typestr and data are required");
+  if (cai.contains("mask") && !cai["mask"].is_none()) {
+    CX_THROW(TypeMismatch, what, " is a masked GPU array; collectives need plain arrays");
+  }
+  for (auto d : py::reinterpret_borrow<py::tuple>(cai["shape"])) v.shape.push_back(d.cast<int64_t>());
+  std::string typestr = py::str(cai["typestr"]);
+  py::object np_dtype = py::module_::import("numpy").attr("dtype")(typestr);
+  size_t itemsize = np_dtype.attr("itemsize").cast<size_t>();
+  if (typestr.size() < 3 || (typestr[0] == '>' && itemsize > 1)) {
+    CX_THROW(TypeMismatch, what, " has typestr '", typestr, "': only little-endian GPU arrays are supported");
+  }
+  v.dtype = np_dtype;
+  py::tuple data = cai["data"];
+  if (data.size() != 2) bad("data must be (pointer, read_only)");
+  v.ptr = reinterpret_cast<void*>(data[0].cast<uintptr_t>());
+  if (writable && data[1].cast<bool>()) {
+    CX_THROW(InvalidArgument, what, " is read-only, but the collective writes its result into it in place");
+  }
+  v.size = 1;
+  for (int64_t d : v.shape) v.size *= static_cast<size_t>(d);
+  v.nbytes = v.size * itemsize;
+  if (cai.contains("strides") && !cai["strides"].is_none()) {
+    py::tuple strides = cai["strides"];
+    if (strides.size() != v.shape.size()) bad("strides and shape differ in length");
+    int64_t expect = static_cast<int64_t>(itemsize);
+    for (size_t i = v.shape.size(); i-- > 0;) {
+      if (v.shape[i] > 1 && strides[i].cast<int64_t>() != expect) {
+        CX_THROW(InvalidArgument, what, kContiguous, "pass cupy.ascontiguousarray(a) and use that array afterwards");
+      }
+      expect *= v.shape[i];
+    }
+  }
+  if (cai.contains("stream") && !cai["stream"].is_none()) v.stream = cai["stream"].cast<uintptr_t>();
+  set_dtype(v, itemsize, what, reduce, dtype_override);
+  return v;
+}
+
+// `gpu`: the group's backend is NCCL. `reduce`: the collective combines
+// elements, so the dtype must be one we can reduce. `writable`: the collective
+// writes into it.
+View view_of(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
+             const std::optional<std::string>& dtype_override = std::nullopt) {
+  if (!is_array(obj, gpu)) not_an_array(what, obj, gpu);
+  return gpu ? gpu_view(obj, what, writable, reduce, dtype_override)
+             : numpy_view(obj, what, writable, reduce, dtype_override);
+}
+
 void same_layout(const View& ref, const View& v, const std::string& what) {
-  if (v.dt != ref.dt || v.count != ref.count || !v.arr.dtype().is(ref.arr.dtype())) {
-    std::string a = py::str(v.arr.dtype().attr("name")), b = py::str(ref.arr.dtype().attr("name"));
-    CX_THROW(InvalidArgument, what, " has ", v.arr.size(), " elements of ", a, " but ", ref.arr.size(),
-             " elements of ", b, " are expected (every block must match the input array)");
+  if (v.dt != ref.dt || v.count != ref.count || !v.dtype.equal(ref.dtype)) {
+    CX_THROW(InvalidArgument, what, " has ", v.size, " elements of ", v.dtype_name(), " but ", ref.size,
+             " elements of ", ref.dtype_name(), " are expected (every block must match the input array)");
   }
 }
 
 // A list of p arrays, or one array holding p blocks of `per` elements.
-std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable) {
+std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu) {
   std::vector<View> out;
   if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
     auto seq = py::reinterpret_borrow<py::sequence>(obj);
@@ -122,25 +210,24 @@ std::vector<View> blocks_of(const py::handle& obj, const char* what, const View&
     }
     for (size_t i = 0; i < seq.size(); ++i) {
       std::string item = std::string(what) + "[" + std::to_string(i) + "]";
-      View v = view_of(seq[i], item.c_str(), writable, false);
+      View v = view_of(seq[i], item.c_str(), writable, false, gpu);
       if (ref.dt != DataType::kBytes && v.dt == DataType::kBytes) same_layout(ref, v, item);
       v.dt = ref.dt;
-      if (ref.dt != DataType::kBytes) v.count = static_cast<size_t>(v.arr.size());
+      if (ref.dt != DataType::kBytes) v.count = v.size;
       same_layout(ref, v, item);
       out.push_back(std::move(v));
     }
     return out;
   }
-  View whole = view_of(obj, what, writable, false);
-  if (!whole.arr.dtype().is(ref.arr.dtype()) || static_cast<size_t>(whole.arr.nbytes()) != p * static_cast<size_t>(ref.arr.nbytes())) {
-    std::string a = py::str(whole.arr.dtype().attr("name")), b = py::str(ref.arr.dtype().attr("name"));
-    CX_THROW(InvalidArgument, what, " must hold world_size x ", ref.arr.size(), " elements of ", b, " (", p, " x ",
-             ref.arr.nbytes(), " bytes); got ", whole.arr.size(), " elements of ", a);
+  View whole = view_of(obj, what, writable, false, gpu);
+  if (!whole.dtype.equal(ref.dtype) || whole.nbytes != p * ref.nbytes) {
+    CX_THROW(InvalidArgument, what, " must hold world_size x ", ref.size, " elements of ", ref.dtype_name(), " (", p,
+             " x ", ref.nbytes, " bytes); got ", whole.size, " elements of ", whole.dtype_name());
   }
-  size_t block = static_cast<size_t>(ref.arr.nbytes());
+  size_t block = ref.nbytes;
   for (int i = 0; i < p; ++i) {
     View v;
-    v.arr = whole.arr;
+    v.obj = whole.obj;
     v.ptr = static_cast<char*>(whole.ptr) + block * static_cast<size_t>(i);
     v.count = ref.count;
     v.dt = ref.dt;
@@ -173,6 +260,8 @@ py::object finish(ProcessGroup::WorkPtr w, bool async, const Keep&... keep) {
   (pw->keep.append(keep), ...);
   return py::cast(std::move(pw));
 }
+
+bool on_gpu(const ProcessGroup& pg) { return pg.config().backend == Backend::kNccl; }
 
 template <typename F>
 ProcessGroup::WorkPtr call(F&& f) {
@@ -262,8 +351,9 @@ void bind_dist(py::module_& m) {
       "all_reduce",
       [](py::object arr, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
         auto pg = require_default_group("all_reduce()");
-        View v = view_of(arr, "the array", true, true, dtype);
-        auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op); });
+        const bool gpu = on_gpu(*pg);
+        View v = view_of(arr, "the array", true, true, gpu, dtype);
+        auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op, v.stream); });
         return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false, py::arg("dtype") = py::none());
@@ -272,8 +362,9 @@ void bind_dist(py::module_& m) {
       "broadcast",
       [](py::object arr, int src, bool async_op) {
         auto pg = require_default_group("broadcast()");
-        View v = view_of(arr, "the array", true, false);
-        auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op); });
+        const bool gpu = on_gpu(*pg);
+        View v = view_of(arr, "the array", true, false, gpu);
+        auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op, v.stream); });
         return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false);
@@ -282,11 +373,12 @@ void bind_dist(py::module_& m) {
       "all_gather",
       [](py::object out, py::object arr, bool async_op) {
         auto pg = require_default_group("all_gather()");
-        View in = view_of(arr, "the input array", false, false);
-        auto blocks = blocks_of(out, "the output", in, pg->size(), true);
+        const bool gpu = on_gpu(*pg);
+        View in = view_of(arr, "the input array", false, false, gpu);
+        auto blocks = blocks_of(out, "the output", in, pg->size(), true, gpu);
         std::vector<void*> outs;
         for (auto& b : blocks) outs.push_back(b.ptr);
-        auto w = call([&] { return pg->all_gather(in.ptr, outs, in.count, in.dt, async_op); });
+        auto w = call([&] { return pg->all_gather(in.ptr, outs, in.count, in.dt, async_op, in.stream); });
         return finish(w, async_op, out, arr);
       },
       py::arg("out"), py::arg("arr"), py::arg("async_op") = false);
@@ -295,11 +387,12 @@ void bind_dist(py::module_& m) {
       "reduce_scatter",
       [](py::object out, py::object inputs, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
         auto pg = require_default_group("reduce_scatter()");
-        View o = view_of(out, "the output array", true, true, dtype);
-        auto blocks = blocks_of(inputs, "the input", o, pg->size(), false);
+        const bool gpu = on_gpu(*pg);
+        View o = view_of(out, "the output array", true, true, gpu, dtype);
+        auto blocks = blocks_of(inputs, "the input", o, pg->size(), false, gpu);
         std::vector<const void*> ins;
         for (auto& b : blocks) ins.push_back(b.ptr);
-        auto w = call([&] { return pg->reduce_scatter(ins, o.ptr, o.count, o.dt, op, async_op); });
+        auto w = call([&] { return pg->reduce_scatter(ins, o.ptr, o.count, o.dt, op, async_op, o.stream); });
         return finish(w, async_op, out, inputs);
       },
       py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
@@ -309,8 +402,9 @@ void bind_dist(py::module_& m) {
       "reduce",
       [](py::object arr, int dst, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
         auto pg = require_default_group("reduce()");
-        View v = view_of(arr, "the array", true, true, dtype);
-        auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op); });
+        const bool gpu = on_gpu(*pg);
+        View v = view_of(arr, "the array", true, true, gpu, dtype);
+        auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op, v.stream); });
         return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
@@ -320,15 +414,16 @@ void bind_dist(py::module_& m) {
       "scatter",
       [](py::object arr, py::object scatter_list, int src, bool async_op) {
         auto pg = require_default_group("scatter()");
-        View o = view_of(arr, "the output array", true, false);
+        const bool gpu = on_gpu(*pg);
+        View o = view_of(arr, "the output array", true, false, gpu);
         std::vector<const void*> ins;
         if (pg->rank() == src) {
           if (scatter_list.is_none()) {
             CX_THROW(InvalidArgument, "scatter(): the source rank ", src, " must pass scatter_list (one array per rank)");
           }
-          for (auto& b : blocks_of(scatter_list, "scatter_list", o, pg->size(), false)) ins.push_back(b.ptr);
+          for (auto& b : blocks_of(scatter_list, "scatter_list", o, pg->size(), false, gpu)) ins.push_back(b.ptr);
         }
-        auto w = call([&] { return pg->scatter(ins, o.ptr, o.count, o.dt, src, async_op); });
+        auto w = call([&] { return pg->scatter(ins, o.ptr, o.count, o.dt, src, async_op, o.stream); });
         return finish(w, async_op, arr, scatter_list);
       },
       py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0, py::arg("async_op") = false);
@@ -337,15 +432,16 @@ void bind_dist(py::module_& m) {
       "gather",
       [](py::object arr, py::object gather_list, int dst, bool async_op) {
         auto pg = require_default_group("gather()");
-        View in = view_of(arr, "the input array", false, false);
+        const bool gpu = on_gpu(*pg);
+        View in = view_of(arr, "the input array", false, false, gpu);
         std::vector<void*> outs;
         if (pg->rank() == dst) {
           if (gather_list.is_none()) {
             CX_THROW(InvalidArgument, "gather(): the destination rank ", dst, " must pass gather_list (one array per rank)");
           }
-          for (auto& b : blocks_of(gather_list, "gather_list", in, pg->size(), true)) outs.push_back(b.ptr);
+          for (auto& b : blocks_of(gather_list, "gather_list", in, pg->size(), true, gpu)) outs.push_back(b.ptr);
         }
-        auto w = call([&] { return pg->gather(in.ptr, outs, in.count, in.dt, dst, async_op); });
+        auto w = call([&] { return pg->gather(in.ptr, outs, in.count, in.dt, dst, async_op, in.stream); });
         return finish(w, async_op, arr, gather_list);
       },
       py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0, py::arg("async_op") = false);
@@ -354,15 +450,15 @@ void bind_dist(py::module_& m) {
       "all_to_all",
       [](py::object out, py::object inputs, bool async_op) {
         auto pg = require_default_group("all_to_all()");
-        if (!(py::isinstance<py::list>(inputs) || py::isinstance<py::tuple>(inputs)) &&
-            !py::isinstance<py::array>(inputs)) {
-          not_an_array("the input", inputs);
+        const bool gpu = on_gpu(*pg);
+        if (!(py::isinstance<py::list>(inputs) || py::isinstance<py::tuple>(inputs)) && !is_array(inputs, gpu)) {
+          not_an_array("the input", inputs, gpu);
         }
         // The reference block: the first input block.
         py::object first;
-        if (py::isinstance<py::array>(inputs)) {
-          py::array a = py::reinterpret_borrow<py::array>(inputs);
-          if (a.ndim() == 0 || a.shape(0) != pg->size()) {
+        if (is_array(inputs, gpu)) {
+          View a = view_of(inputs, "the input", false, false, gpu);
+          if (a.shape.empty() || a.shape[0] != pg->size()) {
             CX_THROW(InvalidArgument, "all_to_all(): an input array must have world_size (", pg->size(),
                      ") rows, one block per destination rank");
           }
@@ -372,14 +468,14 @@ void bind_dist(py::module_& m) {
           if (seq.size() == 0) CX_THROW(InvalidArgument, "all_to_all(): the input list is empty");
           first = seq[0];
         }
-        View ref = view_of(first, "the input[0]", false, false);
-        auto ib = blocks_of(inputs, "the input", ref, pg->size(), false);
-        auto ob = blocks_of(out, "the output", ref, pg->size(), true);
+        View ref = view_of(first, "the input[0]", false, false, gpu);
+        auto ib = blocks_of(inputs, "the input", ref, pg->size(), false, gpu);
+        auto ob = blocks_of(out, "the output", ref, pg->size(), true, gpu);
         std::vector<const void*> ins;
         std::vector<void*> outs;
         for (auto& b : ib) ins.push_back(b.ptr);
         for (auto& b : ob) outs.push_back(b.ptr);
-        auto w = call([&] { return pg->all_to_all(ins, outs, ref.count, ref.dt, async_op); });
+        auto w = call([&] { return pg->all_to_all(ins, outs, ref.count, ref.dt, async_op, ref.stream); });
         return finish(w, async_op, out, inputs);
       },
       py::arg("out"), py::arg("inputs"), py::arg("async_op") = false);
@@ -397,8 +493,9 @@ void bind_dist(py::module_& m) {
       "send",
       [](py::object arr, int dst, bool async_op) {
         auto pg = require_default_group("send()");
-        View v = view_of(arr, "the array", false, false);
-        auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op); });
+        const bool gpu = on_gpu(*pg);
+        View v = view_of(arr, "the array", false, false, gpu);
+        auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream); });
         return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("dst"), py::arg("async_op") = false);
@@ -407,11 +504,57 @@ void bind_dist(py::module_& m) {
       "recv",
       [](py::object arr, int src, bool async_op) {
         auto pg = require_default_group("recv()");
-        View v = view_of(arr, "the array", true, false);
-        auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op); });
+        const bool gpu = on_gpu(*pg);
+        View v = view_of(arr, "the array", true, false, gpu);
+        auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream); });
         return finish(w, async_op, arr);
       },
       py::arg("arr"), py::arg("src"), py::arg("async_op") = false);
+
+  // ---- GPU backend: library discovery, probes, and hooks for tests that run without a GPU ----
+  m.def("_set_nccl_search_dirs", &nccl::set_nccl_search_dirs, py::arg("dirs"),
+        "Directories searched for libnccl.so.2 before the system's (the Python side passes the nvidia wheels').");
+  m.def(
+      "_nccl_library",
+      [] {
+        py::gil_scoped_release nogil;
+        const auto& api = nccl::nccl_api();
+        return std::make_pair(api.path, api.version);
+      },
+      "Loads NCCL (raises if it cannot be found) and returns (path, version code).");
+  m.def("_cuda_device_count", [] {
+    py::gil_scoped_release nogil;
+    return cuda::device_count_or_zero();
+  });
+  m.def("_cuda_kernels_built", &cuda::Kernels::available, "True if nvcc compiled the CUDA kernels into this build.");
+  m.def("_check_gpu_local_rank", &cuda::check_local_rank, py::arg("local_rank"), py::arg("device_count"));
+  m.def(
+      "_array_view",
+      [](py::object arr, Backend backend, bool writable, bool reduce, std::optional<std::string> dtype) {
+        View v = view_of(arr, "the array", writable, reduce, backend == Backend::kNccl, dtype);
+        py::dict d;
+        d["ptr"] = reinterpret_cast<uintptr_t>(v.ptr);
+        d["count"] = v.count;
+        d["dtype"] = dtype_name(v.dt);
+        d["nbytes"] = v.nbytes;
+        d["stream"] = v.stream;
+        return d;
+      },
+      py::arg("arr"), py::arg("backend"), py::arg("writable") = true, py::arg("reduce") = true,
+      py::arg("dtype") = py::none(),
+      "For tests: the checked view a collective would see of `arr` under `backend` (raises what it would raise).");
+  m.def(
+      "_nccl_id_exchange_selftest",
+      [](const Config& cfg, int fail_rank) {
+        std::string id;
+        {
+          py::gil_scoped_release nogil;
+          id = nccl_id_exchange_selftest(cfg, fail_rank);
+        }
+        return py::bytes(id);
+      },
+      py::arg("config"), py::arg("fail_rank") = -1,
+      "For tests: the NCCL unique-id exchange through a real store, with a random id instead of NCCL's.");
 }
 
 }  // namespace cx::bindings

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "dist/store/store.h"
+#include "dist/transport/nccl/nccl_transport.h"
 #include "dist/transport/tcp/tcp_transport.h"
 
 namespace cx::dist {
@@ -78,10 +79,6 @@ void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
 
 ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   cfg_.validate();
-  if (cfg_.backend == Backend::kNccl) {
-    CX_THROW(InvalidArgument, "BackendType.NCCL is not available in this build of pycyxwiz yet: use "
-                              "BackendType.CPU (DISTRIBUTED_BACKEND=cpu)");
-  }
   algo_.chunk_bytes = static_cast<size_t>(cfg_.chunk_bytes);
   // Note [small all_reduce threshold]
   // Recursive doubling takes log2(p) dependent steps moving the whole message;
@@ -95,13 +92,26 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
                                                                        : 512 * 1024;
   sent_.assign(static_cast<size_t>(cfg_.world_size), 0);
   recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
+  const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);
+  if (cfg_.backend == Backend::kNccl && cfg_.world_size == 1) {
+    auto t = std::make_unique<NcclTransport>(nullptr, cfg_, dl);
+    nccl_ = t.get();
+    transport_ = std::move(t);
+    return;
+  }
   if (cfg_.world_size == 1) {
     transport_ = std::make_unique<LocalTransport>();
     return;
   }
-  const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);
   if (cfg_.rank == 0) server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size);
   store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, dl);
+  if (cfg_.backend == Backend::kNccl) {
+    // The unique id travels through the store; NCCL then connects the ranks itself.
+    auto t = std::make_unique<NcclTransport>(store_.get(), cfg_, dl);
+    nccl_ = t.get();
+    transport_ = std::move(t);
+    return;
+  }
   uint64_t nonce;
   if (cfg_.rank == 0) {
     nonce = make_nonce();
@@ -232,6 +242,7 @@ void ProcessGroup::shutdown() {
       // rank 0's store may already be gone; nothing depends on it any more
     }
   }
+  nccl_ = nullptr;
   transport_.reset();
   store_.reset();
   server_.reset();
@@ -263,96 +274,150 @@ OpDesc make_desc(CollectiveKind k, DataType dt, ReduceOp op, int root, size_t co
 }
 }  // namespace
 
-ProcessGroup::WorkPtr ProcessGroup::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async) {
+ProcessGroup::WorkPtr ProcessGroup::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream) {
   check_reducible(dt, op);
+  if (nccl_) {
+    auto ready = nccl_->mark(stream, {buf}, "the array");
+    return submit(make_desc(CollectiveKind::kAllReduce, dt, op, -1, count),
+                  [=, n = nccl_](Transport&) { n->all_reduce(buf, count, dt, op, ready); }, async);
+  }
   auto o = algo_;
   return submit(make_desc(CollectiveKind::kAllReduce, dt, op, -1, count),
                 [=](Transport& t) { algo::all_reduce(t, buf, count, dt, op, o); }, async);
 }
 
-ProcessGroup::WorkPtr ProcessGroup::broadcast(void* buf, size_t count, DataType dt, int root, bool async) {
+ProcessGroup::WorkPtr ProcessGroup::broadcast(void* buf, size_t count, DataType dt, int root, bool async, uintptr_t stream) {
   check_root(root, "src");
   auto o = algo_;
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    auto ready = nccl_->mark(stream, {buf}, "the array");
+    return submit(make_desc(CollectiveKind::kBroadcast, dt, ReduceOp::kNone, root, count),
+                  [=, n = nccl_](Transport&) { n->broadcast(buf, bytes, root, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kBroadcast, dt, ReduceOp::kNone, root, count),
                 [=](Transport& t) { algo::broadcast(t, buf, bytes, root, o); }, async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt,
-                                               bool async) {
+                                               bool async, uintptr_t stream) {
   if (outs.size() != static_cast<size_t>(cfg_.world_size)) {
     CX_THROW(InvalidArgument, "all_gather needs one output per rank: got ", outs.size(), " for world size ",
              cfg_.world_size);
   }
   auto o = algo_;
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    std::vector<const void*> bufs(outs.begin(), outs.end());
+    bufs.push_back(in);
+    auto ready = nccl_->mark(stream, bufs, "the all_gather input or output");
+    return submit(make_desc(CollectiveKind::kAllGather, dt, ReduceOp::kNone, -1, count),
+                  [=, n = nccl_](Transport&) { n->all_gather(in, outs, bytes, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kAllGather, dt, ReduceOp::kNone, -1, count),
                 [=](Transport& t) { algo::all_gather(t, in, outs.data(), bytes, o); }, async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt,
-                                                   ReduceOp op, bool async) {
+                                                   ReduceOp op, bool async, uintptr_t stream) {
   check_reducible(dt, op);
   if (ins.size() != static_cast<size_t>(cfg_.world_size)) {
     CX_THROW(InvalidArgument, "reduce_scatter needs one input block per rank: got ", ins.size(), " for world size ",
              cfg_.world_size);
   }
   auto o = algo_;
+  if (nccl_) {
+    std::vector<const void*> bufs(ins);
+    bufs.push_back(out);
+    auto ready = nccl_->mark(stream, bufs, "the reduce_scatter input or output");
+    return submit(make_desc(CollectiveKind::kReduceScatter, dt, op, -1, count),
+                  [=, n = nccl_](Transport&) { n->reduce_scatter(ins, out, count, dt, op, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kReduceScatter, dt, op, -1, count),
                 [=](Transport& t) { algo::reduce_scatter(t, ins.data(), out, count, dt, op, o); }, async);
 }
 
-ProcessGroup::WorkPtr ProcessGroup::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async) {
+ProcessGroup::WorkPtr ProcessGroup::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async, uintptr_t stream) {
   check_reducible(dt, op);
   check_root(root, "dst");
   auto o = algo_;
+  if (nccl_) {
+    auto ready = nccl_->mark(stream, {buf}, "the array");
+    return submit(make_desc(CollectiveKind::kReduce, dt, op, root, count),
+                  [=, n = nccl_](Transport&) { n->reduce(buf, count, dt, op, root, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kReduce, dt, op, root, count),
                 [=](Transport& t) { algo::reduce(t, buf, count, dt, op, root, o); }, async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt,
-                                            int root, bool async) {
+                                            int root, bool async, uintptr_t stream) {
   check_root(root, "src");
   if (cfg_.rank == root && ins.size() != static_cast<size_t>(cfg_.world_size)) {
     CX_THROW(InvalidArgument, "scatter on the source rank needs one input per rank: got ", ins.size(),
              " for world size ", cfg_.world_size);
   }
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    std::vector<const void*> bufs(ins);
+    bufs.push_back(out);
+    auto ready = nccl_->mark(stream, bufs, "the scatter input or output");
+    return submit(make_desc(CollectiveKind::kScatter, dt, ReduceOp::kNone, root, count),
+                  [=, n = nccl_](Transport&) { n->scatter(ins, out, bytes, root, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kScatter, dt, ReduceOp::kNone, root, count),
                 [=](Transport& t) { algo::scatter(t, ins.data(), out, bytes, root); }, async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::gather(const void* in, std::vector<void*> outs, size_t count, DataType dt,
-                                           int root, bool async) {
+                                           int root, bool async, uintptr_t stream) {
   check_root(root, "dst");
   if (cfg_.rank == root && outs.size() != static_cast<size_t>(cfg_.world_size)) {
     CX_THROW(InvalidArgument, "gather on the destination rank needs one output per rank: got ", outs.size(),
              " for world size ", cfg_.world_size);
   }
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    std::vector<const void*> bufs(outs.begin(), outs.end());
+    bufs.push_back(in);
+    auto ready = nccl_->mark(stream, bufs, "the gather input or output");
+    return submit(make_desc(CollectiveKind::kGather, dt, ReduceOp::kNone, root, count),
+                  [=, n = nccl_](Transport&) { n->gather(in, outs, bytes, root, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kGather, dt, ReduceOp::kNone, root, count),
                 [=](Transport& t) { algo::gather(t, in, outs.data(), bytes, root); }, async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count,
-                                               DataType dt, bool async) {
+                                               DataType dt, bool async, uintptr_t stream) {
   if (ins.size() != static_cast<size_t>(cfg_.world_size) || outs.size() != static_cast<size_t>(cfg_.world_size)) {
     CX_THROW(InvalidArgument, "all_to_all needs one input and one output block per rank: got ", ins.size(), " and ",
              outs.size(), " for world size ", cfg_.world_size);
   }
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    std::vector<const void*> bufs(ins);
+    bufs.insert(bufs.end(), outs.begin(), outs.end());
+    auto ready = nccl_->mark(stream, bufs, "the all_to_all input or output");
+    return submit(make_desc(CollectiveKind::kAllToAll, dt, ReduceOp::kNone, -1, count),
+                  [=, n = nccl_](Transport&) { n->all_to_all(ins, outs, bytes, ready); }, async);
+  }
   return submit(make_desc(CollectiveKind::kAllToAll, dt, ReduceOp::kNone, -1, count),
                 [=](Transport& t) { algo::all_to_all(t, ins.data(), outs.data(), bytes); }, async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::barrier(bool async) {
+  if (nccl_) {
+    return submit(make_desc(CollectiveKind::kBarrier, DataType::kBytes, ReduceOp::kNone, -1, 0),
+                  [n = nccl_](Transport&) { n->barrier(); }, async);
+  }
   return submit(make_desc(CollectiveKind::kBarrier, DataType::kBytes, ReduceOp::kNone, -1, 0),
                 [](Transport& t) { algo::barrier(t); }, async);
 }
 
 // A send and its matching recv carry the same descriptor: kind send/recv,
 // root = the sender, count, dtype, and the pair's message number.
-ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType dt, int dst, bool async) {
+ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType dt, int dst, bool async, uintptr_t stream) {
   check_peer(dst, "dst");
   OpDesc d = make_desc(CollectiveKind::kSendRecv, dt, ReduceOp::kNone, cfg_.rank, count);
   {
@@ -360,10 +425,14 @@ ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType
     d.seq = ++sent_[static_cast<size_t>(dst)];
   }
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    auto ready = nccl_->mark(stream, {buf}, "the array");
+    return submit(d, [=, n = nccl_](Transport&) { n->send(buf, bytes, dst, ready); }, async);
+  }
   return submit(d, [=](Transport& t) { t.wait(t.isend(dst, buf, bytes)); }, async);
 }
 
-ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, int src, bool async) {
+ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream) {
   check_peer(src, "src");
   OpDesc d = make_desc(CollectiveKind::kSendRecv, dt, ReduceOp::kNone, src, count);
   {
@@ -371,6 +440,10 @@ ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, i
     d.seq = ++recvd_[static_cast<size_t>(src)];
   }
   size_t bytes = count * dtype_size(dt);
+  if (nccl_) {
+    auto ready = nccl_->mark(stream, {buf}, "the array");
+    return submit(d, [=, n = nccl_](Transport&) { n->recv(buf, bytes, src, ready); }, async);
+  }
   return submit(d, [=](Transport& t) { t.wait(t.irecv(src, buf, bytes)); }, async);
 }
 

@@ -10,6 +10,13 @@
 // Failure model. The first transport failure, timeout or mismatch poisons the
 // group: peers are told (Transport::abort), queued work fails with that error,
 // and every later call raises it again. finalize() and a new init() start over.
+//
+// Backends. BackendType.CPU runs the algorithms of algorithms/ over a
+// TcpTransport. BackendType.NCCL puts an NcclTransport in the same place: the
+// queue, deadlines, poisoning and shutdown above are shared, but each
+// collective calls the NcclTransport's native NCCL collective instead of an
+// algorithm. Buffers are then device pointers, and `stream` is the caller's
+// CUDA stream (ignored by the CPU backend); see nccl_transport.h.
 #pragma once
 
 #include <condition_variable>
@@ -31,6 +38,7 @@ namespace cx::dist {
 
 class StoreServer;
 class StoreClient;
+class NcclTransport;
 
 class Work {
  public:
@@ -66,17 +74,17 @@ class ProcessGroup {
   using WorkPtr = std::shared_ptr<Work>;
   // Each returns a Work that is complete for blocking calls. Counts are elements
   // per rank's block; buffers follow the algorithms' conventions (algorithms.h).
-  WorkPtr all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async);
-  WorkPtr broadcast(void* buf, size_t count, DataType dt, int root, bool async);
-  WorkPtr all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, bool async);
-  WorkPtr reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op, bool async);
-  WorkPtr reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async);
-  WorkPtr scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root, bool async);
-  WorkPtr gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root, bool async);
-  WorkPtr all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt, bool async);
+  WorkPtr all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);
+  WorkPtr broadcast(void* buf, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
+  WorkPtr all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
+  WorkPtr reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);
+  WorkPtr reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async, uintptr_t stream = 0);
+  WorkPtr scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
+  WorkPtr gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
+  WorkPtr all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
   WorkPtr barrier(bool async);
-  WorkPtr send(const void* buf, size_t count, DataType dt, int dst, bool async);
-  WorkPtr recv(void* buf, size_t count, DataType dt, int src, bool async);
+  WorkPtr send(const void* buf, size_t count, DataType dt, int dst, bool async, uintptr_t stream = 0);
+  WorkPtr recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream = 0);
 
   // Waits for queued work, then closes every connection gracefully (peers see
   // end-of-stream, never a reset). Idempotent; also run by the destructor.
@@ -94,7 +102,8 @@ class ProcessGroup {
   algo::AlgoOptions algo_;
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<StoreClient> store_;
-  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<Transport> transport_;  // TCP, local (world of one) or NCCL
+  NcclTransport* nccl_ = nullptr;         // transport_ when the backend is NCCL
 
   uint64_t seq_ = 0;                   // collectives submitted
   std::vector<uint64_t> sent_, recvd_;  // point-to-point messages per peer

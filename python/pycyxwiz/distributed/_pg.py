@@ -5,8 +5,10 @@
     x = np.ones(4, np.float32)
     cx.distributed.all_reduce(x)               # x == world_size on every rank, in place
 
-Every collective works in place on C-contiguous NumPy arrays, releases the GIL,
-and takes ``async_op=True`` to return a :class:`Work` handle instead of blocking.
+Every collective works in place on C-contiguous NumPy arrays (with
+BackendType.NCCL: CuPy arrays, or anything with ``__cuda_array_interface__``,
+ordered after the array's stream), releases the GIL, and takes
+``async_op=True`` to return a :class:`Work` handle instead of blocking.
 The implementation is C++ (``pycyxwiz._core.dist``); this module adds the
 Python-only conveniences: ``init()`` without arguments, ``is_master()``, cleanup
 at interpreter exit.
@@ -17,6 +19,7 @@ import atexit
 from typing import Optional
 
 from .. import _core
+from . import _gpu
 
 _d = _core.dist
 
@@ -52,7 +55,7 @@ __all__ = [
     "ReduceOp", "BackendType", "DistributedConfig", "Work",
     "DistributedError", "DistributedTimeoutError", "DistributedConnectionError", "CollectiveMismatchError",
     "init", "finalize", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_config",
-    "is_master",
+    "is_master", "is_nccl_available",
     "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
     "all_to_all", "barrier", "send", "recv",
 ]
@@ -69,7 +72,12 @@ def init(config: Optional[DistributedConfig] = None) -> None:
     """
     if config is None:
         config = DistributedConfig.from_environment()
+    if config.backend == BackendType.NCCL:
+        _gpu.prepare()
     _d.init(config)
+
+
+is_nccl_available = _gpu.is_nccl_available
 
 
 def is_master() -> bool:

@@ -1,0 +1,313 @@
+"""The NCCL GPU backend: what can be checked without a GPU runs everywhere; the rest needs one.
+
+Without a GPU these tests provoke the real loader paths (no driver, no NCCL library), check
+the argument checking of GPU arrays with objects that carry a __cuda_array_interface__, and
+run the NCCL unique-id exchange through a real store. Tests marked `gpu` run only where
+libnccl.so.2 loads, a GPU is visible and CuPy is installed (benchmarks/gpu_check.py runs
+the same checks and more on a GPU machine).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ranks
+
+import pycyxwiz as cx
+
+D = cx.distributed
+core = cx._core.dist
+NCCL = D.BackendType.NCCL
+HAVE_GPU = core._cuda_device_count() > 0
+
+
+def have_nccl():
+    try:
+        D._gpu.prepare()
+        core._nccl_library()
+        return True
+    except D.DistributedError:
+        return False
+
+
+class FakeCudaArray:
+    """Carries a __cuda_array_interface__ and nothing else (no memory behind the pointer)."""
+
+    def __init__(self, shape=(2, 3), typestr="<f4", ptr=0x7F0000001000, readonly=False, strides=None,
+                 stream=7, version=3, **extra):
+        self.__cuda_array_interface__ = dict(shape=shape, typestr=typestr, data=(ptr, readonly), strides=strides,
+                                             version=version, **extra)
+        if version >= 3:
+            self.__cuda_array_interface__["stream"] = stream
+
+
+# ---- build and loading ---------------------------------------------------------------------
+
+def test_core_links_no_cuda_or_nccl_library():
+    if not shutil.which("readelf"):
+        pytest.skip("readelf is not installed")
+    out = subprocess.run(["readelf", "-d", cx._core.__file__], capture_output=True, text=True, check=True).stdout
+    needed = [line for line in out.splitlines() if "(NEEDED)" in line]
+    assert needed, out
+    for line in needed:
+        assert "cuda" not in line.lower() and "nccl" not in line.lower(), line
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH, so the build has no CUDA kernels")
+def test_cuda_kernels_are_compiled_where_nvcc_is_found():
+    assert core._cuda_kernels_built()
+
+
+def test_importing_pycyxwiz_loads_no_gpu_library():
+    code = ("import pycyxwiz as cx\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "assert 'libcuda' not in maps and 'libnccl' not in maps and 'libcudart' not in maps\n"
+            "print(cx.distributed.BackendType.NCCL)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "NCCL" in r.stdout
+
+
+# ---- the loader's errors ----------------------------------------------------------------------
+
+@pytest.mark.skipif(HAVE_GPU, reason="a GPU is visible here")
+def test_no_gpu_is_a_clear_error_naming_the_cpu_backend():
+    c = D.DistributedConfig()
+    c.backend = NCCL
+    with pytest.raises(D.DistributedError) as ei:
+        D.init(c)
+    msg = str(ei.value)
+    assert "no NVIDIA GPU visible" in msg and "BackendType.CPU" in msg, msg
+    assert not D.is_initialized()
+    assert not D.is_nccl_available()
+    # the CPU backend still works in the same process afterwards
+    D.init()
+    x = np.ones(3, np.float32)
+    D.all_reduce(x)
+    D.finalize()
+
+
+def init_nccl_from_environment():
+    try:
+        D.init()
+    except D.DistributedError as e:
+        return str(e)
+    return "initialized"
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="a GPU is visible here")
+def test_no_gpu_fails_fast_on_every_rank():
+    outs = ranks.spawn(init_nccl_from_environment, 3, init=False, timeout=30,
+                       env={"DISTRIBUTED_BACKEND": "nccl", "DISTRIBUTED_TIMEOUT_MS": 20000})
+    for o in outs:
+        assert o.ok, o
+        assert "no NVIDIA GPU visible" in o.value and "BackendType.CPU" in o.value, o.value
+
+
+@pytest.mark.skipif(have_nccl(), reason="an NCCL library is installed here")
+def test_missing_nccl_names_what_to_install():
+    with pytest.raises(D.DistributedError) as ei:
+        core._nccl_library()
+    msg = str(ei.value)
+    assert "libnccl.so.2" in msg and "pip install pycyxwiz[cuda12]" in msg and "nvidia-nccl-cu12" in msg, msg
+
+
+def test_nccl_is_searched_in_the_nvidia_wheel_directory(tmp_path, monkeypatch):
+    libdir = tmp_path / "nvidia" / "nccl" / "lib"
+    libdir.mkdir(parents=True)
+    (libdir / "libnccl.so.2").write_bytes(b"not a shared library")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert D._gpu.nccl_library_dirs()[0] == str(libdir)
+    D._gpu.prepare()
+    try:
+        if have_nccl():
+            pytest.skip("a working NCCL was loaded earlier in this process")
+        with pytest.raises(D.DistributedError) as ei:
+            core._nccl_library()
+        assert str(libdir / "libnccl.so.2") in str(ei.value), str(ei.value)
+    finally:
+        monkeypatch.undo()
+        D._gpu.prepare()
+
+
+def test_an_explicit_nccl_library_that_cannot_load_is_named(monkeypatch, tmp_path):
+    if have_nccl():
+        pytest.skip("a working NCCL was loaded earlier in this process")
+    bogus = str(tmp_path / "libnccl-missing.so")
+    monkeypatch.setenv("CX_NCCL_LIBRARY", bogus)
+    with pytest.raises(D.DistributedError, match="CX_NCCL_LIBRARY") as ei:
+        core._nccl_library()
+    assert bogus in str(ei.value)
+
+
+def test_local_rank_beyond_the_device_count_says_how_many_gpus_there_are():
+    with pytest.raises(ValueError) as ei:
+        core._check_gpu_local_rank(2, 2)
+    msg = str(ei.value)
+    assert "LOCAL_RANK=2" in msg and "2 GPUs" in msg and "at most 2 ranks per machine" in msg, msg
+    assert "NCCL refuses two ranks on one GPU" in msg
+    with pytest.raises(D.DistributedError, match="no NVIDIA GPU visible"):
+        core._check_gpu_local_rank(0, 0)
+    core._check_gpu_local_rank(1, 2)  # fine
+
+
+# ---- arrays: the wrong kind for the backend ---------------------------------------------------
+
+def test_numpy_array_with_the_nccl_backend_is_a_type_error():
+    with pytest.raises(TypeError) as ei:
+        core._array_view(np.ones(3, np.float32), NCCL)
+    msg = str(ei.value)
+    assert "NumPy array" in msg and "BackendType.NCCL" in msg and "cupy.asarray" in msg, msg
+    with pytest.raises(TypeError, match="must be a GPU array"):
+        core._array_view([1.0, 2.0], NCCL)
+
+
+def gpu_array_with_cpu_backend():
+    fake = FakeCudaArray()
+    errors = []
+    for call in (lambda: D.all_reduce(fake), lambda: D.broadcast(fake, src=0),
+                 lambda: D.all_gather([np.zeros(6, np.float32)] * D.get_world_size(), fake),
+                 lambda: D.all_gather([fake] * D.get_world_size(), np.zeros(6, np.float32)),
+                 lambda: D.send(fake, dst=1 - D.get_rank()),
+                 lambda: D.all_to_all(fake, fake)):
+        try:
+            call()
+            errors.append("no error")
+        except TypeError as e:
+            errors.append(str(e))
+    x = np.full(2, D.get_rank() + 1.0)
+    D.all_reduce(x)  # the group is still usable: argument errors never poison it
+    return errors, x.tolist()
+
+
+def test_gpu_array_with_the_cpu_backend_is_a_type_error_on_every_rank():
+    for errors, x in ranks.run(gpu_array_with_cpu_backend, 2):
+        assert x == [3.0, 3.0]
+        for e in errors:
+            assert "is a GPU array (FakeCudaArray)" in e and "BackendType.NCCL" in e and "cupy.asnumpy" in e, e
+
+
+# ---- arrays: reading __cuda_array_interface__ ------------------------------------------------
+
+def test_cuda_array_interface_gives_pointer_count_dtype_and_stream():
+    v = core._array_view(FakeCudaArray(shape=(2, 3), typestr="<f4", ptr=0x1000, stream=7), NCCL)
+    assert v == dict(ptr=0x1000, count=6, dtype="float32", nbytes=24, stream=7)
+    v = core._array_view(FakeCudaArray(shape=(5,), typestr="<f8", stream=None), NCCL)
+    assert (v["count"], v["dtype"], v["stream"]) == (5, "float64", 0)  # None: the legacy default stream
+    v = core._array_view(FakeCudaArray(shape=(4,), typestr="<i8", version=2), NCCL)
+    assert (v["dtype"], v["stream"]) == ("int64", 0)
+    # C-contiguous strides given explicitly, and a size-1 axis with any stride, are fine
+    v = core._array_view(FakeCudaArray(shape=(2, 1, 3), typestr="<f2", strides=(6, 99, 2)), NCCL)
+    assert (v["count"], v["dtype"]) == (6, "float16")
+    v = core._array_view(FakeCudaArray(shape=(0,), ptr=0), NCCL)
+    assert (v["count"], v["ptr"]) == (0, 0)
+
+
+def test_cuda_array_interface_dtypes_follow_the_numpy_rules():
+    v = core._array_view(FakeCudaArray(shape=(3,), typestr="<u2"), NCCL, dtype="bfloat16")
+    assert (v["count"], v["dtype"]) == (3, "bfloat16")
+    with pytest.raises(TypeError, match="cannot be reduced"):
+        core._array_view(FakeCudaArray(shape=(3,), typestr="<i2"), NCCL)
+    v = core._array_view(FakeCudaArray(shape=(3,), typestr="<i2"), NCCL, reduce=False)
+    assert (v["count"], v["dtype"]) == (6, "bytes")  # moved as bytes by broadcast, all_gather, ...
+    with pytest.raises(TypeError, match="2-byte"):
+        core._array_view(FakeCudaArray(shape=(3,), typestr="<f4"), NCCL, dtype="bfloat16")
+    with pytest.raises(TypeError, match="little-endian"):
+        core._array_view(FakeCudaArray(shape=(3,), typestr=">f4"), NCCL)
+
+
+def test_cuda_array_interface_layout_errors_are_clear():
+    with pytest.raises(ValueError, match="C-contiguous.*cupy.ascontiguousarray"):
+        core._array_view(FakeCudaArray(shape=(2, 3), strides=(4, 8)), NCCL)  # a transposed view
+    with pytest.raises(ValueError, match="read-only"):
+        core._array_view(FakeCudaArray(readonly=True), NCCL)
+    core._array_view(FakeCudaArray(readonly=True), NCCL, writable=False)  # a send's source may be read-only
+    with pytest.raises(TypeError, match="masked"):
+        core._array_view(FakeCudaArray(mask=FakeCudaArray()), NCCL)
+    bad = FakeCudaArray()
+    del bad.__cuda_array_interface__["data"]
+    with pytest.raises(TypeError, match="invalid __cuda_array_interface__"):
+        core._array_view(bad, NCCL)
+
+
+# ---- the unique id through the store ---------------------------------------------------------
+
+def exchange_id(fail_rank):
+    return core._nccl_id_exchange_selftest(D.DistributedConfig.from_environment(), fail_rank)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_unique_id_travels_through_the_store(world):
+    ids = ranks.run(exchange_id, world, args=(-1,), init=False, timeout=30)
+    assert len(ids[0]) == 128
+    assert all(i == ids[0] for i in ids)
+
+
+@pytest.mark.parametrize("fail_rank", [0, 2])
+def test_a_rank_that_cannot_join_is_named_on_every_other_rank(fail_rank):
+    outs = ranks.spawn(exchange_id, 3, args=(fail_rank,), init=False, timeout=30,
+                       env={"DISTRIBUTED_TIMEOUT_MS": 20000})
+    for o in outs:
+        assert not o.ok, o
+        if o.rank == fail_rank:
+            assert o.exc_type == "ValueError" and f"LOCAL_RANK={fail_rank} has no GPU" in o.message, o
+        else:
+            assert o.is_a("DistributedError"), o
+            assert f"rank {fail_rank} could not join the NCCL communicator" in o.message, o.message
+            assert f"LOCAL_RANK={fail_rank} has no GPU" in o.message, o.message
+
+
+def test_a_missing_rank_times_out_naming_it():
+    outs = ranks.spawn(exchange_id, 2, args=(-1,), init=False, timeout=30, env={"DISTRIBUTED_TIMEOUT_MS": 1500},
+                       start_delay={1: 3.0})
+    o = outs[0]
+    assert not o.ok and o.is_a("DistributedTimeoutError"), o
+    assert "rank 1" in o.message and "NCCL" in o.message, o.message
+
+
+# ---- on a GPU -----------------------------------------------------------------------------------
+
+def _gpu_ready():
+    if not HAVE_GPU or not have_nccl():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs an NVIDIA GPU, libnccl.so.2 and CuPy")
+
+
+@gpu
+@needs_gpu
+def test_collectives_at_world_size_one_match_cupy():
+    import cupy as cp
+
+    c = D.DistributedConfig()
+    c.backend = NCCL
+    D.init(c)
+    try:
+        for op in [D.ReduceOp.SUM, D.ReduceOp.AVG, D.ReduceOp.PRODUCT, D.ReduceOp.MIN, D.ReduceOp.MAX]:
+            x = cp.arange(1000, dtype=cp.float32)
+            ref = x.copy()
+            D.all_reduce(x, op=op)
+            assert cp.array_equal(x, ref), op
+        x = cp.arange(10, dtype=cp.int64)
+        w = D.all_reduce(x, async_op=True)
+        assert w.wait()
+        assert cp.array_equal(x, cp.arange(10))
+        D.broadcast(x, src=0)
+        out = cp.zeros(10, cp.int64)
+        D.all_gather([out], x)
+        assert cp.array_equal(out, x)
+        D.barrier()
+        with pytest.raises(TypeError, match="NumPy array"):
+            D.all_reduce(np.ones(3, np.float32))
+    finally:
+        D.finalize()
