@@ -110,7 +110,9 @@ void Config::validate() const {
   }
   if (master_addr.empty()) CX_THROW(InvalidArgument, "master_addr is empty: set MASTER_ADDR to rank 0's address");
   if (timeout_ms < 1) CX_THROW(InvalidArgument, "timeout_ms must be positive, got ", timeout_ms);
-  if (chunk_bytes < 1) CX_THROW(InvalidArgument, "chunk_bytes must be positive, got ", chunk_bytes);
+  if (chunk_bytes == 0 || chunk_bytes < -1) {
+    CX_THROW(InvalidArgument, "chunk_bytes must be positive (or -1 for automatic), got ", chunk_bytes);
+  }
 }
 
 }  // namespace cx::dist

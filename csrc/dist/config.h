@@ -20,7 +20,9 @@ struct Config {
   // Tuning knobs (every rank must agree). Environment: CX_CHUNK_BYTES,
   // CX_SMALL_ALLREDUCE_BYTES, CX_SPIN_US. Tests use a tiny chunk to force the
   // multi-chunk paths with small messages.
-  int64_t chunk_bytes = 512 * 1024;
+  // Pipelining unit of the ring/chain algorithms; -1: automatic (Note [Tuning
+  // agreed at init] in process_group.cpp).
+  int64_t chunk_bytes = -1;
   // At or below this many bytes all_reduce uses recursive doubling instead of
   // the ring. -1: by world size, from measurements on 2-vCPU VMs (see
   // process_group.cpp, Note [small all_reduce threshold]).
