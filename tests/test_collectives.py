@@ -51,11 +51,14 @@ def test_all_reduce_matches_numpy_for_every_dtype_op_and_size(world):
         assert fails == []
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_all_reduce_multi_chunk_ring_paths_with_tiny_chunks(world):
+@pytest.mark.parametrize("world,algorithm", [(2, "ring"), (3, "ring"), (4, "ring"), (4, "halving-doubling"),
+                                             (8, "halving-doubling")])
+def test_all_reduce_multi_chunk_paths_with_tiny_chunks(world, algorithm):
     # A 24-byte chunk and no small-message shortcut force the chunked, pipelined ring
-    # (several chunks per segment, uneven segments) with messages of a few hundred bytes.
-    env = {"CX_CHUNK_BYTES": 24, "CX_SMALL_ALLREDUCE_BYTES": 0}
+    # (several chunks per segment, uneven segments) or halving-doubling with
+    # messages of a few hundred bytes.
+    env = {"CX_CHUNK_BYTES": 24, "CX_SMALL_ALLREDUCE_BYTES": 0,
+           "CX_HD_MAX_BYTES": 0 if algorithm == "ring" else 1 << 30}
     for fails in ranks.run(all_reduce_matrix, world, args=([3, 5, 17, 100, 1001],), env=env):
         assert fails == []
 
@@ -68,6 +71,13 @@ def test_all_reduce_world_of_eight_small_messages():
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_reduce_16_mib(world):
     out = ranks.run(large_all_reduce, world, args=(4 << 20,), timeout=120)
+    assert all(ok for ok, _ in out)
+    assert all(head == out[0][1] for _, head in out)
+
+
+def test_all_reduce_mid_size_on_four_ranks_uses_halving_doubling_by_default():
+    # 1.2 MiB on 4 ranks: between the small-message and the ring thresholds
+    out = ranks.run(large_all_reduce, 4, args=(300_001,), timeout=120)
     assert all(ok for ok, _ in out)
     assert all(head == out[0][1] for _, head in out)
 

@@ -94,6 +94,9 @@ Config Config::from_environment() {
   if (const char* v = env("CX_SMALL_ALLREDUCE_BYTES")) {
     c.small_allreduce_bytes = parse_int("CX_SMALL_ALLREDUCE_BYTES", v, -1, 1LL << 30, "bytes (0 .. 2^30, or -1 for automatic)");
   }
+  if (const char* v = env("CX_HD_MAX_BYTES")) {
+    c.halving_doubling_max_bytes = parse_int("CX_HD_MAX_BYTES", v, -1, 1LL << 40, "bytes (or -1 for automatic)");
+  }
   if (const char* v = env("CX_SPIN_US")) c.spin_us = static_cast<int>(parse_int("CX_SPIN_US", v, 0, 1000000, "microseconds"));
   return c;
 }

@@ -27,6 +27,9 @@ struct Config {
   // the ring. -1: by world size, from measurements on 2-vCPU VMs (see
   // process_group.cpp, Note [small all_reduce threshold]).
   int64_t small_allreduce_bytes = -1;
+  // all_reduce with a power-of-two world >= 4 uses halving-doubling up to this
+  // many bytes, the ring above; -1: automatic. CX_HD_MAX_BYTES.
+  int64_t halving_doubling_max_bytes = -1;
   int spin_us = -1;  // -1: chosen from the number of ranks per core
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,

@@ -3,6 +3,7 @@
 // | collective     | algorithm (large)                    | steps      | bytes sent per rank  |
 // |----------------|--------------------------------------|------------|----------------------|
 // | all_reduce     | ring: reduce-scatter + all-gather    | 2(p-1)     | 2(p-1)/p * n         |
+// | all_reduce     | halving-doubling (p = 2^k >= 4, mid) | 2 log2(p)  | 2(p-1)/p * n         |
 // | all_reduce     | recursive doubling (n <= threshold)  | log2(p)+2  | log2(p) * n          |
 // (threshold: 128 KiB for 2 ranks, 512 KiB for more; Note [small all_reduce threshold])
 // | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
@@ -28,10 +29,14 @@ struct AlgoOptions {
   size_t small_allreduce_bytes = 128 * 1024;  // at or below: recursive doubling
   size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
   int depth = 4;                          // receives kept in flight
+  size_t halving_doubling_max_bytes = 0;  // p a power of two >= 4 and n at most this: halving-doubling
 };
 
 void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o);
 void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o);
+// p a power of two
+void all_reduce_halving_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
+                                 const AlgoOptions& o);
 void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op);
 
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o);

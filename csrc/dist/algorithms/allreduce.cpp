@@ -12,6 +12,8 @@ void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
   const size_t bytes = count * dtype_size(dt);
   if (bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size())) {
     all_reduce_recursive_doubling(t, buf, count, dt, op);
+  } else if (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes) {
+    all_reduce_halving_doubling(t, buf, count, dt, op, o);
   } else {
     all_reduce_ring(t, buf, count, dt, op, o);
   }
