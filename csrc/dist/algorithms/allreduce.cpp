@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "dist/algorithms/algorithms.h"
+#include "dist/algorithms/scratch.h"
 #include "dist/reduce.h"
 
 namespace cx::dist::algo {
@@ -29,7 +30,7 @@ void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
 void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op) {
   const int p = t.size(), r = t.rank();
   const size_t bytes = count * dtype_size(dt);
-  std::vector<char> scratch(bytes);
+  char* scratch = scratch_space(bytes);
   int pof2 = 1;
   while (pof2 * 2 <= p) pof2 *= 2;
   const int rem = p - pof2;
@@ -40,8 +41,8 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
       t.wait(t.isend(r + 1, buf, bytes));
       newrank = -1;
     } else {
-      t.wait(t.irecv(r - 1, scratch.data(), bytes));
-      reduce_into(buf, scratch.data(), count, dt, op);
+      t.wait(t.irecv(r - 1, scratch, bytes));
+      reduce_into(buf, scratch, count, dt, op);
       newrank = r / 2;
     }
   } else {
@@ -52,10 +53,10 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
       int np = newrank ^ mask;
       int partner = np < rem ? np * 2 + 1 : np + rem;
       auto s = t.isend(partner, buf, bytes);
-      auto rv = t.irecv(partner, scratch.data(), bytes);
+      auto rv = t.irecv(partner, scratch, bytes);
       t.wait(rv);
       t.wait(s);
-      reduce_into(buf, scratch.data(), count, dt, op);
+      reduce_into(buf, scratch, count, dt, op);
     }
   }
   if (r < 2 * rem) {
@@ -93,7 +94,8 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
   const int left = (r - 1 + p) % p, right = (r + 1) % p;
   const size_t es = dtype_size(dt);
   char* buf = static_cast<char*>(buf_v);
-  const size_t chunk_elems = std::max<size_t>(1, o.chunk_bytes / es);
+  // No larger than a segment, so small messages ask for little scratch.
+  const size_t chunk_elems = std::max<size_t>(1, std::min(count / p + 1, o.chunk_bytes / es));
 
   std::vector<size_t> seg_off(static_cast<size_t>(p) + 1);
   for (int i = 0; i < p; ++i) {
@@ -124,7 +126,7 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
   }
 
   const int depth = std::max(1, o.depth);
-  std::vector<char> scratch(static_cast<size_t>(depth) * chunk_elems * es);
+  char* scratch = scratch_space(static_cast<size_t>(depth) * chunk_elems * es);
 
   // Step 0: our own segment goes out whole, chunk by chunk.
   {
@@ -142,7 +144,7 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
     const Item& it = items[k];
     size_t off, n;
     chunk_range(mod(r - it.step - 1), it.chunk, &off, &n);
-    void* dst = it.step < p - 1 ? scratch.data() + (k % depth) * chunk_elems * es : buf + off * es;
+    void* dst = it.step < p - 1 ? scratch + (k % depth) * chunk_elems * es : buf + off * es;
     inflight.emplace_back(t.irecv(left, dst, n * es), k);
   };
   while (next_post < items.size() && inflight.size() < static_cast<size_t>(depth)) post(next_post++);
@@ -156,7 +158,7 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
     size_t off, n;
     chunk_range(seg, it.chunk, &off, &n);
     if (it.step < p - 1) {
-      reduce_into(buf + off * es, scratch.data() + (k % depth) * chunk_elems * es, n, dt, op);
+      reduce_into(buf + off * es, scratch + (k % depth) * chunk_elems * es, n, dt, op);
       if (it.step == p - 2) finish_avg(buf + off * es, n, dt, op, p);
     }
     if (next_post < items.size()) post(next_post++);  // its scratch slot (k % depth) is free again

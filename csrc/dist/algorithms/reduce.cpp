@@ -1,6 +1,7 @@
 #include <vector>
 
 #include "dist/algorithms/algorithms.h"
+#include "dist/algorithms/scratch.h"
 #include "dist/reduce.h"
 
 namespace cx::dist::algo {
@@ -23,16 +24,16 @@ void reduce(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp op, i
     }
     if (vr + mask < p) children.push_back(((vr + mask) + root) % p);
   }
-  const size_t ce = std::max<size_t>(1, o.chunk_bytes / es);
+  const size_t ce = std::max<size_t>(1, std::min(count, o.chunk_bytes / es));
   const size_t nc = count == 0 ? 1 : (count + ce - 1) / ce;
-  std::vector<char> scratch(children.size() * ce * es);
+  char* scratch = scratch_space(children.size() * ce * es);
   std::vector<Transport::Req> reqs(children.size());
   for (size_t c = 0; c < nc; ++c) {
     size_t off = c * ce, n = std::min(count - std::min(count, off), ce);
-    for (size_t i = 0; i < children.size(); ++i) reqs[i] = t.irecv(children[i], scratch.data() + i * ce * es, n * es);
+    for (size_t i = 0; i < children.size(); ++i) reqs[i] = t.irecv(children[i], scratch + i * ce * es, n * es);
     for (size_t i = 0; i < children.size(); ++i) {
       t.wait(reqs[i]);
-      reduce_into(buf + off * es, scratch.data() + i * ce * es, n, dt, op);
+      reduce_into(buf + off * es, scratch + i * ce * es, n, dt, op);
     }
     if (parent >= 0) t.isend(parent, buf + off * es, n * es);
   }

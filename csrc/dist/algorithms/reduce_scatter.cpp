@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "dist/algorithms/algorithms.h"
+#include "dist/algorithms/scratch.h"
 #include "dist/reduce.h"
 
 namespace cx::dist::algo {
@@ -24,7 +25,7 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     return;
   }
   const int left = (r - 1 + p) % p, right = (r + 1) % p;
-  const size_t ce = std::max<size_t>(1, o.chunk_bytes / es);
+  const size_t ce = std::max<size_t>(1, std::min(count, o.chunk_bytes / es));
   const size_t nc = count == 0 ? 1 : (count + ce - 1) / ce;
   auto range = [&](size_t c, size_t* off, size_t* n) {
     *off = c * ce;
@@ -39,7 +40,7 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     t.isend(right, in_at(mod(r - 1), off), n * es);
   }
   const size_t depth = static_cast<size_t>(std::max(2, o.depth));
-  std::vector<char> slots(depth * ce * es);
+  char* slots = scratch_space(depth * ce * es);
   std::vector<Transport::Req> slot_send(depth, -1);
 
   struct Item {
@@ -63,7 +64,7 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
       size_t slot = k % depth;
       if (slot_send[slot] >= 0) t.wait(slot_send[slot]);  // slot still on the wire
       slot_send[slot] = -1;
-      dst = slots.data() + slot * ce * es;
+      dst = slots + slot * ce * es;
     }
     inflight.emplace_back(t.irecv(left, dst, n * es), k);
   };
@@ -80,7 +81,7 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
       reduce_into(out + off * es, in_at(blk, off), n, dt, op);
       finish_avg(out + off * es, n, dt, op, p);
     } else {
-      char* slot = slots.data() + (k % depth) * ce * es;
+      char* slot = slots + (k % depth) * ce * es;
       reduce_into(slot, in_at(blk, off), n, dt, op);
       slot_send[k % depth] = t.isend(right, slot, n * es);
     }
