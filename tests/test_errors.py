@@ -233,10 +233,14 @@ def test_init_twice_is_refused(monkeypatch):
     ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_BACKEND": "gloo"}, "DISTRIBUTED_BACKEND='gloo'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_TIMEOUT_MS": "0"}, "DISTRIBUTED_TIMEOUT_MS='0'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "gpu0"}, "LOCAL_RANK='gpu0'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_CHUNK_BYTES": "1M"}, "CX_CHUNK_BYTES='1M'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_HD_MAX_BYTES": "-5"}, "CX_HD_MAX_BYTES='-5'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_SPIN_US": "fast"}, "CX_SPIN_US='fast'"),
 ])
 def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
-              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"]:
+              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
+              "CX_HD_MAX_BYTES", "CX_SPIN_US"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
