@@ -438,3 +438,36 @@ def test_a_frame_longer_than_the_receive_posted_is_an_error():
     outs = ranks.run(length_disagreement, 2, per_rank_env={0: {"CX_CHUNK_BYTES": 4096},
                                                           1: {"CX_CHUNK_BYTES": 8192}}, timeout=60)
     assert all("bytes where" in m and "expected" in m for m in outs), outs
+
+
+def wait_for_peer(port_file):
+    if D.get_rank() == 0:
+        with open(port_file, "w") as f:
+            f.write(os.environ["MASTER_PORT"])
+    D.barrier()
+    time.sleep(1.0)  # keep the store up while the test probes it
+    return True
+
+
+def test_store_listens_only_on_master_addr(tmp_path):
+    port_file = str(tmp_path / "port")
+    probe = {}
+
+    def prober():
+        deadline = time.monotonic() + 20
+        while not os.path.exists(port_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+        for addr in ("127.0.0.1", "127.0.0.2"):  # both are this machine; only MASTER_ADDR is served
+            try:
+                socket.create_connection((addr, port), timeout=2).close()
+                probe[addr] = "accepted"
+            except OSError as e:
+                probe[addr] = type(e).__name__
+
+    th = threading.Thread(target=prober)
+    th.start()
+    assert ranks.run(wait_for_peer, 2, args=(port_file,), timeout=60) == [True, True]
+    th.join()
+    assert probe == {"127.0.0.1": "accepted", "127.0.0.2": "ConnectionRefusedError"}
