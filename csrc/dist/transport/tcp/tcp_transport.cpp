@@ -369,7 +369,7 @@ void TcpTransport::timed_out() {
            "(DISTRIBUTED_TIMEOUT_MS) if it is only slow.");
 }
 
-void TcpTransport::block(const char*) {
+void TcpTransport::block() {
   std::vector<pollfd> fds;
   fds.reserve(static_cast<size_t>(world_));
   for (int j = 0; j < world_; ++j) {
@@ -396,7 +396,7 @@ void TcpTransport::wait(Req r) {
       continue;
     }
     if (deadline_.expired()) timed_out();
-    block(nullptr);
+    block();
   }
 }
 

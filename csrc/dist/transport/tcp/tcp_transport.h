@@ -78,7 +78,7 @@ class TcpTransport : public Transport {
   // Validates rhdr; throws on mismatch or a peer's abort. `early` holds bytes
   // that arrived right after the header (read in the same call).
   void check_header(int peer, const char* early, size_t early_n);
-  void block(const char* why_peer_hint);
+  void block();  // sleeps in poll() on the pending sockets, up to 100 ms or the deadline
   [[noreturn]] void peer_closed(int peer, const char* during);
   void salvage_abort(int peer);  // throws the peer's abort reason if it left one
   [[noreturn]] void timed_out();
