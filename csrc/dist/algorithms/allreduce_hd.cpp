@@ -73,25 +73,30 @@ void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataTy
   for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count / p + (static_cast<size_t>(i) < count % p ? 1 : 0);
   char* scratch = scratch_space(depth * ce * es);
 
+  // Halving: the partner at step k is r ^ masks[k]; each step keeps the half of
+  // the current range on our side of that bit. The doubling steps retrace them
+  // backwards, so at each one our range is exactly what we kept there and the
+  // partner's is what we gave.
+  // (Pairing nearest partners first instead made no measurable difference.)
+  struct Step {
+    int partner, keep_lo, keep_hi, give_lo, give_hi;
+  };
+  std::vector<Step> steps;
   int lo = 0, hi = p;
   for (int mask = p / 2; mask >= 1; mask >>= 1) {
     const int mid = (lo + hi) / 2;
     const bool upper = (r & mask) != 0;
-    const int keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
-    const int give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
-    exchange_reduce(t, r ^ mask, buf, off[give_lo], off[give_hi], off[keep_lo], off[keep_hi], dt, op, ce, depth,
-                    scratch);
-    lo = keep_lo;
-    hi = keep_hi;
+    Step st{r ^ mask, upper ? mid : lo, upper ? hi : mid, upper ? lo : mid, upper ? mid : hi};
+    exchange_reduce(t, st.partner, buf, off[st.give_lo], off[st.give_hi], off[st.keep_lo], off[st.keep_hi], dt, op,
+                    ce, depth, scratch);
+    steps.push_back(st);
+    lo = st.keep_lo;
+    hi = st.keep_hi;
   }
-  finish_avg(buf + off[r] * es, off[r + 1] - off[r], dt, op, p);
-  for (int mask = 1; mask < p; mask <<= 1) {
-    const int width = hi - lo;
-    const bool upper = (r & mask) != 0;
-    const int plo = upper ? lo - width : hi, phi = upper ? lo : hi + width;
-    exchange_copy(t, r ^ mask, buf, off[lo], off[hi], off[plo], off[phi], es, ce);
-    lo = std::min(lo, plo);
-    hi = std::max(hi, phi);
+  finish_avg(buf + off[lo] * es, off[hi] - off[lo], dt, op, p);
+  for (size_t k = steps.size(); k-- > 0;) {
+    const Step& st = steps[k];
+    exchange_copy(t, st.partner, buf, off[st.keep_lo], off[st.keep_hi], off[st.give_lo], off[st.give_hi], es, ce);
   }
 }
 
