@@ -89,9 +89,9 @@ void Optimizer::load_state_dict(const StateDict& sd) {
 // ---------------------------------------------------------------- SGD
 
 SGDOptimizer::SGDOptimizer(double lr, double momentum, bool nesterov, double weight_decay)
-    : Optimizer(lr), momentum_(momentum), weight_decay_(weight_decay), nesterov_(nesterov) {
-  check_range("SGD momentum", momentum, 0.0, 1.0);
-  check_range("SGD weight_decay", weight_decay, 0.0, 1e9);
+    : Optimizer(lr) {
+  // One place validates hyper-parameters, whether from here or a state dict.
+  SGDOptimizer::set_hparams({{"momentum", momentum}, {"nesterov", nesterov ? 1.0 : 0.0}, {"weight_decay", weight_decay}});
   CX_CHECK(!nesterov || momentum > 0.0, InvalidArgument, "SGD: nesterov=True needs momentum > 0");
 }
 std::string SGDOptimizer::repr() const {
@@ -124,11 +124,8 @@ void SGDOptimizer::set_hparams(const std::map<std::string, double>& s) {
 // ---------------------------------------------------------------- Adam / AdamW
 
 AdamOptimizer::AdamOptimizer(double lr, double beta1, double beta2, double eps, double weight_decay)
-    : Optimizer(lr), beta1_(beta1), beta2_(beta2), eps_(eps), weight_decay_(weight_decay) {
-  check_range("Adam beta1", beta1, 0.0, 0.999999);
-  check_range("Adam beta2", beta2, 0.0, 0.999999999);
-  check_range("Adam eps", eps, 0.0, 1.0);
-  check_range("Adam weight_decay", weight_decay, 0.0, 1e9);
+    : Optimizer(lr) {
+  AdamOptimizer::set_hparams({{"beta1", beta1}, {"beta2", beta2}, {"eps", eps}, {"weight_decay", weight_decay}});
 }
 AdamWOptimizer::AdamWOptimizer(double lr, double beta1, double beta2, double eps, double weight_decay)
     : AdamOptimizer(lr, beta1, beta2, eps, weight_decay) {
@@ -175,11 +172,8 @@ void AdamOptimizer::set_hparams(const std::map<std::string, double>& s) {
 // ---------------------------------------------------------------- RMSprop
 
 RMSpropOptimizer::RMSpropOptimizer(double lr, double alpha, double eps, double weight_decay, double momentum)
-    : Optimizer(lr), alpha_(alpha), eps_(eps), weight_decay_(weight_decay), momentum_(momentum) {
-  check_range("RMSprop alpha", alpha, 0.0, 1.0);
-  check_range("RMSprop eps", eps, 0.0, 1.0);
-  check_range("RMSprop weight_decay", weight_decay, 0.0, 1e9);
-  check_range("RMSprop momentum", momentum, 0.0, 1.0);
+    : Optimizer(lr) {
+  RMSpropOptimizer::set_hparams({{"alpha", alpha}, {"eps", eps}, {"weight_decay", weight_decay}, {"momentum", momentum}});
 }
 std::string RMSpropOptimizer::repr() const {
   std::ostringstream os;
