@@ -311,3 +311,70 @@ def test_collectives_at_world_size_one_match_cupy():
             D.all_reduce(np.ones(3, np.float32))
     finally:
         D.finalize()
+
+
+# ---- the model on the GPU (Note [The model on the GPU] in csrc/gpu/runtime.h) -----------------
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_train_worker.py")
+needs_gpu_nccl = pytest.mark.skipif(not (HAVE_GPU and have_nccl()), reason="needs an NVIDIA GPU and libnccl.so.2")
+
+
+def _train(tmp_path, case, opt, backend, world=1, extra_env=None):
+    """Runs tests/gpu_train_worker.py as `world` ranks; returns rank 0's results."""
+    port = ranks.free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DISTRIBUTED_BACKEND=backend,
+                   CX_TIMEOUT_SECONDS="60", **(extra_env or {}))
+        out = tmp_path / f"{case}-{opt}-{backend}-{r}.npz"
+        procs.append((subprocess.Popen([sys.executable, WORKER, case, opt, str(out)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out))
+    for p, _ in procs:
+        text = p.communicate(timeout=180)[0].decode(errors="replace")
+        assert p.returncode == 0, f"{backend} worker failed:\n{text}"
+    return dict(np.load(procs[0][1]))
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
+
+
+def _same_training(cpu, gpu):
+    assert str(cpu["device"]) == ""
+    assert str(gpu["device"]).startswith("cuda:0 ("), gpu["device"]
+    assert int(gpu["step"]) == int(cpu["step"]) > 0
+    np.testing.assert_array_equal(gpu["rng"], cpu["rng"])  # the same dropout draws, as many of them
+    np.testing.assert_allclose(gpu["losses"], cpu["losses"], rtol=2e-4)
+    np.testing.assert_allclose(gpu["eval"][0], cpu["eval"][0], rtol=2e-4)
+    if not np.isnan(cpu["eval"][1]):
+        assert abs(gpu["eval"][1] - cpu["eval"][1]) <= 0.02
+    assert _rel(gpu["params"], cpu["params"]) < 1e-4
+    for k in cpu:
+        if k.startswith(("opt_", "bn")):
+            assert _rel(gpu[k], cpu[k]) < 1e-3, k
+
+
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("case,opt", [("mlp_ce", "sgd"), ("mlp_ce", "adam"), ("mlp_ce", "adamw"),
+                                      ("mlp_ce", "rmsprop"), ("mse", "adam"), ("bce", "sgd"),
+                                      ("softmax_dense", "adam")])
+def test_training_on_the_gpu_matches_the_cpu(tmp_path, case, opt):
+    _same_training(_train(tmp_path, case, opt, "cpu"), _train(tmp_path, case, opt, "nccl"))
+
+
+@gpu
+@needs_gpu_nccl
+def test_the_tiled_gemm_trains_like_cublas(tmp_path):
+    cpu = _train(tmp_path, "mlp_ce", "adam", "cpu")
+    gpu = _train(tmp_path, "mlp_ce", "adam", "nccl", extra_env={"CX_GPU_GEMM": "tiled"})
+    assert "tiled kernel" in str(gpu["device"])
+    _same_training(cpu, gpu)
+
+
+@gpu
+@pytest.mark.skipif(not (HAVE_GPU and have_nccl()) or core._cuda_device_count() < 2, reason="needs 2 GPUs and NCCL")
+def test_two_gpus_train_like_two_cpu_ranks(tmp_path):
+    _same_training(_train(tmp_path, "mlp_ce", "adam", "cpu", world=2),
+                   _train(tmp_path, "mlp_ce", "adam", "nccl", world=2))

@@ -13,6 +13,7 @@
 #include "dist/transport/nccl/kernels.h"
 #include "dist/transport/nccl/nccl_api.h"
 #include "dist/transport/nccl/nccl_transport.h"
+#include "gpu/runtime.h"
 
 namespace cx::bindings {
 
@@ -512,6 +513,8 @@ void bind_dist(py::module_& m) {
       py::arg("arr"), py::arg("src"), py::arg("async_op") = false);
 
   // ---- GPU backend: library discovery, probes, and hooks for tests that run without a GPU ----
+  m.def("_set_cublas_search_dirs", &gpu::set_cublas_search_dirs, py::arg("dirs"),
+        "Directories searched for libcublas.so.13/.12 first (the nvidia wheels' lib folders).");
   m.def("_set_nccl_search_dirs", &nccl::set_nccl_search_dirs, py::arg("dirs"),
         "Directories searched for libnccl.so.2 before the system's (the Python side passes the nvidia wheels').");
   m.def(

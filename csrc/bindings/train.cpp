@@ -397,7 +397,38 @@ void bind_train(py::module_& m) {
             return stats_tuple(s);
           },
           "Collective: SUM of (loss_sum, correct, count) over ranks, in float64.")
-      .def_property_readonly("ddp", &TrainerCore::ddp_ptr);
+      .def_property_readonly("ddp", &TrainerCore::ddp_ptr)
+      .def_property_readonly("device", &TrainerCore::device,
+                             "Where the model trains: '' for the CPU, else the GPU and its GEMM library.")
+      .def("sync_to_host", &TrainerCore::sync_to_host, py::call_guard<py::gil_scoped_release>(),
+           "GPU training: copy parameters, BatchNorm statistics, dropout states and optimizer state to the host.")
+      .def("sync_from_host", &TrainerCore::sync_from_host, py::call_guard<py::gil_scoped_release>(),
+           "GPU training: copy them from the host objects to the device again.")
+      .def(
+          "all_gather_host",
+          [](TrainerCore& c, py::array out, py::array in) {
+            CX_CHECK(out.flags() & py::array::c_style && in.flags() & py::array::c_style && out.writeable(),
+                     InvalidArgument, "all_gather_host: arrays must be C-contiguous and out writable");
+            size_t bytes = static_cast<size_t>(in.nbytes());
+            CX_CHECK(static_cast<size_t>(out.nbytes()) == bytes * static_cast<size_t>(c.group().size()),
+                     InvalidArgument, "all_gather_host: out must hold world_size times the input's bytes");
+            const void* src = in.data();
+            void* dst = out.mutable_data();
+            py::gil_scoped_release nogil;
+            c.all_gather_host(src, dst, bytes);
+          },
+          py::arg("out"), py::arg("mine"), "Collective: every rank's bytes of `mine`, in rank order, into `out`.")
+      .def(
+          "broadcast_host",
+          [](TrainerCore& c, py::array buf, int root) {
+            CX_CHECK(buf.flags() & py::array::c_style && buf.writeable(), InvalidArgument,
+                     "broadcast_host: the array must be C-contiguous and writable");
+            void* p = buf.mutable_data();
+            size_t bytes = static_cast<size_t>(buf.nbytes());
+            py::gil_scoped_release nogil;
+            c.broadcast_host(p, bytes, root);
+          },
+          py::arg("buf"), py::arg("src"), "Collective: rank src's bytes of `buf` into every rank's `buf`.");
 
   // ------------------------------------------------------------ model bytes for checkpoints
   m.def(

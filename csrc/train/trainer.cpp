@@ -17,7 +17,29 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
   CX_CHECK(opt_ != nullptr, InvalidArgument, "DistributedTrainer: optimizer is None");
   CX_CHECK(model_->num_parameters() > 0, InvalidArgument,
            "DistributedTrainer: the model has no parameters; add() layers before creating the trainer");
-  ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
+  if (group_->config().backend == dist::Backend::kNccl) {
+    // Note [The model on the GPU]: the host DDP keeps its bookkeeping (rank,
+    // per-rank dropout streams) but moves no data; GpuTrainer broadcasts rank
+    // 0's parameters on the device.
+    DDPConfig host_cfg = cfg;
+    host_cfg.broadcast_parameters = false;
+    ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
+    gpu_ = std::make_unique<GpuTrainer>(model_, loss_, opt_, group_, cfg);
+  } else {
+    ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
+  }
+}
+
+void TrainerCore::all_gather_host(const void* in, void* out, size_t bytes) {
+  if (gpu_) return gpu_->all_gather_host(in, out, bytes);
+  std::vector<void*> outs;
+  for (int r = 0; r < group_->size(); ++r) outs.push_back(static_cast<char*>(out) + bytes * r);
+  group_->all_gather(in, outs, bytes, dist::DataType::kUInt8, false);
+}
+
+void TrainerCore::broadcast_host(void* buf, size_t bytes, int root) {
+  if (gpu_) return gpu_->broadcast_host(buf, bytes, root);
+  group_->broadcast(buf, bytes, dist::DataType::kUInt8, root, false);
 }
 
 void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n) {
@@ -88,6 +110,11 @@ BatchStats TrainerCore::train_batch(const float* X, const nn::Shape& x_shape, co
   BatchStats s;
   if (n == 0) return s;
   gather(X, x_shape, y, idx, n);
+  if (gpu_) {
+    bool labels = y_kind_ != Targets::Kind::kFloat32;
+    return gpu_->train_batch(x_.data(), xb_shape_, labels ? y_labels_.data() : nullptr,
+                             labels ? nullptr : y_dense_.data(), yb_shape_);
+  }
   model_->train(true);
   const nn::Tensor& out = model_->forward(x_.data(), xb_shape_);
   loss_forward(out, n, s);
@@ -106,6 +133,13 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
     for (size_t b = begin; b < end; b += batch) {
       size_t n = std::min(batch, end - b);
       slice(X, x_shape, y, b, n);
+      if (gpu_) {
+        bool labels = y_kind_ != Targets::Kind::kFloat32;
+        BatchStats e = gpu_->eval_batch(x_.data(), xb_shape_, labels ? y_labels_.data() : nullptr,
+                                        labels ? nullptr : y_dense_.data(), yb_shape_);
+        s.loss_sum += e.loss_sum, s.correct += e.correct, s.count += e.count;
+        continue;
+      }
       const nn::Tensor& out = model_->forward(x_.data(), xb_shape_);
       loss_forward(out, n, s);
     }
@@ -118,6 +152,7 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
 }
 
 BatchStats TrainerCore::reduce_stats(const BatchStats& s) {
+  if (gpu_) return gpu_->reduce_stats(s);
   double v[3] = {s.loss_sum, s.correct, s.count};
   group_->all_reduce(v, 3, dist::DataType::kFloat64, dist::ReduceOp::kSum, false);
   return BatchStats{v[0], v[1], v[2]};

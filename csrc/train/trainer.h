@@ -17,6 +17,7 @@
 #include "nn/optimizer.h"
 #include "nn/sequential.h"
 #include "train/ddp.h"
+#include "train/gpu_trainer.h"
 #include "train/sampler.h"
 
 namespace cx::train {
@@ -48,6 +49,21 @@ class TrainerCore {
   // SUM over ranks, in float64.
   BatchStats reduce_stats(const BatchStats& s);
 
+  // The model's device when the group's backend is NCCL ("" on the CPU).
+  std::string device() const { return gpu_ ? gpu_->describe() : std::string(); }
+  // GPU training keeps parameters and optimizer state on the device: these copy
+  // them to the host objects and back (no-ops on the CPU).
+  void sync_to_host() {
+    if (gpu_) gpu_->to_host();
+  }
+  void sync_from_host() {
+    if (gpu_) gpu_->from_host();
+  }
+  // Collectives over host bytes for the trainer's bookkeeping (RNG states,
+  // checkpoints), which work on either backend.
+  void all_gather_host(const void* in, void* out, size_t bytes);
+  void broadcast_host(void* buf, size_t bytes, int root);
+
   DistributedDataParallel& ddp() { return *ddp_; }
   const std::shared_ptr<DistributedDataParallel>& ddp_ptr() const { return ddp_; }
   dist::ProcessGroup& group() { return *group_; }
@@ -63,6 +79,7 @@ class TrainerCore {
   std::shared_ptr<nn::Optimizer> opt_;
   std::shared_ptr<dist::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<GpuTrainer> gpu_;  // the step on the GPU (NCCL backend), else null
   std::vector<float> x_;          // gathered input rows
   std::vector<int64_t> y_labels_;  // gathered labels (int32 labels widened)
   std::vector<float> y_dense_;    // gathered dense targets

@@ -202,6 +202,7 @@ class DistributedTrainer:
         self._history = DistributedTrainingHistory()
         # Every rank's model.get_rng_state() at the last epoch end or load (rank 0 only needs it).
         self._rng_by_rank: Optional[np.ndarray] = None
+        self._in_fit = False
 
     # ---- info ----------------------------------------------------------------------
     def is_master(self) -> bool:
@@ -212,6 +213,11 @@ class DistributedTrainer:
 
     def get_world_size(self) -> int:
         return self.ddp.get_world_size()
+
+    @property
+    def device(self) -> str:
+        """Where the model trains: "" on the CPU; with BackendType.NCCL the GPU (LOCAL_RANK) and its GEMM."""
+        return self._core.device
 
     def __repr__(self) -> str:
         return (f"DistributedTrainer(rank={self.get_rank()}, world_size={self.get_world_size()}, "
@@ -277,6 +283,20 @@ class DistributedTrainer:
         self._fit_sampler = sampler
 
         out = _Progress(config.verbose and self.is_master())
+        if self.device:
+            out.line(f"training on {self.device}")
+        # The model, BatchNorm statistics and optimizer state as the host objects hold them now
+        # (GPU training: Note [The model on the GPU]; nothing to do on the CPU).
+        self._core.sync_from_host()
+        self._in_fit = True
+        try:
+            self._fit_epochs(X, y, X_val, y_val, config, sampler, batches, history, out, world)
+        finally:
+            self._in_fit = False
+        self._core.sync_to_host()
+        return history
+
+    def _fit_epochs(self, X, y, X_val, y_val, config, sampler, batches, history, out, world) -> None:
         log_every = max(int(config.log_every_n_batches), 0)
         start = time.perf_counter()
         self.model.zero_grad()
@@ -299,6 +319,7 @@ class DistributedTrainer:
                     out.update(epoch + 1, config.epochs, done, total, ls / max(ns, 1), cs / max(ns, 1),
                                ns * world / dt)
             g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
+            self._core.sync_to_host()  # checkpoints, the RNG gather and callers read the host objects
             self._rng_by_rank = self._gather_rng_states()
             epoch_time = time.perf_counter() - t0
             history.train_time_seconds += epoch_time
@@ -322,7 +343,6 @@ class DistributedTrainer:
                 out.line(f"saved checkpoint {path}")
         history.total_time_seconds += time.perf_counter() - start
         history.samples_per_second = history.total_samples / max(history.train_time_seconds, 1e-9)
-        return history
 
     @staticmethod
     def _check_config(c: DistributedTrainingConfig) -> None:
@@ -348,6 +368,8 @@ class DistributedTrainer:
             raise ValueError(f"evaluate: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
         if X.shape[0] == 0:
             raise ValueError("evaluate: the data set is empty")
+        if not self._in_fit:
+            self._core.sync_from_host()  # the model as the host holds it (GPU training)
         ls, cs, ns = self._core.evaluate(X, y, batch_size)
         return ls / ns, cs / ns
 
@@ -360,7 +382,7 @@ class DistributedTrainer:
         if world == 1 or mine.size == 0:
             rows[:] = mine
         else:
-            _pg.all_gather(rows, mine)
+            self._core.all_gather_host(rows, mine)
         return rows
 
     def _rng_rows(self) -> np.ndarray:
@@ -411,6 +433,7 @@ class DistributedTrainer:
             return None
         if not self.is_master():
             path = f"{path}.rank{self.get_rank()}"
+        self._core.sync_to_host()
         data = self._checkpoint_bytes()
         _atomic_write(path, data)
         return path
@@ -434,13 +457,13 @@ class DistributedTrainer:
                 err = f"load_checkpoint: cannot read {path!r} on rank 0: {e.strerror or e}"
         if self.get_world_size() > 1:
             head = np.array([len(data) if not err else -1], np.int64)
-            _pg.broadcast(head, src=0)
+            self._core.broadcast_host(head, 0)
             if head[0] < 0:
                 raise OSError(err or f"load_checkpoint: cannot read {path!r} on rank 0 (rank 0 reads checkpoints "
                               f"for every rank; see its error)")
             buf = np.frombuffer(data, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
             if buf.size:
-                _pg.broadcast(buf, src=0)
+                self._core.broadcast_host(buf, 0)
             data = buf.tobytes()
         elif err:
             raise OSError(err)
@@ -476,6 +499,7 @@ class DistributedTrainer:
             raise ValueError(f"load_checkpoint: {path!r} was saved mid-epoch with world_size "
                              f"{meta.get('world_size')}; it can only be resumed with the same world size "
                              f"(this run has {self.get_world_size()})")
+        self._core.sync_from_host()
 
 
     def _restore_rng(self, rows: np.ndarray, meta: dict, path: str) -> None:

@@ -66,6 +66,10 @@ Loaded load() {
     bind(lib, d.cuModuleUnload, "cuModuleUnload", d.path);
     bind(lib, d.cuModuleGetFunction, "cuModuleGetFunction", d.path);
     bind(lib, d.cuLaunchKernel, "cuLaunchKernel", d.path);
+    bind(lib, d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", d.path);
+    bind(lib, d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", d.path);
+    bind(lib, d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", d.path);
+    bind(lib, d.cuMemsetD8Async, "cuMemsetD8Async", d.path);
     bind(lib, d.cuGetErrorName, "cuGetErrorName", d.path);
     bind(lib, d.cuGetErrorString, "cuGetErrorString", d.path);
   } catch (const Error& e) {

@@ -1,0 +1,134 @@
+"""Training throughput with the model on the GPU: pycyxwiz's DistributedTrainer with
+BackendType.NCCL (world size 1, the model on cuda:0) against PyTorch on the same GPU and
+against pycyxwiz on the CPU, side by side in one run.
+
+    python benchmarks/gpu_train.py                # after pip install . on a GPU machine
+    python benchmarks/gpu_train.py --epochs 2 --samples 30000
+
+Same MLP, data, batch size and optimizer (Adam 1e-3) for all three; every loop copies each
+batch from host memory to the device once (PyTorch: x[idx].to('cuda') with a pinned-free
+index, as a DataLoader without workers would). Prints global samples/s and the ratios
+pycyxwiz-GPU / PyTorch-GPU and pycyxwiz-GPU / pycyxwiz-CPU. Writes
+benchmarks/results/gpu_train.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data(n: int, d: int, classes: int):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((n, d), dtype=np.float32)
+    y = rng.integers(0, classes, n).astype(np.int64)
+    return X, y
+
+
+def build_cx(cx, sizes):
+    cx.manual_seed(0)
+    m = cx.SequentialModel()
+    for i in range(len(sizes) - 1):
+        m.add(cx.LinearModule(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            m.add(cx.ReLUModule())
+    return m
+
+
+def run_cx(backend: str, sizes, X, y, batch: int, epochs: int) -> float:
+    import pycyxwiz as cx
+
+    D = cx.distributed
+    cfg = D.DistributedConfig()
+    cfg.backend = D.BackendType.NCCL if backend == "nccl" else D.BackendType.CPU
+    D.init(cfg)
+    try:
+        model = build_cx(cx, sizes)
+        tr = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+        c = D.DistributedTrainingConfig()
+        c.batch_size, c.verbose, c.shuffle = batch, False, True
+        c.epochs = 1
+        tr.fit(X[: batch * 20], y[: batch * 20], c)  # warm-up: allocations, cuBLAS handles, NCCL
+        c.epochs = epochs
+        h = tr.fit(X, y, c)
+        return h.samples_per_second
+    finally:
+        D.finalize()
+
+
+def run_torch(sizes, X, y, batch: int, epochs: int) -> float:
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).cuda()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs, as pycyxwiz's
+
+    def epoch(n_rows):
+        perm = torch.randperm(n_rows)
+        tot_loss = 0.0
+        for b in range(0, n_rows, batch):
+            idx = perm[b:b + batch]
+            xb, yb = Xt[idx].cuda(non_blocking=False), yt[idx].cuda(non_blocking=False)
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+            tot_loss += loss.item() * len(idx)  # one host sync per batch, as pycyxwiz reads its loss
+        return tot_loss
+
+    epoch(min(batch * 20, len(X)))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        epoch(len(X))
+    torch.cuda.synchronize()
+    return epochs * len(X) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=60000)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--no-cpu", action="store_true", help="skip pycyxwiz on the CPU (slow for the big model)")
+    args = ap.parse_args()
+    X, y = data(args.samples, 784, 10)
+    rows = []
+    print("== training throughput, global samples/s (world size 1, Adam, CrossEntropy)", flush=True)
+    print(f"{'model':>22} {'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx CPU':>10} {'cx/torch':>9} {'GPU/CPU':>8}")
+    for sizes in ([784, 256, 10], [784, 2048, 2048, 10]):
+        for batch in (64, 512, 4096):
+            g = run_cx("nccl", sizes, X, y, batch, args.epochs)
+            try:
+                t = run_torch(sizes, X, y, batch, args.epochs)
+            except ImportError:
+                t = float("nan")
+            big = sizes[1] > 1024
+            c = float("nan") if args.no_cpu or (big and batch < 4096) else run_cx("cpu", sizes, X[:8192], y[:8192],
+                                                                                batch, 1)
+            row = dict(model="-".join(map(str, sizes)), batch=batch, cx_gpu=g, torch_gpu=t, cx_cpu=c,
+                       cx_over_torch=g / t, gpu_over_cpu=g / c)
+            rows.append(row)
+            print(f"{row['model']:>22} {batch:>6} {g:>10.0f} {t:>10.0f} {c:>10.0f} {g / t:>9.2f} {g / c:>8.1f}",
+                  flush=True)
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "gpu_train.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,415 @@
+// The model stack's CUDA kernels: layers, losses, optimizer updates and a
+// fallback GEMM, each the device twin of a loop in csrc/nn/ (same formulas,
+// same float32 rounding where the order of operations allows). Launched through
+// the driver API by csrc/gpu/ops.cpp, which owns grid sizes and argument order:
+// change a signature here and there together.
+//
+// Sizes are unsigned long long; every elementwise kernel is a grid-stride loop,
+// so any grid covers any n.
+#include <cstdint>
+
+#define CX_LOOP(i, n) \
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
+       i += (unsigned long long)blockDim.x * gridDim.x)
+
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------- layers
+
+// y[r, c] += b[c]
+extern "C" __global__ void cx_nn_bias_add(float* y, const float* b, u64 rows, u64 cols) {
+  CX_LOOP(i, rows * cols) y[i] += b[i % cols];
+}
+
+// gb[c] += sum_r g[r, c]; one thread per column (adjacent threads read adjacent
+// columns, so every row is one coalesced read).
+extern "C" __global__ void cx_nn_col_sum_add(float* gb, const float* g, u64 rows, u64 cols) {
+  CX_LOOP(c, cols) {
+    float s = 0.0f;
+    for (u64 r = 0; r < rows; ++r) s += g[r * cols + c];
+    gb[c] += s;
+  }
+}
+
+// Activations: 0 ReLU, 1 LeakyReLU(slope), 2 Sigmoid, 3 Tanh, 4 GELU (exact).
+extern "C" __global__ void cx_nn_act_fwd(int kind, const float* x, float* y, u64 n, float slope) {
+  CX_LOOP(i, n) {
+    float v = x[i];
+    float o;
+    switch (kind) {
+      case 0: o = v > 0.0f ? v : 0.0f; break;
+      case 1: o = v > 0.0f ? v : slope * v; break;
+      case 2: {
+        float e = expf(-fabsf(v));
+        o = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        break;
+      }
+      case 3: o = tanhf(v); break;
+      default: o = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f)); break;
+    }
+    y[i] = o;
+  }
+}
+
+extern "C" __global__ void cx_nn_act_bwd(int kind, const float* x, const float* y, const float* gy, float* gx,
+                                         u64 n, float slope) {
+  CX_LOOP(i, n) {
+    float g = gy[i];
+    float o;
+    switch (kind) {
+      case 0: o = x[i] > 0.0f ? g : 0.0f; break;
+      case 1: o = x[i] > 0.0f ? g : slope * g; break;
+      case 2: o = g * y[i] * (1.0f - y[i]); break;
+      case 3: o = g * (1.0f - y[i] * y[i]); break;
+      default: {
+        float v = x[i];
+        float cdf = 0.5f * (1.0f + erff(v * 0.70710678118654752f));
+        float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
+        o = g * (cdf + v * pdf);
+        break;
+      }
+    }
+    gx[i] = o;
+  }
+}
+
+// Softmax over each row of (rows, cols): one warp per row.
+extern "C" __global__ void cx_nn_softmax_fwd(const float* x, float* y, u64 rows, u64 cols) {
+  u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32;
+  unsigned lane = threadIdx.x % 32;
+  if (warp >= rows) return;
+  const float* xr = x + warp * cols;
+  float* yr = y + warp * cols;
+  float mx = -INFINITY;
+  for (u64 j = lane; j < cols; j += 32) mx = fmaxf(mx, xr[j]);
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float s = 0.0f;
+  for (u64 j = lane; j < cols; j += 32) s += (yr[j] = expf(xr[j] - mx));
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  float inv = 1.0f / s;
+  for (u64 j = lane; j < cols; j += 32) yr[j] *= inv;
+}
+
+extern "C" __global__ void cx_nn_softmax_bwd(const float* y, const float* gy, float* gx, u64 rows, u64 cols) {
+  u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32;
+  unsigned lane = threadIdx.x % 32;
+  if (warp >= rows) return;
+  const float *yr = y + warp * cols, *gr = gy + warp * cols;
+  float dot = 0.0f;
+  for (u64 j = lane; j < cols; j += 32) dot += gr[j] * yr[j];
+  for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  for (u64 j = lane; j < cols; j += 32) gx[warp * cols + j] = yr[j] * (gr[j] - dot);
+}
+
+// Inverted dropout with csrc/nn/rng.h's generator (splitmix64 is a counter:
+// draw i of a stream at state s is mix(s + (i+1)*golden)), so the GPU draws the
+// very masks the CPU would from the same state.
+__device__ __forceinline__ float cx_uniform(u64 state, u64 i) {
+  u64 z = state + (i + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+extern "C" __global__ void cx_nn_dropout_fwd(const float* x, float* y, float* mask, u64 n, float p, u64 state) {
+  const float keep_scale = 1.0f / (1.0f - p);
+  CX_LOOP(i, n) {
+    float m = cx_uniform(state, i) >= p ? keep_scale : 0.0f;
+    mask[i] = m;
+    y[i] = x[i] * m;
+  }
+}
+
+extern "C" __global__ void cx_nn_mul(const float* a, const float* b, float* out, u64 n) {
+  CX_LOOP(i, n) out[i] = a[i] * b[i];
+}
+
+// BatchNorm over (rows, F), one thread per feature. Training: batch statistics
+// in double (as the CPU does), running statistics updated, xhat and invstd kept
+// for backward. Eval: running statistics.
+extern "C" __global__ void cx_nn_bn_fwd(const float* x, float* y, float* xhat, float* invstd, const float* gamma,
+                                        const float* beta, float* rmean, float* rvar, u64 rows, u64 F, float eps,
+                                        float momentum, int training) {
+  CX_LOOP(j, F) {
+    float is;
+    float mean_f;
+    if (training) {
+      double mean = 0.0, var = 0.0;
+      for (u64 r = 0; r < rows; ++r) mean += x[r * F + j];
+      mean /= (double)rows;
+      for (u64 r = 0; r < rows; ++r) {
+        double d = x[r * F + j] - mean;
+        var += d * d;
+      }
+      is = (float)(1.0 / sqrt(var / (double)rows + eps));
+      double unbiased = var / (double)(rows - 1);
+      rmean[j] = (float)((1.0 - momentum) * rmean[j] + momentum * mean);
+      rvar[j] = (float)((1.0 - momentum) * rvar[j] + momentum * unbiased);
+      for (u64 r = 0; r < rows; ++r) {
+        float h = (float)(x[r * F + j] - mean) * is;
+        xhat[r * F + j] = h;
+        y[r * F + j] = gamma[j] * h + beta[j];
+      }
+    } else {
+      is = 1.0f / sqrtf(rvar[j] + eps);
+      mean_f = rmean[j];
+      for (u64 r = 0; r < rows; ++r) {
+        float h = (x[r * F + j] - mean_f) * is;
+        xhat[r * F + j] = h;
+        y[r * F + j] = gamma[j] * h + beta[j];
+      }
+    }
+    invstd[j] = is;
+  }
+}
+
+// dbeta += sum gy, dgamma += sum gy*xhat, and (gx != null) dL/dx.
+extern "C" __global__ void cx_nn_bn_bwd(const float* gy, const float* xhat, const float* invstd, const float* gamma,
+                                        float* dgamma, float* dbeta, float* gx, u64 rows, u64 F, int training) {
+  CX_LOOP(j, F) {
+    float sg = 0.0f, sgx = 0.0f;
+    for (u64 r = 0; r < rows; ++r) {
+      sg += gy[r * F + j];
+      sgx += gy[r * F + j] * xhat[r * F + j];
+    }
+    dbeta[j] += sg;
+    dgamma[j] += sgx;
+    if (!gx) continue;
+    float k = gamma[j] * invstd[j];
+    if (training) {
+      const float invB = 1.0f / (float)rows;
+      for (u64 r = 0; r < rows; ++r) {
+        u64 i = r * F + j;
+        gx[i] = k * (gy[i] - invB * sg - xhat[i] * invB * sgx);
+      }
+    } else {
+      for (u64 r = 0; r < rows; ++r) gx[r * F + j] = gy[r * F + j] * k;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- losses
+// Each writes dL/d(output) and adds its sums into stats (double): stats[0] the
+// loss summed as the CPU sums it (over rows, or over elements), stats[1] the
+// rows (or elements) counted correct; stats[3], read as an integer, 1 + the
+// last row whose label is out of range (CrossEntropy with labels; 0: none).
+
+// Cross-entropy with integer labels, one warp per row.
+extern "C" __global__ void cx_nn_ce_labels(const float* x, const int64_t* labels, float* g, double* stats, u64 rows,
+                                           u64 C) {
+  u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32;
+  unsigned lane = threadIdx.x % 32;
+  if (warp >= rows) return;
+  const float* xr = x + warp * C;
+  float* gr = g + warp * C;
+  int64_t y = labels[warp];
+  if (y < 0 || (u64)y >= C) {
+    if (lane == 0) atomicMax((unsigned long long*)&stats[3], (unsigned long long)(warp + 1));
+    return;
+  }
+  // max and its first index (the CPU's std::max_element picks the first)
+  float mx = -INFINITY;
+  u64 arg = 0;
+  for (u64 j = lane; j < C; j += 32)
+    if (xr[j] > mx) mx = xr[j], arg = j;
+  for (int o = 16; o; o >>= 1) {
+    float om = __shfl_xor_sync(0xffffffffu, mx, o);
+    u64 oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (om > mx || (om == mx && oa < arg)) mx = om, arg = oa;
+  }
+  float s = 0.0f;
+  for (u64 j = lane; j < C; j += 32) s += (gr[j] = expf(xr[j] - mx));
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float inv = 1.0f / s, invB = 1.0f / (float)rows;
+  for (u64 j = lane; j < C; j += 32) {
+    float p = gr[j] * inv;
+    if (j == (u64)y) p -= 1.0f;
+    gr[j] = p * invB;
+  }
+  if (lane == 0) {
+    float lse = mx + logf(s);
+    atomicAdd(&stats[0], (double)lse - xr[y]);
+    if (arg == (u64)y) atomicAdd(&stats[1], 1.0);
+  }
+}
+
+// Cross-entropy with dense (soft) targets, one warp per row.
+extern "C" __global__ void cx_nn_ce_dense(const float* x, const float* t, float* g, double* stats, u64 rows, u64 C) {
+  u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32;
+  unsigned lane = threadIdx.x % 32;
+  if (warp >= rows) return;
+  const float *xr = x + warp * C, *tr = t + warp * C;
+  float* gr = g + warp * C;
+  float mx = -INFINITY, tmx = -INFINITY;
+  u64 arg = 0, targ = 0;
+  for (u64 j = lane; j < C; j += 32) {
+    if (xr[j] > mx) mx = xr[j], arg = j;
+    if (tr[j] > tmx) tmx = tr[j], targ = j;
+  }
+  for (int o = 16; o; o >>= 1) {
+    float om = __shfl_xor_sync(0xffffffffu, mx, o);
+    u64 oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (om > mx || (om == mx && oa < arg)) mx = om, arg = oa;
+    float tm = __shfl_xor_sync(0xffffffffu, tmx, o);
+    u64 ta = __shfl_xor_sync(0xffffffffu, targ, o);
+    if (tm > tmx || (tm == tmx && ta < targ)) tmx = tm, targ = ta;
+  }
+  float s = 0.0f, tsum = 0.0f;
+  for (u64 j = lane; j < C; j += 32) {
+    s += (gr[j] = expf(xr[j] - mx));
+    tsum += tr[j];
+  }
+  for (int o = 16; o; o >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    tsum += __shfl_xor_sync(0xffffffffu, tsum, o);
+  }
+  const float inv = 1.0f / s, invB = 1.0f / (float)rows, lse = mx + logf(s);
+  double row = 0.0;
+  for (u64 j = lane; j < C; j += 32) {
+    row += (double)tr[j] * ((double)lse - xr[j]);
+    gr[j] = (gr[j] * inv * tsum - tr[j]) * invB;
+  }
+  for (int o = 16; o; o >>= 1) row += __shfl_xor_sync(0xffffffffu, row, o);
+  if (lane == 0) {
+    atomicAdd(&stats[0], row);
+    if (arg == targ) atomicAdd(&stats[1], 1.0);
+  }
+}
+
+// Block-wide sums of two doubles into stats[0..1].
+__device__ void cx_block_add2(double a, double b, double* stats) {
+  __shared__ double sa[32], sb[32];
+  for (int o = 16; o; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) sa[w] = a, sb[w] = b;
+  __syncthreads();
+  if (w == 0) {
+    unsigned nw = (blockDim.x + 31) / 32;
+    a = lane < nw ? sa[lane] : 0.0;
+    b = lane < nw ? sb[lane] : 0.0;
+    for (int o = 16; o; o >>= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    if (lane == 0) {
+      atomicAdd(&stats[0], a);
+      if (b != 0.0) atomicAdd(&stats[1], b);
+    }
+  }
+}
+
+// MSE: stats[0] += sum (o-t)^2; g = 2(o-t)/n.
+extern "C" __global__ void cx_nn_mse(const float* o, const float* t, float* g, double* stats, u64 n) {
+  const float scale = 2.0f / (float)n;
+  double acc = 0.0;
+  CX_LOOP(i, n) {
+    float d = o[i] - t[i];
+    acc += (double)d * d;
+    g[i] = scale * d;
+  }
+  cx_block_add2(acc, 0.0, stats);
+}
+
+// BCE with logits: stats[0] += sum of the element losses, stats[1] += elements
+// on the right side of 0 (the caller divides by the row width); g = (sig-t)/n.
+extern "C" __global__ void cx_nn_bce(const float* x, const float* t, float* g, double* stats, u64 n) {
+  const float invN = 1.0f / (float)n;
+  double acc = 0.0, hit = 0.0;
+  CX_LOOP(i, n) {
+    float v = x[i], e = expf(-fabsf(v));
+    acc += (double)(fmaxf(v, 0.0f) - v * t[i] + log1pf(e));
+    float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    g[i] = (sig - t[i]) * invN;
+    hit += (v > 0.0f) == (t[i] > 0.5f) ? 1.0 : 0.0;
+  }
+  cx_block_add2(acc, hit, stats);
+}
+
+// ---------------------------------------------------------------- optimizers
+// The formulas of csrc/nn/kernels.cpp's scalar reference paths.
+
+extern "C" __global__ void cx_nn_adam(float* p, const float* g, float* m, float* v, u64 n, float b1, float b2,
+                                      float eps, float step_size, float inv_bc2_sqrt, float l2, float decay) {
+  CX_LOOP(i, n) {
+    float pi = p[i] * decay;
+    float gi = g[i] + l2 * p[i];
+    float mi = b1 * m[i] + (1.0f - b1) * gi;
+    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
+  }
+}
+
+extern "C" __global__ void cx_nn_sgd(float* p, const float* g, float* buf, u64 n, float lr, float mu, int nesterov,
+                                     float l2) {
+  CX_LOOP(i, n) {
+    float d = g[i] + l2 * p[i];
+    if (buf) {
+      float b = mu * buf[i] + d;
+      buf[i] = b;
+      d = nesterov ? d + mu * b : b;
+    }
+    p[i] -= lr * d;
+  }
+}
+
+extern "C" __global__ void cx_nn_rmsprop(float* p, const float* g, float* v, float* buf, u64 n, float lr, float a,
+                                         float eps, float mu, float l2) {
+  CX_LOOP(i, n) {
+    float gi = g[i] + l2 * p[i];
+    float vi = a * v[i] + (1.0f - a) * gi * gi;
+    v[i] = vi;
+    float d = gi / (sqrtf(vi) + eps);
+    if (buf) {
+      buf[i] = mu * buf[i] + d;
+      d = buf[i];
+    }
+    p[i] -= lr * d;
+  }
+}
+
+extern "C" __global__ void cx_nn_fill(float* x, u64 n, float v) {
+  CX_LOOP(i, n) x[i] = v;
+}
+
+// ---------------------------------------------------------------- GEMM fallback
+// Row-major C = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N; 32x32
+// tiles of C per block of 32x8 threads, 4 outputs per thread. Used where no
+// cuBLAS library is found.
+#define CX_TILE 32
+extern "C" __global__ void cx_nn_sgemm(int ta, int tb, int M, int N, int K, float alpha, const float* A, int lda,
+                                       const float* B, int ldb, float beta, float* C, int ldc) {
+  __shared__ float As[CX_TILE][CX_TILE + 1];
+  __shared__ float Bs[CX_TILE][CX_TILE + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;  // 32 x 8
+  const int row0 = blockIdx.y * CX_TILE, col0 = blockIdx.x * CX_TILE;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k0 = 0; k0 < K; k0 += CX_TILE) {
+    for (int q = 0; q < 4; ++q) {
+      int r = ty + 8 * q;
+      int i = row0 + r, k = k0 + tx;  // As[r][tx] = op(A)[i][k]
+      As[r][tx] = (i < M && k < K) ? (ta ? A[(long)k * lda + i] : A[(long)i * lda + k]) : 0.0f;
+      int kk = k0 + r, j = col0 + tx;  // Bs[r][tx] = op(B)[kk][j]
+      Bs[r][tx] = (kk < K && j < N) ? (tb ? B[(long)j * ldb + kk] : B[(long)kk * ldb + j]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int k = 0; k < CX_TILE; ++k) {
+      float b = Bs[k][tx];
+      for (int q = 0; q < 4; ++q) acc[q] += As[ty + 8 * q][k] * b;
+    }
+    __syncthreads();
+  }
+  for (int q = 0; q < 4; ++q) {
+    int i = row0 + ty + 8 * q, j = col0 + tx;
+    if (i < M && j < N) {
+      float* c = C + (long)i * ldc + j;
+      *c = alpha * acc[q] + (beta == 0.0f ? 0.0f : beta * *c);
+    }
+  }
+}

@@ -1,0 +1,276 @@
+#include "gpu/runtime.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "common/error.h"
+
+namespace cx::dist::cuda {
+#ifdef CX_WITH_CUDA
+extern const unsigned char kFatbin_nn[];  // csrc/cuda/nn.cu, embedded by csrc/cuda/embed.cmake
+extern const size_t kFatbinBytes_nn;
+#endif
+}  // namespace cx::dist::cuda
+
+namespace cx::gpu {
+
+using dist::cuda::check_cu;
+using dist::cuda::cuda_driver;
+
+namespace {
+
+// ---- cuBLAS, declared by us (cublas_api.h is not needed to build) ----------------
+using cublasStatus_t = int;
+using cublasHandle_t = void*;
+constexpr int kCublasOpN = 0, kCublasOpT = 1;
+
+struct Cublas {
+  std::string path;
+  cublasStatus_t (*create)(cublasHandle_t*) = nullptr;
+  cublasStatus_t (*destroy)(cublasHandle_t) = nullptr;
+  cublasStatus_t (*set_stream)(cublasHandle_t, CUstream) = nullptr;
+  cublasStatus_t (*sgemm)(cublasHandle_t, int, int, int, int, int, const float*, const float*, int, const float*, int,
+                          const float*, float*, int) = nullptr;
+  std::string error;  // why none loaded
+};
+
+std::mutex g_mu;
+std::vector<std::string> g_dirs;
+const Cublas* g_cublas = nullptr;  // never destroyed, like the driver
+
+bool try_cublas(const std::string& path, Cublas* c, std::string* why) {
+  void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* e = ::dlerror();
+    *why = e ? e : path + ": cannot be loaded";
+    return false;
+  }
+  c->path = path;
+  c->create = reinterpret_cast<decltype(c->create)>(::dlsym(lib, "cublasCreate_v2"));
+  c->destroy = reinterpret_cast<decltype(c->destroy)>(::dlsym(lib, "cublasDestroy_v2"));
+  c->set_stream = reinterpret_cast<decltype(c->set_stream)>(::dlsym(lib, "cublasSetStream_v2"));
+  c->sgemm = reinterpret_cast<decltype(c->sgemm)>(::dlsym(lib, "cublasSgemm_v2"));
+  if (!c->create || !c->destroy || !c->set_stream || !c->sgemm) {
+    *why = path + " lacks cublasCreate_v2/cublasSetStream_v2/cublasSgemm_v2";
+    return false;
+  }
+  return true;
+}
+
+const Cublas& cublas() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (g_cublas) return *g_cublas;
+  auto* c = new Cublas();
+  std::vector<std::string> tried;
+  std::string why;
+  const char* over = std::getenv("CX_CUBLAS_LIBRARY");
+  if (over && *over) {
+    if (!try_cublas(over, c, &why)) c->error = detail::concat("CX_CUBLAS_LIBRARY=", over, ": ", why);
+  } else {
+    std::vector<std::string> cands;
+    for (const auto& d : g_dirs)
+      for (const char* n : {"libcublas.so.13", "libcublas.so.12"}) cands.push_back(d + "/" + n);
+    for (const char* n : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) cands.emplace_back(n);
+    bool ok = false;
+    for (const auto& p : cands) {
+      if (try_cublas(p, c, &why)) {
+        ok = true;
+        break;
+      }
+      tried.push_back(why);
+    }
+    if (!ok) {
+      c->error = "no cuBLAS found (pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13); tried: ";
+      for (size_t i = 0; i < tried.size(); ++i) c->error += (i ? "; " : "") + tried[i];
+    }
+  }
+  g_cublas = c;
+  return *c;
+}
+
+}  // namespace
+
+void set_cublas_search_dirs(std::vector<std::string> dirs) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_dirs = std::move(dirs);
+}
+
+bool kernels_built() {
+#ifdef CX_WITH_CUDA
+  return dist::cuda::kFatbinBytes_nn > 0;
+#else
+  return false;
+#endif
+}
+
+// ---- Buffer ------------------------------------------------------------------------
+
+Buffer::~Buffer() {
+  if (p_) cuda_driver().cuMemFree(p_);
+}
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) cuda_driver().cuMemFree(p_);
+    p_ = o.p_, bytes_ = o.bytes_;
+    o.p_ = 0, o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void Buffer::reserve(size_t bytes) {
+  if (bytes <= bytes_ && p_) return;
+  const auto& d = cuda_driver();
+  if (p_) d.cuMemFree(p_);
+  p_ = 0;
+  bytes_ = 0;
+  size_t want = std::max<size_t>(bytes, 256);
+  dist::cuda::CUresult r = d.cuMemAlloc(&p_, want);
+  if (r != dist::cuda::kSuccess) {
+    CX_THROW(Error, "cuMemAlloc of ", want, " bytes on the GPU failed: ", d.error_text(r),
+             " (the model's parameters, activations or batch do not fit: lower batch_size)");
+  }
+  bytes_ = want;
+}
+
+// ---- Device ------------------------------------------------------------------------
+
+Device::Device(int ordinal) : ordinal_(ordinal) {
+  const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none
+  int n = dist::cuda::device_count_or_zero();
+  dist::cuda::check_local_rank(ordinal, n);
+  if (!kernels_built()) {
+    CX_THROW(Error, "this build of pycyxwiz has no CUDA kernels (nvcc was not on PATH when it was built), so the "
+                    "model cannot run on the GPU: reinstall pycyxwiz where nvcc is found (pip install . with CUDA's "
+                    "bin folder on PATH), or train with BackendType.CPU");
+  }
+  dist::cuda::CUdevice dev = 0;
+  check_cu(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+  check_cu(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
+  make_current();
+  check_cu(d.cuStreamCreate(&stream_, dist::cuda::kStreamNonBlocking), "cuStreamCreate");
+#ifdef CX_WITH_CUDA
+  check_cu(d.cuModuleLoadData(&mod_, dist::cuda::kFatbin_nn),
+           "loading pycyxwiz's model kernels (built for sm_80 and sm_90 plus PTX; the driver may be older than the "
+           "nvcc that built them)");
+#endif
+  sgemm_ = fn("cx_nn_sgemm");
+  load_cublas();
+}
+
+Device::~Device() {
+  const auto& d = cuda_driver();
+  d.cuCtxSetCurrent(ctx_);
+  if (stream_) d.cuStreamSynchronize(stream_);
+  if (cublas_) cublas().destroy(cublas_);
+  if (mod_) d.cuModuleUnload(mod_);
+  if (stream_) d.cuStreamDestroy(stream_);
+  dist::cuda::CUdevice dev = 0;
+  if (ctx_ && d.cuDeviceGet(&dev, ordinal_) == dist::cuda::kSuccess) d.cuDevicePrimaryCtxRelease(dev);
+}
+
+void Device::load_cublas() {
+  const char* force = std::getenv("CX_GPU_GEMM");
+  if (force && std::strcmp(force, "tiled") == 0) {
+    gemm_desc_ = "pycyxwiz tiled kernel (CX_GPU_GEMM=tiled)";
+    return;
+  }
+  const Cublas& c = cublas();
+  if (!c.error.empty()) {
+    gemm_desc_ = "pycyxwiz tiled kernel (" + c.error + ")";
+    return;
+  }
+  cublasHandle_t h = nullptr;
+  cublasStatus_t r = c.create(&h);
+  if (r != 0) {
+    gemm_desc_ = detail::concat("pycyxwiz tiled kernel (cublasCreate failed with status ", r, ")");
+    return;
+  }
+  if (c.set_stream(h, stream_) != 0) {
+    c.destroy(h);
+    gemm_desc_ = "pycyxwiz tiled kernel (cublasSetStream failed)";
+    return;
+  }
+  cublas_ = h;
+  gemm_desc_ = "cuBLAS (" + c.path + ")";
+}
+
+void Device::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
+
+std::string Device::name() const {
+  char buf[256] = {0};
+  dist::cuda::CUdevice dev = 0;
+  const auto& d = cuda_driver();
+  if (d.cuDeviceGet(&dev, ordinal_) == dist::cuda::kSuccess) d.cuDeviceGetName(buf, sizeof(buf) - 1, dev);
+  return buf;
+}
+
+void Device::upload(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  check_cu(cuda_driver().cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, stream_),
+           "copying to the GPU (cuMemcpyHtoDAsync)");
+}
+
+void Device::download(void* dst, const void* src, size_t bytes) {
+  if (bytes) {
+    check_cu(cuda_driver().cuMemcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, stream_),
+             "copying from the GPU (cuMemcpyDtoHAsync)");
+  }
+  sync();
+}
+
+void Device::copy(void* dst, const void* src, size_t bytes) {
+  if (!bytes || dst == src) return;
+  check_cu(cuda_driver().cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src),
+                                           bytes, stream_),
+           "cuMemcpyDtoDAsync");
+}
+
+void Device::zero(void* dst, size_t bytes) {
+  if (!bytes) return;
+  check_cu(cuda_driver().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), 0, bytes, stream_), "cuMemsetD8Async");
+}
+
+void Device::sync() { check_cu(cuda_driver().cuStreamSynchronize(stream_), "running the model on the GPU"); }
+
+CUfunction Device::fn(const char* name) {
+  for (auto& [n, f] : fns_)
+    if (n == name) return f;
+  CUfunction f = nullptr;
+  check_cu(cuda_driver().cuModuleGetFunction(&f, mod_, name), name);
+  fns_.emplace_back(name, f);
+  return f;
+}
+
+void Device::launch_raw(CUfunction f, unsigned gx, unsigned gy, unsigned bx, unsigned by, void** args) {
+  check_cu(cuda_driver().cuLaunchKernel(f, gx, gy, 1, bx, by, 1, 0, stream_, args, nullptr), "launching a kernel");
+}
+
+unsigned Device::grid_for(size_t n, unsigned block) {
+  size_t g = (n + block - 1) / block;
+  return static_cast<unsigned>(std::clamp<size_t>(g, 1, 8192));
+}
+
+void Device::gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                  int ldb, float beta, float* C, int ldc) {
+  if (M == 0 || N == 0) return;
+  if (cublas_) {
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a
+    // row-major matrix read column-major is its transpose: swap the operands.
+    cublasStatus_t r = cublas().sgemm(cublas_, tb ? kCublasOpT : kCublasOpN, ta ? kCublasOpT : kCublasOpN, N, M, K,
+                                      &alpha, B, ldb, A, lda, &beta, C, ldc);
+    if (r != 0) CX_THROW(Error, "cublasSgemm failed with status ", r, " (", M, "x", N, "x", K, ")");
+    return;
+  }
+  void* args[] = {&ta, &tb, &M, &N, &K, &alpha, &A, &lda, &B, &ldb, &beta, &C, &ldc};
+  int ita = ta, itb = tb;
+  args[0] = &ita;
+  args[1] = &itb;
+  launch_raw(sgemm_, static_cast<unsigned>((N + 31) / 32), static_cast<unsigned>((M + 31) / 32), 32, 8, args);
+}
+
+}  // namespace cx::gpu

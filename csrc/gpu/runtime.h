@@ -1,0 +1,113 @@
+// defines: Device (one GPU's primary context, a stream, our nn kernels and a
+// GEMM), Buffer (a grow-only device allocation), set_cublas_search_dirs().
+//
+// Note [The model on the GPU]
+// With BackendType.NCCL the trainer runs the model on GPU LOCAL_RANK
+// (csrc/train/gpu_trainer.h). Everything goes through the CUDA driver API that
+// the NCCL backend already loads (Note [How CUDA is found and loaded] in
+// csrc/dist/transport/nccl/cuda_driver.h): kernels are csrc/cuda/nn.cu,
+// compiled by nvcc at build time into a fatbin embedded in _core; the GEMM is
+// cuBLAS, dlopen'ed at run time from the nvidia-cublas(-cu12) wheel or the
+// system (only cublasCreate/SetStream/Sgemm/Destroy are declared, by us), and
+// where no cuBLAS loads, our own tiled kernel. CX_GPU_GEMM=tiled forces the
+// kernel (tests compare the two). All work is queued on the Device's stream in
+// order; the host waits only where it reads a result back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dist/transport/nccl/cuda_driver.h"
+
+namespace cx::gpu {
+
+using dist::cuda::CUdeviceptr;
+using dist::cuda::CUfunction;
+using dist::cuda::CUstream;
+
+// Directories searched for libcublas.so.13/.12 before the system loader's path
+// (python/pycyxwiz/distributed/_gpu.py passes the nvidia wheels' lib folders).
+void set_cublas_search_dirs(std::vector<std::string> dirs);
+
+// True where this build embeds the model kernels (nvcc was found at build time).
+bool kernels_built();
+
+class Buffer {
+ public:
+  Buffer() = default;
+  ~Buffer();
+  Buffer(Buffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = 0, o.bytes_ = 0; }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  // At least `bytes` (grow-only; growing drops the old contents).
+  void reserve(size_t bytes);
+  float* f() const { return reinterpret_cast<float*>(p_); }
+  void* get() const { return reinterpret_cast<void*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  CUdeviceptr p_ = 0;
+  size_t bytes_ = 0;
+};
+
+class Device {
+ public:
+  // Retains GPU `ordinal`'s primary context (the one CuPy and NCCL use), makes
+  // it current on this thread and creates a stream. Throws the driver's clear
+  // errors (no GPU, LOCAL_RANK beyond the device count) and, in a build without
+  // kernels, says to rebuild where nvcc is found.
+  explicit Device(int ordinal);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  int ordinal() const { return ordinal_; }
+  CUstream stream() const { return stream_; }
+  void make_current() const;
+  std::string name() const;
+
+  // Queued on stream(). upload from pageable host memory returns once the
+  // driver has taken the bytes; download waits for the stream.
+  void upload(void* dst, const void* src, size_t bytes);
+  void download(void* dst, const void* src, size_t bytes);
+  void copy(void* dst, const void* src, size_t bytes);
+  void zero(void* dst, size_t bytes);
+  void sync();
+
+  // Row-major C = alpha op(A) op(B) + beta C (op(A) M x K, op(B) K x N).
+  void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+            float beta, float* C, int ldc);
+  // "cuBLAS (<path>)" or "pycyxwiz tiled kernel (<why>)".
+  const std::string& gemm_backend() const { return gemm_desc_; }
+
+  // Kernels of csrc/cuda/nn.cu, by name (cached).
+  CUfunction fn(const char* name);
+  // Launch with a 1-D grid; each argument is passed by address as the kernel
+  // expects, so the types must match the kernel's parameters exactly.
+  template <typename... A>
+  void launch(CUfunction f, unsigned grid, unsigned block, A... a) {
+    void* args[] = {static_cast<void*>(&a)...};
+    launch_raw(f, grid, 1, block, 1, args);
+  }
+  void launch_raw(CUfunction f, unsigned gx, unsigned gy, unsigned bx, unsigned by, void** args);
+  // A grid for n elements at 256 threads per block (grid-stride kernels).
+  static unsigned grid_for(size_t n, unsigned block = 256);
+
+ private:
+  void load_cublas();
+
+  int ordinal_ = 0;
+  dist::cuda::CUcontext ctx_ = nullptr;
+  CUstream stream_ = nullptr;
+  dist::cuda::CUmodule mod_ = nullptr;
+  std::vector<std::pair<std::string, CUfunction>> fns_;
+  void* cublas_ = nullptr;  // cublasHandle_t
+  std::string gemm_desc_;
+  CUfunction sgemm_ = nullptr;
+};
+
+}  // namespace cx::gpu

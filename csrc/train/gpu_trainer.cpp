@@ -1,0 +1,344 @@
+#include "train/gpu_trainer.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/error.h"
+#include "train/trainer.h"
+
+namespace cx::train {
+
+namespace {
+
+using u64 = unsigned long long;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+double scalar(const nn::StateDict& sd, const char* k) {
+  auto it = sd.scalars.find(k);
+  CX_CHECK(it != sd.scalars.end(), InvalidArgument, "optimizer state lacks '", k, "'");
+  return it->second;
+}
+
+}  // namespace
+
+GpuTrainer::GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
+                       std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group,
+                       const DDPConfig& cfg)
+    : model_(std::move(model)), loss_(std::move(loss)), opt_(std::move(opt)), group_(std::move(group)) {
+  const nn::Loss* l = loss_.get();
+  CX_CHECK(dynamic_cast<const nn::CrossEntropyLoss*>(l) || dynamic_cast<const nn::MSELoss*>(l) ||
+               dynamic_cast<const nn::BCEWithLogitsLoss*>(l),
+           TypeMismatch, "DistributedTrainer: unsupported loss ", l->repr());
+  dev_ = std::make_unique<gpu::Device>(group_->config().local_rank);
+  gm_ = std::make_unique<gpu::GpuModel>(model_, *dev_);
+  read_optimizer();
+  stats_.reserve(4 * sizeof(double));
+
+  std::vector<size_t> counts;
+  for (auto [off, n] : gm_->slices()) counts.push_back(n);
+  CX_CHECK(cfg.bucket_size_mb > 0 && cfg.first_bucket_mb > 0, InvalidArgument,
+           "DistributedDataParallel: DDPConfig.bucket_size_mb and first_bucket_mb must be > 0");
+  size_t cap = static_cast<size_t>(cfg.bucket_size_mb * kMiB);
+  buckets_ = assign_buckets(counts, sizeof(float), std::min(cap, static_cast<size_t>(cfg.first_bucket_mb * kMiB)), cap);
+  bucket_of_.assign(counts.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t p = buckets_[b].first_param; p <= buckets_[b].last_param && p < counts.size(); ++p) bucket_of_[p] = b;
+  pending_.assign(buckets_.size(), 0);
+  ready_.assign(buckets_.size(), 0);
+
+  if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
+    // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
+    auto s = reinterpret_cast<uintptr_t>(dev_->stream());
+    group_->broadcast(gm_->params(), gm_->size(), dist::DataType::kFloat32, 0, false, s);
+    for (auto [p, n] : gm_->buffers()) group_->broadcast(p, n, dist::DataType::kFloat32, 0, false, s);
+    gm_->download();
+  }
+}
+
+GpuTrainer::~GpuTrainer() {
+  try {
+    dev_->make_current();
+    for (auto& w : in_flight_) w->wait();
+  } catch (...) {
+    // The group is poisoned; its next user sees why.
+  }
+}
+
+std::string GpuTrainer::describe() const {
+  return detail::concat("cuda:", dev_->ordinal(), " (", dev_->name(), "), GEMM: ", dev_->gemm_backend());
+}
+
+// ---- optimizer ---------------------------------------------------------------------
+
+void GpuTrainer::read_optimizer() {
+  nn::StateDict sd = opt_->state_dict();
+  const size_t n = gm_->size();
+  auto load = [&](gpu::Buffer& b, const char* name, bool needed) {
+    auto it = sd.arrays.find(name);
+    if (it != sd.arrays.end()) {
+      CX_CHECK(it->second.size() == n, InvalidArgument, opt_->type_name(), "Optimizer: its state was built for ",
+               it->second.size(), " parameters, this model has ", n, "; use one optimizer per model");
+      b.reserve(n * sizeof(float));
+      dev_->upload(b.get(), it->second.data(), n * sizeof(float));
+      return true;
+    }
+    if (!needed) return false;
+    b.reserve(n * sizeof(float));
+    dev_->zero(b.get(), n * sizeof(float));
+    return true;
+  };
+  t_ = static_cast<int64_t>(scalar(sd, "step"));
+  if (sd.type == "SGD") {
+    kind_ = Opt::kSgd;
+    momentum_ = scalar(sd, "momentum");
+    nesterov_ = scalar(sd, "nesterov") != 0.0;
+    weight_decay_ = scalar(sd, "weight_decay");
+    has_s1_ = load(s1_, "momentum_buffer", momentum_ != 0.0);
+  } else if (sd.type == "Adam" || sd.type == "AdamW") {
+    kind_ = sd.type == "Adam" ? Opt::kAdam : Opt::kAdamW;
+    beta1_ = scalar(sd, "beta1");
+    beta2_ = scalar(sd, "beta2");
+    eps_ = scalar(sd, "eps");
+    weight_decay_ = scalar(sd, "weight_decay");
+    has_s1_ = load(s1_, "exp_avg", true);
+    has_s2_ = load(s2_, "exp_avg_sq", true);
+  } else if (sd.type == "RMSprop") {
+    kind_ = Opt::kRmsprop;
+    alpha_ = scalar(sd, "alpha");
+    eps_ = scalar(sd, "eps");
+    weight_decay_ = scalar(sd, "weight_decay");
+    momentum_ = scalar(sd, "momentum");
+    has_s1_ = load(s1_, "square_avg", true);
+    has_s2_ = load(s2_, "momentum_buffer", momentum_ != 0.0);
+  } else {
+    CX_THROW(TypeMismatch, "DistributedTrainer: the ", sd.type, " optimizer has no GPU update");
+  }
+  dev_->sync();
+}
+
+void GpuTrainer::optimizer_step() {
+  ++t_;
+  const double lr = opt_->lr();  // read every step: a scheduler may have changed it
+  const u64 n = gm_->size();
+  float* p = gm_->params();
+  const float* g = gm_->grads();
+  const unsigned grid = gpu::Device::grid_for(n);
+  switch (kind_) {
+    case Opt::kSgd: {
+      float* buf = momentum_ != 0.0 ? s1_.f() : nullptr;
+      dev_->launch(dev_->fn("cx_nn_sgd"), grid, 256, p, g, buf, n, static_cast<float>(lr), static_cast<float>(momentum_),
+                   nesterov_ ? 1 : 0, static_cast<float>(weight_decay_));
+      break;
+    }
+    case Opt::kAdam:
+    case Opt::kAdamW: {
+      // The formulas of AdamOptimizer::update.
+      const bool decoupled = kind_ == Opt::kAdamW;
+      const double t = static_cast<double>(t_);
+      const double bc1 = 1.0 - std::pow(beta1_, t), bc2 = 1.0 - std::pow(beta2_, t);
+      const float step_size = static_cast<float>(lr / bc1);
+      const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+      const float l2 = decoupled ? 0.0f : static_cast<float>(weight_decay_);
+      const float decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay_) : 1.0f;
+      dev_->launch(dev_->fn("cx_nn_adam"), grid, 256, p, g, s1_.f(), s2_.f(), n, static_cast<float>(beta1_),
+                   static_cast<float>(beta2_), static_cast<float>(eps_), step_size, inv_bc2_sqrt, l2, decay);
+      break;
+    }
+    case Opt::kRmsprop: {
+      float* buf = momentum_ != 0.0 ? s2_.f() : nullptr;
+      dev_->launch(dev_->fn("cx_nn_rmsprop"), grid, 256, p, g, s1_.f(), buf, n, static_cast<float>(lr),
+                   static_cast<float>(alpha_), static_cast<float>(eps_), static_cast<float>(momentum_),
+                   static_cast<float>(weight_decay_));
+      break;
+    }
+  }
+}
+
+// ---- host sync ---------------------------------------------------------------------
+
+void GpuTrainer::to_host() {
+  dev_->make_current();
+  for (auto& w : in_flight_) w->wait();
+  in_flight_.clear();
+  gm_->download();
+  nn::StateDict sd = opt_->state_dict();  // hyper-parameters and lr as the host has them
+  sd.scalars["step"] = static_cast<double>(t_);
+  sd.arrays.clear();
+  const size_t n = gm_->size();
+  auto get = [&](gpu::Buffer& b, const char* name) {
+    std::vector<float> v(n);
+    dev_->download(v.data(), b.get(), n * sizeof(float));
+    sd.arrays[name] = std::move(v);
+  };
+  if (t_ > 0) {
+    switch (kind_) {
+      case Opt::kSgd:
+        if (has_s1_) get(s1_, "momentum_buffer");
+        break;
+      case Opt::kAdam:
+      case Opt::kAdamW:
+        get(s1_, "exp_avg");
+        get(s2_, "exp_avg_sq");
+        break;
+      case Opt::kRmsprop:
+        get(s1_, "square_avg");
+        if (has_s2_) get(s2_, "momentum_buffer");
+        break;
+    }
+  }
+  opt_->load_state_dict(sd);
+}
+
+void GpuTrainer::from_host() {
+  dev_->make_current();
+  for (auto& w : in_flight_) w->wait();
+  in_flight_.clear();
+  gm_->upload();
+  read_optimizer();
+}
+
+// ---- one step ----------------------------------------------------------------------
+
+void GpuTrainer::upload_batch(const float* x, const nn::Shape& x_shape, const int64_t* labels, const float* dense,
+                              const nn::Shape& y_shape) {
+  const size_t nx = nn::numel(x_shape);
+  x_.reserve(nx * sizeof(float));
+  dev_->upload(x_.get(), x, nx * sizeof(float));
+  if (labels) {
+    labels_.reserve(x_shape[0] * sizeof(int64_t));
+    dev_->upload(labels_.get(), labels, x_shape[0] * sizeof(int64_t));
+  } else {
+    const size_t ny = nn::numel(y_shape);
+    dense_.reserve(ny * sizeof(float));
+    dev_->upload(dense_.get(), dense, ny * sizeof(float));
+  }
+}
+
+BatchStats GpuTrainer::run_loss(const nn::Shape& os, const int64_t* labels, const float* dense,
+                                const nn::Shape& y_shape) {
+  const size_t rows = os[0], numel = nn::numel(os);
+  gout_.reserve(numel * sizeof(float));
+  dev_->zero(stats_.get(), 4 * sizeof(double));
+  double st[4] = {0, 0, 0, 0};
+  BatchStats s;
+  s.count = static_cast<double>(rows);
+  const float* o = last_out_;  // the forward's output
+  if (dynamic_cast<nn::CrossEntropyLoss*>(loss_.get())) {
+    CX_CHECK(os.size() == 2, InvalidArgument, "CrossEntropyLoss: expected output of shape (batch, classes), got ",
+             nn::shape_str(os));
+    if (labels) {
+      dev_->launch(dev_->fn("cx_nn_ce_labels"), static_cast<unsigned>((rows + 7) / 8), 256, o,
+                   static_cast<const int64_t*>(labels_.get()), gout_.f(), static_cast<double*>(stats_.get()), u64(rows),
+                   u64(os[1]));
+    } else {
+      CX_CHECK(y_shape == os, InvalidArgument, "CrossEntropyLoss: target must have the output's shape ",
+               nn::shape_str(os), ", got ", nn::shape_str(y_shape));
+      dev_->launch(dev_->fn("cx_nn_ce_dense"), static_cast<unsigned>((rows + 7) / 8), 256, o,
+                   static_cast<const float*>(dense_.f()), gout_.f(), static_cast<double*>(stats_.get()), u64(rows),
+                   u64(os[1]));
+    }
+    dev_->download(st, stats_.get(), sizeof(st));
+    uint64_t bad;
+    std::memcpy(&bad, &st[3], sizeof(bad));
+    if (bad) {
+      int64_t label = 0;
+      dev_->download(&label, static_cast<const int64_t*>(labels_.get()) + (bad - 1), sizeof(label));
+      CX_THROW(InvalidArgument, "CrossEntropyLoss: label ", label, " at row ", bad - 1, " is out of range [0, ", os[1],
+               ")");
+    }
+    s.loss_sum = st[0];
+    s.correct = st[1];
+    return s;
+  }
+  CX_CHECK(!labels, TypeMismatch, "DistributedTrainer: ", loss_->repr(),
+           " needs float32 targets shaped like the model's output, got integer labels");
+  CX_CHECK(y_shape == os, InvalidArgument, loss_->repr(), ": target must have the output's shape ", nn::shape_str(os),
+           ", got ", nn::shape_str(y_shape));
+  const bool mse = dynamic_cast<nn::MSELoss*>(loss_.get()) != nullptr;
+  dev_->launch(dev_->fn(mse ? "cx_nn_mse" : "cx_nn_bce"), gpu::Device::grid_for(numel), 256, o,
+               static_cast<const float*>(dense_.f()), gout_.f(), static_cast<double*>(stats_.get()), u64(numel));
+  dev_->download(st, stats_.get(), sizeof(st));
+  s.loss_sum = st[0] / static_cast<double>(numel) * static_cast<double>(rows);
+  s.correct = mse ? std::numeric_limits<double>::quiet_NaN()
+                  : st[1] / static_cast<double>(numel / rows ? numel / rows : 1);
+  return s;
+}
+
+void GpuTrainer::launch_bucket(size_t b) {
+  const Bucket& bk = buckets_[b];
+  if (bk.count)  // world size 1 too, as DistributedDataParallel: one code path
+    in_flight_.push_back(group_->all_reduce(gm_->grads() + bk.offset, bk.count, dist::DataType::kFloat32,
+                                            dist::ReduceOp::kAvg, true, reinterpret_cast<uintptr_t>(dev_->stream())));
+}
+
+BatchStats GpuTrainer::train_batch(const float* x, const nn::Shape& x_shape, const int64_t* labels,
+                                   const float* dense, const nn::Shape& y_shape) {
+  dev_->make_current();
+  upload_batch(x, x_shape, labels, dense, y_shape);
+  last_out_ = gm_->forward(x_.f(), x_shape, true);
+  BatchStats s = run_loss(gm_->output_shape(), labels, dense, y_shape);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    pending_[b] = buckets_[b].last_param - buckets_[b].first_param + 1;
+    ready_[b] = 0;
+  }
+  next_bucket_ = 0;
+  gm_->backward(gout_.f(), [this](size_t p) {
+    size_t b = bucket_of_[p];
+    if (--pending_[b] == 0) ready_[b] = 1;
+    while (next_bucket_ < buckets_.size() && ready_[next_bucket_]) launch_bucket(next_bucket_++);
+  });
+  while (next_bucket_ < buckets_.size()) launch_bucket(next_bucket_++);  // buckets of parameters with no gradient
+  std::vector<dist::ProcessGroup::WorkPtr> works;
+  works.swap(in_flight_);
+  for (auto& w : works) w->wait();  // each returns once NCCL's result is in the buffer
+  optimizer_step();
+  gm_->zero_grad();
+  return s;
+}
+
+BatchStats GpuTrainer::eval_batch(const float* x, const nn::Shape& x_shape, const int64_t* labels, const float* dense,
+                                  const nn::Shape& y_shape) {
+  dev_->make_current();
+  upload_batch(x, x_shape, labels, dense, y_shape);
+  last_out_ = gm_->forward(x_.f(), x_shape, false);
+  return run_loss(gm_->output_shape(), labels, dense, y_shape);
+}
+
+BatchStats GpuTrainer::reduce_stats(const BatchStats& s) {
+  double v[3] = {s.loss_sum, s.correct, s.count};
+  {
+    dev_->make_current();
+    staging_.reserve(sizeof(v));
+    dev_->upload(staging_.get(), v, sizeof(v));
+    group_->all_reduce(staging_.get(), 3, dist::DataType::kFloat64, dist::ReduceOp::kSum, false,
+                       reinterpret_cast<uintptr_t>(dev_->stream()));
+    dev_->download(v, staging_.get(), sizeof(v));
+  }
+  return BatchStats{v[0], v[1], v[2]};
+}
+
+void GpuTrainer::all_gather_host(const void* in, void* out, size_t bytes) {
+  const int world = group_->size();
+  if (bytes == 0) return;
+  dev_->make_current();
+  staging_.reserve(bytes * (world + 1));
+  char* base = static_cast<char*>(staging_.get());
+  dev_->upload(base, in, bytes);
+  std::vector<void*> outs;
+  for (int r = 0; r < world; ++r) outs.push_back(base + bytes * (r + 1));
+  group_->all_gather(base, outs, bytes, dist::DataType::kUInt8, false, reinterpret_cast<uintptr_t>(dev_->stream()));
+  dev_->download(out, base + bytes, bytes * world);
+}
+
+void GpuTrainer::broadcast_host(void* buf, size_t bytes, int root) {
+  if (bytes == 0) return;
+  dev_->make_current();
+  staging_.reserve(bytes);
+  dev_->upload(staging_.get(), buf, bytes);
+  group_->broadcast(staging_.get(), bytes, dist::DataType::kUInt8, root, false,
+                    reinterpret_cast<uintptr_t>(dev_->stream()));
+  dev_->download(buf, staging_.get(), bytes);
+}
+
+}  // namespace cx::train

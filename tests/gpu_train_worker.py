@@ -1,0 +1,85 @@
+"""One rank of a small DistributedTrainer run, for tests/test_gpu.py (not collected by pytest).
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 DISTRIBUTED_BACKEND=nccl \\
+        python tests/gpu_train_worker.py CASE OUT.npz
+
+Builds the model of CASE with fixed seeds, trains it for two epochs on fixed data and writes
+the per-epoch losses, the evaluation, the final parameters (flat), the optimizer state, the
+BatchNorm statistics and the trainer's device to OUT.npz. Run once with the CPU backend and
+once with NCCL, the two files must agree (the same model, the same data order and dropout masks).
+"""
+import sys
+
+import numpy as np
+
+import pycyxwiz as cx
+
+
+BN: list = []  # the BatchNorm modules of the model built last
+
+
+def add(model, *modules) -> None:
+    for m in modules:
+        model.add(m)
+
+
+def build(case: str):
+    cx.manual_seed(7)
+    BN[:] = [cx.BatchNormModule(32)]
+    m = cx.SequentialModel()
+    rng = np.random.default_rng(3)
+    if case == "mlp_ce":  # every layer kind the digits example uses, plus BatchNorm and GELU
+        add(m, cx.LinearModule(20, 64), cx.ReLUModule(), cx.DropoutModule(0.2), cx.LinearModule(64, 32), BN[0],
+            cx.GELUModule(), cx.LinearModule(32, 5))
+        X = rng.standard_normal((200, 20)).astype(np.float32)
+        y = (X[:, :5].argmax(1)).astype(np.int64)
+        return m, cx.CrossEntropyLoss(), X, y
+    if case == "mse":
+        add(m, cx.LinearModule(12, 48), cx.TanhModule(), cx.LinearModule(48, 3), cx.SigmoidModule())
+        X = rng.standard_normal((150, 12)).astype(np.float32)
+        y = (1 / (1 + np.exp(-X[:, :3]))).astype(np.float32)
+        return m, cx.MSELoss(), X, y
+    if case == "bce":
+        add(m, cx.LinearModule(10, 40), cx.LeakyReLUModule(0.1), cx.LinearModule(40, 4))
+        X = rng.standard_normal((160, 10)).astype(np.float32)
+        y = (X[:, :4] > 0).astype(np.float32)
+        return m, cx.BCEWithLogitsLoss(), X, y
+    if case == "softmax_dense":  # Flatten of (batch, 4, 5), Softmax in the middle, CE on soft targets
+        add(m, cx.FlattenModule(), cx.LinearModule(20, 30), cx.SoftmaxModule(), cx.LinearModule(30, 6))
+        X = rng.standard_normal((120, 4, 5)).astype(np.float32)
+        t = rng.random((120, 6)).astype(np.float32)
+        return m, cx.CrossEntropyLoss(), X, t / t.sum(1, keepdims=True)
+    raise SystemExit(f"unknown case {case}")
+
+
+OPTIMIZERS = {
+    "sgd": lambda: cx.SGDOptimizer(0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "adam": lambda: cx.AdamOptimizer(1e-3, weight_decay=1e-4),
+    "adamw": lambda: cx.AdamWOptimizer(1e-3),
+    "rmsprop": lambda: cx.RMSpropOptimizer(1e-3, momentum=0.5),
+}
+
+
+def main() -> None:
+    case, opt_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    cx.distributed.init()
+    model, loss, X, y = build(case)
+    opt = OPTIMIZERS[opt_name]()
+    trainer = cx.distributed.DistributedTrainer(model, loss, opt)
+    cfg = cx.distributed.DistributedTrainingConfig()
+    cfg.epochs, cfg.batch_size, cfg.seed, cfg.verbose = 2, 16, 11, False
+    h = trainer.fit(X, y, cfg)
+    ev = trainer.evaluate(X, y, batch_size=64)
+    sd = opt.state_dict()
+    arrays = {f"opt_{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
+    bn = [np.asarray(a) for b in BN for a in (b.running_mean, b.running_var)] if case == "mlp_ce" else []
+    np.savez(out, losses=np.array(h.train_losses), accs=np.array(h.train_accuracies), eval=np.array(ev),
+             params=np.array(model.flat_parameters()),
+             step=np.array(sd["step"]), device=np.array(trainer.device),
+             rng=np.asarray(model.get_rng_state(), np.uint64),
+             **{f"bn{i}": b for i, b in enumerate(bn)}, **arrays)
+    cx.distributed.finalize()
+
+
+if __name__ == "__main__":
+    main()
