@@ -109,13 +109,24 @@ bool kernels_built() {
 
 // ---- Buffer ------------------------------------------------------------------------
 
+namespace {
+// Frees after the queued work that may still read or write the memory (kernels
+// and copies on our stream, NCCL on its own): growing a buffer between steps
+// must not pull it from under the last step's backward.
+void free_after_work(CUdeviceptr p) {
+  const auto& d = cuda_driver();
+  d.cuCtxSynchronize();
+  d.cuMemFree(p);
+}
+}  // namespace
+
 Buffer::~Buffer() {
-  if (p_) cuda_driver().cuMemFree(p_);
+  if (p_) free_after_work(p_);
 }
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
-    if (p_) cuda_driver().cuMemFree(p_);
+    if (p_) free_after_work(p_);
     p_ = o.p_, bytes_ = o.bytes_;
     o.p_ = 0, o.bytes_ = 0;
   }
@@ -125,7 +136,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 void Buffer::reserve(size_t bytes) {
   if (bytes <= bytes_ && p_) return;
   const auto& d = cuda_driver();
-  if (p_) d.cuMemFree(p_);
+  if (p_) free_after_work(p_);
   p_ = 0;
   bytes_ = 0;
   size_t want = std::max<size_t>(bytes, 256);

@@ -51,6 +51,7 @@ Loaded load() {
     bind(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", d.path);
     bind(lib, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", d.path);
     bind(lib, d.cuCtxSetCurrent, "cuCtxSetCurrent", d.path);
+    bind(lib, d.cuCtxSynchronize, "cuCtxSynchronize", d.path);
     bind(lib, d.cuStreamCreate, "cuStreamCreate", d.path);
     bind(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", d.path);
     bind(lib, d.cuStreamSynchronize, "cuStreamSynchronize", d.path);
