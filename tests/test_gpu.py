@@ -378,3 +378,26 @@ def test_the_tiled_gemm_trains_like_cublas(tmp_path):
 def test_two_gpus_train_like_two_cpu_ranks(tmp_path):
     _same_training(_train(tmp_path, "mlp_ce", "adam", "cpu", world=2),
                    _train(tmp_path, "mlp_ce", "adam", "nccl", world=2))
+
+
+def test_dropout_draws_are_the_counter_the_gpu_kernel_computes():
+    """cx_nn_dropout_fwd draws element i at state s as splitmix64(s + (i+1)*golden) and leaves the
+    state at s + n*golden: that must be what the CPU's generator does, or GPU and CPU masks differ."""
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    m = cx.SequentialModel()
+    m.add(cx.DropoutModule(0.3, seed=12345))
+    m.train()
+    m.set_rng_state(np.array([2**63 + 977], np.uint64))  # large: the additions wrap around 2**64
+    s = np.uint64(m.get_rng_state()[0])
+    y = np.asarray(m.forward(np.ones((7, 33), np.float32)))
+    n = y.size
+    with np.errstate(over="ignore"):
+        z = s + (np.arange(1, n + 1, dtype=np.uint64) * golden)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        u = (z >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+        after = s + np.uint64(n) * golden
+    expect = np.where(u >= np.float32(0.3), np.float32(1.0) / np.float32(0.7), np.float32(0.0))
+    np.testing.assert_array_equal(y.ravel(), expect)
+    assert np.uint64(m.get_rng_state()[0]) == after
