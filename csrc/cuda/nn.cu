@@ -21,13 +21,21 @@ extern "C" __global__ void cx_nn_bias_add(float* y, const float* b, u64 rows, u6
   CX_LOOP(i, rows * cols) y[i] += b[i % cols];
 }
 
-// gb[c] += sum_r g[r, c]; one thread per column (adjacent threads read adjacent
-// columns, so every row is one coalesced read).
+// gb[c] += sum_r g[r, c]. Blocks of 32x8 threads: x picks the column (adjacent
+// threads, adjacent columns: coalesced rows), y and blockIdx.y split the rows;
+// the 8 partial sums meet in shared memory and each block adds its column sums
+// with one atomicAdd, so a wide batch keeps many threads busy.
 extern "C" __global__ void cx_nn_col_sum_add(float* gb, const float* g, u64 rows, u64 cols) {
-  CX_LOOP(c, cols) {
-    float s = 0.0f;
-    for (u64 r = 0; r < rows; ++r) s += g[r * cols + c];
-    gb[c] += s;
+  __shared__ float part[8][33];
+  const u64 c = blockIdx.x * 32ull + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols)
+    for (u64 r = blockIdx.y * 8ull + threadIdx.y; r < rows; r += 8ull * gridDim.y) s += g[r * cols + c];
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    for (int k = 1; k < 8; ++k) s += part[k][threadIdx.x];
+    atomicAdd(&gb[c], s);
   }
 }
 
@@ -192,8 +200,8 @@ extern "C" __global__ void cx_nn_bn_bwd(const float* gy, const float* xhat, cons
 // ---------------------------------------------------------------- losses
 // Each writes dL/d(output) and adds its sums into stats (double): stats[0] the
 // loss summed as the CPU sums it (over rows, or over elements), stats[1] the
-// rows (or elements) counted correct; stats[3], read as an integer, 1 + the
-// last row whose label is out of range (CrossEntropy with labels; 0: none).
+// rows (or elements) counted correct. Labels are range-checked on the host
+// first (GpuTrainer::launch_loss); the kernel only refuses to read out of bounds.
 
 // Cross-entropy with integer labels, one warp per row.
 extern "C" __global__ void cx_nn_ce_labels(const float* x, const int64_t* labels, float* g, double* stats, u64 rows,
@@ -204,10 +212,7 @@ extern "C" __global__ void cx_nn_ce_labels(const float* x, const int64_t* labels
   const float* xr = x + warp * C;
   float* gr = g + warp * C;
   int64_t y = labels[warp];
-  if (y < 0 || (u64)y >= C) {
-    if (lane == 0) atomicMax((unsigned long long*)&stats[3], (unsigned long long)(warp + 1));
-    return;
-  }
+  if (y < 0 || (u64)y >= C) return;
   // max and its first index (the CPU's std::max_element picks the first)
   float mx = -INFINITY;
   u64 arg = 0;

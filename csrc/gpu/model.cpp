@@ -1,5 +1,7 @@
 #include "gpu/model.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 #include "nn/modules.h"
 
@@ -161,9 +163,9 @@ const float* GpuModel::forward(const float* x, const nn::Shape& shape, bool trai
       }
       case nn::ModuleKind::kBatchNorm: {
         auto* bn = static_cast<nn::BatchNormModule*>(l.m);
-        if (training)
-          CX_CHECK(in[0] >= 2, InvalidArgument, "SequentialModel.forward: layer ", i, ": ", bn->repr(),
-                   " needs a batch of at least 2 in training mode, got ", nn::shape_str(in));
+        if (training)  // as BatchNormModule::forward says it
+          CX_CHECK(in[0] >= 2, InvalidArgument, bn->repr(), " needs a batch of at least 2 in training mode, got ",
+                   nn::shape_str(in));
         l.last_training = training;
         l.xhat.reserve(numel * sizeof(float));
         dev_.launch(dev_.fn("cx_nn_bn_fwd"), Device::grid_for(in[1]), 256, cur, y, l.xhat.f(), l.invstd.f(),
@@ -203,7 +205,8 @@ void GpuModel::backward(const float* gy, const std::function<void(size_t)>& hook
         const int B = static_cast<int>(in[0]), I = static_cast<int>(lin->in_features()),
                   O = static_cast<int>(lin->out_features());
         if (lin->has_bias()) {
-          dev_.launch(dev_.fn("cx_nn_col_sum_add"), Device::grid_for(O), 256, grad(l, 1), g, u64(B), u64(O));
+          dev_.launch2(dev_.fn("cx_nn_col_sum_add"), static_cast<unsigned>((O + 31) / 32),
+                       static_cast<unsigned>(std::min(64, (B + 63) / 64)), 32, 8, grad(l, 1), g, u64(B), u64(O));
           if (hook) hook(l.first + 1);
         }
         dev_.gemm(true, false, O, I, B, 1.0f, g, O, x, I, 1.0f, grad(l, 0), I);  // dW += gy^T x

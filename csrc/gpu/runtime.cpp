@@ -40,15 +40,20 @@ struct Cublas {
 
 std::mutex g_mu;
 std::vector<std::string> g_dirs;
-const Cublas* g_cublas = nullptr;  // never destroyed, like the driver
+std::vector<const Cublas*> g_loaded;  // every library opened so far; never closed, like the driver
 
-bool try_cublas(const std::string& path, Cublas* c, std::string* why) {
+// Returns the library at `path` (opened once per process), or null with *why.
+const Cublas* open_cublas(const std::string& path, std::string* why) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  for (const Cublas* c : g_loaded)
+    if (c->path == path) return c;
   void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* e = ::dlerror();
     *why = e ? e : path + ": cannot be loaded";
-    return false;
+    return nullptr;
   }
+  auto* c = new Cublas();
   c->path = path;
   c->create = reinterpret_cast<decltype(c->create)>(::dlsym(lib, "cublasCreate_v2"));
   c->destroy = reinterpret_cast<decltype(c->destroy)>(::dlsym(lib, "cublasDestroy_v2"));
@@ -56,40 +61,24 @@ bool try_cublas(const std::string& path, Cublas* c, std::string* why) {
   c->sgemm = reinterpret_cast<decltype(c->sgemm)>(::dlsym(lib, "cublasSgemm_v2"));
   if (!c->create || !c->destroy || !c->set_stream || !c->sgemm) {
     *why = path + " lacks cublasCreate_v2/cublasSetStream_v2/cublasSgemm_v2";
-    return false;
+    delete c;
+    return nullptr;
   }
-  return true;
+  g_loaded.push_back(c);
+  return c;
 }
 
-const Cublas& cublas() {
-  std::lock_guard<std::mutex> lk(g_mu);
-  if (g_cublas) return *g_cublas;
-  auto* c = new Cublas();
-  std::vector<std::string> tried;
-  std::string why;
+// Where to look, in order: CX_CUBLAS_LIBRARY alone if set; else the wheels'
+// folders, then the system loader's path.
+std::vector<std::string> cublas_candidates() {
   const char* over = std::getenv("CX_CUBLAS_LIBRARY");
-  if (over && *over) {
-    if (!try_cublas(over, c, &why)) c->error = detail::concat("CX_CUBLAS_LIBRARY=", over, ": ", why);
-  } else {
-    std::vector<std::string> cands;
-    for (const auto& d : g_dirs)
-      for (const char* n : {"libcublas.so.13", "libcublas.so.12"}) cands.push_back(d + "/" + n);
-    for (const char* n : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) cands.emplace_back(n);
-    bool ok = false;
-    for (const auto& p : cands) {
-      if (try_cublas(p, c, &why)) {
-        ok = true;
-        break;
-      }
-      tried.push_back(why);
-    }
-    if (!ok) {
-      c->error = "no cuBLAS found (pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13); tried: ";
-      for (size_t i = 0; i < tried.size(); ++i) c->error += (i ? "; " : "") + tried[i];
-    }
-  }
-  g_cublas = c;
-  return *c;
+  if (over && *over) return {over};
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lk(g_mu);
+  for (const auto& d : g_dirs)
+    for (const char* n : {"libcublas.so.13", "libcublas.so.12"}) out.push_back(d + "/" + n);
+  for (const char* n : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) out.emplace_back(n);
+  return out;
 }
 
 }  // namespace
@@ -150,6 +139,15 @@ void Buffer::reserve(size_t bytes) {
 
 // ---- Device ------------------------------------------------------------------------
 
+// Every kernel of nn.cu, resolved at construction: with lazy module loading
+// (the default since CUDA 12.2) resolving one loads it, and loading while an
+// NCCL kernel waits on peers is what Note [First step of a shape] avoids.
+const char* const kKernels[] = {"cx_nn_bias_add", "cx_nn_col_sum_add", "cx_nn_act_fwd",   "cx_nn_act_bwd",
+                                "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul",
+                                "cx_nn_bn_fwd",     "cx_nn_bn_bwd",      "cx_nn_ce_labels",  "cx_nn_ce_dense",
+                                "cx_nn_mse",        "cx_nn_bce",         "cx_nn_adam",       "cx_nn_sgd",
+                                "cx_nn_rmsprop",    "cx_nn_fill",        "cx_nn_sgemm"};
+
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none
   int n = dist::cuda::device_count_or_zero();
@@ -162,26 +160,36 @@ Device::Device(int ordinal) : ordinal_(ordinal) {
   dist::cuda::CUdevice dev = 0;
   check_cu(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
   check_cu(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
-  make_current();
-  check_cu(d.cuStreamCreate(&stream_, dist::cuda::kStreamNonBlocking), "cuStreamCreate");
+  try {
+    make_current();
+    check_cu(d.cuStreamCreate(&stream_, dist::cuda::kStreamNonBlocking), "cuStreamCreate");
 #ifdef CX_WITH_CUDA
-  check_cu(d.cuModuleLoadData(&mod_, dist::cuda::kFatbin_nn),
-           "loading pycyxwiz's model kernels (built for sm_80 and sm_90 plus PTX; the driver may be older than the "
-           "nvcc that built them)");
+    check_cu(d.cuModuleLoadData(&mod_, dist::cuda::kFatbin_nn),
+             "loading pycyxwiz's model kernels (built for sm_80 and sm_90 plus PTX; the GPU may be older, or the "
+             "driver older than the nvcc that built them)");
 #endif
-  sgemm_ = fn("cx_nn_sgemm");
-  load_cublas();
+    for (const char* k : kKernels) fn(k);
+    sgemm_ = fn("cx_nn_sgemm");
+    load_cublas();
+  } catch (...) {
+    release();  // the destructor does not run for a half-made Device
+    throw;
+  }
 }
 
-Device::~Device() {
+Device::~Device() { release(); }
+
+void Device::release() {
   const auto& d = cuda_driver();
   d.cuCtxSetCurrent(ctx_);
   if (stream_) d.cuStreamSynchronize(stream_);
-  if (cublas_) cublas().destroy(cublas_);
+  if (cublas_) static_cast<const Cublas*>(cublas_lib_)->destroy(cublas_);
   if (mod_) d.cuModuleUnload(mod_);
   if (stream_) d.cuStreamDestroy(stream_);
+  cublas_ = nullptr, mod_ = nullptr, stream_ = nullptr;
   dist::cuda::CUdevice dev = 0;
   if (ctx_ && d.cuDeviceGet(&dev, ordinal_) == dist::cuda::kSuccess) d.cuDevicePrimaryCtxRelease(dev);
+  ctx_ = nullptr;
 }
 
 void Device::load_cublas() {
@@ -190,24 +198,31 @@ void Device::load_cublas() {
     gemm_desc_ = "pycyxwiz tiled kernel (CX_GPU_GEMM=tiled)";
     return;
   }
-  const Cublas& c = cublas();
-  if (!c.error.empty()) {
-    gemm_desc_ = "pycyxwiz tiled kernel (" + c.error + ")";
-    return;
+  // The first library that opens and also starts on this GPU (a libcublas.so.13
+  // opens on a CUDA 12 driver but cublasCreate fails there: try the next).
+  std::vector<std::string> tried;
+  for (const std::string& path : cublas_candidates()) {
+    std::string why;
+    const Cublas* c = open_cublas(path, &why);
+    if (!c) {
+      tried.push_back(why);
+      continue;
+    }
+    cublasHandle_t h = nullptr;
+    cublasStatus_t r = c->create(&h);
+    if (r == 0 && c->set_stream(h, stream_) == 0) {
+      cublas_ = h;
+      cublas_lib_ = c;
+      gemm_desc_ = "cuBLAS (" + c->path + ")";
+      return;
+    }
+    if (r == 0) c->destroy(h);
+    tried.push_back(detail::concat(path, ": cublasCreate/cublasSetStream failed (status ", r, ")"));
   }
-  cublasHandle_t h = nullptr;
-  cublasStatus_t r = c.create(&h);
-  if (r != 0) {
-    gemm_desc_ = detail::concat("pycyxwiz tiled kernel (cublasCreate failed with status ", r, ")");
-    return;
-  }
-  if (c.set_stream(h, stream_) != 0) {
-    c.destroy(h);
-    gemm_desc_ = "pycyxwiz tiled kernel (cublasSetStream failed)";
-    return;
-  }
-  cublas_ = h;
-  gemm_desc_ = "cuBLAS (" + c.path + ")";
+  // Short: trainer.device prints it. CX_CUBLAS_LIBRARY=<path> shows one library's own error.
+  gemm_desc_ = "pycyxwiz tiled kernel (no usable cuBLAS: pip install nvidia-cublas-cu12, or nvidia-cublas for CUDA 13";
+  if (!tried.empty()) gemm_desc_ += "; " + tried.front();
+  gemm_desc_ += ")";
 }
 
 void Device::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
@@ -272,7 +287,7 @@ void Device::gemm(bool ta, bool tb, int M, int N, int K, float alpha, const floa
   if (cublas_) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a
     // row-major matrix read column-major is its transpose: swap the operands.
-    cublasStatus_t r = cublas().sgemm(cublas_, tb ? kCublasOpT : kCublasOpN, ta ? kCublasOpT : kCublasOpN, N, M, K,
+    cublasStatus_t r = static_cast<const Cublas*>(cublas_lib_)->sgemm(cublas_, tb ? kCublasOpT : kCublasOpN, ta ? kCublasOpT : kCublasOpN, N, M, K,
                                       &alpha, B, ldb, A, lda, &beta, C, ldc);
     if (r != 0) CX_THROW(Error, "cublasSgemm failed with status ", r, " (", M, "x", N, "x", K, ")");
     return;

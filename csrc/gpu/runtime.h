@@ -93,19 +93,27 @@ class Device {
     void* args[] = {static_cast<void*>(&a)...};
     launch_raw(f, grid, 1, block, 1, args);
   }
+  // The same with a 2-D grid and block.
+  template <typename... A>
+  void launch2(CUfunction f, unsigned gx, unsigned gy, unsigned bx, unsigned by, A... a) {
+    void* args[] = {static_cast<void*>(&a)...};
+    launch_raw(f, gx, gy, bx, by, args);
+  }
   void launch_raw(CUfunction f, unsigned gx, unsigned gy, unsigned bx, unsigned by, void** args);
   // A grid for n elements at 256 threads per block (grid-stride kernels).
   static unsigned grid_for(size_t n, unsigned block = 256);
 
  private:
   void load_cublas();
+  void release();
 
   int ordinal_ = 0;
   dist::cuda::CUcontext ctx_ = nullptr;
   CUstream stream_ = nullptr;
   dist::cuda::CUmodule mod_ = nullptr;
   std::vector<std::pair<std::string, CUfunction>> fns_;
-  void* cublas_ = nullptr;  // cublasHandle_t
+  void* cublas_ = nullptr;            // cublasHandle_t
+  const void* cublas_lib_ = nullptr;  // the library it came from
   std::string gemm_desc_;
   CUfunction sgemm_ = nullptr;
 };

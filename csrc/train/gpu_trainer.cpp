@@ -215,41 +215,29 @@ void GpuTrainer::upload_batch(const float* x, const nn::Shape& x_shape, const in
   }
 }
 
-BatchStats GpuTrainer::run_loss(const nn::Shape& os, const int64_t* labels, const float* dense,
-                                const nn::Shape& y_shape) {
+void GpuTrainer::launch_loss(const nn::Shape& os, const int64_t* labels, const nn::Shape& y_shape) {
   const size_t rows = os[0], numel = nn::numel(os);
   gout_.reserve(numel * sizeof(float));
   dev_->zero(stats_.get(), 4 * sizeof(double));
-  double st[4] = {0, 0, 0, 0};
-  BatchStats s;
-  s.count = static_cast<double>(rows);
   const float* o = last_out_;  // the forward's output
+  auto* stats = static_cast<double*>(stats_.get());
   if (dynamic_cast<nn::CrossEntropyLoss*>(loss_.get())) {
     CX_CHECK(os.size() == 2, InvalidArgument, "CrossEntropyLoss: expected output of shape (batch, classes), got ",
              nn::shape_str(os));
+    const unsigned grid = static_cast<unsigned>((rows + 7) / 8);  // a warp per row
     if (labels) {
-      dev_->launch(dev_->fn("cx_nn_ce_labels"), static_cast<unsigned>((rows + 7) / 8), 256, o,
-                   static_cast<const int64_t*>(labels_.get()), gout_.f(), static_cast<double*>(stats_.get()), u64(rows),
-                   u64(os[1]));
+      for (size_t r = 0; r < rows; ++r)  // as CrossEntropyLoss::forward checks them, on the host copy
+        CX_CHECK(labels[r] >= 0 && static_cast<size_t>(labels[r]) < os[1], InvalidArgument, "CrossEntropyLoss: label ",
+                 labels[r], " at row ", r, " is out of range [0, ", os[1], ")");
+      dev_->launch(dev_->fn("cx_nn_ce_labels"), grid, 256, o, static_cast<const int64_t*>(labels_.get()), gout_.f(),
+                   stats, u64(rows), u64(os[1]));
     } else {
       CX_CHECK(y_shape == os, InvalidArgument, "CrossEntropyLoss: target must have the output's shape ",
                nn::shape_str(os), ", got ", nn::shape_str(y_shape));
-      dev_->launch(dev_->fn("cx_nn_ce_dense"), static_cast<unsigned>((rows + 7) / 8), 256, o,
-                   static_cast<const float*>(dense_.f()), gout_.f(), static_cast<double*>(stats_.get()), u64(rows),
-                   u64(os[1]));
+      dev_->launch(dev_->fn("cx_nn_ce_dense"), grid, 256, o, static_cast<const float*>(dense_.f()), gout_.f(), stats,
+                   u64(rows), u64(os[1]));
     }
-    dev_->download(st, stats_.get(), sizeof(st));
-    uint64_t bad;
-    std::memcpy(&bad, &st[3], sizeof(bad));
-    if (bad) {
-      int64_t label = 0;
-      dev_->download(&label, static_cast<const int64_t*>(labels_.get()) + (bad - 1), sizeof(label));
-      CX_THROW(InvalidArgument, "CrossEntropyLoss: label ", label, " at row ", bad - 1, " is out of range [0, ", os[1],
-               ")");
-    }
-    s.loss_sum = st[0];
-    s.correct = st[1];
-    return s;
+    return;
   }
   CX_CHECK(!labels, TypeMismatch, "DistributedTrainer: ", loss_->repr(),
            " needs float32 targets shaped like the model's output, got integer labels");
@@ -257,11 +245,24 @@ BatchStats GpuTrainer::run_loss(const nn::Shape& os, const int64_t* labels, cons
            ", got ", nn::shape_str(y_shape));
   const bool mse = dynamic_cast<nn::MSELoss*>(loss_.get()) != nullptr;
   dev_->launch(dev_->fn(mse ? "cx_nn_mse" : "cx_nn_bce"), gpu::Device::grid_for(numel), 256, o,
-               static_cast<const float*>(dense_.f()), gout_.f(), static_cast<double*>(stats_.get()), u64(numel));
-  dev_->download(st, stats_.get(), sizeof(st));
-  s.loss_sum = st[0] / static_cast<double>(numel) * static_cast<double>(rows);
-  s.correct = mse ? std::numeric_limits<double>::quiet_NaN()
-                  : st[1] / static_cast<double>(numel / rows ? numel / rows : 1);
+               static_cast<const float*>(dense_.f()), gout_.f(), stats, u64(numel));
+}
+
+BatchStats GpuTrainer::read_loss(const nn::Shape& os) {
+  double st[4] = {0, 0, 0, 0};
+  dev_->download(st, stats_.get(), sizeof(st));  // waits for the step
+  const size_t rows = os[0], numel = nn::numel(os);
+  BatchStats s;
+  s.count = static_cast<double>(rows);
+  if (dynamic_cast<nn::CrossEntropyLoss*>(loss_.get())) {
+    s.loss_sum = st[0];
+    s.correct = st[1];
+  } else {
+    // MSE and BCE average over elements: the batch's loss times its rows, as TrainerCore sums it.
+    s.loss_sum = st[0] / static_cast<double>(numel) * static_cast<double>(rows);
+    s.correct = dynamic_cast<nn::MSELoss*>(loss_.get()) ? std::numeric_limits<double>::quiet_NaN()
+                                                         : st[1] / static_cast<double>(numel / rows ? numel / rows : 1);
+  }
   return s;
 }
 
@@ -277,24 +278,34 @@ BatchStats GpuTrainer::train_batch(const float* x, const nn::Shape& x_shape, con
   dev_->make_current();
   upload_batch(x, x_shape, labels, dense, y_shape);
   last_out_ = gm_->forward(x_.f(), x_shape, true);
-  BatchStats s = run_loss(gm_->output_shape(), labels, dense, y_shape);
+  const nn::Shape os = gm_->output_shape();
+  launch_loss(os, labels, y_shape);
+  // Note [First step of a shape]: the first backward of a batch shape makes the
+  // driver load kernels (ours lazily, cuBLAS's for these sizes), which may wait
+  // for the whole context; with an NCCL kernel already waiting on peers that
+  // could stall. So for a new shape the buckets go out after backward has run.
+  const bool overlap = shapes_seen_.count(x_shape[0]) > 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     pending_[b] = buckets_[b].last_param - buckets_[b].first_param + 1;
     ready_[b] = 0;
   }
   next_bucket_ = 0;
-  gm_->backward(gout_.f(), [this](size_t p) {
+  gm_->backward(gout_.f(), [this, overlap](size_t p) {
     size_t b = bucket_of_[p];
     if (--pending_[b] == 0) ready_[b] = 1;
-    while (next_bucket_ < buckets_.size() && ready_[next_bucket_]) launch_bucket(next_bucket_++);
+    while (overlap && next_bucket_ < buckets_.size() && ready_[next_bucket_]) launch_bucket(next_bucket_++);
   });
-  while (next_bucket_ < buckets_.size()) launch_bucket(next_bucket_++);  // buckets of parameters with no gradient
+  if (!overlap) {
+    dev_->sync();
+    shapes_seen_.insert(x_shape[0]);
+  }
+  while (next_bucket_ < buckets_.size()) launch_bucket(next_bucket_++);
   std::vector<dist::ProcessGroup::WorkPtr> works;
   works.swap(in_flight_);
   for (auto& w : works) w->wait();  // each returns once NCCL's result is in the buffer
   optimizer_step();
   gm_->zero_grad();
-  return s;
+  return read_loss(os);
 }
 
 BatchStats GpuTrainer::eval_batch(const float* x, const nn::Shape& x_shape, const int64_t* labels, const float* dense,
@@ -302,7 +313,9 @@ BatchStats GpuTrainer::eval_batch(const float* x, const nn::Shape& x_shape, cons
   dev_->make_current();
   upload_batch(x, x_shape, labels, dense, y_shape);
   last_out_ = gm_->forward(x_.f(), x_shape, false);
-  return run_loss(gm_->output_shape(), labels, dense, y_shape);
+  const nn::Shape os = gm_->output_shape();
+  launch_loss(os, labels, y_shape);
+  return read_loss(os);
 }
 
 BatchStats GpuTrainer::reduce_stats(const BatchStats& s) {

@@ -7,7 +7,8 @@
 // final in backward its AVG all-reduce is queued on NCCL (the same buckets as
 // DistributedDataParallel, assign_buckets), so NCCL overlaps the rest of
 // backward; then the optimizer's update runs on the device over the flat
-// parameter buffer. The host waits once per step, to read the loss sums.
+// parameter buffer. The host waits for the NCCL results, and once at the end
+// of the step to read the loss sums.
 //
 // The optimizer's state (moments, step count) lives on the device while
 // training; to_host() writes it and the model's parameters back into the host
@@ -16,6 +17,7 @@
 #pragma once
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -56,7 +58,10 @@ class GpuTrainer {
   std::string describe() const;  // "cuda:0 (NVIDIA H100 80GB HBM3), GEMM: cuBLAS (...)"
 
  private:
-  BatchStats run_loss(const nn::Shape& out_shape, const int64_t* labels, const float* dense, const nn::Shape& y_shape);
+  // Queues the loss and its gradient (gout_) for the last forward's output;
+  // read_loss waits for the stream and returns the batch's sums.
+  void launch_loss(const nn::Shape& out_shape, const int64_t* labels, const nn::Shape& y_shape);
+  BatchStats read_loss(const nn::Shape& out_shape);
   void upload_batch(const float* x, const nn::Shape& x_shape, const int64_t* labels, const float* dense,
                     const nn::Shape& y_shape);
   void read_optimizer();
@@ -88,6 +93,7 @@ class GpuTrainer {
   size_t next_bucket_ = 0;
   std::vector<char> ready_;
   std::vector<dist::ProcessGroup::WorkPtr> in_flight_;
+  std::set<size_t> shapes_seen_;  // batch sizes that have run a step (Note [First step of a shape])
 };
 
 }  // namespace cx::train

@@ -291,8 +291,16 @@ class DistributedTrainer:
         self._in_fit = True
         try:
             self._fit_epochs(X, y, X_val, y_val, config, sampler, batches, history, out, world)
-        finally:
+        except BaseException:
+            # Keep the host objects as far as training got (a later evaluate or save reads them);
+            # a broken group may refuse, and the original error is the one to see.
             self._in_fit = False
+            try:
+                self._core.sync_to_host()
+            except Exception:
+                pass
+            raise
+        self._in_fit = False
         self._core.sync_to_host()
         return history
 
