@@ -548,16 +548,17 @@ void bind_dist(py::module_& m) {
       "For tests: the checked view a collective would see of `arr` under `backend` (raises what it would raise).");
   m.def(
       "_nccl_id_exchange_selftest",
-      [](const Config& cfg, int fail_rank) {
+      [](const Config& cfg, int fail_rank, int first_byte) {
         std::string id;
         {
           py::gil_scoped_release nogil;
-          id = nccl_id_exchange_selftest(cfg, fail_rank);
+          id = nccl_id_exchange_selftest(cfg, fail_rank, first_byte);
         }
         return py::bytes(id);
       },
-      py::arg("config"), py::arg("fail_rank") = -1,
-      "For tests: the NCCL unique-id exchange through a real store, with a random id instead of NCCL's.");
+      py::arg("config"), py::arg("fail_rank") = -1, py::arg("first_byte") = -1,
+      "For tests: the NCCL unique-id exchange through a real store, with a random id instead of NCCL's\n"
+      "(its first byte set to first_byte when that is 0..255).");
 }
 
 }  // namespace cx::bindings

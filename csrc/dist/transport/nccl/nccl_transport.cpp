@@ -13,7 +13,11 @@ using namespace cx::dist::cuda;
 using namespace cx::dist::nccl;
 
 namespace {
-const char kErrorMark = '\x01';  // a store value that carries an error, not an id
+// Store values start with a tag byte: the id is random bytes and may begin with
+// anything (NCCL's starts with a random magic), so it is never told apart from
+// an error by its own first byte.
+const char kErrorMark = '\x01';  // an error message follows
+const char kIdMark = 'I';         // the unique id follows
 }
 
 // ---- the unique id ------------------------------------------------------------------
@@ -30,7 +34,7 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
     err = std::current_exception();
     mine = e.what();
   }
-  if (rank == 0) store.set("nccl/id", mine.empty() ? id : kErrorMark + mine, dl);
+  if (rank == 0) store.set("nccl/id", mine.empty() ? kIdMark + id : kErrorMark + mine, dl);
   store.set("nccl/ready/" + std::to_string(rank), mine.empty() ? "" : kErrorMark + mine, dl);
   // Rank 0 hosts the store, so it stays until every rank has read what it
   // needs ("seen"), even when it is about to fail itself.
@@ -47,7 +51,10 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
     }
   }
   if (rank != 0 && !err && other.empty()) {
-    id = store.get("nccl/id", dl, "Timeout waiting for peers: rank 0 did not publish the NCCL unique id");
+    std::string v = store.get("nccl/id", dl, "Timeout waiting for peers: rank 0 did not publish the NCCL unique id");
+    if (!v.empty() && v[0] == kErrorMark) throw Error("rank 0 could not join the NCCL communicator: " + v.substr(1));
+    if (v.empty() || v[0] != kIdMark) CX_THROW(ConnectionError, "malformed NCCL unique id from the store");
+    id = v.substr(1);
   }
   if (rank != 0) store.set("nccl/seen/" + std::to_string(rank), "", dl);
   if (rank == 0) {
@@ -58,7 +65,6 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
   }
   if (err) std::rethrow_exception(err);
   if (!other.empty()) throw Error(other);
-  if (id.size() > 0 && id[0] == kErrorMark) throw Error("rank 0 could not join the NCCL communicator: " + id.substr(1));
   if (id.size() != kUniqueIdBytes) {
     CX_THROW(ConnectionError, "malformed NCCL unique id from the store (", id.size(), " bytes, expected ",
              kUniqueIdBytes, ")");
@@ -66,7 +72,7 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
   return id;
 }
 
-std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank) {
+std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int first_byte) {
   const Deadline dl = Deadline::after_ms(cfg.timeout_ms);
   std::unique_ptr<StoreServer> server;
   if (cfg.rank == 0) server = std::make_unique<StoreServer>(cfg.master_addr, cfg.master_port, cfg.world_size);
@@ -76,10 +82,11 @@ std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank) {
       [&] {
         if (cfg.rank == fail_rank) CX_THROW(InvalidArgument, "LOCAL_RANK=", cfg.local_rank, " has no GPU (test)");
       },
-      [] {
+      [first_byte] {
         std::random_device rd;
         std::string s(kUniqueIdBytes, '\0');
         for (auto& c : s) c = static_cast<char>(rd());
+        if (first_byte >= 0) s[0] = static_cast<char>(first_byte);
         return s;
       });
   return id;  // no store.done(): rank 0 may already be gone once every rank has seen the id

@@ -122,6 +122,6 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
 
 // For tests: runs exchange_nccl_id through a real store on cfg's address with
 // a random 128-byte id; `fail_rank` fails its local checks. Returns the id.
-std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank);
+std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int first_byte = -1);
 
 }  // namespace cx::dist
