@@ -8,6 +8,8 @@
 // so any grid covers any n.
 #include <cstdint>
 
+#include "nn/update_rules.h"
+
 #define CX_LOOP(i, n) \
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
        i += (unsigned long long)blockDim.x * gridDim.x)
@@ -335,47 +337,21 @@ extern "C" __global__ void cx_nn_bce(const float* x, const float* t, float* g, d
 }
 
 // ---------------------------------------------------------------- optimizers
-// The formulas of csrc/nn/kernels.cpp's scalar reference paths.
+// The rules of csrc/nn/update_rules.h, which the CPU's scalar paths use too.
 
 extern "C" __global__ void cx_nn_adam(float* p, const float* g, float* m, float* v, u64 n, float b1, float b2,
                                       float eps, float step_size, float inv_bc2_sqrt, float l2, float decay) {
-  CX_LOOP(i, n) {
-    float pi = p[i] * decay;
-    float gi = g[i] + l2 * p[i];
-    float mi = b1 * m[i] + (1.0f - b1) * gi;
-    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
-  }
+  CX_LOOP(i, n) cx::nn::rules::adam(p[i], g[i], m[i], v[i], b1, b2, eps, step_size, inv_bc2_sqrt, l2, decay);
 }
 
 extern "C" __global__ void cx_nn_sgd(float* p, const float* g, float* buf, u64 n, float lr, float mu, int nesterov,
                                      float l2) {
-  CX_LOOP(i, n) {
-    float d = g[i] + l2 * p[i];
-    if (buf) {
-      float b = mu * buf[i] + d;
-      buf[i] = b;
-      d = nesterov ? d + mu * b : b;
-    }
-    p[i] -= lr * d;
-  }
+  CX_LOOP(i, n) cx::nn::rules::sgd(p[i], g[i], buf ? buf + i : nullptr, lr, mu, nesterov != 0, l2);
 }
 
 extern "C" __global__ void cx_nn_rmsprop(float* p, const float* g, float* v, float* buf, u64 n, float lr, float a,
                                          float eps, float mu, float l2) {
-  CX_LOOP(i, n) {
-    float gi = g[i] + l2 * p[i];
-    float vi = a * v[i] + (1.0f - a) * gi * gi;
-    v[i] = vi;
-    float d = gi / (sqrtf(vi) + eps);
-    if (buf) {
-      buf[i] = mu * buf[i] + d;
-      d = buf[i];
-    }
-    p[i] -= lr * d;
-  }
+  CX_LOOP(i, n) cx::nn::rules::rmsprop(p[i], g[i], v[i], buf ? buf + i : nullptr, lr, a, eps, mu, l2);
 }
 
 extern "C" __global__ void cx_nn_fill(float* x, u64 n, float v) {

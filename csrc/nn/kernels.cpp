@@ -1,5 +1,7 @@
 #include "nn/kernels.h"
 
+#include "nn/update_rules.h"
+
 #include <immintrin.h>
 
 #include <cmath>
@@ -17,18 +19,11 @@ bool have_avx2() {
   return yes;
 }
 
-// Scalar reference: the formulas exactly as published.
+// Scalar reference: the formulas exactly as published (nn/update_rules.h, which
+// the GPU kernels use too).
 void adam_scalar(float* p, const float* g, float* m, float* v, size_t i, size_t n, float b1, float b2,
                  float eps, float step_size, float inv_bc2_sqrt, float l2, float decay) {
-  for (; i < n; ++i) {
-    float pi = p[i] * decay;
-    float gi = g[i] + l2 * p[i];
-    float mi = b1 * m[i] + (1.0f - b1) * gi;
-    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi - step_size * mi / (std::sqrt(vi) * inv_bc2_sqrt + eps);
-  }
+  for (; i < n; ++i) rules::adam(p[i], g[i], m[i], v[i], b1, b2, eps, step_size, inv_bc2_sqrt, l2, decay);
 }
 
 __attribute__((target("avx2,fma"))) size_t adam_avx2(float* p, const float* g, float* m, float* v, size_t n,
@@ -55,17 +50,7 @@ __attribute__((target("avx2,fma"))) size_t adam_avx2(float* p, const float* g, f
 
 void rmsprop_scalar(float* p, const float* g, float* v, float* buf, size_t i, size_t n, float lr, float a,
                     float eps, float mu, float l2) {
-  for (; i < n; ++i) {
-    float gi = g[i] + l2 * p[i];
-    float vi = a * v[i] + (1.0f - a) * gi * gi;
-    v[i] = vi;
-    float d = gi / (std::sqrt(vi) + eps);
-    if (buf) {
-      buf[i] = mu * buf[i] + d;
-      d = buf[i];
-    }
-    p[i] -= lr * d;
-  }
+  for (; i < n; ++i) rules::rmsprop(p[i], g[i], v[i], buf ? buf + i : nullptr, lr, a, eps, mu, l2);
 }
 
 __attribute__((target("avx2,fma"))) size_t rmsprop_avx2(float* p, const float* g, float* v, float* buf, size_t n,

@@ -137,16 +137,24 @@ std::string AdamOptimizer::repr() const {
      << ", weight_decay=" << weight_decay_ << ")";
   return os.str();
 }
-void AdamOptimizer::update(float* p, const float* g, size_t n) {
+AdamOptimizer::StepFactors AdamOptimizer::step_factors(int64_t step) const {
   // torch.optim.Adam: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
-  const double t = static_cast<double>(t_);
+  const double t = static_cast<double>(step);
   const double bc1 = 1.0 - std::pow(beta1_, t), bc2 = 1.0 - std::pow(beta2_, t);
-  const float step_size = static_cast<float>(lr_ / bc1);
-  const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float l2 = decoupled_ ? 0.0f : static_cast<float>(weight_decay_);
-  const float decay = decoupled_ ? static_cast<float>(1.0 - lr_ * weight_decay_) : 1.0f;
-  kernels::adam(p, g, m_.data(), v_.data(), n, static_cast<float>(beta1_), static_cast<float>(beta2_),
-                static_cast<float>(eps_), step_size, inv_bc2_sqrt, l2, decay);
+  StepFactors f;
+  f.beta1 = static_cast<float>(beta1_);
+  f.beta2 = static_cast<float>(beta2_);
+  f.eps = static_cast<float>(eps_);
+  f.step_size = static_cast<float>(lr_ / bc1);
+  f.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  f.l2 = decoupled_ ? 0.0f : static_cast<float>(weight_decay_);
+  f.decay = decoupled_ ? static_cast<float>(1.0 - lr_ * weight_decay_) : 1.0f;
+  return f;
+}
+
+void AdamOptimizer::update(float* p, const float* g, size_t n) {
+  const StepFactors f = step_factors(t_);
+  kernels::adam(p, g, m_.data(), v_.data(), n, f.beta1, f.beta2, f.eps, f.step_size, f.inv_bc2_sqrt, f.l2, f.decay);
 }
 std::vector<std::pair<std::string, std::vector<float>*>> AdamOptimizer::state_arrays() {
   return {{"exp_avg", &m_}, {"exp_avg_sq", &v_}};

@@ -87,6 +87,13 @@ class AdamOptimizer : public Optimizer {
   std::string type_name() const override { return decoupled_ ? "AdamW" : "Adam"; }
   std::string repr() const override;
 
+  // The per-step scalars of step t (1-based) at the current lr, as
+  // kernels::adam takes them (the GPU's update uses them too).
+  struct StepFactors {
+    float beta1, beta2, eps, step_size, inv_bc2_sqrt, l2, decay;
+  };
+  StepFactors step_factors(int64_t t) const;
+
  protected:
   void update(float* p, const float* g, size_t n) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;

@@ -97,10 +97,9 @@ void GpuTrainer::read_optimizer() {
     has_s1_ = load(s1_, "momentum_buffer", momentum_ != 0.0);
   } else if (sd.type == "Adam" || sd.type == "AdamW") {
     kind_ = sd.type == "Adam" ? Opt::kAdam : Opt::kAdamW;
-    beta1_ = scalar(sd, "beta1");
-    beta2_ = scalar(sd, "beta2");
-    eps_ = scalar(sd, "eps");
-    weight_decay_ = scalar(sd, "weight_decay");
+    // Hyper-parameters: AdamOptimizer::step_factors reads them at each step.
+    CX_CHECK(dynamic_cast<const nn::AdamOptimizer*>(opt_.get()), TypeMismatch, "DistributedTrainer: ", opt_->repr(),
+             " says it is ", sd.type, " but is not an AdamOptimizer");
     has_s1_ = load(s1_, "exp_avg", true);
     has_s2_ = load(s2_, "exp_avg_sq", true);
   } else if (sd.type == "RMSprop") {
@@ -133,16 +132,9 @@ void GpuTrainer::optimizer_step() {
     }
     case Opt::kAdam:
     case Opt::kAdamW: {
-      // The formulas of AdamOptimizer::update.
-      const bool decoupled = kind_ == Opt::kAdamW;
-      const double t = static_cast<double>(t_);
-      const double bc1 = 1.0 - std::pow(beta1_, t), bc2 = 1.0 - std::pow(beta2_, t);
-      const float step_size = static_cast<float>(lr / bc1);
-      const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-      const float l2 = decoupled ? 0.0f : static_cast<float>(weight_decay_);
-      const float decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay_) : 1.0f;
-      dev_->launch(dev_->fn("cx_nn_adam"), grid, 256, p, g, s1_.f(), s2_.f(), n, static_cast<float>(beta1_),
-                   static_cast<float>(beta2_), static_cast<float>(eps_), step_size, inv_bc2_sqrt, l2, decay);
+      const auto f = dynamic_cast<const nn::AdamOptimizer&>(*opt_).step_factors(t_);  // as AdamOptimizer::update
+      dev_->launch(dev_->fn("cx_nn_adam"), grid, 256, p, g, s1_.f(), s2_.f(), n, f.beta1, f.beta2, f.eps, f.step_size,
+                   f.inv_bc2_sqrt, f.l2, f.decay);
       break;
     }
     case Opt::kRmsprop: {

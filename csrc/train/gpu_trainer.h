@@ -81,7 +81,7 @@ class GpuTrainer {
   const float* last_out_ = nullptr;  // the last forward's output (GpuModel's)
   // Optimizer state on the device.
   enum class Opt { kSgd, kAdam, kAdamW, kRmsprop } kind_ = Opt::kSgd;
-  double momentum_ = 0, weight_decay_ = 0, beta1_ = 0, beta2_ = 0, eps_ = 0, alpha_ = 0;
+  double momentum_ = 0, weight_decay_ = 0, eps_ = 0, alpha_ = 0;  // SGD and RMSprop (Adam: step_factors)
   bool nesterov_ = false;
   int64_t t_ = 0;
   gpu::Buffer s1_, s2_;  // SGD/RMSprop momentum buffer; Adam exp_avg, exp_avg_sq; RMSprop square_avg in s1_
