@@ -354,10 +354,6 @@ extern "C" __global__ void cx_nn_rmsprop(float* p, const float* g, float* v, flo
   CX_LOOP(i, n) cx::nn::rules::rmsprop(p[i], g[i], v[i], buf ? buf + i : nullptr, lr, a, eps, mu, l2);
 }
 
-extern "C" __global__ void cx_nn_fill(float* x, u64 n, float v) {
-  CX_LOOP(i, n) x[i] = v;
-}
-
 // ---------------------------------------------------------------- GEMM fallback
 // Row-major C = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N; 32x32
 // tiles of C per block of 32x8 threads, 4 outputs per thread. Used where no

@@ -146,7 +146,7 @@ const char* const kKernels[] = {"cx_nn_bias_add", "cx_nn_col_sum_add", "cx_nn_ac
                                 "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul",
                                 "cx_nn_bn_fwd",     "cx_nn_bn_bwd",      "cx_nn_ce_labels",  "cx_nn_ce_dense",
                                 "cx_nn_mse",        "cx_nn_bce",         "cx_nn_adam",       "cx_nn_sgd",
-                                "cx_nn_rmsprop",    "cx_nn_fill",        "cx_nn_sgemm"};
+                                "cx_nn_rmsprop",    "cx_nn_sgemm"};
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none
