@@ -443,3 +443,31 @@ def test_dropout_draws_are_the_counter_the_gpu_kernel_computes():
     expect = np.where(u >= np.float32(0.3), np.float32(1.0) / np.float32(0.7), np.float32(0.0))
     np.testing.assert_array_equal(y.ravel(), expect)
     assert np.uint64(m.get_rng_state()[0]) == after
+
+
+BAD_LABELS = """
+import numpy as np, pycyxwiz as cx
+cx.distributed.init()
+m = cx.SequentialModel(); m.add(cx.LinearModule(4, 3))
+t = cx.distributed.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
+c = cx.distributed.DistributedTrainingConfig(); c.epochs, c.batch_size, c.shuffle, c.verbose = 1, 8, False, False
+y = np.zeros(8, np.int64); y[2], y[5] = 3, -1
+try:
+    t.fit(np.ones((8, 4), np.float32), y, c)
+except ValueError as e:
+    print("ERR", e)
+"""
+
+
+@gpu
+@needs_gpu_nccl
+def test_a_bad_label_reads_the_same_on_the_gpu_as_on_the_cpu():
+    out = {}
+    for backend in ("cpu", "nccl"):
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND=backend)
+        r = subprocess.run([sys.executable, "-c", BAD_LABELS], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out[backend] = r.stdout.strip()
+    assert "label 3 at row 2 is out of range [0, 3)" in out["cpu"]
+    assert out["nccl"] == out["cpu"]

@@ -314,3 +314,33 @@ def test_train_digits_example_on_two_ranks_reports_held_out_accuracy(tmp_path):
 def test_quickstart_runs_as_a_plain_script(tmp_path):
     (out,) = run_script(["quickstart.py"], 1, tmp_path)
     assert "Epoch 10/10" in out and (tmp_path / "model.cyxmodel").exists()
+
+
+# ---- the trainer's own host collectives (RNG gather, checkpoint broadcast) --------------------
+
+def host_collectives_body():
+    r, w = D.get_rank(), D.get_world_size()
+    core = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))._core
+    mine = np.array([r * 10 + 1, r * 10 + 2], np.uint64)
+    rows = np.zeros((w, 2), np.uint64)
+    core.all_gather_host(rows, mine)
+    buf = np.arange(5, dtype=np.int64) * (7 if r == 1 else 0)
+    core.broadcast_host(buf, 1)
+    errors = []
+    for call in (lambda: core.all_gather_host(np.zeros((w + 1, 2), np.uint64), mine),
+                 lambda: core.all_gather_host(np.zeros((2, w), np.uint64).T, mine),
+                 lambda: core.broadcast_host(np.arange(6)[::2], 0)):
+        try:
+            call()
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return rows.tolist(), buf.tolist(), errors
+
+
+def test_trainer_host_collectives_gather_broadcast_and_check_their_arrays():
+    for rows, buf, errors in ranks.run(host_collectives_body, 2):
+        assert rows == [[1, 2], [11, 12]]
+        assert buf == [0, 7, 14, 21, 28]
+        assert "world_size times" in errors[0]
+        assert "C-contiguous" in errors[1] and "C-contiguous" in errors[2]

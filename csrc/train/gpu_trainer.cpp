@@ -12,7 +12,6 @@ namespace cx::train {
 namespace {
 
 using u64 = unsigned long long;
-constexpr double kMiB = 1024.0 * 1024.0;
 
 double scalar(const nn::StateDict& sd, const char* k) {
   auto it = sd.scalars.find(k);
@@ -24,7 +23,7 @@ double scalar(const nn::StateDict& sd, const char* k) {
 
 GpuTrainer::GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
                        std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group,
-                       const DDPConfig& cfg)
+                       const DDPConfig& cfg, const DistributedDataParallel& host_ddp)
     : model_(std::move(model)), loss_(std::move(loss)), opt_(std::move(opt)), group_(std::move(group)) {
   const nn::Loss* l = loss_.get();
   CX_CHECK(dynamic_cast<const nn::CrossEntropyLoss*>(l) || dynamic_cast<const nn::MSELoss*>(l) ||
@@ -35,15 +34,11 @@ GpuTrainer::GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_p
   read_optimizer();
   stats_.reserve(4 * sizeof(double));
 
-  std::vector<size_t> counts;
-  for (auto [off, n] : gm_->slices()) counts.push_back(n);
-  CX_CHECK(cfg.bucket_size_mb > 0 && cfg.first_bucket_mb > 0, InvalidArgument,
-           "DistributedDataParallel: DDPConfig.bucket_size_mb and first_bucket_mb must be > 0");
-  size_t cap = static_cast<size_t>(cfg.bucket_size_mb * kMiB);
-  buckets_ = assign_buckets(counts, sizeof(float), std::min(cap, static_cast<size_t>(cfg.first_bucket_mb * kMiB)), cap);
-  bucket_of_.assign(counts.size(), 0);
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    for (size_t p = buckets_[b].first_param; p <= buckets_[b].last_param && p < counts.size(); ++p) bucket_of_[p] = b;
+  // The host DDP's buckets (made from the same config and layout), so both
+  // backends cut the gradients the same way.
+  buckets_ = host_ddp.buckets();
+  bucket_of_.resize(gm_->slices().size());
+  for (size_t p = 0; p < bucket_of_.size(); ++p) bucket_of_[p] = host_ddp.bucket_of(p);
   pending_.assign(buckets_.size(), 0);
   ready_.assign(buckets_.size(), 0);
 

@@ -36,7 +36,8 @@ struct BatchStats;
 class GpuTrainer {
  public:
   GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
-             std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group, const DDPConfig& cfg);
+             std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group, const DDPConfig& cfg,
+             const DistributedDataParallel& host_ddp);
   ~GpuTrainer();
 
   // x: host rows (x_shape); labels (n) or dense targets (y_shape), whichever
@@ -87,7 +88,7 @@ class GpuTrainer {
   gpu::Buffer s1_, s2_;  // SGD/RMSprop momentum buffer; Adam exp_avg, exp_avg_sq; RMSprop square_avg in s1_
   bool has_s1_ = false, has_s2_ = false;
 
-  // Buckets (as DistributedDataParallel's).
+  // Buckets: host_ddp's, copied.
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_, pending_;
   size_t next_bucket_ = 0;

@@ -24,7 +24,7 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     DDPConfig host_cfg = cfg;
     host_cfg.broadcast_parameters = false;
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
-    gpu_ = std::make_unique<GpuTrainer>(model_, loss_, opt_, group_, cfg);
+    gpu_ = std::make_unique<GpuTrainer>(model_, loss_, opt_, group_, cfg, *ddp_);
   } else {
     ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
   }
