@@ -15,8 +15,10 @@ busbw follows nccl-tests (algbw = size / time, size as defined there):
     all_gather      busbw = algbw * (n-1)/n      size = the gathered output
     reduce_scatter  busbw = algbw * (n-1)/n      size = the input
     broadcast       busbw = algbw
-For a ring this is what each rank puts on the wire per second, so it is directly comparable
-with loopback TCP's two-way figure (benchmarks.loopback). Sizes below 64 KiB are shown as
+For a ring this is what each rank puts on the wire per second (and takes off it), so from 64 MiB
+up it is compared with the TCP ceiling at that world size (benchmarks.loopback.tcp_ceiling:
+loopback TCP both ways on data in memory, the cores shared out among the ranks); column
+"cx/ceiling". Sizes below 64 KiB are shown as
 latency (us per call). Ratios are pycyxwiz's speed over the other's (busbw ratio = inverse
 time ratio): above 1 means pycyxwiz is faster.
 
@@ -34,12 +36,14 @@ if __package__ in (None, ""):  # `python benchmarks/allreduce.py` works too
 
 from benchmarks._collective_worker import OPS
 from benchmarks._launch import LIBRARIES, RESULTS, run_ranks
+from benchmarks.loopback import tcp_ceiling
 from benchmarks._report import (LIB_LABEL, LIB_STYLE, fmt_gbps, fmt_ratio, fmt_time_us, format_table,
                                 human_size, median, parse_size, plt, write_json)
 
 DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [8, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
 LATENCY_BELOW = 64 << 10
+CEILING_FROM = 64 << 20  # from here on data streams from memory, the TCP ceiling applies
 SHORT_NAME = {"all_reduce": "allreduce", "broadcast": "broadcast", "all_gather": "allgather",
               "reduce_scatter": "reducescatter", "barrier": "barrier", "pingpong": "pingpong"}
 
@@ -139,17 +143,18 @@ def _cell(col: dict | None, nominal: int):
 def tables(payload: dict, markdown: bool = False) -> str:
     """One table per world size: a column per library, then pycyxwiz's ratios."""
     op, libs = payload["op"], payload["libs"]
-    two_way = (payload.get("loopback") or {}).get("two_way_each_GBps")
+    lb = payload.get("loopback") or {}
     out = []
     for world in payload["worlds"]:
         cols = {c["lib"]: c for c in payload["columns"] if c["world"] == world}
         others = [lib for lib in libs if lib != "pycyxwiz"]
         has_cx = "pycyxwiz" in libs
+        ceiling = tcp_ceiling(lb, world) if op not in ("barrier", "pingpong") else None
         headers = ["size"] + [lib for lib in libs]
         if has_cx:
             headers += [f"cx/{lib}" for lib in others]
-            if two_way and op not in ("barrier", "pingpong"):
-                headers.append("cx/tcp-2way")
+            if ceiling:
+                headers.append("cx/ceiling")
         rows = []
         for nominal in payload["sizes"]:
             row = [human_size(nominal)]
@@ -168,9 +173,9 @@ def tables(payload: dict, markdown: bool = False) -> str:
                     o = cells[lib]
                     ratio = o["median_s"] / cx["median_s"] if cx and o and cx["median_s"] > 0 else None
                     row.append(fmt_ratio(ratio))
-                if two_way and op not in ("barrier", "pingpong"):
-                    frac = cx["busbw_GBps"] / two_way if cx and cx["busbw_GBps"] and not small else None
-                    row.append("" if frac is None else f"{100 * frac:.0f}%")
+                if ceiling:
+                    big = nominal >= CEILING_FROM and cx and cx["busbw_GBps"]
+                    row.append(f"{100 * cx['busbw_GBps'] / ceiling:.0f}%" if big else "")
             rows.append(row)
         title = (f"{op}, world {world}: busbw GB/s (sizes >= {human_size(LATENCY_BELOW)}), "
                  f"time per call (smaller sizes); cx/X = pycyxwiz speed / X speed")
@@ -182,10 +187,13 @@ def tables(payload: dict, markdown: bool = False) -> str:
         notes += [f"{lib}: warning ({c['warning']})" for lib, c in cols.items() if c.get("warning")]
         if notes:
             out.append("\n".join(("- " if markdown else "  ") + n for n in notes))
-    if two_way:
-        lb = payload["loopback"]
-        out.append(f"loopback TCP limit: {lb['one_way_GBps']:.2f} GB/s one way, "
-                   f"{two_way:.2f} GB/s each way with both directions busy (cx/tcp-2way = pycyxwiz busbw / that)")
+    ceilings = {w: tcp_ceiling(lb, w) for w in payload["worlds"]}
+    if op not in ("barrier", "pingpong") and all(ceilings.values()):
+        out.append("cx/ceiling = pycyxwiz busbw / the TCP ceiling for a large message at that world size: "
+                   + ", ".join(f"{c:.2f} GB/s on {w} ranks" for w, c in ceilings.items())
+                   + f" (loopback TCP both ways on data in memory, {lb['two_way_cold_each_GBps']:.2f} GB/s, "
+                   f"times min(1, {lb['cores']} cores / ranks); benchmarks/loopback.py). Above 100% means part "
+                   "of the data was still in cache.")
     return "\n\n".join(out)
 
 
@@ -204,9 +212,9 @@ def plot(payload: dict, path) -> str | None:
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, label=LIB_LABEL.get(col["lib"], col["lib"]), ms=4, **LIB_STYLE.get(col["lib"], {}))
-        if lb.get("two_way_each_GBps"):
-            ax.axhline(lb["two_way_each_GBps"], color="gray", ls=":", lw=1, label="loopback TCP, both ways")
-            ax.axhline(lb["one_way_GBps"], color="gray", ls="-.", lw=1, label="loopback TCP, one way")
+        ceiling = tcp_ceiling(lb, world) if payload["op"] not in ("barrier", "pingpong") else None
+        if ceiling:
+            ax.axhline(ceiling, color="gray", ls=":", lw=1, label="TCP ceiling (large messages)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{payload['op']} float32, {world} ranks")

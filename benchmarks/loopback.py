@@ -1,26 +1,34 @@
 """The ceiling: what plain loopback TCP carries between two processes on this machine.
 
-    python -m benchmarks.loopback            # prints one-way and two-way GB/s, writes results/loopback.json
+    python -m benchmarks.loopback            # prints the figures below, writes results/loopback.json
 
-A ring all-reduce on 2 ranks sends and receives at once on every rank, so it cannot beat the
-two-way figure (bytes per second each way while both directions run). busbw of a ring
-all-reduce equals what each rank sends per second, so "pycyxwiz busbw / two-way" is the
-fraction of the wire the library achieves.
+Every figure is bytes per second in one direction (GB/s = 1e9 B/s), between two real processes,
+1 MiB send/recv calls, measured by loopback.c (compiled on first use; Python sockets, the code
+below, where no C compiler is found), with the kernel's default socket buffers and with 4 MiB
+ones; each figure is the better of the two:
+  one-way        A sends, B receives, one connection
+  two-way (hot)  A and B each send and receive at once, one connection per direction, like a
+                 ring's left and right neighbours; the better of two programs: a sender thread and
+                 a receiver thread per process (blocking sockets), and one thread per process
+                 driving both non-blocking sockets (how a collective library does it). The calls
+                 reuse one 1 MiB buffer, so the data stays in cache.
+  two-way (cold) the same, the calls walking through 64 MiB buffers, so every byte comes from and
+                 goes to memory, as in a large all-reduce
+  rtt            8-byte ping-pong, blocking sockets, TCP_NODELAY
 
-Two real processes, plain blocking sockets, 1 MiB send/recv calls, measured by loopback.c
-(compiled on first use; Python sockets, the code below, where no C compiler is found), with the
-kernel's default socket buffers and with 4 MiB ones; the better is the limit:
-  one-way   A sends, B receives, one connection
-  two-way   A and B each send and receive at once (a sender thread and a receiver thread in
-            each process; socket calls release the GIL), one connection per direction, like a
-            ring's left and right neighbours
-  rtt       8-byte ping-pong, blocking sockets, TCP_NODELAY: the floor for a barrier or a
-            0-byte all-reduce on 2 ranks (Python adds a few us per call to both sides)
+The TCP ceiling for all_reduce (`tcp_ceiling`). busbw of an all_reduce (nccl-tests convention)
+is what each rank sends per second, and every rank receives as much: the two-way test's work
+per rank. Loopback TCP is CPU-bound (the kernel copies each byte into and out of a socket
+buffer), so with more ranks than cores the cores are shared:
+    ceiling(world) = two-way (cold) * min(1, cores / world)
+The cold figure is the one that holds for large messages (64 MiB and up); smaller messages fit
+in cache and in the socket buffers, and a library can beat a streaming figure there.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -220,38 +228,74 @@ def _c_binary() -> str | None:
     return str(exe)
 
 
-def _c_run(exe: str, mode: str, n: int, buf: int) -> float:
-    out = subprocess.run([exe, mode, str(n), str(buf)], capture_output=True, text=True, timeout=120, check=True)
+def _c_run(exe: str, mode: str, n: int, buf: int, span: int = CHUNK) -> float:
+    out = subprocess.run([exe, mode, str(n), str(buf), str(span)], capture_output=True, text=True, timeout=120,
+                         check=True)
     return float(out.stdout.strip())
 
 
+COLD_SPAN = 64 << 20
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def tcp_ceiling(lb: dict | None, world: int) -> float | None:
+    """busbw (GB/s) no TCP all_reduce of a large message can beat at this world size here, or None."""
+    cold = (lb or {}).get("two_way_cold_each_GBps")
+    if not cold:
+        return None
+    return cold * min(1.0, (lb.get("cores") or cores()) / world)
+
+
 def measure(total_bytes: int = 2 << 30, repeats: int = 3, use_c: bool = True) -> dict:
-    """Median over `repeats` of one-way and two-way throughput (GB/s per direction) for each
-    socket buffer size in BUFFERS, the better buffer size as the limit, and the 8-byte RTT.
-    Uses the C program (loopback.c) when a compiler is found, Python sockets otherwise."""
+    """Median over `repeats` of each figure (GB/s per direction) for each socket buffer size in
+    BUFFERS, the better buffer size as the limit, and the 8-byte RTT. Uses the C program
+    (loopback.c) when a compiler is found, Python sockets otherwise (hot figures only)."""
     global _sockbuf
     exe = _c_binary() if use_c else None
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2], xs
+
     by_buf = {}
     for buf in BUFFERS:
         _sockbuf = buf
+        v = {}
         if exe:
-            one = sorted(_c_run(exe, "one", total_bytes, buf) for _ in range(repeats))
-            two = sorted(_c_run(exe, "two", total_bytes, buf) for _ in range(repeats))
+            for key, mode, span in (("one_way", "one", CHUNK), ("two_way_threads", "two", CHUNK),
+                                    ("two_way_one_thread", "duplex", CHUNK),
+                                    ("two_way_cold_threads", "two", COLD_SPAN),
+                                    ("two_way_cold_one_thread", "duplex", COLD_SPAN)):
+                v[key + "_GBps"], v[key + "_all"] = med(_c_run(exe, mode, total_bytes, buf, span)
+                                                        for _ in range(repeats))
         else:
-            one = sorted(measure_once("one", total_bytes) for _ in range(repeats))
-            two = sorted(measure_once("two", total_bytes) for _ in range(repeats))
-        by_buf["default" if buf == 0 else f"{buf >> 20}MiB"] = {
-            "one_way_GBps": one[len(one) // 2], "two_way_each_GBps": two[len(two) // 2],
-            "one_way_all": one, "two_way_all": two}
+            v["one_way_GBps"], v["one_way_all"] = med(measure_once("one", total_bytes) for _ in range(repeats))
+            v["two_way_threads_GBps"], v["two_way_threads_all"] = med(measure_once("two", total_bytes)
+                                                                      for _ in range(repeats))
+        by_buf["default" if buf == 0 else f"{buf >> 20}MiB"] = v
     _sockbuf = 0
+
+    def best(*keys):
+        vals = [v[k] for v in by_buf.values() for k in keys if v.get(k)]
+        return max(vals) if vals else None
+
     return {
         "method": "C (loopback.c)" if exe else "Python sockets",
-        "one_way_GBps": max(v["one_way_GBps"] for v in by_buf.values()),
-        "two_way_each_GBps": max(v["two_way_each_GBps"] for v in by_buf.values()),
+        "one_way_GBps": best("one_way_GBps"),
+        "two_way_each_GBps": best("two_way_threads_GBps", "two_way_one_thread_GBps"),
+        "two_way_cold_each_GBps": best("two_way_cold_threads_GBps", "two_way_cold_one_thread_GBps"),
+        "cores": cores(),
         "rtt_8B_us": _c_run(exe, "rtt", 5000, 0) if exe else measure_rtt(),
         "by_socket_buffer": by_buf,
         "bytes_per_run": total_bytes,
         "chunk": CHUNK,
+        "cold_span": COLD_SPAN,
     }
 
 
@@ -272,11 +316,18 @@ def main(argv=None) -> int:
         return 0
     res = measure(a.bytes, a.repeats, use_c=not a.python)
     print(f"method: {res['method']}")
-    print(f"loopback TCP, one stream one way:        {res['one_way_GBps']:.2f} GB/s")
-    print(f"loopback TCP, both directions at once:   {res['two_way_each_GBps']:.2f} GB/s each way")
+    print(f"loopback TCP, one stream one way:              {res['one_way_GBps']:.2f} GB/s")
+    print(f"loopback TCP, both directions at once (hot):   {res['two_way_each_GBps']:.2f} GB/s each way")
+    if res.get("two_way_cold_each_GBps"):
+        print(f"loopback TCP, both directions at once (cold):  {res['two_way_cold_each_GBps']:.2f} GB/s each way")
     for name, v in res["by_socket_buffer"].items():
-        print(f"  socket buffers {name:>7}: {v['one_way_GBps']:.2f} one way, {v['two_way_each_GBps']:.2f} each way")
-    print(f"loopback TCP, 8-byte round trip:         {res['rtt_8B_us']:.1f} us (blocking sockets)")
+        print(f"  socket buffers {name:>7}: " + ", ".join(f"{k[:-5]} {x:.2f}" for k, x in v.items()
+                                                          if k.endswith("_GBps")))
+    print(f"loopback TCP, 8-byte round trip:               {res['rtt_8B_us']:.1f} us (blocking sockets)")
+    for world in (2, 4):
+        c = tcp_ceiling(res, world)
+        if c:
+            print(f"TCP ceiling for a large all_reduce on {world} ranks ({res['cores']} cores): {c:.2f} GB/s busbw")
     if not a.no_save:
         from benchmarks._report import write_json
 
