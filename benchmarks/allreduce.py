@@ -213,8 +213,10 @@ def plot(payload: dict, path) -> str | None:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, label=LIB_LABEL.get(col["lib"], col["lib"]), ms=4, **LIB_STYLE.get(col["lib"], {}))
         ceiling = tcp_ceiling(lb, world) if payload["op"] not in ("barrier", "pingpong") else None
-        if ceiling:
-            ax.axhline(ceiling, color="gray", ls=":", lw=1, label="TCP ceiling (large messages)")
+        top = max(payload["sizes"])
+        if ceiling and top >= CEILING_FROM:
+            ax.hlines(ceiling, CEILING_FROM / 2, top * 2, color="gray", ls=":", lw=1.5,
+                      label="TCP ceiling (64 MiB and up)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{payload['op']} float32, {world} ranks")
