@@ -15,6 +15,14 @@ D = cx.distributed
 SMALL_SIZES = [0, 1, 2, 3, 7, 100, 1000, 10000]
 
 
+@pytest.fixture(autouse=True, params=["shm", "tcp"])
+def transport(request, monkeypatch):
+    """Every test here runs twice: ranks on one host through shared memory (the default),
+    and with CX_SHM=0 over their TCP connections. Spawned ranks inherit the variable."""
+    monkeypatch.setenv("CX_SHM", "1" if request.param == "shm" else "0")
+    return request.param
+
+
 # ---- per-rank bodies ------------------------------------------------------------
 
 def all_reduce_matrix(sizes):

@@ -18,6 +18,15 @@ def names(outcome):
     return outcome.exc_bases
 
 
+@pytest.fixture(autouse=True, params=["shm", "tcp"])
+def transport(request, monkeypatch):
+    """Every error path here is provoked twice: with ranks talking through shared memory (the
+    default on one host) and with CX_SHM=0 over TCP. A dead peer, an abort or a timeout must
+    read the same either way."""
+    monkeypatch.setenv("CX_SHM", "1" if request.param == "shm" else "0")
+    return request.param
+
+
 # ---- a peer dies ------------------------------------------------------------------------
 
 def die_mid_collective():
@@ -236,11 +245,13 @@ def test_init_twice_is_refused(monkeypatch):
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_CHUNK_BYTES": "1M"}, "CX_CHUNK_BYTES='1M'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_HD_MAX_BYTES": "-5"}, "CX_HD_MAX_BYTES='-5'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SPIN_US": "fast"}, "CX_SPIN_US='fast'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM": "yes"}, "CX_SHM='yes' is not valid: expected 0 (TCP only) or 1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM_RING_BYTES": "100"}, "CX_SHM_RING_BYTES='100'"),
 ])
 def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
               "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
-              "CX_HD_MAX_BYTES", "CX_SPIN_US"]:
+              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -98,6 +98,10 @@ Config Config::from_environment() {
     c.halving_doubling_max_bytes = parse_int("CX_HD_MAX_BYTES", v, -1, 1LL << 40, "bytes (or -1 for automatic)");
   }
   if (const char* v = env("CX_SPIN_US")) c.spin_us = static_cast<int>(parse_int("CX_SPIN_US", v, 0, 1000000, "microseconds"));
+  if (const char* v = env("CX_SHM")) c.shm = parse_int("CX_SHM", v, 0, 1, "0 (TCP only) or 1 (shared memory between ranks on one host)") == 1;
+  if (const char* v = env("CX_SHM_RING_BYTES")) {
+    c.shm_ring_bytes = parse_int("CX_SHM_RING_BYTES", v, 4096, 1LL << 30, "bytes (4096 .. 2^30)");
+  }
   return c;
 }
 

@@ -169,6 +169,8 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   const uint64_t nonce = id.nonce;
   TcpOptions topt;
   topt.spin_us = default_spin_us(cfg_);
+  topt.shm = cfg_.shm;
+  topt.shm_ring_bytes = static_cast<size_t>(cfg_.shm_ring_bytes) / 64 * 64;
   transport_ = std::make_unique<TcpTransport>(*store_, cfg_.rank, cfg_.world_size, nonce, dl, topt);
   OpDesc init;
   init.kind = CollectiveKind::kInit;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -124,6 +125,7 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
     peers_[j].addr = "rank " + std::to_string(j);
     --expected;
   }
+  setup_shm(nonce, dl);
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;
     tcp::set_nonblocking(peers_[j].fd.get(), true);
@@ -135,6 +137,181 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
 }
 
 TcpTransport::~TcpTransport() = default;
+
+// Note [Same-host pairs]
+// Two ranks on one host move data through shared memory instead of their TCP
+// connection: each rank makes a segment (shm.h) holding a receive ring per peer,
+// and at init every pair tells each other, over the connection just made, its
+// host key and segment name. A pair uses the rings only if both sides mapped
+// the other's segment (same host, same /dev/shm, same ring size, CX_SHM not 0
+// on either); otherwise it keeps TCP, so a mixed group still works. The
+// connection stays open: ABORT frames still travel on it, and its end-of-stream
+// is how a dead peer is noticed (a ring cannot tell). Frames in a ring are the
+// same as on a socket (header, then payload), checked the same way, so
+// mismatched collectives read the same. Once every peer answered, the segment's
+// file is unlinked: the mappings live on, and a crash leaves nothing in /dev/shm.
+void TcpTransport::setup_shm(uint64_t nonce, const Deadline& dl) {
+  const std::string key = shm::host_key();
+  std::string name;
+  if (opt_.shm) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "cx-%016llx-%d", static_cast<unsigned long long>(nonce), rank_);
+    try {
+      seg_ = shm::Segment::create(buf, world_, opt_.shm_ring_bytes);
+      name = buf;
+    } catch (const Error&) {
+      // No usable /dev/shm: this rank stays on TCP with everyone.
+    }
+  }
+  const std::string mine = key + "\n" + name;
+  const uint32_t mine_len = static_cast<uint32_t>(mine.size());
+  auto what = [&](int j) { return detail::concat("rank ", j, " (", peers_[j].addr, ")"); };
+  // Everything here is a few hundred bytes per peer: it fits the socket buffers,
+  // so sending to all before receiving from any cannot deadlock.
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    tcp::send_exact(peers_[j].fd.get(), &mine_len, sizeof(mine_len), dl, what(j));
+    tcp::send_exact(peers_[j].fd.get(), mine.data(), mine.size(), dl, what(j));
+  }
+  peer_seg_.resize(static_cast<size_t>(world_));
+  std::vector<char> mapped(static_cast<size_t>(world_), 0);
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    uint32_t n = 0;
+    tcp::recv_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
+    if (n > 4096) CX_THROW(ConnectionError, "rank ", rank_, ": garbled setup message from ", what(j));
+    std::string theirs(n, '\0');
+    tcp::recv_exact(peers_[j].fd.get(), theirs.data(), n, dl, what(j));
+    const auto nl = theirs.find('\n');
+    const std::string their_key = theirs.substr(0, nl);
+    const std::string their_name = nl == std::string::npos ? "" : theirs.substr(nl + 1);
+    if (seg_.ok() && !their_name.empty() && their_key == key) {
+      peer_seg_[j] = shm::Segment::open(their_name, world_, opt_.shm_ring_bytes);
+      mapped[j] = peer_seg_[j].ok() ? 1 : 0;
+    }
+  }
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    tcp::send_exact(peers_[j].fd.get(), &mapped[j], 1, dl, what(j));
+  }
+  int used = 0;
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    char theirs = 0;
+    tcp::recv_exact(peers_[j].fd.get(), &theirs, 1, dl, what(j));
+    Peer& p = peers_[j];
+    if (mapped[j] && theirs) {
+      p.shm = true;
+      p.in = seg_.ring(j);
+      p.out = peer_seg_[j].ring(rank_);
+      p.bell = peer_seg_[j].bell();
+      ++used;
+    } else {
+      peer_seg_[j] = shm::Segment();
+    }
+  }
+  seg_.unlink();  // every peer that writes into it has mapped it by now
+  if (used == 0) seg_ = shm::Segment();
+}
+
+int TcpTransport::shm_peers() const {
+  int n = 0;
+  for (const Peer& p : peers_) n += p.shm ? 1 : 0;
+  return n;
+}
+
+bool TcpTransport::progress_send_shm(int peer) {
+  Peer& p = peers_[peer];
+  bool moved = false;
+  while (!p.sends.empty()) {
+    SendOp& s = p.sends.front();
+    if (s.done < kHeaderBytes) {
+      size_t n = shm::write(p.out, s.hdr + s.done, kHeaderBytes - s.done);
+      if (n == 0) break;
+      s.done += n;
+      moved = true;
+      if (s.done < kHeaderBytes) break;
+    }
+    const size_t sent = s.done - kHeaderBytes;
+    if (sent < s.len) {
+      size_t n = shm::write(p.out, s.buf + sent, s.len - sent);
+      if (n == 0) break;
+      s.done += n;
+      moved = true;
+    }
+    if (s.done == kHeaderBytes + s.len) {
+      done_[static_cast<size_t>(s.id)] = 1;
+      --pending_;
+      p.sends.pop_front();
+    } else {
+      break;  // ring full
+    }
+  }
+  if (moved) shm::ring_bell(p.bell);
+  return moved;
+}
+
+bool TcpTransport::progress_recv_shm(int peer) {
+  Peer& p = peers_[peer];
+  bool moved = false;
+  while (!p.recvs.empty()) {
+    RecvOp& r = p.recvs.front();
+    if (!p.in_payload) {
+      size_t n = shm::read(p.in, p.rhdr + p.rhdr_got, kHeaderBytes - p.rhdr_got);
+      if (n == 0) break;
+      moved = true;
+      p.rhdr_got += n;
+      if (p.rhdr_got < kHeaderBytes) break;
+      p.rhdr_got = 0;
+      check_header(peer, nullptr, 0);
+      p.in_payload = true;
+      r.done = 0;
+    }
+    if (r.done < r.len) {
+      size_t n = shm::read(p.in, r.buf + r.done, r.len - r.done);
+      if (n == 0) break;
+      moved = true;
+      r.done += n;
+    }
+    if (r.done == r.len) {
+      p.in_payload = false;
+      done_[static_cast<size_t>(r.id)] = 1;
+      --pending_;
+      p.recvs.pop_front();
+    } else {
+      break;  // ring empty
+    }
+  }
+  if (moved) shm::ring_bell(p.bell);  // the writer may be waiting for room
+  return moved;
+}
+
+void TcpTransport::shm_peer_event(int peer) {
+  Peer& p = peers_[peer];
+  char h[kHeaderBytes];
+  bool framed = false;
+  try {
+    tcp::recv_exact(p.fd.get(), h, kHeaderBytes, Deadline::after_ms(1000), "peer");
+    framed = get<uint32_t>(h, 0) == kFrameMagic && static_cast<uint8_t>(h[4]) == kAbort;
+  } catch (const Error&) {
+  }
+  if (framed) {
+    // The peer failed and says why (TcpTransport::abort); raise its error here too.
+    const uint64_t len = get<uint64_t>(h, 32);
+    std::string msg = "rank " + std::to_string(peer) + " aborted the group";
+    if (len <= kMaxAbortMessage) {
+      std::string m(len, '\0');
+      try {
+        tcp::recv_exact(p.fd.get(), m.data(), len, Deadline::after_ms(1000), "an aborting peer");
+        msg = std::move(m);
+      } catch (const Error&) {
+      }
+    }
+    rethrow_as(static_cast<ErrorKind>(get<uint32_t>(h, 12)), msg);
+  }
+  errno = 0;
+  peer_closed(peer, "exchanging data with");
+}
 
 void TcpTransport::begin(const OpDesc& desc, const Deadline& dl) {
   if (aborted_) CX_THROW(Error, "transport used after abort");
@@ -165,7 +342,11 @@ Transport::Req TcpTransport::isend(int peer, const void* buf, size_t bytes) {
   fill_header(op.hdr, kData, bytes, 0);
   peers_[peer].sends.push_back(op);
   // Start writing at once: small messages usually leave in this one call.
-  progress_send(peer);
+  if (peers_[peer].shm) {
+    progress_send_shm(peer);
+  } else {
+    progress_send(peer);
+  }
   return id;
 }
 
@@ -298,8 +479,13 @@ bool TcpTransport::progress() {
   for (int j = 0; j < world_; ++j) {
     if (j == rank_) continue;
     Peer& p = peers_[j];
-    if (!p.sends.empty()) moved |= progress_send(j);
-    if (!p.recvs.empty()) moved |= progress_recv(j);
+    if (p.shm) {
+      if (!p.sends.empty()) moved |= progress_send_shm(j);
+      if (!p.recvs.empty()) moved |= progress_recv_shm(j);
+    } else {
+      if (!p.sends.empty()) moved |= progress_send(j);
+      if (!p.recvs.empty()) moved |= progress_recv(j);
+    }
   }
   return moved;
 }
@@ -321,8 +507,9 @@ void TcpTransport::salvage_abort(int peer) {
     }
   };
   try {
-    if (p.rhdr_got > 0) return;  // mid-header: the stream cannot be followed
-    if (p.in_payload && !p.recvs.empty()) {
+    // A shared-memory peer's stream holds nothing but an ABORT frame, if anything.
+    if (!p.shm && p.rhdr_got > 0) return;  // mid-header: the stream cannot be followed
+    if (!p.shm && p.in_payload && !p.recvs.empty()) {
       const RecvOp& r = p.recvs.front();
       if (r.len - r.done > budget) return;
       skip(r.len - r.done);
@@ -371,17 +558,58 @@ void TcpTransport::timed_out() {
 
 void TcpTransport::block() {
   std::vector<pollfd> fds;
+  std::vector<int> who;
   fds.reserve(static_cast<size_t>(world_));
+  bool tcp_io = false, shm_io = false;
   for (int j = 0; j < world_; ++j) {
     if (j == rank_) continue;
+    const Peer& p = peers_[j];
+    if (p.recvs.empty() && p.sends.empty()) continue;
     short ev = 0;
-    if (!peers_[j].recvs.empty()) ev |= POLLIN;
-    if (!peers_[j].sends.empty()) ev |= POLLOUT;
-    if (ev) fds.push_back({peers_[j].fd.get(), ev, 0});
+    if (p.shm) {
+      shm_io = true;
+      ev = POLLIN;  // anything on the socket of a shared-memory peer: it aborted or died
+    } else {
+      tcp_io = true;
+      if (!p.recvs.empty()) ev |= POLLIN;
+      if (!p.sends.empty()) ev |= POLLOUT;
+    }
+    fds.push_back({p.fd.get(), ev, 0});
+    who.push_back(j);
   }
   if (fds.empty()) return;
-  int rc = ::poll(fds.data(), fds.size(), deadline_.remaining_ms(100));
-  if (rc == 0 && deadline_.expired()) timed_out();
+  auto shm_events = [&] {
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (peers_[who[i]].shm && fds[i].revents) shm_peer_event(who[i]);
+    }
+  };
+  if (!shm_io) {
+    int rc = ::poll(fds.data(), fds.size(), deadline_.remaining_ms(100));
+    if (rc == 0 && deadline_.expired()) timed_out();
+    return;
+  }
+  if (tcp_io) {
+    // Both kinds pending (ranks on several hosts): poll the sockets in short
+    // slices, looking at the rings in between.
+    int rc = ::poll(fds.data(), fds.size(), deadline_.remaining_ms(1));
+    if (rc > 0) shm_events();
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), 0) > 0) shm_events();
+  // Only rings pending: sleep on our doorbell (Note [No lost wake-up] in shm.cpp),
+  // in slices so that a dead peer's socket and the deadline are looked at.
+  shm::Bell* bell = seg_.bell();
+  const uint32_t seen = bell->seq.load(std::memory_order_seq_cst);
+  bell->sleeping.store(1, std::memory_order_seq_cst);
+  bool moved = false;
+  try {
+    moved = progress();
+  } catch (...) {
+    bell->sleeping.store(0, std::memory_order_seq_cst);
+    throw;
+  }
+  if (!moved) shm::wait_bell(bell, seen, std::max(1, deadline_.remaining_ms(20)));
+  bell->sleeping.store(0, std::memory_order_seq_cst);
 }
 
 void TcpTransport::wait(Req r) {
@@ -414,7 +642,7 @@ void TcpTransport::abort(ErrorKind kind, const std::string& msg) {
     auto dl = Deadline::after_ms(200);
     try {
       // A half-written frame would garble the stream: finish it first.
-      if (!p.sends.empty() && p.sends.front().done > 0) {
+      if (!p.shm && !p.sends.empty() && p.sends.front().done > 0) {
         SendOp& s = p.sends.front();
         if (s.done < kHeaderBytes) {
           tcp::send_exact(p.fd.get(), s.hdr + s.done, kHeaderBytes - s.done, dl, "peer");

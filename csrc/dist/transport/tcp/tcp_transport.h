@@ -1,5 +1,6 @@
 // defines: TcpTransport, the Transport over one TCP connection per pair of
-// ranks (a full mesh made at init and reused for the life of the group).
+// ranks (a full mesh made at init and reused for the life of the group), with
+// shared-memory rings between ranks on the same host (Note [Same-host pairs]).
 //
 // Progress is driven by the thread that waits: non-blocking sockets, every
 // pending send and receive advanced with sendmsg/recv until the awaited request
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "dist/store/store.h"
+#include "dist/transport/shm/shm.h"
 #include "dist/transport/tcp/socket.h"
 #include "dist/transport/transport.h"
 
@@ -27,6 +29,8 @@ namespace cx::dist {
 
 struct TcpOptions {
   int spin_us = 50;  // busy-poll this long before sleeping in poll()
+  bool shm = true;   // same-host pairs use shared-memory rings (CX_SHM)
+  size_t shm_ring_bytes = 1 << 20;  // per ordered pair (CX_SHM_RING_BYTES)
 };
 
 class TcpTransport : public Transport {
@@ -38,6 +42,7 @@ class TcpTransport : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return world_; }
+  int shm_peers() const;  // how many peers this rank reaches through shared memory
   void begin(const OpDesc& desc, const Deadline& dl) override;
   Req isend(int peer, const void* buf, size_t bytes) override;
   Req irecv(int peer, void* buf, size_t bytes) override;
@@ -65,6 +70,9 @@ class TcpTransport : public Transport {
   struct Peer {
     tcp::Fd fd;
     std::string addr;
+    bool shm = false;      // data through the rings below; the socket carries only ABORT frames
+    shm::Ring in, out;     // peer -> us (in our segment), us -> peer (in its segment)
+    shm::Bell* bell = nullptr;  // the peer's doorbell
     std::deque<SendOp> sends;
     std::deque<RecvOp> recvs;
     char rhdr[kHeaderBytes];
@@ -75,6 +83,11 @@ class TcpTransport : public Transport {
   bool progress();                 // true if any byte moved
   bool progress_send(int peer);
   bool progress_recv(int peer);
+  bool progress_send_shm(int peer);
+  bool progress_recv_shm(int peer);
+  void setup_shm(uint64_t nonce, const Deadline& dl);
+  // The socket of a shared-memory peer became readable: it aborted or died. Throws.
+  [[noreturn]] void shm_peer_event(int peer);
   // Validates rhdr; throws on mismatch or a peer's abort. `early` holds bytes
   // that arrived right after the header (read in the same call).
   void check_header(int peer, const char* early, size_t early_n);
@@ -88,6 +101,8 @@ class TcpTransport : public Transport {
   int world_;
   TcpOptions opt_;
   std::vector<Peer> peers_;  // index = rank; peers_[rank_] unused
+  shm::Segment seg_;                   // ours: our doorbell and the rings into us
+  std::vector<shm::Segment> peer_seg_;  // index = rank: mapped segments of same-host peers
   OpDesc desc_;
   Deadline deadline_{};
   std::vector<char> done_;   // per request of the current operation

@@ -1,0 +1,178 @@
+#include "dist/transport/shm/shm.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <new>
+
+#include "common/error.h"
+
+namespace cx::dist::shm {
+
+namespace {
+
+constexpr size_t kCtlOffset = sizeof(Bell);
+
+size_t segment_bytes(int world, size_t cap) {
+  return kCtlOffset + static_cast<size_t>(world) * sizeof(RingCtl) + static_cast<size_t>(world) * cap;
+}
+
+std::string path_of(const std::string& name) { return "/dev/shm/" + name; }
+
+}  // namespace
+
+Segment& Segment::operator=(Segment&& o) noexcept {
+  if (this != &o) {
+    if (owner_) unlink();
+    if (base_) ::munmap(base_, len_);
+    base_ = o.base_;
+    len_ = o.len_;
+    world_ = o.world_;
+    cap_ = o.cap_;
+    path_ = std::move(o.path_);
+    owner_ = o.owner_;
+    o.base_ = nullptr;
+    o.owner_ = false;
+  }
+  return *this;
+}
+
+Segment::~Segment() {
+  if (owner_) unlink();
+  if (base_) ::munmap(base_, len_);
+  base_ = nullptr;
+}
+
+Segment Segment::create(const std::string& name, int world, size_t cap) {
+  Segment s;
+  s.path_ = path_of(name);
+  s.world_ = world;
+  s.cap_ = cap;
+  s.len_ = segment_bytes(world, cap);
+  int fd = ::open(s.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) CX_THROW(Error, "cannot create ", s.path_, ": ", std::strerror(errno));
+  s.owner_ = true;
+  // The file is sparse: only the pages of rings in use ever take memory.
+  if (::ftruncate(fd, static_cast<off_t>(s.len_)) != 0) {
+    int e = errno;
+    ::close(fd);
+    CX_THROW(Error, "cannot size ", s.path_, ": ", std::strerror(e));
+  }
+  void* p = ::mmap(nullptr, s.len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) CX_THROW(Error, "cannot map ", s.path_, ": ", std::strerror(e));
+  s.base_ = p;
+  // A fresh file reads as zeros, which is the initial state of every counter;
+  // construct the atomics there all the same.
+  new (s.bell()) Bell();
+  for (int j = 0; j < world; ++j) new (s.ring(j).ctl) RingCtl();
+  return s;
+}
+
+Segment Segment::open(const std::string& name, int world, size_t cap) {
+  Segment s;
+  s.path_ = path_of(name);
+  s.world_ = world;
+  s.cap_ = cap;
+  s.len_ = segment_bytes(world, cap);
+  int fd = ::open(s.path_.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return Segment();
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != s.len_) {
+    ::close(fd);
+    return Segment();
+  }
+  void* p = ::mmap(nullptr, s.len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) return Segment();
+  s.base_ = p;
+  return s;
+}
+
+void Segment::unlink() {
+  if (owner_) ::unlink(path_.c_str());
+  owner_ = false;
+}
+
+Bell* Segment::bell() const { return static_cast<Bell*>(base_); }
+
+Ring Segment::ring(int peer) const {
+  char* b = static_cast<char*>(base_);
+  Ring r;
+  r.ctl = reinterpret_cast<RingCtl*>(b + kCtlOffset + static_cast<size_t>(peer) * sizeof(RingCtl));
+  r.data = b + kCtlOffset + static_cast<size_t>(world_) * sizeof(RingCtl) + static_cast<size_t>(peer) * cap_;
+  r.cap = cap_;
+  return r;
+}
+
+// The writer owns head, the reader owns tail. The writer reads tail with
+// acquire (the reader is done with those bytes) and publishes head with release
+// (the bytes are in place); the reader mirrors it.
+size_t write(const Ring& r, const char* src, size_t n) {
+  const uint64_t head = r.ctl->head.load(std::memory_order_relaxed);
+  const uint64_t tail = r.ctl->tail.load(std::memory_order_acquire);
+  n = std::min<size_t>(n, r.cap - static_cast<size_t>(head - tail));
+  if (n == 0) return 0;
+  const size_t at = static_cast<size_t>(head % r.cap), first = std::min(n, r.cap - at);
+  std::memcpy(r.data + at, src, first);
+  if (first < n) std::memcpy(r.data, src + first, n - first);
+  r.ctl->head.store(head + n, std::memory_order_release);
+  return n;
+}
+
+size_t read(const Ring& r, char* dst, size_t n) {
+  const uint64_t tail = r.ctl->tail.load(std::memory_order_relaxed);
+  const uint64_t head = r.ctl->head.load(std::memory_order_acquire);
+  n = std::min<size_t>(n, static_cast<size_t>(head - tail));
+  if (n == 0) return 0;
+  const size_t at = static_cast<size_t>(tail % r.cap), first = std::min(n, r.cap - at);
+  std::memcpy(dst, r.data + at, first);
+  if (first < n) std::memcpy(dst + first, r.data, n - first);
+  r.ctl->tail.store(tail + n, std::memory_order_release);
+  return n;
+}
+
+// Note [No lost wake-up]
+// Sleeper: seen = seq; sleeping = 1; look for work once more; futex_wait(seq, seen).
+// Waker:   publish the bytes (head/tail store); seq += 1; if sleeping: futex_wake.
+// All four bell operations are sequentially consistent. If the waker's
+// increment comes before the sleeper reads `seen`, the sleeper's last look
+// finds the bytes (the increment is ordered after them). If it comes after,
+// futex_wait sees seq != seen and returns at once, or the waker sees
+// sleeping == 1 and wakes it. The sleeper's wait is bounded anyway (the
+// caller passes a slice of its deadline), so a mistake here would cost time,
+// never a hang.
+void ring_bell(Bell* b) {
+  b->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (b->sleeping.load(std::memory_order_seq_cst)) {
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b->seq), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+}
+
+void wait_bell(Bell* b, uint32_t seen, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, static_cast<long>(timeout_ms % 1000) * 1000000L};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b->seq), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+std::string host_key() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  struct stat st{};
+  // The device of /dev/shm tells apart containers on one host that do not share it.
+  std::string dev = ::stat("/dev/shm", &st) == 0 ? std::to_string(st.st_dev) : "none";
+  return std::string(host) + "|" + boot + "|" + dev;
+}
+
+}  // namespace cx::dist::shm

@@ -1,0 +1,121 @@
+"""Ranks on one host move data through shared memory (Note [Same-host pairs] in
+csrc/dist/transport/tcp/tcp_transport.cpp); these tests check that they do, that the rings
+carry every byte right when messages wrap around a tiny ring, that a pair falls back to TCP
+when either side cannot or will not share memory, and that nothing is left in /dev/shm.
+
+The collectives and error suites (test_collectives.py, test_errors.py) run in full over both
+transports; this file covers what only shared memory has.
+"""
+import glob
+import os
+
+import numpy as np
+import pytest
+
+import ranks
+from refs import contribution, expected
+
+import pycyxwiz as cx
+
+D = cx.distributed
+
+
+def mapped_segments():
+    """Shared-memory segments this process has mapped (their files are already unlinked)."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                       for line in f if "/dev/shm/cx-" in line})
+
+
+def segments_after_one_all_reduce():
+    x = np.ones(1000, np.float32)
+    D.all_reduce(x)
+    return mapped_segments(), float(x[0])
+
+
+def own_files():
+    return sorted(glob.glob("/dev/shm/cx-*"))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_on_one_host_map_each_others_rings_by_default(world, monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    for segs, total in ranks.run(segments_after_one_all_reduce, world):
+        assert total == world
+        assert len(segs) == world, segs  # its own segment and one per peer
+
+
+def test_cx_shm_0_keeps_every_pair_on_tcp(monkeypatch):
+    monkeypatch.setenv("CX_SHM", "0")
+    for segs, total in ranks.run(segments_after_one_all_reduce, 3):
+        assert total == 3
+        assert segs == []
+
+
+def test_a_rank_that_opts_out_talks_tcp_with_everyone_and_the_others_still_share(monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    outs = ranks.run(segments_after_one_all_reduce, 3, per_rank_env={1: {"CX_SHM": "0"}})
+    assert [t for _, t in outs] == [3.0, 3.0, 3.0]
+    assert len(outs[0][0]) == 2 and len(outs[2][0]) == 2  # own + each other's
+    assert outs[1][0] == []
+
+
+def test_ring_sizes_that_differ_fall_back_to_tcp_for_those_pairs(monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    outs = ranks.run(segments_after_one_all_reduce, 3, per_rank_env={0: {"CX_SHM_RING_BYTES": "8192"}})
+    assert [t for _, t in outs] == [3.0, 3.0, 3.0]
+    # Rank 0 made its segment with another size: nobody maps it and it maps nobody's.
+    assert outs[0][0] == []
+    assert len(outs[1][0]) == 2 and len(outs[2][0]) == 2
+
+
+def tiny_ring_body(sizes):
+    r, p = D.get_rank(), D.get_world_size()
+    bad = []
+    for n in sizes:
+        x = contribution(r, n, "float32", "SUM")
+        D.all_reduce(x)
+        if not np.array_equal(x, expected(p, n, "float32", "SUM")):
+            bad.append(f"all_reduce n={n}")
+        y = np.arange(n, dtype=np.float64) * (r + 1) if r == 1 else np.zeros(n, np.float64)
+        D.broadcast(y, src=1)
+        if not np.array_equal(y, np.arange(n, dtype=np.float64) * 2):
+            bad.append(f"broadcast n={n}")
+        mine = np.full(n, r, np.int32)
+        out = np.empty((p, n), np.int32)
+        D.all_gather(out, mine)
+        if not np.array_equal(out, np.repeat(np.arange(p, dtype=np.int32), n).reshape(p, n)):
+            bad.append(f"all_gather n={n}")
+    return bad, len(mapped_segments())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_messages_much_larger_than_the_ring_wrap_around_it_intact(world, monkeypatch):
+    # A 4 KiB ring: 40-byte headers and odd payloads split across its end all the time.
+    monkeypatch.delenv("CX_SHM", raising=False)
+    sizes = [0, 1, 7, 1001, 4099, 100003, 1 << 20]
+    for bad, nsegs in ranks.run(tiny_ring_body, world, args=(sizes,), env={"CX_SHM_RING_BYTES": "4096",
+                                                                            "CX_CHUNK_BYTES": "3000"}):
+        assert bad == []
+        assert nsegs == world
+
+
+def test_nothing_is_left_in_dev_shm_after_a_run_or_a_crash(monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    before = own_files()
+    ranks.run(segments_after_one_all_reduce, 3)
+    assert own_files() == before
+    # A rank killed mid-collective: the files were unlinked at init, so still nothing.
+    outs = ranks.spawn(die_after_setup, 3, timeout=60)
+    assert outs[1].exc_type == "Died"
+    assert all(o.is_a("DistributedConnectionError") for o in outs if o.rank != 1), outs
+    assert own_files() == before
+
+
+def die_after_setup():
+    x = np.ones(1 << 18, np.float32)
+    D.all_reduce(x)
+    if D.get_rank() == 1:
+        os._exit(9)
+    for _ in range(20):
+        D.all_reduce(x)
