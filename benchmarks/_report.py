@@ -121,6 +121,7 @@ def plt():
 
 LIB_STYLE = {
     "pycyxwiz": dict(color="tab:red", marker="o", lw=2.2),
+    "pycyxwiz-shm": dict(color="tab:red", marker="D", ls="--"),
     "gloo": dict(color="tab:blue", marker="s"),
     "torch": dict(color="tab:blue", marker="s"),
     "mpi-tcp": dict(color="tab:green", marker="^"),
@@ -128,6 +129,7 @@ LIB_STYLE = {
 }
 LIB_LABEL = {
     "pycyxwiz": "pycyxwiz (TCP)",
+    "pycyxwiz-shm": "pycyxwiz, shared memory (its default on one host)",
     "gloo": "PyTorch gloo",
     "torch": "PyTorch DDP (gloo)",
     "mpi-tcp": "Open MPI, TCP forced",

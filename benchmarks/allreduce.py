@@ -147,14 +147,18 @@ def tables(payload: dict, markdown: bool = False) -> str:
     out = []
     for world in payload["worlds"]:
         cols = {c["lib"]: c for c in payload["columns"] if c["world"] == world}
-        others = [lib for lib in libs if lib != "pycyxwiz"]
+        # pycyxwiz over TCP against the TCP columns; pycyxwiz over shared memory against Open MPI's.
+        pairs = [("pycyxwiz", lib, f"cx/{lib}") for lib in libs if lib in ("gloo", "mpi-tcp")]
+        if "pycyxwiz" in libs and "pycyxwiz-shm" not in libs and "mpi-default" in libs:
+            pairs.append(("pycyxwiz", "mpi-default", "cx/mpi-default"))
+        if "pycyxwiz-shm" in libs:
+            pairs += [("pycyxwiz-shm", lib, f"shm/{lib}") for lib in libs if lib in ("mpi-default",)]
+        pairs = [p for p in pairs if p[0] in libs]
         has_cx = "pycyxwiz" in libs
-        ceiling = tcp_ceiling(lb, world) if op not in ("barrier", "pingpong") else None
-        headers = ["size"] + [lib for lib in libs]
-        if has_cx:
-            headers += [f"cx/{lib}" for lib in others]
-            if ceiling:
-                headers.append("cx/ceiling")
+        ceiling = tcp_ceiling(lb, world) if op not in ("barrier", "pingpong") and has_cx else None
+        headers = ["size"] + [lib for lib in libs] + [name for _, _, name in pairs]
+        if ceiling:
+            headers.append("cx/ceiling")
         rows = []
         for nominal in payload["sizes"]:
             row = [human_size(nominal)]
@@ -167,18 +171,18 @@ def tables(payload: dict, markdown: bool = False) -> str:
                 else:
                     text = fmt_time_us(c["median_s"]) if small else fmt_gbps(c["busbw_GBps"])
                     row.append(text + ("" if c["correct"] else " (WRONG)"))
-            if has_cx:
+            for mine, lib, _ in pairs:
+                a, o = cells[mine], cells[lib]
+                ratio = o["median_s"] / a["median_s"] if a and o and a["median_s"] > 0 else None
+                row.append(fmt_ratio(ratio))
+            if ceiling:
                 cx = cells["pycyxwiz"]
-                for lib in others:
-                    o = cells[lib]
-                    ratio = o["median_s"] / cx["median_s"] if cx and o and cx["median_s"] > 0 else None
-                    row.append(fmt_ratio(ratio))
-                if ceiling:
-                    big = nominal >= CEILING_FROM and cx and cx["busbw_GBps"]
-                    row.append(f"{100 * cx['busbw_GBps'] / ceiling:.0f}%" if big else "")
+                big = nominal >= CEILING_FROM and cx and cx["busbw_GBps"]
+                row.append(f"{100 * cx['busbw_GBps'] / ceiling:.0f}%" if big else "")
             rows.append(row)
         title = (f"{op}, world {world}: busbw GB/s (sizes >= {human_size(LATENCY_BELOW)}), "
-                 f"time per call (smaller sizes); cx/X = pycyxwiz speed / X speed")
+                 f"time per call (smaller sizes); cx/X = pycyxwiz (TCP) speed / X speed, "
+                 f"shm/X = pycyxwiz (shared memory) speed / X speed")
         if markdown:
             out.append(f"**{title}**\n\n" + format_table(headers, rows, markdown=True))
         else:

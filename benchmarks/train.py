@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 from benchmarks._launch import RESULTS, run_ranks
 from benchmarks._report import LIB_LABEL, LIB_STYLE, fmt_ratio, format_table, plt, write_json
 
-TRAIN_LIBS = ("pycyxwiz", "torch")
+TRAIN_LIBS = ("pycyxwiz", "pycyxwiz-shm", "torch")
 
 
 def run_column(lib: str, world: int, samples_per_rank: int, epochs: int, timeout_s: float) -> dict:

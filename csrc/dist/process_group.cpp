@@ -44,6 +44,12 @@ bool oversubscribed(const Config& c) {
   return local > cores;
 }
 
+// Every rank on this host, as far as the launcher says (LOCAL_WORLD_SIZE; unset: yes).
+bool one_host(const Config& c) {
+  const char* l = std::getenv("LOCAL_WORLD_SIZE");
+  return !l || std::atoi(l) >= c.world_size;
+}
+
 int default_spin_us(const Config& c) {
   if (c.spin_us >= 0) return c.spin_us;
   // Spinning pays when every rank has a core; with more ranks than cores a
@@ -108,8 +114,15 @@ void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
 
 ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   cfg_.validate();
+  // Note [Chunk size]: over loopback TCP every chunk costs syscalls and wake-ups, so
+  // chunks are large (1 MiB where ranks share cores); through shared memory a chunk
+  // costs a memcpy, and 256 KiB keeps the pipeline full (measured on 4 ranks / 2
+  // cores: 4 MiB all_reduce 8.2 GB/s busbw at 256 KiB against 5.3 at 1 MiB; level on
+  // 2 ranks).
   algo_.chunk_bytes = cfg_.chunk_bytes > 0 ? static_cast<size_t>(cfg_.chunk_bytes)
-                                           : oversubscribed(cfg_) ? 1024 * 1024 : 512 * 1024;
+                      : cfg_.shm && one_host(cfg_) ? 256 * 1024
+                      : oversubscribed(cfg_)       ? 1024 * 1024
+                                                   : 512 * 1024;
   // Note [small all_reduce threshold]
   // Recursive doubling takes log2(p) dependent steps moving the whole message;
   // the ring takes 2(p-1) steps moving 2(p-1)/p of it. Measured side by side on
