@@ -154,7 +154,9 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
         "",
         "Every library runs as real processes on 127.0.0.1, side by side in the same run. These machines are "
         "shared and noisy (10-30% run to run): read the ratios, not the absolute numbers. "
-        "cx/X = pycyxwiz's speed over X's (above 1 = pycyxwiz faster); busbw follows nccl-tests.",
+        "cx/X = pycyxwiz's speed over TCP over X's, shm/X = pycyxwiz's through shared memory (its default with "
+        "every rank on one host) over X's; above 1 = pycyxwiz faster. Issue 5's targets are for TCP. busbw follows "
+        "nccl-tests.",
     ]
     versions = _versions([p for p in parts.values() if isinstance(p, dict)])
     if versions:
