@@ -51,7 +51,7 @@ Segment::~Segment() {
   base_ = nullptr;
 }
 
-Segment Segment::create(const std::string& name, int world, size_t cap) {
+Segment Segment::create(const std::string& name, int world, size_t cap, const std::vector<int>& peers) {
   Segment s;
   s.path_ = path_of(name);
   s.world_ = world;
@@ -60,14 +60,25 @@ Segment Segment::create(const std::string& name, int world, size_t cap) {
   int fd = ::open(s.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) CX_THROW(Error, "cannot create ", s.path_, ": ", std::strerror(errno));
   s.owner_ = true;
-  // The file is sparse: only the pages of rings in use ever take memory.
+  // The file is sparse; the pages of the rings that will be used are reserved
+  // now, so that a full tmpfs shows up here rather than as SIGBUS on a write.
   if (::ftruncate(fd, static_cast<off_t>(s.len_)) != 0) {
     int e = errno;
     ::close(fd);
     CX_THROW(Error, "cannot size ", s.path_, ": ", std::strerror(e));
   }
+  const size_t data0 = kCtlOffset + static_cast<size_t>(world) * sizeof(RingCtl);
+  int e = ::posix_fallocate(fd, 0, static_cast<off_t>(data0));
+  for (size_t i = 0; i < peers.size() && e == 0; ++i) {
+    e = ::posix_fallocate(fd, static_cast<off_t>(data0 + static_cast<size_t>(peers[i]) * cap),
+                          static_cast<off_t>(cap));
+  }
+  if (e != 0) {
+    ::close(fd);
+    CX_THROW(Error, "cannot reserve ", s.path_, ": ", std::strerror(e));
+  }
   void* p = ::mmap(nullptr, s.len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int e = errno;
+  e = errno;
   ::close(fd);
   if (p == MAP_FAILED) CX_THROW(Error, "cannot map ", s.path_, ": ", std::strerror(e));
   s.base_ = p;

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace cx::dist::shm {
 
@@ -47,8 +48,10 @@ struct Ring {
 class Segment {
  public:
   // Creates /dev/shm/<name> (which must not exist) sized for `world` rings of
-  // `cap` bytes and maps it. Throws Error with the reason.
-  static Segment create(const std::string& name, int world, size_t cap);
+  // `cap` bytes, reserves the memory of the rings of `peers` (and the control
+  // block) so that using them later cannot fail, and maps it. Throws Error with
+  // the reason (no /dev/shm, not enough room in it).
+  static Segment create(const std::string& name, int world, size_t cap, const std::vector<int>& peers);
   // Maps an existing segment; returns an unmapped Segment (ok() false) if it cannot.
   static Segment open(const std::string& name, int world, size_t cap);
 

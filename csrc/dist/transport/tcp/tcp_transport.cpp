@@ -151,56 +151,75 @@ TcpTransport::~TcpTransport() = default;
 // mismatched collectives read the same. Once every peer answered, the segment's
 // file is unlinked: the mappings live on, and a crash leaves nothing in /dev/shm.
 void TcpTransport::setup_shm(uint64_t nonce, const Deadline& dl) {
-  const std::string key = shm::host_key();
+  auto what = [&](int j) { return detail::concat("rank ", j, " (", peers_[j].addr, ")"); };
+  // Every message here is a few hundred bytes per peer: it fits the socket
+  // buffers, so sending to all before receiving from any cannot deadlock.
+  auto send_all = [&](auto&& payload_for) {
+    for (int j = 0; j < world_; ++j) {
+      if (j == rank_) continue;
+      const std::string m = payload_for(j);
+      const uint32_t n = static_cast<uint32_t>(m.size());
+      tcp::send_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
+      tcp::send_exact(peers_[j].fd.get(), m.data(), m.size(), dl, what(j));
+    }
+  };
+  auto recv_from = [&](int j) {
+    uint32_t n = 0;
+    tcp::recv_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
+    if (n > 4096) CX_THROW(ConnectionError, "rank ", rank_, ": garbled setup message from ", what(j));
+    std::string m(n, '\0');
+    tcp::recv_exact(peers_[j].fd.get(), m.data(), n, dl, what(j));
+    return m;
+  };
+
+  // 1. Which host: ranks with the same key may share memory (if CX_SHM allows).
+  const std::string key = opt_.shm ? shm::host_key() : std::string();
+  send_all([&](int) { return key; });
+  std::vector<int> local;
+  for (int j = 0; j < world_; ++j) {
+    if (j != rank_ && recv_from(j) == key && !key.empty()) local.push_back(j);
+  }
+
+  // 2. Our segment, with the rings of those peers reserved up front: a full
+  // /dev/shm (64 MiB in a default Docker container) then means TCP, never a
+  // SIGBUS in the middle of a collective. Ring size: CX_SHM_RING_BYTES, less when
+  // many ranks share the host, so that all rings together stay near 256 MiB
+  // (every rank on a host computes the same size).
   std::string name;
-  if (opt_.shm) {
+  size_t cap = opt_.shm_ring_bytes;
+  if (!local.empty()) {
+    const size_t n = local.size() + 1;
+    cap = std::min(cap, std::max<size_t>(64 * 1024, (size_t{256} << 20) / (n * (n - 1)) / 4096 * 4096));
     char buf[64];
     std::snprintf(buf, sizeof(buf), "cx-%016llx-%d", static_cast<unsigned long long>(nonce), rank_);
     try {
-      seg_ = shm::Segment::create(buf, world_, opt_.shm_ring_bytes);
+      seg_ = shm::Segment::create(buf, world_, cap, local);
       name = buf;
     } catch (const Error&) {
-      // No usable /dev/shm: this rank stays on TCP with everyone.
+      seg_ = shm::Segment();  // no room or no /dev/shm: this rank stays on TCP
     }
   }
-  const std::string mine = key + "\n" + name;
-  const uint32_t mine_len = static_cast<uint32_t>(mine.size());
-  auto what = [&](int j) { return detail::concat("rank ", j, " (", peers_[j].addr, ")"); };
-  // Everything here is a few hundred bytes per peer: it fits the socket buffers,
-  // so sending to all before receiving from any cannot deadlock.
-  for (int j = 0; j < world_; ++j) {
-    if (j == rank_) continue;
-    tcp::send_exact(peers_[j].fd.get(), &mine_len, sizeof(mine_len), dl, what(j));
-    tcp::send_exact(peers_[j].fd.get(), mine.data(), mine.size(), dl, what(j));
-  }
+  send_all([&](int) { return name; });
   peer_seg_.resize(static_cast<size_t>(world_));
   std::vector<char> mapped(static_cast<size_t>(world_), 0);
   for (int j = 0; j < world_; ++j) {
     if (j == rank_) continue;
-    uint32_t n = 0;
-    tcp::recv_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
-    if (n > 4096) CX_THROW(ConnectionError, "rank ", rank_, ": garbled setup message from ", what(j));
-    std::string theirs(n, '\0');
-    tcp::recv_exact(peers_[j].fd.get(), theirs.data(), n, dl, what(j));
-    const auto nl = theirs.find('\n');
-    const std::string their_key = theirs.substr(0, nl);
-    const std::string their_name = nl == std::string::npos ? "" : theirs.substr(nl + 1);
-    if (seg_.ok() && !their_name.empty() && their_key == key) {
-      peer_seg_[j] = shm::Segment::open(their_name, world_, opt_.shm_ring_bytes);
+    const std::string theirs = recv_from(j);
+    const bool is_local = std::find(local.begin(), local.end(), j) != local.end();
+    if (seg_.ok() && is_local && !theirs.empty()) {
+      peer_seg_[j] = shm::Segment::open(theirs, world_, cap);
       mapped[j] = peer_seg_[j].ok() ? 1 : 0;
     }
   }
-  for (int j = 0; j < world_; ++j) {
-    if (j == rank_) continue;
-    tcp::send_exact(peers_[j].fd.get(), &mapped[j], 1, dl, what(j));
-  }
+
+  // 3. Whether each side mapped the other's: both, or the pair stays on TCP.
+  send_all([&](int j) { return std::string(1, mapped[j]); });
   int used = 0;
   for (int j = 0; j < world_; ++j) {
     if (j == rank_) continue;
-    char theirs = 0;
-    tcp::recv_exact(peers_[j].fd.get(), &theirs, 1, dl, what(j));
+    const std::string theirs = recv_from(j);
     Peer& p = peers_[j];
-    if (mapped[j] && theirs) {
+    if (mapped[j] && theirs == std::string(1, 1)) {
       p.shm = true;
       p.in = seg_.ring(j);
       p.out = peer_seg_[j].ring(rank_);
