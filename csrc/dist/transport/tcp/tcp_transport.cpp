@@ -678,6 +678,7 @@ void TcpTransport::abort(ErrorKind kind, const std::string& msg) {
     }
     p.sends.clear();
     p.recvs.clear();
+    if (p.shm) shm::ring_bell(p.bell);  // a peer asleep on its bell looks at the socket now
     // Half-close: the peer reads our abort frame, then end-of-stream. The
     // descriptor itself stays open until the group is destroyed, so no reset
     // can overtake the frame.
