@@ -597,9 +597,18 @@ void TcpTransport::block() {
     who.push_back(j);
   }
   if (fds.empty()) return;
+  // Something on the socket of a shared-memory peer: an ABORT frame, or its end
+  // (it exited). A peer that finished its part and exited normally may have left
+  // its last bytes for us in the ring after our last look, so drain the rings
+  // first; only a peer we still wait for afterwards has really failed us.
   auto shm_events = [&] {
+    bool any = false;
+    for (size_t i = 0; i < fds.size(); ++i) any |= peers_[who[i]].shm && fds[i].revents;
+    if (!any) return;
+    progress();
     for (size_t i = 0; i < fds.size(); ++i) {
-      if (peers_[who[i]].shm && fds[i].revents) shm_peer_event(who[i]);
+      const Peer& p = peers_[who[i]];
+      if (p.shm && fds[i].revents && (!p.recvs.empty() || !p.sends.empty())) shm_peer_event(who[i]);
     }
   };
   if (!shm_io) {
