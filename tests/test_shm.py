@@ -8,6 +8,7 @@ transports; this file covers what only shared memory has.
 """
 import glob
 import os
+import time
 
 import numpy as np
 import pytest
@@ -119,3 +120,24 @@ def die_after_setup():
         os._exit(9)
     for _ in range(20):
         D.all_reduce(x)
+
+
+def gather_then_leave():
+    r = D.get_rank()
+    if r == 0:
+        time.sleep(0.1)
+    if r == 2:
+        time.sleep(0.3)
+    x = np.full(1000, r, np.float32)
+    out = np.empty((3, 1000), np.float32) if r == 1 else None
+    D.gather(x, out, dst=1)
+    return None if out is None else out[:, 0].tolist()
+
+
+def test_a_peer_that_finished_and_left_is_not_taken_for_dead(monkeypatch):
+    # Rank 0 writes its block into rank 1's ring and finalizes at once, closing its socket,
+    # while rank 1 still waits for rank 2 over TCP (CX_SHM=0 there): rank 1 sees rank 0's
+    # socket close before it has read rank 0's bytes, and must read them, not fail.
+    monkeypatch.delenv("CX_SHM", raising=False)
+    outs = ranks.run(gather_then_leave, 3, per_rank_env={2: {"CX_SHM": "0"}})
+    assert outs[1] == [0.0, 1.0, 2.0]

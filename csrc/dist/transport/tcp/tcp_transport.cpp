@@ -309,8 +309,10 @@ void TcpTransport::shm_peer_event(int peer) {
   Peer& p = peers_[peer];
   char h[kHeaderBytes];
   bool framed = false;
+  // Bounded by the operation's deadline too, so a dying peer cannot push us past it.
+  auto bounded = [&] { return Deadline::after_ms(std::max(1, deadline_.remaining_ms(1000))); };
   try {
-    tcp::recv_exact(p.fd.get(), h, kHeaderBytes, Deadline::after_ms(1000), "peer");
+    tcp::recv_exact(p.fd.get(), h, kHeaderBytes, bounded(), "peer");
     framed = get<uint32_t>(h, 0) == kFrameMagic && static_cast<uint8_t>(h[4]) == kAbort;
   } catch (const Error&) {
   }
@@ -321,7 +323,7 @@ void TcpTransport::shm_peer_event(int peer) {
     if (len <= kMaxAbortMessage) {
       std::string m(len, '\0');
       try {
-        tcp::recv_exact(p.fd.get(), m.data(), len, Deadline::after_ms(1000), "an aborting peer");
+        tcp::recv_exact(p.fd.get(), m.data(), len, bounded(), "an aborting peer");
         msg = std::move(m);
       } catch (const Error&) {
       }
@@ -329,7 +331,7 @@ void TcpTransport::shm_peer_event(int peer) {
     rethrow_as(static_cast<ErrorKind>(get<uint32_t>(h, 12)), msg);
   }
   errno = 0;
-  peer_closed(peer, "exchanging data with");
+  peer_closed(peer, p.recvs.empty() ? "sending to" : "receiving from");
 }
 
 void TcpTransport::begin(const OpDesc& desc, const Deadline& dl) {
