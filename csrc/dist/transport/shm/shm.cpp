@@ -109,6 +109,23 @@ Segment Segment::open(const std::string& name, int world, size_t cap) {
   return s;
 }
 
+void Segment::prefault(int peer) const {
+#ifdef MADV_POPULATE_WRITE
+  // Populates page tables without touching the contents, so it is safe while
+  // the peer already uses the ring. Kernels before 5.14 refuse it: then the
+  // first pass faults pages in as it goes.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  auto populate = [&](char* b, size_t n) {
+    char* lo = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(b) / page * page);
+    ::madvise(lo, static_cast<size_t>(b + n - lo), MADV_POPULATE_WRITE);
+  };
+  populate(static_cast<char*>(base_), kCtlOffset + static_cast<size_t>(world_) * sizeof(RingCtl));
+  populate(ring(peer).data, cap_);
+#else
+  (void)peer;
+#endif
+}
+
 void Segment::unlink() {
   if (owner_) ::unlink(path_.c_str());
   owner_ = false;
@@ -153,15 +170,24 @@ size_t read(const Ring& r, char* dst, size_t n) {
 }
 
 // Note [No lost wake-up]
-// Sleeper: seen = seq; sleeping = 1; look for work once more; futex_wait(seq, seen).
-// Waker:   publish the bytes (head/tail store); seq += 1; if sleeping: futex_wake.
-// All four bell operations are sequentially consistent. If the waker's
-// increment comes before the sleeper reads `seen`, the sleeper's last look
-// finds the bytes (the increment is ordered after them). If it comes after,
-// futex_wait sees seq != seen and returns at once, or the waker sees
-// sleeping == 1 and wakes it. The sleeper's wait is bounded anyway (the
-// caller passes a slice of its deadline), so a mistake here would cost time,
-// never a hang.
+// Sleeper: seen = seq; sleeping = 1; fence; look for work once more; futex_wait(seq, seen).
+// Waker:   publish the bytes (head/tail store); fence; if sleeping: seq += 1, futex_wake.
+// The two fences (sequentially consistent) order each side's store before its
+// load, so at least one side sees the other's store: either the sleeper's last
+// look finds the bytes, or the waker sees sleeping == 1 and bumps seq, after
+// which futex_wait either returns at once (seq != seen) or is woken. The
+// sleeper's wait is bounded anyway (the caller passes a slice of its
+// deadline), so a mistake here would cost time, never a hang.
+void about_to_sleep(Bell* b) {
+  b->sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void notify(Bell* b) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (b->sleeping.load(std::memory_order_relaxed)) ring_bell(b);
+}
+
 void ring_bell(Bell* b) {
   b->seq.fetch_add(1, std::memory_order_seq_cst);
   if (b->sleeping.load(std::memory_order_seq_cst)) {

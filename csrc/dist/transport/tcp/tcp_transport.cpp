@@ -224,6 +224,8 @@ void TcpTransport::setup_shm(uint64_t nonce, const Deadline& dl) {
       p.in = seg_.ring(j);
       p.out = peer_seg_[j].ring(rank_);
       p.bell = peer_seg_[j].bell();
+      seg_.prefault(j);
+      peer_seg_[j].prefault(rank_);
       ++used;
     } else {
       peer_seg_[j] = shm::Segment();
@@ -266,7 +268,7 @@ bool TcpTransport::progress_send_shm(int peer) {
       break;  // ring full
     }
   }
-  if (moved) shm::ring_bell(p.bell);
+  if (moved) shm::notify(p.bell);
   return moved;
 }
 
@@ -301,7 +303,7 @@ bool TcpTransport::progress_recv_shm(int peer) {
       break;  // ring empty
     }
   }
-  if (moved) shm::ring_bell(p.bell);  // the writer may be waiting for room
+  if (moved) shm::notify(p.bell);  // the writer may be waiting for room
   return moved;
 }
 
@@ -630,7 +632,7 @@ void TcpTransport::block() {
   // in slices so that a dead peer's socket and the deadline are looked at.
   shm::Bell* bell = seg_.bell();
   const uint32_t seen = bell->seq.load(std::memory_order_seq_cst);
-  bell->sleeping.store(1, std::memory_order_seq_cst);
+  shm::about_to_sleep(bell);
   bool moved = false;
   try {
     moved = progress();
