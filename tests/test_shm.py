@@ -141,3 +141,30 @@ def test_a_peer_that_finished_and_left_is_not_taken_for_dead(monkeypatch):
     monkeypatch.delenv("CX_SHM", raising=False)
     outs = ranks.run(gather_then_leave, 3, per_rank_env={2: {"CX_SHM": "0"}})
     assert outs[1] == [0.0, 1.0, 2.0]
+
+
+def die_and_time_the_others():
+    r = D.get_rank()
+    x = np.ones(1 << 16, np.float32)
+    D.all_reduce(x)
+    if r == 1:
+        time.sleep(0.5)  # the others are asleep on their doorbells by now
+        os._exit(9)
+    t0 = time.monotonic()
+    try:
+        D.all_reduce(x)
+    except cx.distributed.DistributedConnectionError as e:
+        return time.monotonic() - t0, str(e)
+    return None
+
+
+def test_a_peer_killed_while_the_others_sleep_on_shared_memory_is_noticed_at_once(monkeypatch):
+    # Noticed through its closed socket within a sleep slice (20 ms), not at the 30 s deadline.
+    monkeypatch.delenv("CX_SHM", raising=False)
+    outs = ranks.spawn(die_and_time_the_others, 3, env={"DISTRIBUTED_TIMEOUT_MS": 30000}, timeout=60)
+    assert outs[1].exc_type == "Died"
+    for o in (outs[0], outs[2]):
+        assert o.ok and o.value is not None, o
+        waited, message = o.value
+        assert waited < 5.0, waited
+        assert "rank 1" in message and "all_reduce" in message, message
