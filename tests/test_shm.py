@@ -166,5 +166,5 @@ def test_a_peer_killed_while_the_others_sleep_on_shared_memory_is_noticed_at_onc
     for o in (outs[0], outs[2]):
         assert o.ok and o.value is not None, o
         waited, message = o.value
-        assert waited < 5.0, waited
+        assert waited < 2.5, waited  # 0.5 s of it is the sleep; measured 0.51 s
         assert "rank 1" in message and "all_reduce" in message, message
