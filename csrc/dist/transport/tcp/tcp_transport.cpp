@@ -235,12 +235,6 @@ void TcpTransport::setup_shm(uint64_t nonce, const Deadline& dl) {
   if (used == 0) seg_ = shm::Segment();
 }
 
-int TcpTransport::shm_peers() const {
-  int n = 0;
-  for (const Peer& p : peers_) n += p.shm ? 1 : 0;
-  return n;
-}
-
 bool TcpTransport::progress_send_shm(int peer) {
   Peer& p = peers_[peer];
   bool moved = false;

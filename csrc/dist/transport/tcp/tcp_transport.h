@@ -42,7 +42,6 @@ class TcpTransport : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return world_; }
-  int shm_peers() const;  // how many peers this rank reaches through shared memory
   void begin(const OpDesc& desc, const Deadline& dl) override;
   Req isend(int peer, const void* buf, size_t bytes) override;
   Req irecv(int peer, void* buf, size_t bytes) override;
