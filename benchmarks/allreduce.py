@@ -148,13 +148,13 @@ def tables(payload: dict, markdown: bool = False) -> str:
     for world in payload["worlds"]:
         cols = {c["lib"]: c for c in payload["columns"] if c["world"] == world}
         # pycyxwiz over TCP against the TCP columns; pycyxwiz over shared memory against Open MPI's.
-        pairs = [("pycyxwiz", lib, f"cx/{lib}") for lib in libs if lib in ("gloo", "mpi-tcp")]
-        if "pycyxwiz" in libs and "pycyxwiz-shm" not in libs and "mpi-default" in libs:
-            pairs.append(("pycyxwiz", "mpi-default", "cx/mpi-default"))
-        if "pycyxwiz-shm" in libs:
-            pairs += [("pycyxwiz-shm", lib, f"shm/{lib}") for lib in libs if lib in ("mpi-default",)]
-        pairs = [p for p in pairs if p[0] in libs]
         has_cx = "pycyxwiz" in libs
+        pairs = [("pycyxwiz", lib, f"cx/{lib}") for lib in libs if has_cx and lib in ("gloo", "mpi-tcp")]
+        if "mpi-default" in libs:
+            if "pycyxwiz-shm" in libs:
+                pairs.append(("pycyxwiz-shm", "mpi-default", "shm/mpi-default"))
+            elif has_cx:
+                pairs.append(("pycyxwiz", "mpi-default", "cx/mpi-default"))
         ceiling = tcp_ceiling(lb, world) if op not in ("barrier", "pingpong") and has_cx else None
         headers = ["size"] + [lib for lib in libs] + [name for _, _, name in pairs]
         if ceiling:

@@ -26,7 +26,7 @@ from benchmarks import _launch
 from benchmarks import allreduce as coll
 from benchmarks import loopback, memory, train
 from benchmarks._launch import LIBRARIES, RESULTS, mpi_available
-from benchmarks._report import format_table, machine_info, write_json
+from benchmarks._report import format_table, human_size, machine_info, write_json
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
 STEPS = ("loopback", *COLLECTIVES, "train", "memory")
@@ -42,12 +42,14 @@ def _versions(payloads: list) -> str:
     return ", ".join(f"{k} {v}" for k, v in seen.items())
 
 
+def _column(payload: dict | None, lib: str, world: int) -> dict:
+    """One library's column at one world size, {} when absent."""
+    return next((c for c in (payload or {}).get("columns", []) if c["lib"] == lib and c["world"] == world), {})
+
+
 def _medians(payload: dict | None, lib: str, world: int) -> dict:
     """{nominal size: median seconds} of one column, {} when absent."""
-    for c in (payload or {}).get("columns", []):
-        if c["lib"] == lib and c["world"] == world:
-            return {r["nominal"]: r["median_s"] for r in c["results"]}
-    return {}
+    return {r["nominal"]: r["median_s"] for r in _column(payload, lib, world).get("results", [])}
 
 
 def _ratios(payload, other: str, world: int, sizes=None) -> dict:
@@ -56,10 +58,7 @@ def _ratios(payload, other: str, world: int, sizes=None) -> dict:
 
 
 def _cell(payload, lib: str, world: int, size: int) -> dict:
-    for c in (payload or {}).get("columns", []):
-        if c["lib"] == lib and c["world"] == world:
-            return next((r for r in c["results"] if r["nominal"] == size), {})
-    return {}
+    return next((r for r in _column(payload, lib, world).get("results", []) if r["nominal"] == size), {})
 
 
 def _by_round(payload, other: str, world: int, size: int) -> str:
@@ -70,10 +69,6 @@ def _by_round(payload, other: str, world: int, size: int) -> str:
     if len(a) < 2 or len(a) != len(b):
         return ""
     return " (by round: " + ", ".join(f"{y / x:.2f}x" for x, y in zip(a, b) if x > 0) + ")"
-
-
-def human(size: int) -> str:
-    return coll.human_size(size)
 
 
 def targets(parts: dict) -> list:
@@ -102,7 +97,7 @@ def targets(parts: dict) -> list:
         cx = _cell(ar, "pycyxwiz", world, size).get("busbw_GBps")
         if not c or not cx or size < coll.CEILING_FROM:
             return ""
-        return (f": that is {100 * need_gbps / c:.0f}% of the TCP ceiling at {human(size)}, "
+        return (f": that is {100 * need_gbps / c:.0f}% of the TCP ceiling at {human_size(size)}, "
                 f"pycyxwiz is at {100 * cx / c:.0f}%")
 
     for world in (ar or {}).get("worlds", []):
@@ -110,13 +105,13 @@ def targets(parts: dict) -> list:
         worst = min(big, key=big.get) if big else None
         need = 1.5 * (_cell(ar, "gloo", world, worst).get("busbw_GBps") or 0) if worst else 0
         add("all_reduce busbw vs gloo, >= 256 KiB (worst size)", world, big[worst] if big else None,
-            ">= 1.5x", lambda v: v >= 1.5, extra=f" at {human(worst)}" if worst else "",
+            ">= 1.5x", lambda v: v >= 1.5, extra=f" at {human_size(worst)}" if worst else "",
             why=ceiling_note(world, worst, need) if worst else "")
         tcp = _ratios(ar, "mpi-tcp", world)
         worst = min(tcp, key=tcp.get) if tcp else None
         add("all_reduce vs Open MPI TCP, every size (worst size)", world, tcp[worst] if tcp else None,
             ">= 1.0x", lambda v: v >= 1.0,
-            extra=(f" at {human(worst)}" + _by_round(ar, "mpi-tcp", world, worst)) if worst else "")
+            extra=(f" at {human_size(worst)}" + _by_round(ar, "mpi-tcp", world, worst)) if worst else "")
         g8 = _ratios(ar, "gloo", world).get(8)
         add("8-byte all_reduce latency vs gloo", world, g8, ">= 10x", lambda v: v >= 10)
         m8 = _ratios(ar, "mpi-tcp", world).get(8)

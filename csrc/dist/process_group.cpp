@@ -35,20 +35,16 @@ uint64_t make_nonce() {
          (static_cast<uint64_t>(::getpid()) << 17);
 }
 
-// More ranks on this machine than cores? (LOCAL_WORLD_SIZE if the launcher set
-// it, else all ranks are assumed local.)
-bool oversubscribed(const Config& c) {
-  long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
-  int local = c.world_size;
-  if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
-  return local > cores;
+// Ranks on this machine: LOCAL_WORLD_SIZE if the launcher set it, else all of them.
+int local_ranks(const Config& c) {
+  const char* l = std::getenv("LOCAL_WORLD_SIZE");
+  return l ? std::max(1, std::atoi(l)) : c.world_size;
 }
 
-// Every rank on this host, as far as the launcher says (LOCAL_WORLD_SIZE; unset: yes).
-bool one_host(const Config& c) {
-  const char* l = std::getenv("LOCAL_WORLD_SIZE");
-  return !l || std::atoi(l) >= c.world_size;
-}
+// More ranks on this machine than cores?
+bool oversubscribed(const Config& c) { return local_ranks(c) > ::sysconf(_SC_NPROCESSORS_ONLN); }
+
+bool one_host(const Config& c) { return local_ranks(c) >= c.world_size; }
 
 int default_spin_us(const Config& c) {
   if (c.spin_us >= 0) return c.spin_us;

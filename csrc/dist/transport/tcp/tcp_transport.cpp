@@ -166,7 +166,10 @@ void TcpTransport::setup_shm(uint64_t nonce, const Deadline& dl) {
   auto recv_from = [&](int j) {
     uint32_t n = 0;
     tcp::recv_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
-    if (n > 4096) CX_THROW(ConnectionError, "rank ", rank_, ": garbled setup message from ", what(j));
+    if (n > 4096) {
+      CX_THROW(ConnectionError, "rank ", rank_, ": garbled setup message from ", what(j),
+               " (are the pycyxwiz versions the same on every rank?)");
+    }
     std::string m(n, '\0');
     tcp::recv_exact(peers_[j].fd.get(), m.data(), n, dl, what(j));
     return m;
