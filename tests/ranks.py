@@ -78,7 +78,7 @@ def spawn(fn: Callable, world: int, args: tuple = (), env: Optional[dict] = None
     """
     ctx = mp.get_context("spawn")
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DISTRIBUTED_TIMEOUT_MS": 20000,
-            "OPENBLAS_NUM_THREADS": 1}
+            "DISTRIBUTED_OPERATION_TIMEOUT_MS": 20000, "OPENBLAS_NUM_THREADS": 1}
     base.update(env or {})
     procs, conns = [], []
     for r in range(world):

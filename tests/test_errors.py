@@ -46,7 +46,7 @@ def die_mid_collective():
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_dead_peer_is_named_on_every_surviving_rank(world):
-    outs = ranks.spawn(die_mid_collective, world, env={"DISTRIBUTED_TIMEOUT_MS": 15000}, timeout=60)
+    outs = ranks.spawn(die_mid_collective, world, env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 15000}, timeout=60)
     assert outs[2].exc_type == "Died"
     for o in outs:
         if o.rank == 2:
@@ -77,16 +77,37 @@ def slow_rank_times_out():
 
 
 def test_timeout_names_this_rank_the_peer_the_operation_and_the_deadline():
-    outs = ranks.spawn(slow_rank_times_out, 2, env={"DISTRIBUTED_TIMEOUT_MS": 1000}, timeout=60)
+    outs = ranks.spawn(slow_rank_times_out, 2, env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 1000}, timeout=60)
     o0 = outs[0]
     assert o0.ok and o0.value[0] == "timeout", o0
     msg, elapsed = o0.value[1], o0.value[2]
     assert "rank 0" in msg and "rank 1" in msg and "all_reduce" in msg and "1000 ms" in msg, msg
+    assert "DISTRIBUTED_OPERATION_TIMEOUT_MS" in msg, msg
     assert elapsed < 2.4
     # the late rank is told why instead of waiting for a partner that gave up
     o1 = outs[1]
     assert o1.ok and o1.value[0] == "timeout", o1
     assert "rank 0" in o1.value[1]
+
+
+def busy_rank_0_between_collectives():
+    x = np.full(3, D.get_rank() + 1.0, np.float32)
+    D.all_reduce(x)
+    if D.get_rank() == 0:
+        time.sleep(2.5)  # evaluating, saving a checkpoint ...: longer than the setup deadline
+    D.all_reduce(x)
+    return x.tolist()
+
+
+def test_setup_and_operation_deadlines_are_separate():
+    # A setup deadline of 1 s does not bound a collective: rank 0 may be busy for longer.
+    outs = ranks.run(busy_rank_0_between_collectives, 2,
+                     env={"DISTRIBUTED_TIMEOUT_MS": 1000, "DISTRIBUTED_OPERATION_TIMEOUT_MS": 20000})
+    assert outs == [[6.0] * 3] * 2
+    # An operation deadline of 1 s does not bound init(): a rank may start later than that.
+    outs = ranks.run(busy_rank_0_between_collectives, 2, start_delay={1: 2.5},
+                     env={"DISTRIBUTED_TIMEOUT_MS": 20000, "DISTRIBUTED_OPERATION_TIMEOUT_MS": 5000})
+    assert outs == [[6.0] * 3] * 2
 
 
 def poisoned_group_then_restart():
@@ -106,7 +127,7 @@ def poisoned_group_then_restart():
     second = error_of(D.barrier)
     D.finalize()
     cfg = D.DistributedConfig.from_environment()
-    cfg.timeout_ms = 20000
+    cfg.operation_timeout_ms = 20000
     D.init(cfg)  # a fresh group on the same port works
     y = np.full(3, r + 1.0, np.float32)
     D.all_reduce(y)
@@ -114,7 +135,7 @@ def poisoned_group_then_restart():
 
 
 def test_group_is_poisoned_after_a_timeout_and_can_be_restarted():
-    outs = ranks.run(poisoned_group_then_restart, 2, env={"DISTRIBUTED_TIMEOUT_MS": 800}, timeout=60)
+    outs = ranks.run(poisoned_group_then_restart, 2, env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 800}, timeout=60)
     (first0, second0, y0), (first1, second1, y1) = outs
     assert first0[0] == "DistributedTimeoutError"
     assert second0[0] == "DistributedTimeoutError"  # the same error again ...
@@ -150,7 +171,7 @@ def mismatched(kind):
 @pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "large"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_mismatched_collectives_raise_value_error_on_every_rank(kind, world):
-    outs = ranks.run(mismatched, world, args=(kind,), env={"DISTRIBUTED_TIMEOUT_MS": 10000}, timeout=60)
+    outs = ranks.run(mismatched, world, args=(kind,), env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 10000}, timeout=60)
     for name, msg in outs:
         assert name == "CollectiveMismatchError"
         assert "mismatched collectives" in msg and " called " in msg and " but rank " in msg, msg
@@ -198,7 +219,7 @@ def test_bad_arrays_are_refused_with_clear_errors_and_the_group_survives():
         msgs = [e[1] for e in errs]
         assert "C-contiguous" in msgs[0]
         assert "read-only" in msgs[1]
-        assert "NumPy array, got list" in msgs[2]
+        assert "must be a NumPy array" in msgs[2] and msgs[2].endswith("got list")
         assert "complex64" in msgs[3] and "cannot be reduced" in msgs[3]
         assert "uint16" in msgs[4]
         assert "AVG" in msgs[5] and "int32" in msgs[5]
@@ -207,6 +228,85 @@ def test_bad_arrays_are_refused_with_clear_errors_and_the_group_survives():
         assert "[1]" in msgs[8]
         assert "itself" in msgs[9]
         assert y == [2.0] * 5
+
+
+def arrays_that_cannot_travel():
+    """Object arrays hold pointers (the receiver used to crash reading them); a non-native byte
+    order was reduced as if native (1 + 2 came back inf). Both are refused on every rank before a
+    byte is sent, and the group stays usable."""
+    errs = []
+    r = D.get_rank()
+    for fn, args in [
+        (D.broadcast, (np.array([{"a": r}, "x"], dtype=object),)),
+        (D.all_gather, ([np.empty(2, object), np.empty(2, object)], np.array([r, None], dtype=object))),
+        (D.broadcast, (np.zeros(2, dtype=[("name", object), ("v", "f4")]),)),
+        (D.all_reduce, (np.full(3, r + 1, ">f8"),)),
+        (D.broadcast, (np.full(3, r + 1, ">i4"),)),
+        (D.all_reduce, (np.zeros(2, dtype=[("a", ">f4")]),)),
+    ]:
+        try:
+            fn(*args)
+            errs.append(f"{fn.__name__}: no error")
+        except TypeError as e:
+            errs.append(str(e))
+    y = np.full(3, r + 1.0)
+    D.all_reduce(y)
+    return errs, y.tolist()
+
+
+def test_object_arrays_and_foreign_byte_order_are_refused_on_every_rank():
+    for errs, y in ranks.run(arrays_that_cannot_travel, 2):
+        assert len(errs) == 6, errs
+        for m in errs[:3]:
+            assert "pointers to Python objects" in m and "pickle" in m, m
+        for m in errs[3:]:
+            assert "byte order" in m and "arr.astype(arr.dtype.newbyteorder('='))" in m, m
+        assert ">f8" in errs[3] and ">i4" in errs[4]
+        assert y == [3.0, 3.0, 3.0]
+
+
+def buffer_protocol_objects():
+    import array
+    r = D.get_rank()
+    a = array.array("d", [r + 1.0] * 4)                    # array.array: reduced in place
+    D.all_reduce(a)
+    m = memoryview(bytearray(np.full(3, r + 1, np.int32).tobytes())).cast("i")
+    D.all_reduce(m)                                         # a memoryview of a bytearray
+    b = bytearray(b"hello" if r == 0 else b"xxxxx")
+    D.broadcast(b, src=0)                                   # bytes moved into a bytearray
+    out = bytearray(4)
+    D.all_gather(out, memoryview(bytes([r, r])))            # read-only input is fine
+    w = D.all_reduce(array.array("f", [1.0, 2.0]), async_op=True)
+    w.wait()
+    errs = []
+    for fn, args in [(D.broadcast, (b"read-only",)), (D.all_reduce, (np.arange(3.0).tolist(),))]:
+        try:
+            fn(*args)
+        except (TypeError, ValueError) as e:
+            errs.append(f"{type(e).__name__}: {e}")
+
+    class FakeTensor:  # what a torch.Tensor looks like to us: __array__ only, no buffer
+        __module__ = "torch"
+
+        def __array__(self, dtype=None, copy=None):
+            return np.zeros(3, np.float32)
+    FakeTensor.__name__ = "Tensor"
+    try:
+        D.all_reduce(FakeTensor())
+    except TypeError as e:
+        errs.append(f"TypeError: {e}")
+    return list(a), list(m), bytes(b), bytes(out), errs
+
+
+def test_buffer_protocol_objects_are_used_in_place():
+    for a, m, b, out, errs in ranks.run(buffer_protocol_objects, 2):
+        assert a == [3.0] * 4
+        assert m == [3, 3, 3]
+        assert b == b"hello"
+        assert out == bytes([0, 0, 1, 1])
+        assert errs[0].startswith("ValueError") and "read-only" in errs[0], errs
+        assert errs[1].startswith("TypeError") and "got list" in errs[1] and "buffer protocol" in errs[1], errs
+        assert errs[2].startswith("TypeError") and "torch.Tensor" in errs[2] and "t.numpy()" in errs[2], errs
 
 
 # ---- misuse of the API, in this process ----------------------------------------------------
@@ -241,6 +341,8 @@ def test_init_twice_is_refused(monkeypatch):
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_BACKEND": "gloo"}, "DISTRIBUTED_BACKEND='gloo'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_TIMEOUT_MS": "0"}, "DISTRIBUTED_TIMEOUT_MS='0'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "DISTRIBUTED_OPERATION_TIMEOUT_MS": "10s"},
+     "DISTRIBUTED_OPERATION_TIMEOUT_MS='10s'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "gpu0"}, "LOCAL_RANK='gpu0'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_CHUNK_BYTES": "1M"}, "CX_CHUNK_BYTES='1M'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_HD_MAX_BYTES": "-5"}, "CX_HD_MAX_BYTES='-5'"),
@@ -250,7 +352,7 @@ def test_init_twice_is_refused(monkeypatch):
 ])
 def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
-              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
+              "DISTRIBUTED_OPERATION_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
               "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
@@ -264,13 +366,17 @@ def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, need
 
 
 def test_environment_defaults_match_the_guide(monkeypatch):
-    for v in ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS"]:
+    for v in ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
+              "DISTRIBUTED_OPERATION_TIMEOUT_MS"]:
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     c = D.DistributedConfig.from_environment()
-    assert (c.rank, c.world_size, c.local_rank, c.master_addr, c.master_port, c.backend, c.timeout_ms) == \
-        (3, 4, 3, "127.0.0.1", 29500, D.BackendType.CPU, 30000)
+    assert (c.rank, c.world_size, c.local_rank, c.master_addr, c.master_port, c.backend) == \
+        (3, 4, 3, "127.0.0.1", 29500, D.BackendType.CPU)
+    # Deadlines a real job survives (Note [Two deadlines] in config.h): init() waits 10 minutes for
+    # every rank, a collective 30 minutes for its peers.
+    assert (c.timeout_ms, c.operation_timeout_ms) == (600000, 1800000)
     monkeypatch.setenv("DISTRIBUTED_BACKEND", "NCCL")
     assert D.DistributedConfig.from_environment().backend == D.BackendType.NCCL
 

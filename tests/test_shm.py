@@ -6,7 +6,6 @@ when either side cannot or will not share memory, and that nothing is left in /d
 The collectives and error suites (test_collectives.py, test_errors.py) run in full over both
 transports; this file covers what only shared memory has.
 """
-import glob
 import os
 import time
 
@@ -34,8 +33,10 @@ def segments_after_one_all_reduce():
     return mapped_segments(), float(x[0])
 
 
-def own_files():
-    return sorted(glob.glob("/dev/shm/cx-*"))
+def left_behind(names):
+    """Which of these segment files (a job's own, as its ranks mapped them) are still in /dev/shm.
+    Only the job's own: tests running beside this one (pytest -n) have files of their own."""
+    return [n for n in names if os.path.exists(n)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -101,21 +102,25 @@ def test_messages_much_larger_than_the_ring_wrap_around_it_intact(world, monkeyp
         assert nsegs == world
 
 
-def test_nothing_is_left_in_dev_shm_after_a_run_or_a_crash(monkeypatch):
+def test_nothing_is_left_in_dev_shm_after_a_run_or_a_crash(monkeypatch, tmp_path):
     monkeypatch.delenv("CX_SHM", raising=False)
-    before = own_files()
-    ranks.run(segments_after_one_all_reduce, 3)
-    assert own_files() == before
+    names = sorted({n for segs, _ in ranks.run(segments_after_one_all_reduce, 3) for n in segs})
+    assert len(names) == 3 and all(n.startswith("/dev/shm/cx-") for n in names), names
+    assert left_behind(names) == []
     # A rank killed mid-collective: the files were unlinked at init, so still nothing.
-    outs = ranks.spawn(die_after_setup, 3, timeout=60)
+    outs = ranks.spawn(die_after_setup, 3, args=(str(tmp_path),), timeout=60)
     assert outs[1].exc_type == "Died"
     assert all(o.is_a("DistributedConnectionError") for o in outs if o.rank != 1), outs
-    assert own_files() == before
+    names = sorted({n for f in tmp_path.iterdir() for n in f.read_text().split()})
+    assert len(names) == 3, names
+    assert left_behind(names) == []
 
 
-def die_after_setup():
+def die_after_setup(folder):
     x = np.ones(1 << 18, np.float32)
     D.all_reduce(x)
+    with open(os.path.join(folder, f"segments{D.get_rank()}"), "w") as f:
+        f.write(" ".join(mapped_segments()))
     if D.get_rank() == 1:
         os._exit(9)
     for _ in range(20):
@@ -161,7 +166,7 @@ def die_and_time_the_others():
 def test_a_peer_killed_while_the_others_sleep_on_shared_memory_is_noticed_at_once(monkeypatch):
     # Noticed through its closed socket within a sleep slice (20 ms), not at the 30 s deadline.
     monkeypatch.delenv("CX_SHM", raising=False)
-    outs = ranks.spawn(die_and_time_the_others, 3, env={"DISTRIBUTED_TIMEOUT_MS": 30000}, timeout=60)
+    outs = ranks.spawn(die_and_time_the_others, 3, env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 30000}, timeout=60)
     assert outs[1].exc_type == "Died"
     for o in (outs[0], outs[2]):
         assert o.ok and o.value is not None, o

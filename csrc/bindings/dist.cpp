@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "bindings/collective_docs.h"
 #include "dist/default_group.h"
 #include "dist/transport/nccl/cuda_driver.h"
 #include "dist/transport/nccl/kernels.h"
@@ -64,8 +65,27 @@ std::optional<DataType> reducible_dtype(const py::dtype& d) {
 }
 
 bool is_gpu_array(const py::handle& obj) { return py::hasattr(obj, "__cuda_array_interface__"); }
-bool is_array(const py::handle& obj, bool gpu) { return gpu ? is_gpu_array(obj) : py::isinstance<py::array>(obj); }
+// What NumPy can view without a copy: an ndarray, anything with the buffer protocol
+// (memoryview, array.array, bytearray, ...) or the array interface. Objects that only
+// have __array__ (a torch.Tensor, say) may hand NumPy a copy, and a collective that
+// writes its result into a copy loses it: those are refused (not_an_array).
+bool is_host_array(const py::handle& obj) {
+  return py::isinstance<py::array>(obj) || PyObject_CheckBuffer(obj.ptr()) ||
+         py::hasattr(obj, "__array_interface__");
+}
+// The ndarray viewing a host array's memory (see is_host_array). Buffers go through a
+// memoryview: np.asarray(b"ab") would make a new 0-d string array, not a view.
+py::array host_array(const py::handle& obj) {
+  if (py::isinstance<py::array>(obj)) return py::reinterpret_borrow<py::array>(obj);
+  auto asarray = py::module_::import("numpy").attr("asarray");
+  if (PyObject_CheckBuffer(obj.ptr())) return asarray(py::memoryview(py::reinterpret_borrow<py::object>(obj)));
+  return asarray(obj);
+}
+bool is_array(const py::handle& obj, bool gpu) { return gpu ? is_gpu_array(obj) : is_host_array(obj); }
 std::string type_name(const py::handle& obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+std::string module_name(const py::handle& obj) {
+  return py::str(py::type::handle_of(obj).attr("__module__"));
+}
 
 [[noreturn]] void not_an_array(const char* what, const py::handle& obj, bool gpu) {
   std::string tname = type_name(obj);
@@ -83,7 +103,36 @@ std::string type_name(const py::handle& obj) { return py::str(py::type::handle_o
              "works on NumPy arrays: initialize with BackendType.NCCL (DISTRIBUTED_BACKEND=nccl) for GPU arrays, "
              "or copy it to the host with cupy.asnumpy(a)");
   }
-  CX_THROW(TypeMismatch, what, " must be a NumPy array, got ", tname);
+  if (module_name(obj).rfind("torch", 0) == 0 && tname == "Tensor") {
+    CX_THROW(TypeMismatch, what, " is a torch.Tensor: pass t.numpy(), which shares the tensor's memory, so the "
+             "result lands in the tensor (t.detach().numpy() if it requires grad)");
+  }
+  CX_THROW(TypeMismatch, what, " must be a NumPy array (or an object NumPy can view without a copy: a "
+           "memoryview, array.array, bytearray, anything with the buffer protocol), got ", tname);
+}
+
+// Refuses what cannot travel between processes as its bytes: Python objects
+// (pointers, meaningless in another process; the receiver would crash reading
+// them) and non-native byte order (reduced as if native, it gives wrong numbers
+// without an error; moved, a peer with the native type would misread it).
+void check_transferable(const py::dtype& d, const char* what) {
+  constexpr uint64_t kHasObject = 0x01;  // NPY_ITEM_HASOBJECT: the dtype holds PyObject pointers
+  if (d.flags() & kHasObject) {
+    CX_THROW(TypeMismatch, what, " has dtype ", std::string(py::str(d)), ", which holds pointers to Python "
+             "objects; they mean nothing in another process. Send bytes instead: pickle on your side, "
+             "e.g. np.frombuffer(pickle.dumps(obj), np.uint8) (send its length first)");
+  }
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  constexpr char kForeign = '>';
+#else
+  constexpr char kForeign = '<';
+#endif
+  bool native = d.byteorder() != kForeign;
+  if (native && d.has_fields()) native = d.attr("isnative").cast<bool>();  // byteorder is '|' for records
+  if (!native) {
+    CX_THROW(TypeMismatch, what, " has dtype ", std::string(py::str(d)), ", whose byte order is not this machine's: "
+             "pass arr.astype(arr.dtype.newbyteorder('=')) (and use that array afterwards)");
+  }
 }
 
 // Fills dt/count from the dtype name (or the bfloat16 override).
@@ -119,8 +168,9 @@ const char* kContiguous = " must be C-contiguous (collectives work in place on t
 View numpy_view(const py::handle& obj, const char* what, bool writable, bool reduce,
                 const std::optional<std::string>& dtype_override) {
   View v;
-  py::array arr = py::reinterpret_borrow<py::array>(obj);
+  py::array arr = host_array(obj);
   v.obj = arr;
+  check_transferable(arr.dtype(), what);
   if (!(arr.flags() & py::array::c_style)) {
     CX_THROW(InvalidArgument, what, kContiguous, "pass numpy.ascontiguousarray(a) and use that array afterwards");
   }
@@ -285,8 +335,10 @@ void bind_dist(py::module_& m) {
       .value("NCCL", Backend::kNccl);
 
   py::class_<Config>(m, "DistributedConfig",
-                     "Where this process sits in the job. Defaults as seed 004; from_environment() reads RANK, "
-                     "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS.")
+                     "Where this process sits in the job. from_environment() reads RANK, WORLD_SIZE, LOCAL_RANK, "
+                     "MASTER_ADDR, MASTER_PORT, DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS (timeout_ms: how long "
+                     "init() waits for every rank) and DISTRIBUTED_OPERATION_TIMEOUT_MS (operation_timeout_ms: how "
+                     "long one collective waits for its peers).")
       .def(py::init<>())
       .def_readwrite("rank", &Config::rank)
       .def_readwrite("world_size", &Config::world_size)
@@ -294,7 +346,10 @@ void bind_dist(py::module_& m) {
       .def_readwrite("master_addr", &Config::master_addr)
       .def_readwrite("master_port", &Config::master_port)
       .def_readwrite("backend", &Config::backend)
-      .def_readwrite("timeout_ms", &Config::timeout_ms)
+      .def_readwrite("timeout_ms", &Config::timeout_ms,
+                     "Milliseconds init() waits for every rank to arrive (default 600000, 10 min)")
+      .def_readwrite("operation_timeout_ms", &Config::operation_timeout_ms,
+                     "Milliseconds one collective waits for its peers (default 1800000, 30 min)")
       .def_readwrite("chunk_bytes", &Config::chunk_bytes)
       .def_readwrite("small_allreduce_bytes", &Config::small_allreduce_bytes)
       .def_readwrite("spin_us", &Config::spin_us)
@@ -305,7 +360,8 @@ void bind_dist(py::module_& m) {
                ", local_rank=" + std::to_string(c.local_rank) + ", master_addr='" + c.master_addr +
                "', master_port=" + std::to_string(c.master_port) +
                ", backend=" + (c.backend == Backend::kCpu ? "CPU" : "NCCL") +
-               ", timeout_ms=" + std::to_string(c.timeout_ms) + ")";
+               ", timeout_ms=" + std::to_string(c.timeout_ms) +
+               ", operation_timeout_ms=" + std::to_string(c.operation_timeout_ms) + ")";
       });
 
   py::class_<PyWork>(m, "Work", "Handle of an async collective (async_op=True).")
@@ -355,9 +411,10 @@ void bind_dist(py::module_& m) {
         const bool gpu = on_gpu(*pg);
         View v = view_of(arr, "the array", true, true, gpu, dtype);
         auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op, v.stream); });
-        return finish(w, async_op, arr);
+        return finish(w, async_op, v.obj);
       },
-      py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false, py::arg("dtype") = py::none());
+      py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false, py::arg("dtype") = py::none(),
+      docs::kAllReduce);
 
   m.def(
       "broadcast",
@@ -366,9 +423,9 @@ void bind_dist(py::module_& m) {
         const bool gpu = on_gpu(*pg);
         View v = view_of(arr, "the array", true, false, gpu);
         auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op, v.stream); });
-        return finish(w, async_op, arr);
+        return finish(w, async_op, v.obj);
       },
-      py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false);
+      py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false, docs::kBroadcast);
 
   m.def(
       "all_gather",
@@ -380,9 +437,9 @@ void bind_dist(py::module_& m) {
         std::vector<void*> outs;
         for (auto& b : blocks) outs.push_back(b.ptr);
         auto w = call([&] { return pg->all_gather(in.ptr, outs, in.count, in.dt, async_op, in.stream); });
-        return finish(w, async_op, out, arr);
+        return finish(w, async_op, out, in.obj);
       },
-      py::arg("out"), py::arg("arr"), py::arg("async_op") = false);
+      py::arg("out"), py::arg("arr"), py::arg("async_op") = false, docs::kAllGather);
 
   m.def(
       "reduce_scatter",
@@ -397,7 +454,7 @@ void bind_dist(py::module_& m) {
         return finish(w, async_op, out, inputs);
       },
       py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
-      py::arg("dtype") = py::none());
+      py::arg("dtype") = py::none(), docs::kReduceScatter);
 
   m.def(
       "reduce",
@@ -406,10 +463,10 @@ void bind_dist(py::module_& m) {
         const bool gpu = on_gpu(*pg);
         View v = view_of(arr, "the array", true, true, gpu, dtype);
         auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op, v.stream); });
-        return finish(w, async_op, arr);
+        return finish(w, async_op, v.obj);
       },
       py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
-      py::arg("dtype") = py::none());
+      py::arg("dtype") = py::none(), docs::kReduce);
 
   m.def(
       "scatter",
@@ -425,9 +482,10 @@ void bind_dist(py::module_& m) {
           for (auto& b : blocks_of(scatter_list, "scatter_list", o, pg->size(), false, gpu)) ins.push_back(b.ptr);
         }
         auto w = call([&] { return pg->scatter(ins, o.ptr, o.count, o.dt, src, async_op, o.stream); });
-        return finish(w, async_op, arr, scatter_list);
+        return finish(w, async_op, o.obj, scatter_list);
       },
-      py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0, py::arg("async_op") = false);
+      py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0, py::arg("async_op") = false,
+      docs::kScatter);
 
   m.def(
       "gather",
@@ -443,9 +501,10 @@ void bind_dist(py::module_& m) {
           for (auto& b : blocks_of(gather_list, "gather_list", in, pg->size(), true, gpu)) outs.push_back(b.ptr);
         }
         auto w = call([&] { return pg->gather(in.ptr, outs, in.count, in.dt, dst, async_op, in.stream); });
-        return finish(w, async_op, arr, gather_list);
+        return finish(w, async_op, in.obj, gather_list);
       },
-      py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0, py::arg("async_op") = false);
+      py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0, py::arg("async_op") = false,
+      docs::kGather);
 
   m.def(
       "all_to_all",
@@ -479,7 +538,7 @@ void bind_dist(py::module_& m) {
         auto w = call([&] { return pg->all_to_all(ins, outs, ref.count, ref.dt, async_op, ref.stream); });
         return finish(w, async_op, out, inputs);
       },
-      py::arg("out"), py::arg("inputs"), py::arg("async_op") = false);
+      py::arg("out"), py::arg("inputs"), py::arg("async_op") = false, docs::kAllToAll);
 
   m.def(
       "barrier",
@@ -488,7 +547,7 @@ void bind_dist(py::module_& m) {
         auto w = call([&] { return pg->barrier(async_op); });
         return finish(w, async_op);
       },
-      py::arg("async_op") = false);
+      py::arg("async_op") = false, docs::kBarrier);
 
   m.def(
       "send",
@@ -497,9 +556,9 @@ void bind_dist(py::module_& m) {
         const bool gpu = on_gpu(*pg);
         View v = view_of(arr, "the array", false, false, gpu);
         auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream); });
-        return finish(w, async_op, arr);
+        return finish(w, async_op, v.obj);
       },
-      py::arg("arr"), py::arg("dst"), py::arg("async_op") = false);
+      py::arg("arr"), py::arg("dst"), py::arg("async_op") = false, docs::kSend);
 
   m.def(
       "recv",
@@ -508,9 +567,9 @@ void bind_dist(py::module_& m) {
         const bool gpu = on_gpu(*pg);
         View v = view_of(arr, "the array", true, false, gpu);
         auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream); });
-        return finish(w, async_op, arr);
+        return finish(w, async_op, v.obj);
       },
-      py::arg("arr"), py::arg("src"), py::arg("async_op") = false);
+      py::arg("arr"), py::arg("src"), py::arg("async_op") = false, docs::kRecv);
 
   // ---- GPU backend: library discovery, probes, and hooks for tests that run without a GPU ----
   m.def("_set_cublas_search_dirs", &gpu::set_cublas_search_dirs, py::arg("dirs"),

@@ -26,7 +26,7 @@ void bind_errors(py::module_& m) {
                          "Base class of every error raised by pycyxwiz's distributed layer.");
   g_timeout = new_exception(m, "DistributedTimeoutError",
                             py::make_tuple(py::handle(g_base), py::handle(PyExc_TimeoutError)).release().ptr(),
-                            "A wait ran past its deadline (timeout_ms).");
+                            "A wait ran past its deadline (timeout_ms in init(), operation_timeout_ms in a collective).");
   g_connection = new_exception(m, "DistributedConnectionError",
                                py::make_tuple(py::handle(g_base), py::handle(PyExc_ConnectionError)).release().ptr(),
                                "A peer could not be reached, closed its connection or died.");

@@ -90,6 +90,10 @@ Config Config::from_environment() {
     c.timeout_ms = parse_int("DISTRIBUTED_TIMEOUT_MS", t, 1, std::numeric_limits<int32_t>::max(),
                              "a positive number of milliseconds");
   }
+  if (const char* t = env("DISTRIBUTED_OPERATION_TIMEOUT_MS")) {
+    c.operation_timeout_ms = parse_int("DISTRIBUTED_OPERATION_TIMEOUT_MS", t, 1,
+                                       std::numeric_limits<int32_t>::max(), "a positive number of milliseconds");
+  }
   if (const char* v = env("CX_CHUNK_BYTES")) c.chunk_bytes = parse_int("CX_CHUNK_BYTES", v, 1, 1LL << 30, "bytes (1 .. 2^30)");
   if (const char* v = env("CX_SMALL_ALLREDUCE_BYTES")) {
     c.small_allreduce_bytes = parse_int("CX_SMALL_ALLREDUCE_BYTES", v, -1, 1LL << 30, "bytes (0 .. 2^30, or -1 for automatic)");
@@ -117,6 +121,9 @@ void Config::validate() const {
   }
   if (master_addr.empty()) CX_THROW(InvalidArgument, "master_addr is empty: set MASTER_ADDR to rank 0's address");
   if (timeout_ms < 1) CX_THROW(InvalidArgument, "timeout_ms must be positive, got ", timeout_ms);
+  if (operation_timeout_ms < 1) {
+    CX_THROW(InvalidArgument, "operation_timeout_ms must be positive, got ", operation_timeout_ms);
+  }
   if (chunk_bytes == 0 || chunk_bytes < -1) {
     CX_THROW(InvalidArgument, "chunk_bytes must be positive (or -1 for automatic), got ", chunk_bytes);
   }

@@ -15,7 +15,17 @@ struct Config {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   Backend backend = Backend::kCpu;
-  int64_t timeout_ms = 30000;
+  // Note [Two deadlines]: setting up and running are bounded separately. A dead
+  // peer is noticed within about a second through its closed connection whatever
+  // these are; they only bound the wait for a live rank that never comes.
+  //  - timeout_ms (DISTRIBUTED_TIMEOUT_MS, the guide's "connection timeout"): how
+  //    long init() waits for every rank to arrive. 10 minutes, as torchrun's
+  //    rendezvous: the nodes of a cluster job may start minutes apart.
+  //  - operation_timeout_ms (DISTRIBUTED_OPERATION_TIMEOUT_MS): how long one
+  //    collective waits for its peers. 30 minutes, as PyTorch's default: rank 0
+  //    may evaluate or save a checkpoint for minutes while the others wait.
+  int64_t timeout_ms = 10 * 60 * 1000;
+  int64_t operation_timeout_ms = 30 * 60 * 1000;
 
   // Tuning knobs (every rank must agree). Environment: CX_CHUNK_BYTES,
   // CX_SMALL_ALLREDUCE_BYTES, CX_SPIN_US. Tests use a tiny chunk to force the
@@ -37,7 +47,7 @@ struct Config {
   int64_t shm_ring_bytes = 1 << 20;  // ring per ordered pair; CX_SHM_RING_BYTES
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
-  // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS; under mpirun or srun also
+  // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS, DISTRIBUTED_OPERATION_TIMEOUT_MS; under mpirun or srun also
   // OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK} and SLURM_{PROCID,NTASKS,LOCALID}.
   // Neither RANK nor WORLD_SIZE anywhere: a single process (rank 0 of 1).
   // Throws InvalidArgument naming the variable and its value.

@@ -134,7 +134,7 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
                                          : 2u << 20;  // Note [large all_reduce on one host]
   sent_.assign(static_cast<size_t>(cfg_.world_size), 0);
   recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
-  const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);
+  const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);  // setup; Note [Two deadlines] in config.h
   if (cfg_.backend == Backend::kNccl && cfg_.world_size == 1) {
     auto t = std::make_unique<NcclTransport>(nullptr, cfg_, dl);
     nccl_ = t.get();
@@ -238,7 +238,7 @@ void ProcessGroup::execute(Work& w) {
     }
   }
   try {
-    transport_->begin(w.desc_, Deadline::after_ms(cfg_.timeout_ms));
+    transport_->begin(w.desc_, Deadline::after_ms(cfg_.operation_timeout_ms));
     w.body_(*transport_);
     w.finish(std::nullopt);
   } catch (const Error& e) {

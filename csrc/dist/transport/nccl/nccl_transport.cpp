@@ -269,8 +269,8 @@ void NcclTransport::finish() {
     }
     if (dl_.expired()) {
       CX_THROW(TimeoutError, "rank ", rank_, ": ", desc_.describe(), " on GPU ", device_, " did not complete within ",
-               dl_.timeout_ms, " ms (timeout_ms): a peer rank is late, stuck or dead. The NCCL communicator has "
-               "been aborted");
+               dl_.timeout_ms, " ms (operation_timeout_ms, DISTRIBUTED_OPERATION_TIMEOUT_MS): a peer rank is late, "
+               "stuck or dead. The NCCL communicator has been aborted");
     }
     // Spin briefly (a small collective finishes in microseconds), then sleep.
     if (++polls < 200) {

@@ -572,8 +572,8 @@ void TcpTransport::timed_out() {
   }
   CX_THROW(TimeoutError, "rank ", rank_, ": ", desc_.describe(), " timed out after ", deadline_.timeout_ms,
            " ms waiting for ", waiting.str(),
-           ". That rank is stuck, much slower, or did not call the same collective; raise timeout_ms "
-           "(DISTRIBUTED_TIMEOUT_MS) if it is only slow.");
+           ". That rank is stuck, much slower, or did not call the same collective; raise operation_timeout_ms "
+           "(DISTRIBUTED_OPERATION_TIMEOUT_MS) if it is only slow.");
 }
 
 void TcpTransport::block() {
