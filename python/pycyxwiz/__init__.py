@@ -5,13 +5,46 @@
     cx.distributed.all_reduce(arr)              # in place, on every rank
 """
 from ._blas import preload as _preload_blas
+from ._failure import install_from_environment as _record_failures_for_the_launcher
 
 _preload_blas()
+_record_failures_for_the_launcher()
 
 from . import _core  # noqa: E402
 from ._nn import *  # noqa: E402,F401,F403
-from ._nn import __all__ as _nn_all  # noqa: E402
 from . import datasets, distributed  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["datasets", "distributed", "__version__", *_nn_all]
+__all__ = [
+    "datasets",
+    "distributed",
+    "__version__",
+    "Module",
+    "SequentialModel",
+    "LinearModule",
+    "ReLUModule",
+    "LeakyReLUModule",
+    "SigmoidModule",
+    "TanhModule",
+    "GELUModule",
+    "SoftmaxModule",
+    "DropoutModule",
+    "BatchNormModule",
+    "FlattenModule",
+    "CrossEntropyLoss",
+    "MSELoss",
+    "BCEWithLogitsLoss",
+    "Optimizer",
+    "SGDOptimizer",
+    "AdamOptimizer",
+    "AdamWOptimizer",
+    "RMSpropOptimizer",
+    "LRScheduler",
+    "StepLR",
+    "CosineAnnealingLR",
+    "LinearWarmupLR",
+    "clip_grad_norm",
+    "set_num_threads",
+    "get_num_threads",
+    "manual_seed",
+]

@@ -1,28 +1,41 @@
 """Start N ranks of a training script on this machine (torchrun-like).
 
     python -m pycyxwiz.launch --nproc-per-node 4 train.py --epochs 3
+    python -m pycyxwiz.launch --nproc-per-node 2 -m mypackage.train        # a module, as python -m
     python -m pycyxwiz.launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
     ./launch_distributed.sh 4 python train.py          # the same, seed 004's form
 
-Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT. Every line a rank prints is prefixed with "[rank N]"
-(--show-ranks 0 keeps only rank 0's). If a rank exits with an error, the others
-are stopped and the launcher exits non-zero, saying which rank failed and how.
-Ctrl-C stops every rank.
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks).
+Every line a rank prints is prefixed with "[rank N]", its stdout on stdout and its
+stderr on stderr (--show-ranks 0 keeps only rank 0's; --log-dir writes them to files).
+If a rank fails, the others are stopped and the launcher exits with its exit code,
+naming the rank that failed first, with the last lines of its stderr. Ctrl-C stops
+every rank, and so does the launcher's own death (even by SIGKILL).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Deque, Dict, IO, List, Optional, Sequence
+
+from . import _failure
 
 DEFAULT_PORT = 29500
+TAIL_LINES = 12  # lines of the failing rank's stderr shown in the launcher's report
+STOP_GRACE_S = 1.0  # after a rank fails, how long the others may take to exit before they are stopped
 
 
 def _port_free(addr: str, port: int) -> bool:
@@ -50,24 +63,66 @@ def _parse_ranks(text: Optional[str]) -> Optional[set]:
         raise SystemExit(f"launch: --show-ranks expects a comma-separated list of ranks, got {text!r}")
 
 
-def _command(cmd: Sequence[str]) -> List[str]:
-    """`train.py args` runs with this Python; `python train.py`, `-m pkg` and any program run as given."""
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def nproc_from(text: str) -> int:
+    """--nproc-per-node: a number, or as torchrun: 'gpu' (GPUs visible), 'cpu' (CPUs), 'auto'
+    (GPUs with DISTRIBUTED_BACKEND=nccl, CPUs otherwise)."""
+    if text.isdigit():
+        return int(text)
+    if text not in ("auto", "cpu", "gpu"):
+        raise SystemExit(f"launch: --nproc-per-node expects a number, 'auto', 'cpu' or 'gpu', got {text!r}")
+    gpu = text == "gpu" or (text == "auto" and os.environ.get("DISTRIBUTED_BACKEND", "").lower() == "nccl")
+    if not gpu:
+        return _cpus()
+    from . import _core
+
+    n = _core.dist._cuda_device_count()
+    if n < 1:
+        raise SystemExit(f"launch: --nproc-per-node {text} counts GPUs, and none is visible here")
+    return n
+
+
+def _command(cmd: Sequence[str], module: bool = False) -> List[str]:
+    """`train.py args` runs with this Python, `-m pkg` as python -m; any other program runs as given."""
     cmd = list(cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise SystemExit("launch: no command given (e.g. `python -m pycyxwiz.launch --nproc-per-node 2 train.py`)")
-    if cmd[0].endswith(".py") or cmd[0] == "-m":
+    if module:
+        return [sys.executable, "-m", *cmd]
+    if cmd[0] == "-m":
+        return [sys.executable, *cmd]
+    if cmd[0].endswith(".py"):
         cmd = [sys.executable, *cmd]
+    if len(cmd) > 1 and cmd[1].endswith(".py") and Path(cmd[0]).name.startswith("python") and \
+            not Path(cmd[1]).is_file():
+        raise SystemExit(f"launch: {cmd[1]}: no such file")
     return cmd
 
 
-def _pump(stream, prefix: str, show: bool, out) -> None:
-    for raw in iter(stream.readline, b""):
-        if show:
-            out.write(prefix + raw.decode(errors="replace"))
-            out.flush()
-    stream.close()
+def _die_with_launcher(parent: int):
+    """A preexec_fn: the rank gets SIGTERM when the launcher dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    prctl = getattr(libc, "prctl", None)
+    if prctl is None:  # not Linux
+        return None
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return arm
 
 
 def _signal_name(code: int) -> str:
@@ -77,14 +132,97 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def _how(rc: Optional[int]) -> str:
+    if rc is None:
+        return "is still running"
+    return f"was killed by {_signal_name(rc)}" if rc < 0 else f"exited with code {rc}"
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    error_file: str
+    tail: Deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    rc: Optional[int] = None
+    exit_time: float = 0.0
+    signalled: bool = False  # the launcher sent it a signal (it was still running after another rank failed)
+
+    @property
+    def stopped(self) -> bool:
+        """It died of the launcher's signal (not of its own error a moment before the signal came)."""
+        return self.signalled and self.rc is not None and self.rc < 0
+
+
+def _pump(stream: IO[bytes], prefix: str, console: Optional[IO[str]], log: Optional[IO[bytes]],
+          tail: Optional[Deque[str]]) -> None:
+    for raw in iter(stream.readline, b""):
+        if log is not None:
+            log.write(raw)
+            log.flush()
+        line = raw.decode(errors="replace")
+        if tail is not None:
+            tail.append(line.rstrip("\n"))
+        if console is not None:
+            console.write(prefix + line)
+            console.flush()
+    stream.close()
+    if log is not None:
+        log.close()
+
+
+def _root_cause(failed: List[_Rank]) -> _Rank:
+    """Note [Root cause]: when one rank fails, its peers fail too a few milliseconds later, as
+    they find its connections closed; and the launcher may well see a bystander's exit first.
+    So the rank named is the one that failed first: by the time its uncaught exception was
+    recorded (pycyxwiz._failure, written before the process starts to close its connections),
+    else by its exit. A rank whose exception is a lost connection to a peer is named only when
+    every failed rank has one (say, a network that went down for all)."""
+    def when(r: _Rank) -> float:
+        rep = _failure.read(r.error_file)
+        return rep["time"] if rep else r.exit_time
+
+    def consequence(r: _Rank) -> bool:
+        rep = _failure.read(r.error_file)
+        return rep is not None and "DistributedConnectionError" in rep.get("bases", [])
+
+    first_hand = [r for r in failed if not consequence(r)]
+    return min(first_hand or failed, key=when)
+
+
+def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
+    rep = _failure.read(cause.error_file)
+    what = f"{rep['type']}: {rep['message']}" if rep else ""
+    how = _how(cause.rc)
+    if cause.stopped:
+        how = f"raised and was then stopped by the launcher ({_how(cause.rc)})" if rep else how
+    lines = [f"[launch] rank {cause.rank} failed first: it {how}" + (f": {what}" if what else "")]
+    if cause.tail:
+        lines.append(f"[launch] the last lines of rank {cause.rank}'s stderr:")
+        lines += [f"[launch]   {t}" for t in cause.tail]
+    if others:
+        def fate(r: _Rank) -> str:
+            rep = _failure.read(r.error_file)
+            if rep:
+                return f"rank {r.rank} raised {rep['type']}"
+            return f"rank {r.rank} was stopped by the launcher" if r.stopped else f"rank {r.rank} {_how(r.rc)}"
+
+        lines.append("[launch] the other ranks stopped because of it: " + "; ".join(fate(r) for r in others))
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
-        master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True) -> int:
+        master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
+        module: bool = False, log_dir: Optional[str] = None, tee: bool = False) -> int:
     """Run the ranks of this node; return the exit code the launcher should exit with."""
     if nproc < 1:
         raise SystemExit(f"launch: --nproc-per-node must be at least 1, got {nproc}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise SystemExit(f"launch: --node-rank {node_rank} is out of range for --nnodes {nnodes}")
-    argv = _command(cmd)
+    if tee and not log_dir:
+        raise SystemExit("launch: --tee shows the output that --log-dir writes to files; give --log-dir too")
+    argv = _command(cmd, module)
     addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
     if port is None:
@@ -93,79 +231,143 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
             new = _free_port(addr)
             print(f"[launch] port {port} on {addr} is in use; using MASTER_PORT={new}", file=sys.stderr, flush=True)
             port = new
+    threads_env = {}
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        n = max(1, _cpus() // nproc)
+        threads_env["OMP_NUM_THREADS"] = str(n)
     world = nnodes * nproc
-    procs: List[subprocess.Popen] = []
-    pumps: List[threading.Thread] = []
+    scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
+    logs = Path(log_dir) if log_dir else None
+    console = logs is None or tee
+
+    # Every rank is started before any thread is: the preexec_fn runs between fork and exec,
+    # where another thread's lock could be held.
+    ranks: List[_Rank] = []
+    arm = _die_with_launcher(os.getpid())
     for local in range(nproc):
         rank = node_rank * nproc + local
+        folder = logs / f"rank_{rank}" if logs else Path(scratch.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        error_file = str(folder / ("error.json" if logs else f"error_{rank}.json"))
+        try:
+            os.unlink(error_file)  # a report of an earlier run in the same --log-dir
+        except FileNotFoundError:
+            pass
         env = dict(os.environ)
+        env.update(threads_env)
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(p)
-        show = show_ranks is None or rank in show_ranks
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] " if prefix else "", show, sys.stdout),
-                             daemon=True)
-        t.start()
-        pumps.append(t)
+        env[_failure.ENV] = error_file
+        try:
+            p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True, preexec_fn=arm)
+        except OSError as e:
+            for r in ranks:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+                r.proc.wait()
+            raise SystemExit(f"launch: cannot start {argv[0]!r}: {e.strerror}"
+                             + (" (not found on PATH)" if isinstance(e, FileNotFoundError) else ""))
+        ranks.append(_Rank(rank, p, error_file))
+    if threads_env:
+        print(f"[launch] OMP_NUM_THREADS={threads_env['OMP_NUM_THREADS']} for each rank ({_cpus()} CPUs, {nproc} "
+              "ranks on this node); set OMP_NUM_THREADS to choose another value", file=sys.stderr, flush=True)
+
+    pumps: List[threading.Thread] = []
+    exits: "queue.Queue[_Rank]" = queue.Queue()
+    for r in ranks:
+        show = console and (show_ranks is None or r.rank in show_ranks)
+        pre = f"[rank {r.rank}] " if prefix else ""
+        for stream, out, name, tail in ((r.proc.stdout, sys.stdout, "stdout", None),
+                                        (r.proc.stderr, sys.stderr, "stderr", r.tail)):
+            log = open(logs / f"rank_{r.rank}" / f"{name}.log", "wb") if logs else None
+            t = threading.Thread(target=_pump, args=(stream, pre, out if show else None, log, tail), daemon=True)
+            t.start()
+            pumps.append(t)
+
+        def wait(r: _Rank = r) -> None:
+            r.rc = r.proc.wait()
+            r.exit_time = time.time()
+            exits.put(r)
+
+        threading.Thread(target=wait, daemon=True).start()
 
     def stop_all(sig=signal.SIGTERM) -> None:
-        for p in procs:
-            if p.poll() is None:
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.signalled = True
                 try:
-                    os.killpg(p.pid, sig)
+                    os.killpg(r.proc.pid, sig)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 5
-        for p in procs:
+        for r in ranks:
             try:
-                p.wait(max(0.0, deadline - time.monotonic()))
+                r.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    os.killpg(r.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                p.wait()
+                r.proc.wait()
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    failed = False
     try:
-        remaining = set(range(nproc))
-        while remaining:
-            for local in list(remaining):
-                rc = procs[local].poll()
-                if rc is None:
-                    continue
-                remaining.discard(local)
-                if rc != 0:
-                    rank = node_rank * nproc + local
-                    how = f"was killed by {_signal_name(rc)}" if rc < 0 else f"exited with code {rc}"
-                    for t in pumps:
-                        t.join(0.5)
-                    print(f"[launch] rank {rank} {how}; stopping the other ranks", file=sys.stderr, flush=True)
-                    stop_all()
-                    code = rc if rc > 0 else 128 - rc
-                    remaining.clear()
-                    break
-            time.sleep(0.05)
+        running = len(ranks)
+        while running:
+            try:
+                r = exits.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            running -= 1
+            if r.rc != 0:
+                # The others fail too within milliseconds once they find this rank gone (and the
+                # rank that caused it may still be exiting): a moment for them to finish on their
+                # own, so their exit codes and reports are their own; then stop whoever is left.
+                failed = True
+                grace = time.monotonic() + STOP_GRACE_S
+                while running and time.monotonic() < grace:
+                    try:
+                        exits.get(timeout=max(0.0, grace - time.monotonic()))
+                        running -= 1
+                    except queue.Empty:
+                        break
+                stop_all()
+                break
     except KeyboardInterrupt:
         print("[launch] interrupted; stopping all ranks", file=sys.stderr, flush=True)
         stop_all(signal.SIGINT)
         code = 130
     finally:
         signal.signal(signal.SIGTERM, old)
+    drained = time.monotonic() + 2  # a rank's child may hold its pipes open: do not wait for it long
     for t in pumps:
-        t.join(2)
+        t.join(max(0.0, drained - time.monotonic()))
+    if failed:
+        for r in ranks:  # the waiter threads record rc and exit time; the stopped ones have exited by now
+            if r.rc is None:
+                r.rc = r.proc.wait()
+                r.exit_time = r.exit_time or time.time()
+        bad = [r for r in ranks if r.rc != 0]
+        cause = _root_cause([r for r in bad if not r.stopped or _failure.read(r.error_file)] or bad)
+        _report(cause, [r for r in bad if r is not cause], sys.stderr)
+        code = cause.rc if cause.rc and cause.rc > 0 else 128 - (cause.rc or -1)
+    scratch.cleanup()
     return code
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m pycyxwiz.launch", description=__doc__.split("\n\n")[0],
+    invoked = Path(sys.argv[0]).name
+    prog = invoked if invoked.startswith("cyxwiz-launch") else "python -m pycyxwiz.launch"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, help="ranks on this machine")
+    ap.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                    help="ranks on this machine: a number, 'gpu', 'cpu' or 'auto' (default 1)")
     ap.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
     ap.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this machine's index (default 0)")
     ap.add_argument("--master-addr", "--master_addr", default=None, help="address of rank 0 (default $MASTER_ADDR or 127.0.0.1)")
@@ -173,10 +375,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="port of rank 0's store (default $MASTER_PORT or 29500; a free one if 29500 is taken)")
     ap.add_argument("--show-ranks", default=None, help="comma-separated ranks whose output is shown (default: all)")
     ap.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank N]")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args] or any command")
+    ap.add_argument("--log-dir", "--log_dir", default=None,
+                    help="write each rank's output to DIR/rank_N/stdout.log and stderr.log instead of the console")
+    ap.add_argument("--tee", action="store_true", help="with --log-dir: show the output on the console too")
+    ap.add_argument("-m", "--module", action="store_true", help="run the command as a Python module (python -m)")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args], a module with -m, or any command")
     a = ap.parse_args(argv)
-    sys.exit(run(a.nproc_per_node, a.command, a.nnodes, a.node_rank, a.master_addr, a.master_port,
-                 _parse_ranks(a.show_ranks), not a.no_prefix))
+    sys.exit(run(nproc_from(a.nproc_per_node), a.command, a.nnodes, a.node_rank, a.master_addr, a.master_port,
+                 _parse_ranks(a.show_ranks), not a.no_prefix, a.module, a.log_dir, a.tee))
 
 
 if __name__ == "__main__":
