@@ -10,7 +10,7 @@ import os
 
 
 def preload() -> None:
-    import scipy_openblas32
+    import scipy_openblas32  # type: ignore[import-untyped]
 
     lib_dir = scipy_openblas32.get_lib_dir()
     for name in sorted(os.listdir(lib_dir)):

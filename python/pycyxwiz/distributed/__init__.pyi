@@ -1,5 +1,5 @@
 # Type stub of cx.distributed: the process group and collectives (_pg.pyi), spawn (_spawn.py) and
-# data-parallel training (_train.pyi). Names as seed 004 writes them.
+# data-parallel training (_train.pyi).
 
 from ._pg import (
     BackendType as BackendType,
@@ -24,6 +24,7 @@ from ._pg import (
     init as init,
     is_initialized as is_initialized,
     is_master as is_master,
+    is_nccl_available as is_nccl_available,
     recv as recv,
     reduce as reduce,
     reduce_scatter as reduce_scatter,
@@ -41,3 +42,15 @@ from ._train import (
     DistributedTrainingHistory as DistributedTrainingHistory,
 )
 
+
+__all__ = [
+    "ReduceOp", "BackendType", "DistributedConfig", "Work",
+    "DistributedError", "DistributedTimeoutError", "DistributedConnectionError", "CollectiveMismatchError",
+    "init", "finalize", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_config",
+    "is_master", "is_nccl_available",
+    "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
+    "all_to_all", "barrier", "send", "recv",
+    "spawn", "SpawnError",
+    "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
+]

@@ -1,19 +1,34 @@
 # Type stub for the process group and collectives (C++: csrc/dist/, bound in csrc/bindings/dist.cpp;
 # re-exported by _pg.py). Every collective works in place on C-contiguous NumPy arrays and returns
 # None, or a Work handle with async_op=True.
-from typing import Any, List, Literal, Optional, Sequence, Union, overload
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Sequence, Union, overload
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Buffer
 
-_Array = npt.NDArray[Any]
+from .._core import _pybind11_type
+
+__all__ = [
+    "ReduceOp", "BackendType", "DistributedConfig", "Work",
+    "DistributedError", "DistributedTimeoutError", "DistributedConnectionError", "CollectiveMismatchError",
+    "init", "finalize", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_config",
+    "is_master", "is_nccl_available",
+    "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
+    "all_to_all", "barrier", "send", "recv",
+]
+
+# A NumPy array, or anything NumPy views without a copy (memoryview, array.array, bytearray); with
+# BackendType.NCCL a CuPy array (untyped, so Any).
+_Array = Union[npt.NDArray[Any], Buffer]
 # An output/input made of world_size blocks: one array of world_size * n elements (rows), or a list.
 _Blocks = Union[_Array, Sequence[_Array]]
 # Only override: "bfloat16" for 2-byte (uint16) storage.
 _DType = Optional[Literal["bfloat16"]]
 
 
-class ReduceOp:
+class ReduceOp(metaclass=_pybind11_type):
+    __members__: ClassVar[Dict[str, ReduceOp]]
     SUM: ReduceOp
     AVG: ReduceOp
     PRODUCT: ReduceOp
@@ -29,7 +44,8 @@ class ReduceOp:
     @property
     def value(self) -> int: ...
 
-class BackendType:
+class BackendType(metaclass=_pybind11_type):
+    __members__: ClassVar[Dict[str, BackendType]]
     CPU: BackendType
     NCCL: BackendType
     def __init__(self, value: int) -> None: ...
@@ -42,15 +58,16 @@ class BackendType:
     @property
     def value(self) -> int: ...
 
-class DistributedConfig:
-    """Where this process sits in the job (seed 004 defaults)."""
+class DistributedConfig(metaclass=_pybind11_type):
+    """Where this process sits in the job."""
     rank: int                     # 0
     world_size: int               # 1
     local_rank: int               # 0
     master_addr: str              # "127.0.0.1"
     master_port: int              # 29500
     backend: BackendType          # BackendType.CPU
-    timeout_ms: int               # 30000
+    timeout_ms: int               # 600000: how long init() waits for every rank
+    operation_timeout_ms: int     # 1800000: how long one collective waits for its peers
     chunk_bytes: int              # ring pipeline chunk (tuning; every rank must agree)
     small_allreduce_bytes: int    # below this, the latency-optimised all-reduce
     spin_us: int                  # busy-poll before blocking; -1: chosen from ranks per core
@@ -59,8 +76,10 @@ class DistributedConfig:
     def from_environment() -> DistributedConfig: ...
     def validate(self) -> None: ...
 
-class Work:
+class Work(metaclass=_pybind11_type):
     """Handle of an async collective (async_op=True)."""
+    # Made by the collectives only (pybind11's constructor, which raises TypeError).
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def wait(self, timeout: Optional[float] = None) -> bool: ...
     def is_completed(self) -> bool: ...
 
@@ -77,6 +96,7 @@ def get_world_size() -> int: ...
 def get_local_rank() -> int: ...
 def get_config() -> DistributedConfig: ...
 def is_master() -> bool: ...
+def is_nccl_available() -> bool: ...
 
 @overload
 def all_reduce(arr: _Array, op: ReduceOp = ..., async_op: Literal[False] = False, dtype: _DType = None) -> None: ...

@@ -6,6 +6,7 @@ from typing import Any, ContextManager, Iterator, List, Optional, Tuple, Union, 
 import numpy as np
 import numpy.typing as npt
 
+from .._core import _pybind11_type
 from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss, Optimizer, SequentialModel
 
 _F32 = npt.NDArray[np.float32]
@@ -13,14 +14,19 @@ _Loss = Union[CrossEntropyLoss, MSELoss, BCEWithLogitsLoss]
 _Path = Union[str, "PathLike[str]"]
 
 
-class DDPConfig:
+__all__ = [
+    "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
+]
+
+class DDPConfig(metaclass=_pybind11_type):
     broadcast_parameters: bool    # True: copy rank 0's parameters (and buffers) to every rank
     bucket_size_mb: float         # 25.0
     find_unused_parameters: bool  # False
     first_bucket_mb: float        # 1.0: bucket 0 (the last layers) is small so communication starts early
     def __init__(self) -> None: ...
 
-class DistributedDataParallel:
+class DistributedDataParallel(metaclass=_pybind11_type):
     def __init__(self, model: SequentialModel, config: DDPConfig = ...) -> None: ...
     def forward(self, input: _F32) -> _F32: ...
     def __call__(self, input: _F32) -> _F32: ...
@@ -46,7 +52,7 @@ class DistributedDataParallel:
     def get_world_size(self) -> int: ...
     def get_model(self) -> SequentialModel: ...
 
-class DistributedSampler:
+class DistributedSampler(metaclass=_pybind11_type):
     def __init__(self, dataset_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_replicas: Optional[int] = None, rank: Optional[int] = None) -> None: ...
     def set_epoch(self, epoch: int) -> None: ...
@@ -68,7 +74,7 @@ class DistributedSampler:
     @property
     def drop_last(self) -> bool: ...
 
-class DistributedBatchIterator:
+class DistributedBatchIterator(metaclass=_pybind11_type):
     def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool = False) -> None: ...
     def has_next(self) -> bool: ...
     def next(self) -> List[int]: ...
