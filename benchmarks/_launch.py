@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Note [Where results go]: benchmarks/results/ is committed and holds complete runs of the suite
+# only (python -m benchmarks with its defaults, run to the end: staged, then moved in at once).
+# Everything else, a partial suite (--quick, --skip, ...), one benchmark on its own or a run that
+# was interrupted, writes benchmarks/results/partial/, which git ignores.
 RESULTS = REPO / "benchmarks" / "results"
+PARTIAL = RESULTS / "partial"
 
 MPI_INSTALL_HINT = (
     "Open MPI not found: apt-get install -y openmpi-bin libopenmpi-dev, "

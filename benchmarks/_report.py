@@ -1,7 +1,7 @@
 """Numbers to text: sizes, tables (aligned text and markdown), JSON files, machine facts.
 
     print(format_table(["size", "gloo"], [["8 B", "250 us"]]))
-    write_json("allreduce", payload)        # benchmarks/results/allreduce.json
+    write_json("allreduce", payload)        # benchmarks/results/partial/allreduce.json
 """
 from __future__ import annotations
 
@@ -12,7 +12,21 @@ import subprocess
 import sys
 import time
 
-from benchmarks._launch import REPO, RESULTS
+from pathlib import Path
+
+from benchmarks._launch import PARTIAL, REPO
+
+_output = PARTIAL  # Note [Where results go] in _launch.py
+
+
+def output_dir() -> Path:
+    """Where this run writes its JSON, plots and summary."""
+    return _output
+
+
+def set_output_dir(path: Path) -> None:
+    global _output
+    _output = Path(path)
 
 _UNITS = [("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 
@@ -89,8 +103,8 @@ def machine_info() -> dict:
 
 
 def write_json(name: str, payload: dict) -> str:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    _output.mkdir(parents=True, exist_ok=True)
+    path = _output / f"{name}.json"
     payload = {**payload, "machine": machine_info()}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=1))
@@ -99,7 +113,7 @@ def write_json(name: str, payload: dict) -> str:
 
 
 def read_json(name: str) -> dict | None:
-    path = RESULTS / f"{name}.json"
+    path = _output / f"{name}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

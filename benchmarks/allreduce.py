@@ -22,7 +22,7 @@ loopback TCP both ways on data in memory, the cores shared out among the ranks);
 latency (us per call). Ratios are pycyxwiz's speed over the other's (busbw ratio = inverse
 time ratio): above 1 means pycyxwiz is faster.
 
-Writes benchmarks/results/<name>.json and <name>.png (name defaults to the op's short name).
+Writes benchmarks/results/partial/<name>.json and <name>.png (name defaults to the op's short name).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ if __package__ in (None, ""):  # `python benchmarks/allreduce.py` works too
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._collective_worker import OPS
-from benchmarks._launch import LIBRARIES, RESULTS, run_ranks
+from benchmarks._launch import LIBRARIES, run_ranks
 from benchmarks.loopback import tcp_ceiling
 from benchmarks._report import (LIB_LABEL, LIB_STYLE, fmt_gbps, fmt_ratio, fmt_time_us, format_table,
-                                human_size, median, parse_size, plt, write_json)
+                                human_size, median, output_dir, parse_size, plt, write_json)
 
 DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [8, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     print()
     print(tables(payload))
     print(f"\nwrote {write_json(name, payload)}")
-    png = plot(payload, RESULTS / f"{name}.png") if a.op not in ("barrier", "pingpong") else None
+    png = plot(payload, output_dir() / f"{name}.png") if a.op not in ("barrier", "pingpong") else None
     if png:
         print(f"wrote {png}")
     return 0

@@ -7,7 +7,7 @@ against PyTorch on the CPU, side by side in one run, at the same thread count.
 Both sides do the same work: cross-entropy loss, parameter gradients (no gradient w.r.t. the
 input, which PyTorch skips for an input that does not require grad; we pass input_grad=False),
 zero_grad and one Adam step. Reports the median of many timed steps after a warm-up, and writes
-the numbers as JSON to benchmarks/results/model.json.
+the numbers as JSON to benchmarks/results/partial/model.json (--out to choose).
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3, help="alternate the two libraries this many times")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "model.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "partial",
+                                                  "model.json"))
     args = ap.parse_args()
 
     import torch

@@ -9,7 +9,7 @@ Same MLP, data, batch size and optimizer (Adam 1e-3) for all three; every loop c
 batch from host memory to the device once (PyTorch: x[idx].to('cuda') with a pinned-free
 index, as a DataLoader without workers would). Prints global samples/s and the ratios
 pycyxwiz-GPU / PyTorch-GPU and pycyxwiz-GPU / pycyxwiz-CPU. Writes
-benchmarks/results/gpu_train.json.
+benchmarks/results/partial/gpu_train.json.
 """
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def main() -> int:
             rows.append(row)
             print(f"{row['model']:>22} {batch:>6} {g:>10.0f} {t:>10.0f} {c:>10.0f} {g / t:>9.2f} {g / c:>8.1f}",
                   flush=True)
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "gpu_train.json"), "w") as f:
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "partial", "gpu_train.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 

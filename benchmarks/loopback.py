@@ -1,6 +1,6 @@
 """The ceiling: what plain loopback TCP carries between two processes on this machine.
 
-    python -m benchmarks.loopback            # prints the figures below, writes results/loopback.json
+    python -m benchmarks.loopback            # prints the figures below, writes results/partial/loopback.json
 
 Every figure is bytes per second in one direction (GB/s = 1e9 B/s), between two real processes,
 1 MiB send/recv calls, measured by loopback.c (compiled on first use; Python sockets, the code

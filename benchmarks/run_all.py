@@ -6,16 +6,21 @@
 
 Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
 reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
-(1, 2, 4 ranks), memory. Writes
-benchmarks/results/<name>.json and .png for each, and SUMMARY.md: the markdown tables that
-go into the README. Each column has a timeout, clipped so the suite stays within --budget.
+(1, 2, 4 ranks), memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
+tables that go into the README. A complete run with the defaults replaces benchmarks/results/
+when it ends; any other run (--quick, --skip, other worlds or libraries, interrupted) writes
+benchmarks/results/partial/ and leaves the committed results alone. Each column has a timeout,
+clipped so the suite stays within --budget.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
 if __package__ in (None, ""):
     from pathlib import Path
@@ -25,8 +30,8 @@ if __package__ in (None, ""):
 from benchmarks import _launch
 from benchmarks import allreduce as coll
 from benchmarks import loopback, memory, train
-from benchmarks._launch import LIBRARIES, RESULTS, mpi_available
-from benchmarks._report import format_table, human_size, machine_info, write_json
+from benchmarks._launch import LIBRARIES, PARTIAL, RESULTS, mpi_available
+from benchmarks._report import format_table, human_size, machine_info, output_dir, set_output_dir, write_json
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
 STEPS = ("loopback", *COLLECTIVES, "train", "memory")
@@ -187,7 +192,7 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
             continue
         name = coll.SHORT_NAME[op]
         lines += ["", f"## {op}", "", coll.tables(p, markdown=True)]
-        if (RESULTS / f"{name}.png").exists() and op not in ("barrier", "pingpong"):
+        if (output_dir() / f"{name}.png").exists() and op not in ("barrier", "pingpong"):
             lines += ["", f"![{op} busbw vs size]({name}.png)"]
     if parts.get("train"):
         lines += ["", "## training", "", train.table(parts["train"], markdown=True), "", "![training](train.png)"]
@@ -207,6 +212,36 @@ def main(argv=None) -> int:
                     "(default 3 for all_reduce, 2 for the others; 1 with --quick)")
     ap.add_argument("--budget", type=float, default=14.0, help="minutes the whole suite may take")
     a = ap.parse_args(argv)
+    # Note [Where results go] in _launch.py: only a complete run with the defaults is committed.
+    complete = not (a.quick or a.skip or a.rounds or a.worlds != [2, 4] or a.libs != list(LIBRARIES))
+    out = RESULTS / f".staging-{os.getpid()}" if complete else PARTIAL
+    set_output_dir(out)
+    try:
+        seconds = _run(a, argv)
+    except BaseException:
+        if complete:
+            _move_into(out, PARTIAL)
+            print(f"\nthe suite did not finish: what it measured is in {PARTIAL}; {RESULTS} is unchanged",
+                  file=sys.stderr)
+        raise
+    if complete:
+        _move_into(out, RESULTS)
+    where = RESULTS if complete else PARTIAL
+    print(f"suite took {seconds / 60:.1f} min; wrote {where / 'SUMMARY.md'}"
+          + ("" if complete else f" (a partial run: {RESULTS} is unchanged)"))
+    return 0
+
+
+def _move_into(staging: Path, dest: Path) -> None:
+    """Every file of a run at once, replacing what dest held under the same names."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if staging.exists():
+        for f in staging.iterdir():
+            os.replace(f, dest / f.name)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run(a, argv) -> float:
     start = time.monotonic()
     _launch.suite_deadline = start + a.budget * 60
     ok, why = mpi_available()
@@ -236,7 +271,7 @@ def main(argv=None) -> int:
                      rounds=a.rounds or (1 if a.quick else 3 if op == "all_reduce" else 2))
         write_json(coll.SHORT_NAME[op], p)
         if op not in ("barrier", "pingpong"):
-            coll.plot(p, RESULTS / f"{coll.SHORT_NAME[op]}.png")
+            coll.plot(p, output_dir() / f"{coll.SHORT_NAME[op]}.png")
         print(coll.tables(p) + "\n", flush=True)
         parts[op] = p
     if "train" not in a.skip:
@@ -244,7 +279,7 @@ def main(argv=None) -> int:
         worlds = [1, 2] if a.quick else [1, 2, 4]
         p = train.run(worlds, list(train.TRAIN_LIBS), 4096 if a.quick else 8192, 2 if a.quick else 3)
         write_json("train", p)
-        train.plot(p, RESULTS / "train.png")
+        train.plot(p, output_dir() / "train.png")
         print(train.table(p) + "\n", flush=True)
         parts["train"] = p
     if "memory" not in a.skip:
@@ -255,10 +290,9 @@ def main(argv=None) -> int:
         print(memory.tables(p) + "\n", flush=True)
         parts["memory"] = p
     seconds = time.monotonic() - start
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "SUMMARY.md").write_text(summary(parts, argv, seconds))
-    print(f"suite took {seconds / 60:.1f} min; wrote {RESULTS / 'SUMMARY.md'}")
-    return 0
+    output_dir().mkdir(parents=True, exist_ok=True)
+    (output_dir() / "SUMMARY.md").write_text(summary(parts, argv, seconds))
+    return seconds
 
 
 if __name__ == "__main__":

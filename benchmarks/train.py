@@ -1,6 +1,6 @@
 """Training throughput: cx.distributed.DistributedTrainer vs PyTorch DDP (gloo).
 
-    python -m benchmarks.train                      # worlds 1 2 4, writes results/train.json and train.png
+    python -m benchmarks.train                      # worlds 1 2 4, writes results/partial/train.json and train.png
     python -m benchmarks.train --worlds 1 2 --epochs 2
 
 Same MLP 784-256-10, same synthetic data, batch 64 per rank, Adam(1e-3), one thread per rank
@@ -20,8 +20,8 @@ if __package__ in (None, ""):
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._launch import RESULTS, run_ranks
-from benchmarks._report import LIB_LABEL, LIB_STYLE, fmt_ratio, format_table, plt, write_json
+from benchmarks._launch import run_ranks
+from benchmarks._report import LIB_LABEL, LIB_STYLE, fmt_ratio, format_table, output_dir, plt, write_json
 
 TRAIN_LIBS = ("pycyxwiz", "pycyxwiz-shm", "torch")
 
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     print()
     print(table(payload))
     print(f"\nwrote {write_json('train', payload)}")
-    png = plot(payload, RESULTS / "train.png")
+    png = plot(payload, output_dir() / "train.png")
     if png:
         print(f"wrote {png}")
     return 0
