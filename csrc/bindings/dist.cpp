@@ -9,16 +9,16 @@
 
 #include "bindings/bindings.h"
 #include "bindings/collective_docs.h"
-#include "dist/default_group.h"
-#include "dist/transport/nccl/cuda_driver.h"
-#include "dist/transport/nccl/kernels.h"
-#include "dist/transport/nccl/nccl_api.h"
-#include "dist/transport/nccl/nccl_transport.h"
+#include "distributed/default_group.h"
+#include "distributed/transport/nccl/cuda_driver.h"
+#include "distributed/transport/nccl/kernels.h"
+#include "distributed/transport/nccl/nccl_api.h"
+#include "distributed/transport/nccl/nccl_transport.h"
 #include "gpu/runtime.h"
 
 namespace cx::bindings {
 
-using namespace cx::dist;
+using namespace cx::distributed;
 
 namespace {
 

@@ -10,7 +10,7 @@
 
 #include "bindings/bindings.h"
 #include "common/error.h"
-#include "dist/default_group.h"
+#include "distributed/default_group.h"
 #include "nn/loss.h"
 #include "nn/optimizer.h"
 #include "nn/rng.h"
@@ -154,7 +154,7 @@ void bind_train(py::module_& m) {
       "    ddp = cx.distributed.DistributedDataParallel(model, cx.distributed.DDPConfig())\n"
       "    out = ddp.forward(x); ddp.backward(loss_fn.backward()); ddp.update_parameters(opt)")
       .def(py::init([](std::shared_ptr<nn::SequentialModel> model, const DDPConfig& cfg) {
-             auto g = dist::require_default_group("DistributedDataParallel");
+             auto g = distributed::require_default_group("DistributedDataParallel");
              py::gil_scoped_release nogil;
              return std::make_shared<DistributedDataParallel>(std::move(model), cfg, std::move(g));
            }),
@@ -348,7 +348,7 @@ void bind_train(py::module_& m) {
                                                         "Per-batch engine of DistributedTrainer (see _train.py).")
       .def(py::init([](std::shared_ptr<nn::SequentialModel> model, py::handle loss,
                        std::shared_ptr<nn::Optimizer> opt, const DDPConfig& cfg) {
-             auto g = dist::require_default_group("DistributedTrainer");
+             auto g = distributed::require_default_group("DistributedTrainer");
              auto l = as_loss(loss);
              py::gil_scoped_release nogil;
              return std::make_shared<TrainerCore>(std::move(model), std::move(l), std::move(opt), std::move(g), cfg);

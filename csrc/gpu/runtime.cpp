@@ -9,17 +9,17 @@
 
 #include "common/error.h"
 
-namespace cx::dist::cuda {
+namespace cx::distributed::cuda {
 #ifdef CX_WITH_CUDA
 extern const unsigned char kFatbin_nn[];  // csrc/cuda/nn.cu, embedded by csrc/cuda/embed.cmake
 extern const size_t kFatbinBytes_nn;
 #endif
-}  // namespace cx::dist::cuda
+}  // namespace cx::distributed::cuda
 
 namespace cx::gpu {
 
-using dist::cuda::check_cu;
-using dist::cuda::cuda_driver;
+using distributed::cuda::check_cu;
+using distributed::cuda::cuda_driver;
 
 namespace {
 
@@ -90,7 +90,7 @@ void set_cublas_search_dirs(std::vector<std::string> dirs) {
 
 bool kernels_built() {
 #ifdef CX_WITH_CUDA
-  return dist::cuda::kFatbinBytes_nn > 0;
+  return distributed::cuda::kFatbinBytes_nn > 0;
 #else
   return false;
 #endif
@@ -129,8 +129,8 @@ void Buffer::reserve(size_t bytes) {
   p_ = 0;
   bytes_ = 0;
   size_t want = std::max<size_t>(bytes, 256);
-  dist::cuda::CUresult r = d.cuMemAlloc(&p_, want);
-  if (r != dist::cuda::kSuccess) {
+  distributed::cuda::CUresult r = d.cuMemAlloc(&p_, want);
+  if (r != distributed::cuda::kSuccess) {
     CX_THROW(Error, "cuMemAlloc of ", want, " bytes on the GPU failed: ", d.error_text(r),
              " (the model's parameters, activations or batch do not fit: lower batch_size)");
   }
@@ -150,21 +150,21 @@ const char* const kKernels[] = {"cx_nn_bias_add", "cx_nn_col_sum_add", "cx_nn_ac
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none
-  int n = dist::cuda::device_count_or_zero();
-  dist::cuda::check_local_rank(ordinal, n);
+  int n = distributed::cuda::device_count_or_zero();
+  distributed::cuda::check_local_rank(ordinal, n);
   if (!kernels_built()) {
     CX_THROW(Error, "this build of pycyxwiz has no CUDA kernels (nvcc was not on PATH when it was built), so the "
                     "model cannot run on the GPU: reinstall pycyxwiz where nvcc is found (pip install . with CUDA's "
                     "bin folder on PATH), or train with BackendType.CPU");
   }
-  dist::cuda::CUdevice dev = 0;
+  distributed::cuda::CUdevice dev = 0;
   check_cu(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
   check_cu(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
   try {
     make_current();
-    check_cu(d.cuStreamCreate(&stream_, dist::cuda::kStreamNonBlocking), "cuStreamCreate");
+    check_cu(d.cuStreamCreate(&stream_, distributed::cuda::kStreamNonBlocking), "cuStreamCreate");
 #ifdef CX_WITH_CUDA
-    check_cu(d.cuModuleLoadData(&mod_, dist::cuda::kFatbin_nn),
+    check_cu(d.cuModuleLoadData(&mod_, distributed::cuda::kFatbin_nn),
              "loading pycyxwiz's model kernels (built for sm_80 and sm_90 plus PTX; the GPU may be older, or the "
              "driver older than the nvcc that built them)");
 #endif
@@ -187,8 +187,8 @@ void Device::release() {
   if (mod_) d.cuModuleUnload(mod_);
   if (stream_) d.cuStreamDestroy(stream_);
   cublas_ = nullptr, mod_ = nullptr, stream_ = nullptr;
-  dist::cuda::CUdevice dev = 0;
-  if (ctx_ && d.cuDeviceGet(&dev, ordinal_) == dist::cuda::kSuccess) d.cuDevicePrimaryCtxRelease(dev);
+  distributed::cuda::CUdevice dev = 0;
+  if (ctx_ && d.cuDeviceGet(&dev, ordinal_) == distributed::cuda::kSuccess) d.cuDevicePrimaryCtxRelease(dev);
   ctx_ = nullptr;
 }
 
@@ -229,9 +229,9 @@ void Device::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_)
 
 std::string Device::name() const {
   char buf[256] = {0};
-  dist::cuda::CUdevice dev = 0;
+  distributed::cuda::CUdevice dev = 0;
   const auto& d = cuda_driver();
-  if (d.cuDeviceGet(&dev, ordinal_) == dist::cuda::kSuccess) d.cuDeviceGetName(buf, sizeof(buf) - 1, dev);
+  if (d.cuDeviceGet(&dev, ordinal_) == distributed::cuda::kSuccess) d.cuDeviceGetName(buf, sizeof(buf) - 1, dev);
   return buf;
 }
 

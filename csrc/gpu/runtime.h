@@ -5,7 +5,7 @@
 // With BackendType.NCCL the trainer runs the model on GPU LOCAL_RANK
 // (csrc/train/gpu_trainer.h). Everything goes through the CUDA driver API that
 // the NCCL backend already loads (Note [How CUDA is found and loaded] in
-// csrc/dist/transport/nccl/cuda_driver.h): kernels are csrc/cuda/nn.cu,
+// csrc/distributed/transport/nccl/cuda_driver.h): kernels are csrc/cuda/nn.cu,
 // compiled by nvcc at build time into a fatbin embedded in _core; the GEMM is
 // cuBLAS, dlopen'ed at run time from the nvidia-cublas(-cu12) wheel or the
 // system (only cublasCreate/SetStream/Sgemm/Destroy are declared, by us), and
@@ -19,13 +19,13 @@
 #include <string>
 #include <vector>
 
-#include "dist/transport/nccl/cuda_driver.h"
+#include "distributed/transport/nccl/cuda_driver.h"
 
 namespace cx::gpu {
 
-using dist::cuda::CUdeviceptr;
-using dist::cuda::CUfunction;
-using dist::cuda::CUstream;
+using distributed::cuda::CUdeviceptr;
+using distributed::cuda::CUfunction;
+using distributed::cuda::CUstream;
 
 // Directories searched for libcublas.so.13/.12 before the system loader's path
 // (python/pycyxwiz/distributed/_gpu.py passes the nvidia wheels' lib folders).
@@ -108,9 +108,9 @@ class Device {
   void release();
 
   int ordinal_ = 0;
-  dist::cuda::CUcontext ctx_ = nullptr;
+  distributed::cuda::CUcontext ctx_ = nullptr;
   CUstream stream_ = nullptr;
-  dist::cuda::CUmodule mod_ = nullptr;
+  distributed::cuda::CUmodule mod_ = nullptr;
   std::vector<std::pair<std::string, CUfunction>> fns_;
   void* cublas_ = nullptr;            // cublasHandle_t
   const void* cublas_lib_ = nullptr;  // the library it came from

@@ -32,7 +32,7 @@ uint64_t fnv1a(const float* p, size_t n) {
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialModel> model, DDPConfig cfg,
-                                                 std::shared_ptr<dist::ProcessGroup> group)
+                                                 std::shared_ptr<distributed::ProcessGroup> group)
     : model_(std::move(model)), cfg_(cfg), group_(std::move(group)) {
   CX_CHECK(model_ != nullptr, InvalidArgument, "DistributedDataParallel: model is None");
   CX_CHECK(group_ != nullptr, InvalidArgument,
@@ -81,19 +81,19 @@ void DistributedDataParallel::broadcast_parameters() {
            "DistributedDataParallel: the model changed after it was wrapped (", num_elems_, " parameters then, ",
            model_->num_parameters(), " now); wrap it after the last add()");
   wait_in_flight();
-  if (num_elems_) group_->broadcast(model_->flat_params(), num_elems_, dist::DataType::kFloat32, 0, false);
+  if (num_elems_) group_->broadcast(model_->flat_params(), num_elems_, distributed::DataType::kFloat32, 0, false);
   broadcast_buffers();
 }
 
 void DistributedDataParallel::broadcast_buffers() {
   for (size_t i = 0; i < model_->size(); ++i)
     for (auto* buf : model_->module(i)->buffers())
-      if (!buf->empty()) group_->broadcast(buf->data(), buf->size(), dist::DataType::kFloat32, 0, false);
+      if (!buf->empty()) group_->broadcast(buf->data(), buf->size(), distributed::DataType::kFloat32, 0, false);
 }
 
 void DistributedDataParallel::wait_in_flight() {
   // Wait for all, then rethrow the first error (the group is poisoned anyway).
-  std::vector<dist::ProcessGroup::WorkPtr> works;
+  std::vector<distributed::ProcessGroup::WorkPtr> works;
   works.swap(in_flight_);
   for (auto& w : works) w->wait();
 }
@@ -101,8 +101,8 @@ void DistributedDataParallel::wait_in_flight() {
 void DistributedDataParallel::launch(size_t b) {
   const Bucket& bk = buckets_[b];
   if (bk.count)
-    in_flight_.push_back(group_->all_reduce(model_->flat_grads() + bk.offset, bk.count, dist::DataType::kFloat32,
-                                            dist::ReduceOp::kAvg, true));
+    in_flight_.push_back(group_->all_reduce(model_->flat_grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
+                                            distributed::ReduceOp::kAvg, true));
   ++launched_total_;
   dirty_[b] = 0;
 }
@@ -205,7 +205,7 @@ std::vector<ParamMismatch> DistributedDataParallel::check_parameters() {
   std::vector<int64_t> counts(world);
   std::vector<void*> outs;
   for (int r = 0; r < world; ++r) outs.push_back(&counts[r]);
-  group_->all_gather(mine.data(), outs, 1, dist::DataType::kInt64, false);
+  group_->all_gather(mine.data(), outs, 1, distributed::DataType::kInt64, false);
   for (int r = 0; r < world; ++r)
     CX_CHECK(counts[r] == static_cast<int64_t>(n), MismatchError, "check_parameters (rank ", group_->rank(),
              "): rank ", r, " has a model with ", counts[r], " parameter tensors, this rank has ", n,
@@ -213,7 +213,7 @@ std::vector<ParamMismatch> DistributedDataParallel::check_parameters() {
   std::vector<std::vector<int64_t>> all(world, std::vector<int64_t>(n + 1));
   outs.clear();
   for (int r = 0; r < world; ++r) outs.push_back(all[r].data());
-  group_->all_gather(mine.data(), outs, n + 1, dist::DataType::kInt64, false);
+  group_->all_gather(mine.data(), outs, n + 1, distributed::DataType::kInt64, false);
   std::vector<ParamMismatch> out;
   for (size_t i = 0; i < n; ++i) {
     ParamMismatch m{i, {}};

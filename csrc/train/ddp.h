@@ -81,7 +81,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/process_group.h"
+#include "distributed/process_group.h"
 #include "nn/optimizer.h"
 #include "nn/sequential.h"
 #include "train/buckets.h"
@@ -104,7 +104,7 @@ struct ParamMismatch {
 class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<nn::SequentialModel> model, DDPConfig cfg,
-                          std::shared_ptr<dist::ProcessGroup> group);
+                          std::shared_ptr<distributed::ProcessGroup> group);
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
@@ -146,7 +146,7 @@ class DistributedDataParallel {
 
   std::shared_ptr<nn::SequentialModel> model_;
   DDPConfig cfg_;
-  std::shared_ptr<dist::ProcessGroup> group_;
+  std::shared_ptr<distributed::ProcessGroup> group_;
   size_t num_params_ = 0;             // parameter tensors at construction (checked against re-layouts)
   size_t num_elems_ = 0;
   std::vector<Bucket> buckets_;
@@ -159,7 +159,7 @@ class DistributedDataParallel {
   size_t next_bucket_ = 0;            // next bucket to launch in this backward
   bool launching_ = false;            // this backward may launch
   bool in_backward_ = false;
-  std::vector<dist::ProcessGroup::WorkPtr> in_flight_;
+  std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;
   bool require_sync_ = true;
   size_t backwards_since_sync_ = 0;
   size_t period_ = 1;                 // backwards per sync seen in the last cycle

@@ -22,7 +22,7 @@ double scalar(const nn::StateDict& sd, const char* k) {
 }  // namespace
 
 GpuTrainer::GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
-                       std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group,
+                       std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
                        const DDPConfig& cfg, const DistributedDataParallel& host_ddp)
     : model_(std::move(model)), loss_(std::move(loss)), opt_(std::move(opt)), group_(std::move(group)) {
   const nn::Loss* l = loss_.get();
@@ -45,8 +45,8 @@ GpuTrainer::GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_p
   if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
     // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
     auto s = reinterpret_cast<uintptr_t>(dev_->stream());
-    group_->broadcast(gm_->params(), gm_->size(), dist::DataType::kFloat32, 0, false, s);
-    for (auto [p, n] : gm_->buffers()) group_->broadcast(p, n, dist::DataType::kFloat32, 0, false, s);
+    group_->broadcast(gm_->params(), gm_->size(), distributed::DataType::kFloat32, 0, false, s);
+    for (auto [p, n] : gm_->buffers()) group_->broadcast(p, n, distributed::DataType::kFloat32, 0, false, s);
     gm_->download();
   }
 }
@@ -256,8 +256,8 @@ BatchStats GpuTrainer::read_loss(const nn::Shape& os) {
 void GpuTrainer::launch_bucket(size_t b) {
   const Bucket& bk = buckets_[b];
   if (bk.count)  // world size 1 too, as DistributedDataParallel: one code path
-    in_flight_.push_back(group_->all_reduce(gm_->grads() + bk.offset, bk.count, dist::DataType::kFloat32,
-                                            dist::ReduceOp::kAvg, true, reinterpret_cast<uintptr_t>(dev_->stream())));
+    in_flight_.push_back(group_->all_reduce(gm_->grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
+                                            distributed::ReduceOp::kAvg, true, reinterpret_cast<uintptr_t>(dev_->stream())));
 }
 
 BatchStats GpuTrainer::train_batch(const float* x, const nn::Shape& x_shape, const int64_t* labels,
@@ -287,7 +287,7 @@ BatchStats GpuTrainer::train_batch(const float* x, const nn::Shape& x_shape, con
     shapes_seen_.insert(x_shape[0]);
   }
   while (next_bucket_ < buckets_.size()) launch_bucket(next_bucket_++);
-  std::vector<dist::ProcessGroup::WorkPtr> works;
+  std::vector<distributed::ProcessGroup::WorkPtr> works;
   works.swap(in_flight_);
   for (auto& w : works) w->wait();  // each returns once NCCL's result is in the buffer
   optimizer_step();
@@ -311,7 +311,7 @@ BatchStats GpuTrainer::reduce_stats(const BatchStats& s) {
     dev_->make_current();
     staging_.reserve(sizeof(v));
     dev_->upload(staging_.get(), v, sizeof(v));
-    group_->all_reduce(staging_.get(), 3, dist::DataType::kFloat64, dist::ReduceOp::kSum, false,
+    group_->all_reduce(staging_.get(), 3, distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false,
                        reinterpret_cast<uintptr_t>(dev_->stream()));
     dev_->download(v, staging_.get(), sizeof(v));
   }
@@ -327,7 +327,7 @@ void GpuTrainer::all_gather_host(const void* in, void* out, size_t bytes) {
   dev_->upload(base, in, bytes);
   std::vector<void*> outs;
   for (int r = 0; r < world; ++r) outs.push_back(base + bytes * (r + 1));
-  group_->all_gather(base, outs, bytes, dist::DataType::kUInt8, false, reinterpret_cast<uintptr_t>(dev_->stream()));
+  group_->all_gather(base, outs, bytes, distributed::DataType::kUInt8, false, reinterpret_cast<uintptr_t>(dev_->stream()));
   dev_->download(out, base + bytes, bytes * world);
 }
 
@@ -336,7 +336,7 @@ void GpuTrainer::broadcast_host(void* buf, size_t bytes, int root) {
   dev_->make_current();
   staging_.reserve(bytes);
   dev_->upload(staging_.get(), buf, bytes);
-  group_->broadcast(staging_.get(), bytes, dist::DataType::kUInt8, root, false,
+  group_->broadcast(staging_.get(), bytes, distributed::DataType::kUInt8, root, false,
                     reinterpret_cast<uintptr_t>(dev_->stream()));
   dev_->download(buf, staging_.get(), bytes);
 }

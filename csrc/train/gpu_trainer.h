@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/process_group.h"
+#include "distributed/process_group.h"
 #include "gpu/model.h"
 #include "gpu/runtime.h"
 #include "nn/loss.h"
@@ -36,7 +36,7 @@ struct BatchStats;
 class GpuTrainer {
  public:
   GpuTrainer(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
-             std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group, const DDPConfig& cfg,
+             std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group, const DDPConfig& cfg,
              const DistributedDataParallel& host_ddp);
   ~GpuTrainer();
 
@@ -74,7 +74,7 @@ class GpuTrainer {
   std::shared_ptr<nn::SequentialModel> model_;
   std::shared_ptr<nn::Loss> loss_;
   std::shared_ptr<nn::Optimizer> opt_;
-  std::shared_ptr<dist::ProcessGroup> group_;
+  std::shared_ptr<distributed::ProcessGroup> group_;
   std::unique_ptr<gpu::GpuModel> gm_;
 
   // Device batch and loss.
@@ -93,7 +93,7 @@ class GpuTrainer {
   std::vector<size_t> bucket_of_, pending_;
   size_t next_bucket_ = 0;
   std::vector<char> ready_;
-  std::vector<dist::ProcessGroup::WorkPtr> in_flight_;
+  std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;
   std::set<size_t> shapes_seen_;  // batch sizes that have run a step (Note [First step of a shape])
 };
 

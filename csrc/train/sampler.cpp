@@ -3,7 +3,7 @@
 #include <numeric>
 
 #include "common/error.h"
-#include "dist/default_group.h"
+#include "distributed/default_group.h"
 #include "nn/rng.h"
 
 namespace cx::train {
@@ -14,7 +14,7 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, bool shuffle, uint6
   CX_CHECK(dataset_size >= 0, InvalidArgument, "DistributedSampler: dataset_size must be >= 0, got ", dataset_size);
   n_ = static_cast<size_t>(dataset_size);
   if (num_replicas < 0 || rank < 0) {
-    auto g = dist::default_group();
+    auto g = distributed::default_group();
     CX_CHECK(g != nullptr, InvalidArgument,
              "DistributedSampler: no process group; call cx.distributed.init() first or pass num_replicas= and "
              "rank= explicitly");

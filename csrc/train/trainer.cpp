@@ -9,7 +9,7 @@
 namespace cx::train {
 
 TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
-                         std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group,
+                         std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
                          DDPConfig cfg)
     : model_(std::move(model)), loss_(std::move(loss)), opt_(std::move(opt)), group_(std::move(group)) {
   CX_CHECK(model_ != nullptr, InvalidArgument, "DistributedTrainer: model is None");
@@ -17,7 +17,7 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
   CX_CHECK(opt_ != nullptr, InvalidArgument, "DistributedTrainer: optimizer is None");
   CX_CHECK(model_->num_parameters() > 0, InvalidArgument,
            "DistributedTrainer: the model has no parameters; add() layers before creating the trainer");
-  if (group_->config().backend == dist::Backend::kNccl) {
+  if (group_->config().backend == distributed::Backend::kNccl) {
     // Note [The model on the GPU]: the host DDP keeps its bookkeeping (rank,
     // per-rank dropout streams) but moves no data; GpuTrainer broadcasts rank
     // 0's parameters on the device.
@@ -34,12 +34,12 @@ void TrainerCore::all_gather_host(const void* in, void* out, size_t bytes) {
   if (gpu_) return gpu_->all_gather_host(in, out, bytes);
   std::vector<void*> outs;
   for (int r = 0; r < group_->size(); ++r) outs.push_back(static_cast<char*>(out) + bytes * r);
-  group_->all_gather(in, outs, bytes, dist::DataType::kUInt8, false);
+  group_->all_gather(in, outs, bytes, distributed::DataType::kUInt8, false);
 }
 
 void TrainerCore::broadcast_host(void* buf, size_t bytes, int root) {
   if (gpu_) return gpu_->broadcast_host(buf, bytes, root);
-  group_->broadcast(buf, bytes, dist::DataType::kUInt8, root, false);
+  group_->broadcast(buf, bytes, distributed::DataType::kUInt8, root, false);
 }
 
 void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n) {
@@ -154,7 +154,7 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
 BatchStats TrainerCore::reduce_stats(const BatchStats& s) {
   if (gpu_) return gpu_->reduce_stats(s);
   double v[3] = {s.loss_sum, s.correct, s.count};
-  group_->all_reduce(v, 3, dist::DataType::kFloat64, dist::ReduceOp::kSum, false);
+  group_->all_reduce(v, 3, distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
   return BatchStats{v[0], v[1], v[2]};
 }
 

@@ -39,7 +39,7 @@ struct BatchStats {
 class TrainerCore {
  public:
   TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
-              std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<dist::ProcessGroup> group, DDPConfig cfg);
+              std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group, DDPConfig cfg);
 
   // Trains on the iterator's next batch of rows of (X, y): one optimizer step.
   BatchStats train_batch(const float* X, const nn::Shape& x_shape, const Targets& y, DistributedBatchIterator& it);
@@ -66,7 +66,7 @@ class TrainerCore {
 
   DistributedDataParallel& ddp() { return *ddp_; }
   const std::shared_ptr<DistributedDataParallel>& ddp_ptr() const { return ddp_; }
-  dist::ProcessGroup& group() { return *group_; }
+  distributed::ProcessGroup& group() { return *group_; }
 
  private:
   // Loss of the model's last output against targets rows_ (gathered), adds to s.
@@ -77,7 +77,7 @@ class TrainerCore {
   std::shared_ptr<nn::SequentialModel> model_;
   std::shared_ptr<nn::Loss> loss_;
   std::shared_ptr<nn::Optimizer> opt_;
-  std::shared_ptr<dist::ProcessGroup> group_;
+  std::shared_ptr<distributed::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<GpuTrainer> gpu_;  // the step on the GPU (NCCL backend), else null
   std::vector<float> x_;          // gathered input rows

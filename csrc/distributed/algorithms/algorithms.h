@@ -1,0 +1,60 @@
+// defines: the collective algorithms, each written over a Transport.
+//
+// | collective     | algorithm (large)                    | steps      | bytes sent per rank  |
+// |----------------|--------------------------------------|------------|----------------------|
+// | all_reduce     | ring: reduce-scatter + all-gather    | 2(p-1)     | 2(p-1)/p * n         |
+// | all_reduce     | halving-doubling (p = 2^k >= 4, mid) | 2 log2(p)  | 2(p-1)/p * n         |
+// | all_reduce     | recursive doubling (n <= threshold)  | log2(p)+2  | log2(p) * n          |
+// (threshold: 128 KiB for 2 ranks, 512 KiB for more; Note [small all_reduce threshold])
+// | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
+// | all_gather     | ring                                 | p-1        | (p-1) * n            |
+// | reduce_scatter | ring                                 | p-1        | (p-1) * n            |
+// | reduce         | binomial tree, chunked               | log2(p)    | n                    |
+// | scatter/gather | direct to/from root                  | 1          | n (root: (p-1) * n)  |
+// | all_to_all     | direct, all pairs at once            | 1          | (p-1) * n            |
+// | barrier        | dissemination, empty messages        | log2(p)    | 0                    |
+// (n = bytes per rank's block; p = world size.)
+//
+// Every rank must pass the same AlgoOptions: they decide message boundaries.
+#pragma once
+
+#include <cstddef>
+
+#include "distributed/transport/transport.h"
+
+namespace cx::distributed::algo {
+
+struct AlgoOptions {
+  size_t chunk_bytes = 512 * 1024;        // pipelining unit of the ring and chain algorithms
+  size_t small_allreduce_bytes = 128 * 1024;  // at or below: recursive doubling
+  size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
+  int depth = 4;                          // receives kept in flight
+  size_t halving_doubling_max_bytes = 0;  // p a power of two >= 4 and n at most this: halving-doubling
+};
+
+void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o);
+void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o);
+// p a power of two
+void all_reduce_halving_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
+                                 const AlgoOptions& o);
+void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op);
+
+void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o);
+
+// outs[i] receives rank i's `bytes`; `in` may be outs[rank].
+void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, const AlgoOptions& o);
+
+// ins[i] is this rank's block for rank i (count elements); out gets the reduction of
+// every rank's block for us. Inputs are not modified.
+void reduce_scatter(Transport& t, const void* const* ins, void* out, size_t count, DataType dt, ReduceOp op,
+                    const AlgoOptions& o);
+
+// The result lands in buf on `root`; other ranks' buf hold partial results afterwards.
+void reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, int root, const AlgoOptions& o);
+
+void scatter(Transport& t, const void* const* ins, void* out, size_t bytes, int root);
+void gather(Transport& t, const void* in, void* const* outs, size_t bytes, int root);
+void all_to_all(Transport& t, const void* const* ins, void* const* outs, size_t bytes);
+void barrier(Transport& t);
+
+}  // namespace cx::distributed::algo

@@ -1,0 +1,170 @@
+#include <cstring>
+#include <deque>
+#include <vector>
+
+#include "distributed/algorithms/algorithms.h"
+#include "distributed/algorithms/scratch.h"
+#include "distributed/algorithms/reduction_kernels.h"
+
+namespace cx::distributed::algo {
+
+void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
+  if (t.size() == 1) return;
+  const size_t bytes = count * dtype_size(dt);
+  if (bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size())) {
+    all_reduce_recursive_doubling(t, buf, count, dt, op);
+  } else if (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes) {
+    all_reduce_halving_doubling(t, buf, count, dt, op, o);
+  } else {
+    all_reduce_ring(t, buf, count, dt, op, o);
+  }
+}
+
+// Recursive doubling, with the usual fold for a world that is not a power of
+// two: of the first 2*rem ranks, each even one hands its data to the odd one
+// above it and sits out; the remaining pof2 ranks exchange whole buffers with
+// partners at distance 1, 2, 4, ...; the odd ranks finally hand the result back.
+// Each combination step joins the same two partial results on both partners, and
+// a op b == b op a bitwise for IEEE +, *, min and max, so every rank ends with
+// identical bits.
+void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op) {
+  const int p = t.size(), r = t.rank();
+  const size_t bytes = count * dtype_size(dt);
+  char* scratch = scratch_space(bytes);
+  int pof2 = 1;
+  while (pof2 * 2 <= p) pof2 *= 2;
+  const int rem = p - pof2;
+
+  int newrank;
+  if (r < 2 * rem) {
+    if (r % 2 == 0) {
+      t.wait(t.isend(r + 1, buf, bytes));
+      newrank = -1;
+    } else {
+      t.wait(t.irecv(r - 1, scratch, bytes));
+      reduce_into(buf, scratch, count, dt, op);
+      newrank = r / 2;
+    }
+  } else {
+    newrank = r - rem;
+  }
+  if (newrank >= 0) {
+    for (int mask = 1; mask < pof2; mask <<= 1) {
+      int np = newrank ^ mask;
+      int partner = np < rem ? np * 2 + 1 : np + rem;
+      auto s = t.isend(partner, buf, bytes);
+      auto rv = t.irecv(partner, scratch, bytes);
+      t.wait(rv);
+      t.wait(s);
+      reduce_into(buf, scratch, count, dt, op);
+    }
+  }
+  if (r < 2 * rem) {
+    if (r % 2 == 1) {
+      t.wait(t.isend(r - 1, buf, bytes));
+    } else {
+      t.wait(t.irecv(r + 1, buf, bytes));
+    }
+  }
+  finish_avg(buf, count, dt, op, p);
+}
+
+// Ring all-reduce as one pipeline of chunks.
+//
+// The buffer is cut into p segments (sizes differ by at most one element) and
+// each segment into chunks of at most chunk_bytes. Over 2(p-1) steps, at step s
+// rank r receives segment (r-s-1) mod p from its left neighbour and sends
+// segment (r-s) mod p to its right one. The first p-1 steps are the
+// reduce-scatter: a received chunk lands in scratch and is reduced into the
+// caller's buffer, so after step p-2 rank r holds the full reduction of segment
+// (r+1) mod p. The last p-1 steps are the all-gather: received chunks land
+// straight in the caller's buffer.
+//
+// The segment sent at step s+1 is exactly the one received at step s, so every
+// chunk is forwarded to the right as soon as it has been received (and reduced):
+// no step waits for the previous one to finish, the wire never idles while we
+// reduce, and the only scratch is `depth` chunks whatever the message size.
+//
+// Why the in-place buffer is safe: a region we receive into during the
+// all-gather was last sent by us during the reduce-scatter, and its final value
+// can only reach us after our own contribution went round the ring, i.e. after
+// that send completed.
+void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
+  const int p = t.size(), r = t.rank();
+  const int left = (r - 1 + p) % p, right = (r + 1) % p;
+  const size_t es = dtype_size(dt);
+  char* buf = static_cast<char*>(buf_v);
+  // No larger than a segment, so small messages ask for little scratch.
+  const size_t chunk_elems = std::max<size_t>(1, std::min(count / p + 1, o.chunk_bytes / es));
+
+  std::vector<size_t> seg_off(static_cast<size_t>(p) + 1);
+  for (int i = 0; i < p; ++i) {
+    size_t n = count / p + (static_cast<size_t>(i) < count % p ? 1 : 0);
+    seg_off[i + 1] = seg_off[i] + n;
+  }
+  auto seg_chunks = [&](int seg) {
+    size_t n = seg_off[seg + 1] - seg_off[seg];
+    return (n + chunk_elems - 1) / chunk_elems;
+  };
+  auto chunk_range = [&](int seg, size_t c, size_t* off, size_t* n) {
+    size_t begin = seg_off[seg] + c * chunk_elems;
+    size_t end = std::min(seg_off[seg + 1], begin + chunk_elems);
+    *off = begin;
+    *n = end - begin;
+  };
+  auto mod = [p](int x) { return ((x % p) + p) % p; };
+
+  // The receive sequence: (step, chunk) in order.
+  struct Item {
+    int step;
+    size_t chunk;
+  };
+  std::vector<Item> items;
+  for (int s = 0; s < 2 * (p - 1); ++s) {
+    size_t nc = seg_chunks(mod(r - s - 1));
+    for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
+  }
+
+  const int depth = std::max(1, o.depth);
+  char* scratch = scratch_space(static_cast<size_t>(depth) * chunk_elems * es);
+
+  // Step 0: our own segment goes out whole, chunk by chunk.
+  {
+    int seg = r;
+    for (size_t c = 0; c < seg_chunks(seg); ++c) {
+      size_t off, n;
+      chunk_range(seg, c, &off, &n);
+      t.isend(right, buf + off * es, n * es);
+    }
+  }
+
+  std::deque<std::pair<Transport::Req, size_t>> inflight;  // (request, item index)
+  size_t next_post = 0;
+  auto post = [&](size_t k) {
+    const Item& it = items[k];
+    size_t off, n;
+    chunk_range(mod(r - it.step - 1), it.chunk, &off, &n);
+    void* dst = it.step < p - 1 ? scratch + (k % depth) * chunk_elems * es : buf + off * es;
+    inflight.emplace_back(t.irecv(left, dst, n * es), k);
+  };
+  while (next_post < items.size() && inflight.size() < static_cast<size_t>(depth)) post(next_post++);
+
+  while (!inflight.empty()) {
+    auto [req, k] = inflight.front();
+    inflight.pop_front();
+    t.wait(req);
+    const Item& it = items[k];
+    const int seg = mod(r - it.step - 1);
+    size_t off, n;
+    chunk_range(seg, it.chunk, &off, &n);
+    if (it.step < p - 1) {
+      reduce_into(buf + off * es, scratch + (k % depth) * chunk_elems * es, n, dt, op);
+      if (it.step == p - 2) finish_avg(buf + off * es, n, dt, op, p);
+    }
+    if (next_post < items.size()) post(next_post++);  // its scratch slot (k % depth) is free again
+    if (it.step + 1 < 2 * (p - 1)) t.isend(right, buf + off * es, n * es);
+  }
+  t.wait_all();
+}
+
+}  // namespace cx::distributed::algo

@@ -1,0 +1,82 @@
+#include <deque>
+
+#include "distributed/algorithms/algorithms.h"
+#include "distributed/algorithms/chunks.h"
+
+namespace cx::distributed::algo {
+
+namespace {
+
+// Binomial tree over ranks relative to the root: log2(p) rounds, latency-bound messages.
+void broadcast_tree(Transport& t, void* buf, size_t bytes, int root) {
+  const int p = t.size();
+  const int vr = (t.rank() - root + p) % p;
+  int mask = 1;
+  while (mask < p) {
+    if (vr & mask) {
+      t.wait(t.irecv(((vr - mask) + root) % p, buf, bytes));
+      break;
+    }
+    mask <<= 1;
+  }
+  mask >>= 1;
+  while (mask > 0) {
+    if (vr + mask < p) t.isend(((vr + mask) + root) % p, buf, bytes);
+    mask >>= 1;
+  }
+  t.wait_all();
+}
+
+// Pipelined chain root -> root+1 -> ... : each chunk is forwarded as soon as it
+// arrives, so the time is ~(chunks + p - 2) chunk transfers, not (p-1) messages.
+void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, const AlgoOptions& o) {
+  const int p = t.size();
+  const int vr = (t.rank() - root + p) % p;
+  const int prev = (t.rank() - 1 + p) % p, next = (t.rank() + 1) % p;
+  char* buf = static_cast<char*>(buf_v);
+  const size_t nc = chunk_count(bytes, o.chunk_bytes);
+  if (vr == 0) {
+    for (size_t c = 0; c < nc; ++c) {
+      size_t off, n;
+      chunk_at(bytes, o.chunk_bytes, c, &off, &n);
+      t.isend(next, buf + off, n);
+    }
+    t.wait_all();
+    return;
+  }
+  // Receives go straight into the buffer, so any number may be in flight.
+  std::deque<std::pair<Transport::Req, size_t>> inflight;
+  for (size_t c = 0; c < nc; ++c) {
+    size_t off, n;
+    chunk_at(bytes, o.chunk_bytes, c, &off, &n);
+    inflight.emplace_back(t.irecv(prev, buf + off, n), c);
+  }
+  while (!inflight.empty()) {
+    auto [req, c] = inflight.front();
+    inflight.pop_front();
+    t.wait(req);
+    if (vr + 1 < p) {
+      size_t off, n;
+      chunk_at(bytes, o.chunk_bytes, c, &off, &n);
+      t.isend(next, buf + off, n);
+    }
+  }
+  t.wait_all();
+}
+
+}  // namespace
+
+void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o) {
+  if (t.size() == 1) return;
+  if (bytes <= o.small_broadcast_bytes || t.size() == 2) {
+    if (t.size() == 2 && bytes > o.small_broadcast_bytes) {
+      broadcast_chain(t, buf, bytes, root, o);  // chunking still helps the receiver start early
+    } else {
+      broadcast_tree(t, buf, bytes, root);
+    }
+  } else {
+    broadcast_chain(t, buf, bytes, root, o);
+  }
+}
+
+}  // namespace cx::distributed::algo

@@ -1,0 +1,93 @@
+#include <cstring>
+#include <deque>
+#include <vector>
+
+#include "distributed/algorithms/algorithms.h"
+#include "distributed/algorithms/scratch.h"
+#include "distributed/algorithms/reduction_kernels.h"
+
+namespace cx::distributed::algo {
+
+// Ring reduce-scatter that leaves the inputs untouched. At step s rank r sends
+// its running partial of block (r-s-1) mod p to the right and receives the left
+// neighbour's partial of block (r-s-2) mod p, adds its own input for that block
+// and passes it on; after p-1 steps the partial of block r is complete and lands
+// in `out`. Partials live in a pool of `depth` chunk-sized slots: a slot is
+// reused only once the send that carried it is complete, so scratch stays a few
+// chunks whatever the message size.
+void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t count, DataType dt, ReduceOp op,
+                    const AlgoOptions& o) {
+  const int p = t.size(), r = t.rank();
+  const size_t es = dtype_size(dt);
+  char* out = static_cast<char*>(out_v);
+  if (p == 1) {
+    if (out != ins[0] && count) std::memmove(out, ins[0], count * es);
+    return;
+  }
+  const int left = (r - 1 + p) % p, right = (r + 1) % p;
+  const size_t ce = std::max<size_t>(1, std::min(count, o.chunk_bytes / es));
+  const size_t nc = count == 0 ? 1 : (count + ce - 1) / ce;
+  auto range = [&](size_t c, size_t* off, size_t* n) {
+    *off = c * ce;
+    *n = std::min(count - std::min(count, *off), ce);
+  };
+  auto mod = [p](int x) { return ((x % p) + p) % p; };
+  auto in_at = [&](int blk, size_t off) { return static_cast<const char*>(ins[blk]) + off * es; };
+
+  for (size_t c = 0; c < nc; ++c) {  // step 0: our raw input for block r-1
+    size_t off, n;
+    range(c, &off, &n);
+    t.isend(right, in_at(mod(r - 1), off), n * es);
+  }
+  const size_t depth = static_cast<size_t>(std::max(2, o.depth));
+  char* slots = scratch_space(depth * ce * es);
+  std::vector<Transport::Req> slot_send(depth, -1);
+
+  struct Item {
+    int step;
+    size_t chunk;
+  };
+  std::vector<Item> items;
+  for (int s = 0; s < p - 1; ++s)
+    for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
+
+  std::deque<std::pair<Transport::Req, size_t>> inflight;
+  size_t next = 0;
+  auto post = [&](size_t k) {
+    const Item& it = items[k];
+    size_t off, n;
+    range(it.chunk, &off, &n);
+    char* dst;
+    if (it.step == p - 2) {
+      dst = out + off * es;
+    } else {
+      size_t slot = k % depth;
+      if (slot_send[slot] >= 0) t.wait(slot_send[slot]);  // slot still on the wire
+      slot_send[slot] = -1;
+      dst = slots + slot * ce * es;
+    }
+    inflight.emplace_back(t.irecv(left, dst, n * es), k);
+  };
+  while (next < items.size() && inflight.size() + 1 < depth) post(next++);
+  while (!inflight.empty()) {
+    auto [req, k] = inflight.front();
+    inflight.pop_front();
+    t.wait(req);
+    const Item& it = items[k];
+    const int blk = mod(r - it.step - 2);
+    size_t off, n;
+    range(it.chunk, &off, &n);
+    if (it.step == p - 2) {
+      reduce_into(out + off * es, in_at(blk, off), n, dt, op);
+      finish_avg(out + off * es, n, dt, op, p);
+    } else {
+      char* slot = slots + (k % depth) * ce * es;
+      reduce_into(slot, in_at(blk, off), n, dt, op);
+      slot_send[k % depth] = t.isend(right, slot, n * es);
+    }
+    if (next < items.size()) post(next++);
+  }
+  t.wait_all();
+}
+
+}  // namespace cx::distributed::algo

@@ -1,0 +1,26 @@
+// defines: scratch_space, the algorithms' reusable temporary memory.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+namespace cx::distributed::algo {
+
+// At least `bytes` of uninitialised memory, reused by every collective that runs
+// on this thread (the caller's or the group's communication thread), valid until
+// the next call on the same thread. A collective asks once, so nothing nests.
+// Grown, never shrunk: its size is bounded by the largest chunk pool (a few
+// chunks) or small message, never by a large message. Allocating and zeroing a
+// fresh pool on every call cost ~20 us per call at 2 MiB, more than a whole
+// small collective.
+inline char* scratch_space(size_t bytes) {
+  thread_local std::unique_ptr<char[]> buf;
+  thread_local size_t cap = 0;
+  if (bytes > cap) {
+    buf.reset(new char[bytes]);
+    cap = bytes;
+  }
+  return buf.get();
+}
+
+}  // namespace cx::distributed::algo

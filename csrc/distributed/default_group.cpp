@@ -1,0 +1,56 @@
+#include "distributed/default_group.h"
+
+#include <mutex>
+
+namespace cx::distributed {
+
+namespace {
+std::mutex g_mu;
+std::shared_ptr<ProcessGroup> g_group;
+bool g_initializing = false;
+}  // namespace
+
+void init_default_group(const Config& cfg) {
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (g_group || g_initializing) {
+      CX_THROW(Error, "cx.distributed.init() was already called in this process (rank ",
+               g_group ? g_group->rank() : cfg.rank, "): call cx.distributed.finalize() before initializing again");
+    }
+    g_initializing = true;
+  }
+  try {
+    auto pg = std::make_shared<ProcessGroup>(cfg);
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_group = std::move(pg);
+    g_initializing = false;
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_initializing = false;
+    throw;
+  }
+}
+
+void finalize_default_group() {
+  std::shared_ptr<ProcessGroup> pg;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    pg = std::move(g_group);
+  }
+  if (pg) pg->shutdown();
+}
+
+std::shared_ptr<ProcessGroup> default_group() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  return g_group;
+}
+
+std::shared_ptr<ProcessGroup> require_default_group(const char* caller) {
+  auto pg = default_group();
+  if (!pg) {
+    CX_THROW(Error, caller, ": the process group is not initialized: call cx.distributed.init() first");
+  }
+  return pg;
+}
+
+}  // namespace cx::distributed

@@ -1,0 +1,256 @@
+#include "distributed/store/store.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/error.h"
+
+namespace cx::distributed {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x31535843;  // "CXS1"
+constexpr uint32_t kMaxKey = 1024;
+constexpr uint32_t kMaxValue = 1 << 20;
+constexpr size_t kHeader = 16;
+
+enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4 };
+enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2 };
+
+void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
+uint32_t get_u32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+std::string header(uint8_t code, uint32_t klen, uint32_t vlen) {
+  std::string h(kHeader, '\0');
+  put_u32(&h[0], kMagic);
+  h[4] = static_cast<char>(code);
+  put_u32(&h[8], klen);
+  put_u32(&h[12], vlen);
+  return h;
+}
+
+}  // namespace
+
+struct StoreServer::Client {
+  tcp::Fd fd;
+  std::string in;              // bytes received, not yet parsed
+  std::string waiting_key;     // non-empty: a GET parked until the key is set
+  int rank = -1;
+};
+
+StoreServer::StoreServer(const std::string& host, int port, int world_size) : world_size_(world_size) {
+  listen_ = tcp::listen_on(host, port, "MASTER_PORT");
+  port_ = tcp::bound_port(listen_.get());
+  if (::pipe2(wake_, O_CLOEXEC) != 0) CX_THROW(Error, "pipe(): ", std::strerror(errno));
+  thread_ = std::thread([this] { serve(); });
+}
+
+StoreServer::~StoreServer() {
+  char b = 1;
+  (void)!::write(wake_[1], &b, 1);
+  if (thread_.joinable()) thread_.join();
+  ::close(wake_[0]);
+  ::close(wake_[1]);
+}
+
+void StoreServer::reply(Client& c, uint8_t status, const std::string& value) {
+  std::string msg = header(status, 0, static_cast<uint32_t>(value.size())) + value;
+  // Replies are small; a client that does not read them within a second is dropped.
+  try {
+    tcp::send_exact(c.fd.get(), msg.data(), msg.size(), Deadline::after_ms(1000), "store client");
+  } catch (const Error&) {
+    c.fd.reset();
+  }
+}
+
+void StoreServer::answer_waiters(const std::string& key) {
+  for (auto& c : clients_) {
+    if (c->fd.valid() && c->waiting_key == key) {
+      c->waiting_key.clear();
+      reply(*c, kOk, data_[key]);
+    }
+  }
+}
+
+bool StoreServer::handle(Client& c) {
+  for (;;) {
+    if (c.in.size() < kHeader) return true;
+    if (get_u32(c.in.data()) != kMagic) return false;  // not one of ours
+    uint8_t cmd = static_cast<uint8_t>(c.in[4]);
+    uint32_t klen = get_u32(&c.in[8]), vlen = get_u32(&c.in[12]);
+    if (klen > kMaxKey || vlen > kMaxValue) return false;  // refuse before allocating
+    if (c.in.size() < kHeader + klen + vlen) return true;
+    std::string key = c.in.substr(kHeader, klen);
+    std::string value = c.in.substr(kHeader + klen, vlen);
+    c.in.erase(0, kHeader + klen + vlen);
+    switch (cmd) {
+      case kHello: {
+        if (value.size() != 8) return false;
+        int32_t rank, world;
+        std::memcpy(&rank, value.data(), 4);
+        std::memcpy(&world, value.data() + 4, 4);
+        if (closing_) {
+          reply(c, kRetry, "");
+          return false;
+        }
+        if (world != world_size_) {
+          reply(c, kRefused, detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
+                                            " but rank 0 has WORLD_SIZE=", world_size_,
+                                            ": every rank must be given the same WORLD_SIZE"));
+          return false;
+        }
+        if (claimed_.count(rank)) {
+          reply(c, kRefused, detail::concat("RANK=", rank, " is already taken by another process: ",
+                                            "two processes were started with RANK=", rank,
+                                            " (each rank must be unique in 0..", world_size_ - 1, ")"));
+          return false;
+        }
+        claimed_.insert(rank);
+        c.rank = rank;
+        reply(c, kOk, "");
+        break;
+      }
+      case kSet:
+        data_[key] = value;
+        reply(c, kOk, "");
+        answer_waiters(key);
+        break;
+      case kGet: {
+        auto it = data_.find(key);
+        if (it != data_.end()) {
+          reply(c, kOk, it->second);
+        } else {
+          c.waiting_key = key;
+        }
+        break;
+      }
+      case kDone:
+        closing_ = true;
+        reply(c, kOk, "");
+        break;
+      default: return false;
+    }
+    if (!c.fd.valid()) return false;
+  }
+}
+
+void StoreServer::serve() {
+  std::vector<pollfd> fds;
+  char buf[4096];
+  for (;;) {
+    fds.clear();
+    fds.push_back({wake_[0], POLLIN, 0});
+    fds.push_back({listen_.get(), POLLIN, 0});
+    for (auto& c : clients_) fds.push_back({c->fd.get(), POLLIN, 0});
+    int rc = ::poll(fds.data(), fds.size(), -1);
+    if (rc < 0 && errno != EINTR) return;
+    if (fds[0].revents) return;
+    if (fds[1].revents & POLLIN) {
+      int c = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (c >= 0) {
+        auto cl = std::make_unique<Client>();
+        cl->fd.reset(c);
+        tcp::tune_socket(c);
+        clients_.push_back(std::move(cl));
+      }
+    }
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      Client& c = *clients_[i - 2];
+      ssize_t k = ::recv(c.fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
+      if (k > 0) {
+        c.in.append(buf, static_cast<size_t>(k));
+        if (c.in.size() > kHeader + kMaxKey + kMaxValue || !handle(c)) c.fd.reset();
+      } else if (k == 0 || (errno != EAGAIN && errno != EINTR)) {
+        c.fd.reset();
+      }
+    }
+    for (size_t i = clients_.size(); i-- > 0;) {
+      if (!clients_[i]->fd.valid()) clients_.erase(clients_.begin() + static_cast<long>(i));
+    }
+  }
+}
+
+StoreClient::StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl)
+    : host_(host), port_(port), rank_(rank) {
+  std::string what = "the store of rank 0 (MASTER_ADDR:MASTER_PORT)";
+  for (;;) {
+    fd_ = tcp::connect_with_retry(host, port, dl, what);
+    char hello[8];
+    int32_t r = rank, w = world_size;
+    std::memcpy(hello, &r, 4);
+    std::memcpy(hello + 4, &w, 4);
+    std::string req = header(kHello, 0, 8) + std::string(hello, 8);
+    std::string rep(kHeader, '\0');
+    bool retry = false;
+    try {
+      tcp::send_exact(fd_.get(), req.data(), req.size(), dl, what);
+      tcp::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
+    } catch (const ConnectionError&) {
+      retry = true;  // the previous group's store closing under us: try again
+    }
+    if (!retry) {
+      if (get_u32(rep.data()) != kMagic) {
+        CX_THROW(ConnectionError, "something that is not a pycyxwiz store answers at ", host, ":", port,
+                 " (another program uses MASTER_PORT?): choose another MASTER_PORT");
+      }
+      uint8_t status = static_cast<uint8_t>(rep[4]);
+      uint32_t vlen = get_u32(&rep[12]);
+      if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply too large");
+      std::string value(vlen, '\0');
+      tcp::recv_exact(fd_.get(), value.data(), vlen, dl, what);
+      if (status == kOk) return;
+      if (status == kRefused) CX_THROW(InvalidArgument, value);
+    }
+    if (dl.expired()) {
+      CX_THROW(TimeoutError, "Timeout waiting for peers: rank ", rank, " could not join the store at ", host,
+               ":", port, " within ", dl.timeout_ms, " ms (the previous group there was still shutting down)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::string StoreClient::request(uint8_t cmd, const std::string& key, const std::string& value,
+                                 const Deadline& dl, const std::string& waiting_for) {
+  std::string what = "the store of rank 0 at " + host_ + ":" + std::to_string(port_);
+  std::string req = header(cmd, static_cast<uint32_t>(key.size()), static_cast<uint32_t>(value.size())) + key + value;
+  tcp::send_exact(fd_.get(), req.data(), req.size(), dl, what);
+  std::string rep(kHeader, '\0');
+  try {
+    tcp::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
+  } catch (const TimeoutError&) {
+    CX_THROW(TimeoutError, waiting_for);
+  } catch (const ConnectionError& e) {
+    CX_THROW(ConnectionError, "rank ", rank_, " lost the connection to ", what,
+             ": rank 0 exited or crashed (", e.what(), ")");
+  }
+  if (get_u32(rep.data()) != kMagic) CX_THROW(ConnectionError, "garbled reply from ", what);
+  uint32_t vlen = get_u32(&rep[12]);
+  if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
+  std::string out(vlen, '\0');
+  tcp::recv_exact(fd_.get(), out.data(), vlen, dl, what);
+  return out;
+}
+
+void StoreClient::set(const std::string& key, const std::string& value, const Deadline& dl) {
+  request(kSet, key, value, dl, "timed out setting '" + key + "' in the store");
+}
+
+std::string StoreClient::get(const std::string& key, const Deadline& dl, const std::string& waiting_for) {
+  return request(kGet, key, "", dl, waiting_for);
+}
+
+void StoreClient::done(const Deadline& dl) { request(kDone, "", "", dl, "timed out leaving the store"); }
+
+std::string StoreClient::local_ip() const { return tcp::local_ip_of(fd_.get()); }
+
+}  // namespace cx::distributed

@@ -1,0 +1,411 @@
+#include "distributed/transport/nccl/nccl_transport.h"
+
+#include <cstring>
+#include <exception>
+#include <random>
+#include <thread>
+
+#include "distributed/store/store.h"
+
+namespace cx::distributed {
+
+using namespace cx::distributed::cuda;
+using namespace cx::distributed::nccl;
+
+namespace {
+// Store values start with a tag byte: the id is random bytes and may begin with
+// anything (NCCL's starts with a random magic), so it is never told apart from
+// an error by its own first byte.
+const char kErrorMark = '\x01';  // an error message follows
+const char kIdMark = 'I';         // the unique id follows
+}
+
+// ---- the unique id ------------------------------------------------------------------
+
+std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Deadline& dl,
+                             const std::function<void()>& prepare, const std::function<std::string()>& make_id) {
+  std::exception_ptr err;  // this rank's own failure, rethrown as it was
+  std::string mine;
+  std::string id;
+  try {
+    prepare();
+    if (rank == 0) id = make_id();
+  } catch (const std::exception& e) {
+    err = std::current_exception();
+    mine = e.what();
+  }
+  if (rank == 0) store.set("nccl/id", mine.empty() ? kIdMark + id : kErrorMark + mine, dl);
+  store.set("nccl/ready/" + std::to_string(rank), mine.empty() ? "" : kErrorMark + mine, dl);
+  // Rank 0 hosts the store, so it stays until every rank has read what it
+  // needs ("seen"), even when it is about to fail itself.
+  std::string other;  // the first other rank's error
+  if (!err || rank == 0) {
+    for (int q = 0; q < world && (rank == 0 || other.empty()); ++q) {
+      if (q == rank) continue;
+      std::string v = store.get("nccl/ready/" + std::to_string(q), dl,
+                                detail::concat("Timeout waiting for peers: rank ", rank, " waited for rank ", q,
+                                               " to join the NCCL communicator"));
+      if (!v.empty() && v[0] == kErrorMark && other.empty()) {
+        other = detail::concat("rank ", q, " could not join the NCCL communicator: ", v.substr(1));
+      }
+    }
+  }
+  if (rank != 0 && !err && other.empty()) {
+    std::string v = store.get("nccl/id", dl, "Timeout waiting for peers: rank 0 did not publish the NCCL unique id");
+    if (!v.empty() && v[0] == kErrorMark) throw Error("rank 0 could not join the NCCL communicator: " + v.substr(1));
+    if (v.empty() || v[0] != kIdMark) CX_THROW(ConnectionError, "malformed NCCL unique id from the store");
+    id = v.substr(1);
+  }
+  if (rank != 0) store.set("nccl/seen/" + std::to_string(rank), "", dl);
+  if (rank == 0) {
+    for (int q = 1; q < world; ++q) {
+      store.get("nccl/seen/" + std::to_string(q), dl,
+                detail::concat("Timeout waiting for peers: rank 0 waited for rank ", q, " to read the NCCL unique id"));
+    }
+  }
+  if (err) std::rethrow_exception(err);
+  if (!other.empty()) throw Error(other);
+  if (id.size() != kUniqueIdBytes) {
+    CX_THROW(ConnectionError, "malformed NCCL unique id from the store (", id.size(), " bytes, expected ",
+             kUniqueIdBytes, ")");
+  }
+  return id;
+}
+
+std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int first_byte) {
+  const Deadline dl = Deadline::after_ms(cfg.timeout_ms);
+  std::unique_ptr<StoreServer> server;
+  if (cfg.rank == 0) server = std::make_unique<StoreServer>(cfg.master_addr, cfg.master_port, cfg.world_size);
+  StoreClient store(cfg.master_addr, cfg.master_port, cfg.rank, cfg.world_size, dl);
+  std::string id = exchange_nccl_id(
+      store, cfg.rank, cfg.world_size, dl,
+      [&] {
+        if (cfg.rank == fail_rank) CX_THROW(InvalidArgument, "LOCAL_RANK=", cfg.local_rank, " has no GPU (test)");
+      },
+      [first_byte] {
+        std::random_device rd;
+        std::string s(kUniqueIdBytes, '\0');
+        for (auto& c : s) c = static_cast<char>(rd());
+        if (first_byte >= 0) s[0] = static_cast<char>(first_byte);
+        return s;
+      });
+  return id;  // no store.done(): rank 0 may already be gone once every rank has seen the id
+}
+
+// ---- CudaEvent -----------------------------------------------------------------------
+
+CudaEvent::CudaEvent() { check_cu(cuda_driver().cuEventCreate(&ev_, kEventDisableTiming), "cuEventCreate"); }
+CudaEvent::~CudaEvent() {
+  if (ev_) cuda_driver().cuEventDestroy(ev_);
+}
+
+// ---- NcclTransport -------------------------------------------------------------------
+
+NcclTransport::NcclTransport(StoreClient* store, const Config& cfg, const Deadline& dl)
+    : rank_(cfg.rank), size_(cfg.world_size), device_(cfg.local_rank) {
+  try {
+    setup(store, dl);
+  } catch (...) {
+    try {
+      close(dl);  // release what was made before the failure
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+void NcclTransport::setup(StoreClient* store, const Deadline& dl) {
+  // The local checks, in the order a user fixes them: a GPU, then NCCL.
+  auto prepare = [&] {
+    const CudaDriver& d = cuda_driver();
+    int n = 0;
+    check_cu(d.cuDeviceGetCount(&n), "cuDeviceGetCount");
+    check_local_rank(device_, n);
+    CUdevice dev;
+    check_cu(d.cuDeviceGet(&dev, device_), "cuDeviceGet");
+    check_cu(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
+    make_current();
+    api_ = &nccl_api();
+  };
+  auto make_id = [&] {
+    ncclUniqueId uid;
+    ncclResult_t r = api_->ncclGetUniqueId(&uid);
+    if (r != ncclSuccess) CX_THROW(Error, "ncclGetUniqueId failed: ", api_->error_text(r));
+    return std::string(uid.internal, kUniqueIdBytes);
+  };
+  std::string id;
+  if (store) {
+    id = exchange_nccl_id(*store, rank_, size_, dl, prepare, make_id);
+  } else {
+    prepare();
+    id = make_id();
+  }
+  const CudaDriver& d = cuda_driver();
+  check_cu(d.cuStreamCreate(&stream_, kStreamNonBlocking), "cuStreamCreate");
+  check_cu(d.cuEventCreate(&done_, kEventDisableTiming), "cuEventCreate");
+  check_cu(d.cuMemAlloc(&scratch_, 4), "cuMemAlloc");
+  ncclUniqueId uid;
+  std::memcpy(uid.internal, id.data(), kUniqueIdBytes);
+  // Every rank has just shown up in the store, so this meets them promptly.
+  ncclResult_t r = api_->ncclCommInitRank(&comm_, size_, uid, rank_);
+  if (r != ncclSuccess) {
+    comm_ = nullptr;
+    CX_THROW(ConnectionError, "rank ", rank_, ": ncclCommInitRank on GPU ", device_, " failed: ", api_->error_text(r));
+  }
+  OpDesc init;
+  init.kind = CollectiveKind::kInit;
+  begin(init, dl);
+  barrier();
+}
+
+NcclTransport::~NcclTransport() {
+  try {
+    close(Deadline::after_ms(0));
+  } catch (...) {
+  }
+}
+
+void NcclTransport::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
+
+void NcclTransport::begin(const OpDesc& desc, const Deadline& dl) {
+  desc_ = desc;
+  dl_ = dl;
+}
+
+Transport::Req NcclTransport::isend(int, const void*, size_t) {
+  CX_THROW(Error, "internal: a CPU algorithm ran over the NCCL backend");
+}
+Transport::Req NcclTransport::irecv(int, void*, size_t) {
+  CX_THROW(Error, "internal: a CPU algorithm ran over the NCCL backend");
+}
+
+void NcclTransport::abort(ErrorKind, const std::string&) {
+  if (comm_) {
+    api_->ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+}
+
+void NcclTransport::close(const Deadline&) {
+  if (!ctx_) return;  // construction failed before anything was made
+  const CudaDriver& d = cuda_driver();
+  d.cuCtxSetCurrent(ctx_);
+  if (comm_) {
+    // Every collective has completed (each one is waited for), so nothing is in flight.
+    api_->ncclCommDestroy(comm_);
+    comm_ = nullptr;
+  }
+  kernels_.reset();
+  if (scratch_) d.cuMemFree(scratch_);
+  if (done_) d.cuEventDestroy(done_);
+  if (stream_) d.cuStreamDestroy(stream_);
+  scratch_ = 0;
+  done_ = nullptr;
+  stream_ = nullptr;
+  CUdevice dev;
+  if (d.cuDeviceGet(&dev, device_) == kSuccess) d.cuDevicePrimaryCtxRelease(dev);
+  ctx_ = nullptr;
+}
+
+Ready NcclTransport::mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what) {
+  const CudaDriver& d = cuda_driver();
+  make_current();
+  for (const void* p : bufs) {
+    if (!p) continue;  // an empty array
+    unsigned type = 0;
+    CUresult r = d.cuPointerGetAttribute(&type, kPointerAttributeMemoryType, reinterpret_cast<CUdeviceptr>(p));
+    if (r != kSuccess || type == kMemoryTypeHost) {
+      CX_THROW(TypeMismatch, what, " is in host memory, but BackendType.NCCL works on GPU memory: pass a CuPy "
+                               "array (cupy.asarray(a)) or use BackendType.CPU for NumPy arrays");
+    }
+    if (type == kMemoryTypeDevice) {
+      int ordinal = -1;
+      if (d.cuPointerGetAttribute(&ordinal, kPointerAttributeDeviceOrdinal, reinterpret_cast<CUdeviceptr>(p)) ==
+              kSuccess &&
+          ordinal != device_) {
+        CX_THROW(TypeMismatch, what, " is on GPU ", ordinal, ", but rank ", rank_, "'s communicator is on GPU ",
+                 device_, " (LOCAL_RANK): allocate it under cupy.cuda.Device(", device_, ")");
+      }
+    }
+  }
+  auto ev = std::make_shared<CudaEvent>();
+  check_cu(d.cuEventRecord(ev->get(), stream_of(stream)), "cuEventRecord on the array's stream");
+  return ev;
+}
+
+void NcclTransport::start(const Ready& ready) {
+  if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
+  make_current();
+  if (ready) check_cu(cuda_driver().cuStreamWaitEvent(stream_, ready->get(), 0), "cuStreamWaitEvent");
+}
+
+void NcclTransport::check(ncclResult_t r) {
+  if (r == ncclSuccess || r == ncclInProgress) return;
+  if (r == ncclInvalidArgument || r == ncclInvalidUsage) {
+    CX_THROW(InvalidArgument, "rank ", rank_, ": NCCL refused ", desc_.describe(), ": ", api_->error_text(r, comm_));
+  }
+  fail_async(r);
+}
+
+void NcclTransport::fail_async(ncclResult_t r) {
+  CX_THROW(ConnectionError, "rank ", rank_, ": ", desc_.describe(), " failed on GPU ", device_, ": ",
+           api_->error_text(r, comm_),
+           ". A peer rank probably died or lost its network; the NCCL communicator has been aborted");
+}
+
+void NcclTransport::finish() {
+  const CudaDriver& d = cuda_driver();
+  check_cu(d.cuEventRecord(done_, stream_), "cuEventRecord");
+  int polls = 0;
+  for (;;) {
+    CUresult q = d.cuEventQuery(done_);
+    if (q == kSuccess) return;
+    if (q != kErrorNotReady) {
+      CX_THROW(Error, "rank ", rank_, ": ", desc_.describe(), " failed on GPU ", device_, ": ", d.error_text(q));
+    }
+    ncclResult_t async = ncclSuccess;
+    if (api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      fail_async(async);
+    }
+    if (dl_.expired()) {
+      CX_THROW(TimeoutError, "rank ", rank_, ": ", desc_.describe(), " on GPU ", device_, " did not complete within ",
+               dl_.timeout_ms, " ms (operation_timeout_ms, DISTRIBUTED_OPERATION_TIMEOUT_MS): a peer rank is late, "
+               "stuck or dead. The NCCL communicator has been aborted");
+    }
+    // Spin briefly (a small collective finishes in microseconds), then sleep.
+    if (++polls < 200) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(polls < 2000 ? 20 : 200));
+    }
+  }
+}
+
+// ---- the collectives ---------------------------------------------------------------
+
+void NcclTransport::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready) {
+  start(ready);
+  bool avg_by_hand = op == ReduceOp::kAvg && !api_->has_avg();
+  ncclRedOp_t nop = to_nccl(avg_by_hand ? ReduceOp::kSum : op);
+  check(api_->ncclAllReduce(buf, buf, count, to_nccl(dt), nop, comm_, stream_));
+  if (avg_by_hand) {
+    if (!kernels_) kernels_ = std::make_unique<Kernels>();
+    kernels_->scale(buf, count, dt, 1.0 / size_, stream_);
+  }
+  finish();
+}
+
+void NcclTransport::broadcast(void* buf, size_t bytes, int root, const Ready& ready) {
+  start(ready);
+  check(api_->ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
+  finish();
+}
+
+void NcclTransport::all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready) {
+  start(ready);
+  bool contiguous = true;
+  for (size_t r = 0; r < outs.size(); ++r) {
+    contiguous = contiguous && static_cast<char*>(outs[r]) == static_cast<char*>(outs[0]) + r * bytes;
+  }
+  if (contiguous) {
+    check(api_->ncclAllGather(in, outs[0], bytes, ncclUint8, comm_, stream_));
+  } else {
+    // Separate output arrays: one broadcast from each rank, fused into one launch.
+    check(api_->ncclGroupStart());
+    for (int r = 0; r < size_; ++r) check(api_->ncclBroadcast(in, outs[r], bytes, ncclUint8, r, comm_, stream_));
+    check(api_->ncclGroupEnd());
+  }
+  finish();
+}
+
+void NcclTransport::reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt,
+                                   ReduceOp op, const Ready& ready) {
+  if (op == ReduceOp::kAvg && !api_->has_avg()) {
+    CX_THROW(InvalidArgument, "reduce_scatter with ReduceOp.AVG needs NCCL 2.10 or newer (this is ", api_->version,
+             "): use SUM and divide");
+  }
+  start(ready);
+  size_t bytes = count * dtype_size(dt);
+  bool contiguous = true;
+  for (size_t r = 0; r < ins.size(); ++r) {
+    contiguous = contiguous && static_cast<const char*>(ins[r]) == static_cast<const char*>(ins[0]) + r * bytes;
+  }
+  if (contiguous) {
+    check(api_->ncclReduceScatter(ins[0], out, count, to_nccl(dt), to_nccl(op), comm_, stream_));
+  } else {
+    // Separate input arrays: block r is reduced onto rank r.
+    check(api_->ncclGroupStart());
+    for (int r = 0; r < size_; ++r) {
+      check(api_->ncclReduce(ins[r], out, count, to_nccl(dt), to_nccl(op), r, comm_, stream_));
+    }
+    check(api_->ncclGroupEnd());
+  }
+  finish();
+}
+
+void NcclTransport::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready) {
+  if (op == ReduceOp::kAvg && !api_->has_avg()) {
+    CX_THROW(InvalidArgument, "reduce with ReduceOp.AVG needs NCCL 2.10 or newer (this is ", api_->version,
+             "): use SUM and divide");
+  }
+  start(ready);
+  check(api_->ncclReduce(buf, buf, count, to_nccl(dt), to_nccl(op), root, comm_, stream_));
+  finish();
+}
+
+void NcclTransport::scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root,
+                            const Ready& ready) {
+  start(ready);
+  check(api_->ncclGroupStart());
+  if (rank_ == root) {
+    for (int r = 0; r < size_; ++r) check(api_->ncclSend(ins[r], bytes, ncclUint8, r, comm_, stream_));
+  }
+  check(api_->ncclRecv(out, bytes, ncclUint8, root, comm_, stream_));
+  check(api_->ncclGroupEnd());
+  finish();
+}
+
+void NcclTransport::gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root,
+                           const Ready& ready) {
+  start(ready);
+  check(api_->ncclGroupStart());
+  check(api_->ncclSend(in, bytes, ncclUint8, root, comm_, stream_));
+  if (rank_ == root) {
+    for (int r = 0; r < size_; ++r) check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, stream_));
+  }
+  check(api_->ncclGroupEnd());
+  finish();
+}
+
+void NcclTransport::all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
+                               const Ready& ready) {
+  start(ready);
+  check(api_->ncclGroupStart());
+  for (int r = 0; r < size_; ++r) {
+    check(api_->ncclSend(ins[r], bytes, ncclUint8, r, comm_, stream_));
+    check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, stream_));
+  }
+  check(api_->ncclGroupEnd());
+  finish();
+}
+
+void NcclTransport::send(const void* buf, size_t bytes, int peer, const Ready& ready) {
+  start(ready);
+  check(api_->ncclSend(buf, bytes, ncclUint8, peer, comm_, stream_));
+  finish();
+}
+
+void NcclTransport::recv(void* buf, size_t bytes, int peer, const Ready& ready) {
+  start(ready);
+  check(api_->ncclRecv(buf, bytes, ncclUint8, peer, comm_, stream_));
+  finish();
+}
+
+void NcclTransport::barrier() {
+  start(nullptr);
+  check(api_->ncclAllReduce(reinterpret_cast<void*>(scratch_), reinterpret_cast<void*>(scratch_), 1, ncclFloat32,
+                            ncclSum, comm_, stream_));
+  finish();
+}
+
+}  // namespace cx::distributed

@@ -1,0 +1,127 @@
+// defines: NcclTransport, the GPU backend of a ProcessGroup: one NCCL
+// communicator on GPU LOCAL_RANK, and the collectives NCCL does natively.
+//
+// It is a Transport so that ProcessGroup's queue, deadlines, poisoning and
+// shutdown work unchanged (begin/abort/close), but no algorithm ever runs over
+// it: isend/irecv refuse, and ProcessGroup calls the collectives below instead.
+//
+// Streams and completion. A collective is submitted with the caller's CUDA
+// stream (the array's __cuda_array_interface__ 'stream', or the legacy default
+// stream). At submission an event is recorded on that stream (mark()); when the
+// work runs, the backend's own stream waits for that event, NCCL runs there,
+// and the running thread then polls a completion event together with
+// ncclCommGetAsyncError until done or until the group's deadline. So a
+// blocking collective returns, and Work::wait() of an async one returns, only
+// once the result is in the array: the caller's stream is ordered after it
+// with no further synchronisation, and a hung or failed collective surfaces as
+// an exception on the host instead of a stream that never drains.
+//
+// Failure. An NCCL async error (a peer died, the network failed) raises
+// DistributedConnectionError; the deadline passing raises
+// DistributedTimeoutError. Either poisons the group, and ProcessGroup then calls
+// abort(), which is ncclCommAbort: kernels still waiting on a dead peer exit,
+// and every later call raises. Each surviving rank finds out by itself (its own
+// async error or its own deadline), so all of them raise instead of hanging.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/config.h"
+#include "distributed/transport/nccl/cuda_driver.h"
+#include "distributed/transport/nccl/kernels.h"
+#include "distributed/transport/nccl/nccl_api.h"
+#include "distributed/transport/transport.h"
+
+namespace cx::distributed {
+
+class StoreClient;
+
+// A CUDA event recorded on the caller's stream when a collective is submitted.
+class CudaEvent {
+ public:
+  CudaEvent();
+  ~CudaEvent();
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cuda::CUevent get() const { return ev_; }
+
+ private:
+  cuda::CUevent ev_ = nullptr;
+};
+using Ready = std::shared_ptr<CudaEvent>;
+
+class NcclTransport : public Transport {
+ public:
+  // Checks the GPU and NCCL, exchanges the unique id through `store` (null for
+  // a world of one) and creates the communicator on GPU cfg.local_rank.
+  NcclTransport(StoreClient* store, const Config& cfg, const Deadline& dl);
+  ~NcclTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void begin(const OpDesc& desc, const Deadline& dl) override;
+  Req isend(int, const void*, size_t) override;
+  Req irecv(int, void*, size_t) override;
+  void wait(Req) override {}
+  void wait_all() override {}
+  void abort(ErrorKind kind, const std::string& msg) override;  // ncclCommAbort
+  void close(const Deadline& dl) override;                       // ncclCommDestroy
+
+  // On the submitting thread: checks that every buffer is memory of this
+  // rank's GPU (TypeMismatch naming `what` otherwise) and records the event
+  // the collective will wait for on `stream`.
+  Ready mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what);
+
+  // Each runs the collective after `ready` and returns when it is complete.
+  // Counts are elements of dt per rank's block, as in ProcessGroup.
+  void all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready);
+  void broadcast(void* buf, size_t bytes, int root, const Ready& ready);
+  void all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready);
+  void reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt, ReduceOp op,
+                      const Ready& ready);
+  void reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready);
+  void scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root, const Ready& ready);
+  void gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root, const Ready& ready);
+  void all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
+                  const Ready& ready);
+  void send(const void* buf, size_t bytes, int peer, const Ready& ready);
+  void recv(void* buf, size_t bytes, int peer, const Ready& ready);
+  void barrier();
+
+ private:
+  void setup(StoreClient* store, const Deadline& dl);
+  void make_current() const;
+  void start(const Ready& ready);     // our stream waits for the caller's event
+  void check(nccl::ncclResult_t r);  // throws for a failed NCCL call
+  void finish();                     // records, then polls to completion
+  [[noreturn]] void fail_async(nccl::ncclResult_t r);
+
+  int rank_, size_, device_;
+  const nccl::NcclApi* api_ = nullptr;
+  cuda::CUcontext ctx_ = nullptr;
+  cuda::CUstream stream_ = nullptr;
+  cuda::CUevent done_ = nullptr;
+  cuda::CUdeviceptr scratch_ = 0;  // 4 bytes: the barrier's all-reduce
+  nccl::ncclComm_t comm_ = nullptr;
+  std::unique_ptr<cuda::Kernels> kernels_;
+  OpDesc desc_;
+  Deadline dl_ = Deadline::after_ms(0);
+};
+
+// The unique-id exchange, on its own so that it can be tested without a GPU.
+// Every rank runs `prepare` (its local checks); rank 0 then calls make_id and
+// publishes the id (or its error) in the store, and every rank publishes
+// whether it is ready. Returns the id on every rank, or throws: this rank's
+// own error first, else the first other rank's ("rank 2 could not join ...").
+std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Deadline& dl,
+                             const std::function<void()>& prepare, const std::function<std::string()>& make_id);
+
+// For tests: runs exchange_nccl_id through a real store on cfg's address with
+// a random 128-byte id; `fail_rank` fails its local checks. Returns the id.
+std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int first_byte = -1);
+
+}  // namespace cx::distributed

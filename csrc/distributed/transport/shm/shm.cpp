@@ -1,0 +1,215 @@
+#include "distributed/transport/shm/shm.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <new>
+
+#include "common/error.h"
+
+namespace cx::distributed::shm {
+
+namespace {
+
+constexpr size_t kCtlOffset = sizeof(Bell);
+
+size_t segment_bytes(int world, size_t cap) {
+  return kCtlOffset + static_cast<size_t>(world) * sizeof(RingCtl) + static_cast<size_t>(world) * cap;
+}
+
+std::string path_of(const std::string& name) { return "/dev/shm/" + name; }
+
+}  // namespace
+
+Segment& Segment::operator=(Segment&& o) noexcept {
+  if (this != &o) {
+    if (owner_) unlink();
+    if (base_) ::munmap(base_, len_);
+    base_ = o.base_;
+    len_ = o.len_;
+    world_ = o.world_;
+    cap_ = o.cap_;
+    path_ = std::move(o.path_);
+    owner_ = o.owner_;
+    o.base_ = nullptr;
+    o.owner_ = false;
+  }
+  return *this;
+}
+
+Segment::~Segment() {
+  if (owner_) unlink();
+  if (base_) ::munmap(base_, len_);
+  base_ = nullptr;
+}
+
+Segment Segment::create(const std::string& name, int world, size_t cap, const std::vector<int>& peers) {
+  Segment s;
+  s.path_ = path_of(name);
+  s.world_ = world;
+  s.cap_ = cap;
+  s.len_ = segment_bytes(world, cap);
+  int fd = ::open(s.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) CX_THROW(Error, "cannot create ", s.path_, ": ", std::strerror(errno));
+  s.owner_ = true;
+  // The file is sparse; the pages of the rings that will be used are reserved
+  // now, so that a full tmpfs shows up here rather than as SIGBUS on a write.
+  if (::ftruncate(fd, static_cast<off_t>(s.len_)) != 0) {
+    int e = errno;
+    ::close(fd);
+    CX_THROW(Error, "cannot size ", s.path_, ": ", std::strerror(e));
+  }
+  const size_t data0 = kCtlOffset + static_cast<size_t>(world) * sizeof(RingCtl);
+  int e = ::posix_fallocate(fd, 0, static_cast<off_t>(data0));
+  for (size_t i = 0; i < peers.size() && e == 0; ++i) {
+    e = ::posix_fallocate(fd, static_cast<off_t>(data0 + static_cast<size_t>(peers[i]) * cap),
+                          static_cast<off_t>(cap));
+  }
+  if (e != 0) {
+    ::close(fd);
+    CX_THROW(Error, "cannot reserve ", s.path_, ": ", std::strerror(e));
+  }
+  void* p = ::mmap(nullptr, s.len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  e = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) CX_THROW(Error, "cannot map ", s.path_, ": ", std::strerror(e));
+  s.base_ = p;
+  // A fresh file reads as zeros, which is the initial state of every counter;
+  // construct the atomics there all the same.
+  new (s.bell()) Bell();
+  for (int j = 0; j < world; ++j) new (s.ring(j).ctl) RingCtl();
+  return s;
+}
+
+Segment Segment::open(const std::string& name, int world, size_t cap) {
+  Segment s;
+  s.path_ = path_of(name);
+  s.world_ = world;
+  s.cap_ = cap;
+  s.len_ = segment_bytes(world, cap);
+  int fd = ::open(s.path_.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return Segment();
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != s.len_) {
+    ::close(fd);
+    return Segment();
+  }
+  void* p = ::mmap(nullptr, s.len_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) return Segment();
+  s.base_ = p;
+  return s;
+}
+
+void Segment::prefault(int peer) const {
+#ifdef MADV_POPULATE_WRITE
+  // Populates page tables without touching the contents, so it is safe while
+  // the peer already uses the ring. Kernels before 5.14 refuse it: then the
+  // first pass faults pages in as it goes.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  auto populate = [&](char* b, size_t n) {
+    char* lo = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(b) / page * page);
+    ::madvise(lo, static_cast<size_t>(b + n - lo), MADV_POPULATE_WRITE);
+  };
+  populate(static_cast<char*>(base_), kCtlOffset + static_cast<size_t>(world_) * sizeof(RingCtl));
+  populate(ring(peer).data, cap_);
+#else
+  (void)peer;
+#endif
+}
+
+void Segment::unlink() {
+  if (owner_) ::unlink(path_.c_str());
+  owner_ = false;
+}
+
+Bell* Segment::bell() const { return static_cast<Bell*>(base_); }
+
+Ring Segment::ring(int peer) const {
+  char* b = static_cast<char*>(base_);
+  Ring r;
+  r.ctl = reinterpret_cast<RingCtl*>(b + kCtlOffset + static_cast<size_t>(peer) * sizeof(RingCtl));
+  r.data = b + kCtlOffset + static_cast<size_t>(world_) * sizeof(RingCtl) + static_cast<size_t>(peer) * cap_;
+  r.cap = cap_;
+  return r;
+}
+
+// The writer owns head, the reader owns tail. The writer reads tail with
+// acquire (the reader is done with those bytes) and publishes head with release
+// (the bytes are in place); the reader mirrors it.
+size_t write(const Ring& r, const char* src, size_t n) {
+  const uint64_t head = r.ctl->head.load(std::memory_order_relaxed);
+  const uint64_t tail = r.ctl->tail.load(std::memory_order_acquire);
+  n = std::min<size_t>(n, r.cap - static_cast<size_t>(head - tail));
+  if (n == 0) return 0;
+  const size_t at = static_cast<size_t>(head % r.cap), first = std::min(n, r.cap - at);
+  std::memcpy(r.data + at, src, first);
+  if (first < n) std::memcpy(r.data, src + first, n - first);
+  r.ctl->head.store(head + n, std::memory_order_release);
+  return n;
+}
+
+size_t read(const Ring& r, char* dst, size_t n) {
+  const uint64_t tail = r.ctl->tail.load(std::memory_order_relaxed);
+  const uint64_t head = r.ctl->head.load(std::memory_order_acquire);
+  n = std::min<size_t>(n, static_cast<size_t>(head - tail));
+  if (n == 0) return 0;
+  const size_t at = static_cast<size_t>(tail % r.cap), first = std::min(n, r.cap - at);
+  std::memcpy(dst, r.data + at, first);
+  if (first < n) std::memcpy(dst + first, r.data, n - first);
+  r.ctl->tail.store(tail + n, std::memory_order_release);
+  return n;
+}
+
+// Note [No lost wake-up]
+// Sleeper: seen = seq; sleeping = 1; fence; look for work once more; futex_wait(seq, seen).
+// Waker:   publish the bytes (head/tail store); fence; if sleeping: seq += 1, futex_wake.
+// The two fences (sequentially consistent) order each side's store before its
+// load, so at least one side sees the other's store: either the sleeper's last
+// look finds the bytes, or the waker sees sleeping == 1 and bumps seq, after
+// which futex_wait either returns at once (seq != seen) or is woken. The
+// sleeper's wait is bounded anyway (the caller passes a slice of its
+// deadline), so a mistake here would cost time, never a hang.
+void about_to_sleep(Bell* b) {
+  b->sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void notify(Bell* b) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (b->sleeping.load(std::memory_order_relaxed)) ring_bell(b);
+}
+
+void ring_bell(Bell* b) {
+  b->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (b->sleeping.load(std::memory_order_seq_cst)) {
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b->seq), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+}
+
+void wait_bell(Bell* b, uint32_t seen, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, static_cast<long>(timeout_ms % 1000) * 1000000L};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b->seq), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+std::string host_key() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  struct stat st{};
+  // The device of /dev/shm tells apart containers on one host that do not share it.
+  std::string dev = ::stat("/dev/shm", &st) == 0 ? std::to_string(st.st_dev) : "none";
+  return std::string(host) + "|" + boot + "|" + dev;
+}
+
+}  // namespace cx::distributed::shm

@@ -1,0 +1,217 @@
+#include "distributed/transport/tcp/socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "common/error.h"
+
+namespace cx::distributed::tcp {
+
+void Fd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+sockaddr_in resolve(const std::string& host, int port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &a.sin_addr) == 1) return a;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || !res) {
+    CX_THROW(ConnectionError, "cannot resolve host '", host, "': ", gai_strerror(rc),
+             " (check MASTER_ADDR)");
+  }
+  a.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  freeaddrinfo(res);
+  return a;
+}
+
+std::string addr_to_string(const sockaddr_in& a) {
+  char buf[INET_ADDRSTRLEN];
+  inet_ntop(AF_INET, &a.sin_addr, buf, sizeof(buf));
+  return std::string(buf) + ":" + std::to_string(ntohs(a.sin_port));
+}
+
+Fd listen_on(const std::string& host, int port, const char* what) {
+  sockaddr_in a = resolve(host, port);
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) CX_THROW(ConnectionError, "socket(): ", std::strerror(errno));
+  int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    int e = errno;
+    if (e == EADDRINUSE) {
+      CX_THROW(ConnectionError, what, " ", port, " on ", host,
+               " is already in use by another process: stop it, or choose a free port (e.g. ", what,
+               "=", port + 1, ")");
+    }
+    if (e == EADDRNOTAVAIL) {
+      CX_THROW(ConnectionError, "cannot listen on ", host, ":", port, ": ", host,
+               " is not an address of this machine (rank 0 must run on MASTER_ADDR)");
+    }
+    CX_THROW(ConnectionError, "cannot listen on ", host, ":", port, ": ", std::strerror(e));
+  }
+  if (::listen(fd.get(), 128) != 0) CX_THROW(ConnectionError, "listen(): ", std::strerror(errno));
+  return fd;
+}
+
+int bound_port(int fd) {
+  sockaddr_in a{};
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  return ntohs(a.sin_port);
+}
+
+std::string local_ip_of(int fd) {
+  sockaddr_in a{};
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  char buf[INET_ADDRSTRLEN];
+  inet_ntop(AF_INET, &a.sin_addr, buf, sizeof(buf));
+  return buf;
+}
+
+void set_nonblocking(int fd, bool on) {
+  int fl = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK));
+}
+
+// Socket buffer size: CX_SOCKET_BUFFER_BYTES, default 0 = the kernel's
+// autotuning. Setting SO_SNDBUF/SO_RCVBUF turns autotuning off and is silently
+// capped at net.core.{w,r}mem_max (208 KiB on many systems), so a fixed size
+// only helps where those limits are raised.
+static int socket_buffer_bytes() {
+  static const int v = [] {
+    const char* e = std::getenv("CX_SOCKET_BUFFER_BYTES");
+    return e ? std::max(0, std::atoi(e)) : 0;
+  }();
+  return v;
+}
+
+void tune_socket(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  if (int buf = socket_buffer_bytes()) {
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  }
+}
+
+Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, const std::string& what) {
+  sockaddr_in a = resolve(host, port);
+  std::string last = "no attempt";
+  int delay_ms = 2;
+  for (;;) {
+    Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) CX_THROW(ConnectionError, "socket(): ", std::strerror(errno));
+    set_nonblocking(fd.get(), true);
+    int rc = ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    int err = rc == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      pollfd p{fd.get(), POLLOUT, 0};
+      int pr = ::poll(&p, 1, dl.remaining_ms(1000));
+      if (pr > 0) {
+        socklen_t len = sizeof(err);
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      } else {
+        err = ETIMEDOUT;
+      }
+    }
+    if (err == 0) {
+      set_nonblocking(fd.get(), false);
+      tune_socket(fd.get());
+      return fd;
+    }
+    last = std::strerror(err);
+    if (err != ECONNREFUSED && err != ETIMEDOUT && err != ENETUNREACH && err != EHOSTUNREACH &&
+        err != ECONNRESET && err != EAGAIN) {
+      CX_THROW(ConnectionError, "cannot connect to ", what, " at ", host, ":", port, ": ", last);
+    }
+    if (dl.expired()) {
+      CX_THROW(TimeoutError, "Timeout waiting for peers: could not reach ", what, " at ", host, ":", port,
+               " within ", dl.timeout_ms, " ms (last error: ", last,
+               "). Is that process running, and are MASTER_ADDR/MASTER_PORT the same on every rank?");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(delay_ms, dl.remaining_ms(1000) + 1)));
+    delay_ms = std::min(delay_ms * 2, 100);
+  }
+}
+
+Fd accept_until(int listen_fd, const Deadline& dl) {
+  for (;;) {
+    pollfd p{listen_fd, POLLIN, 0};
+    int pr = ::poll(&p, 1, dl.remaining_ms(1000));
+    if (pr > 0) {
+      int c = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c >= 0) {
+        tune_socket(c);
+        return Fd(c);
+      }
+      if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
+      CX_THROW(ConnectionError, "accept(): ", std::strerror(errno));
+    }
+    if (pr < 0 && errno != EINTR) CX_THROW(ConnectionError, "poll(): ", std::strerror(errno));
+    if (dl.expired()) return Fd();
+  }
+}
+
+void send_exact(int fd, const void* buf, size_t n, const Deadline& dl, const std::string& what) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+      continue;
+    }
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      pollfd pf{fd, POLLOUT, 0};
+      if (::poll(&pf, 1, dl.remaining_ms(1000)) == 0 && dl.expired()) {
+        CX_THROW(TimeoutError, "timed out after ", dl.timeout_ms, " ms sending to ", what);
+      }
+      continue;
+    }
+    CX_THROW(ConnectionError, "lost the connection to ", what, " while sending: ",
+             k == 0 ? "closed" : std::strerror(errno));
+  }
+}
+
+void recv_exact(int fd, void* buf, size_t n, const Deadline& dl, const std::string& what) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+      continue;
+    }
+    if (k == 0) CX_THROW(ConnectionError, "connection closed by ", what);
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      pollfd pf{fd, POLLIN, 0};
+      if (::poll(&pf, 1, dl.remaining_ms(1000)) == 0 && dl.expired()) {
+        CX_THROW(TimeoutError, "timed out after ", dl.timeout_ms, " ms waiting for ", what);
+      }
+      continue;
+    }
+    CX_THROW(ConnectionError, "lost the connection to ", what, ": ", std::strerror(errno));
+  }
+}
+
+}  // namespace cx::distributed::tcp

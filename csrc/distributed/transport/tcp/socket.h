@@ -1,0 +1,64 @@
+// defines: Fd (an owned file descriptor) and the blocking-with-deadline socket
+// helpers used by the store, the handshake and the TCP transport's setup.
+#pragma once
+
+#include <netinet/in.h>
+
+#include <string>
+
+#include "distributed/types.h"
+
+namespace cx::distributed::tcp {
+
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) reset(o.release());
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+// Resolves host (a dotted IPv4 address or a name) to an IPv4 address.
+sockaddr_in resolve(const std::string& host, int port);
+std::string addr_to_string(const sockaddr_in& a);
+
+// Listens on host:port (port 0 = ephemeral). Throws ConnectionError; a port in
+// use gets its own message naming `what` (e.g. "MASTER_PORT").
+Fd listen_on(const std::string& host, int port, const char* what);
+int bound_port(int fd);
+std::string local_ip_of(int fd);  // the address this connected socket uses
+
+// Connects to host:port, retrying refused/unreachable attempts every few ms
+// until the deadline. `what` names the thing being reached in errors.
+Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, const std::string& what);
+
+// Accepts one connection before the deadline; returns an invalid Fd on timeout.
+Fd accept_until(int listen_fd, const Deadline& dl);
+
+void set_nonblocking(int fd, bool on);
+void tune_socket(int fd);  // TCP_NODELAY, large buffers, keepalive
+
+// Blocking exact-length I/O bounded by a deadline (socket may be blocking or not).
+// Throw TimeoutError / ConnectionError with `what` in the message.
+void send_exact(int fd, const void* buf, size_t n, const Deadline& dl, const std::string& what);
+void recv_exact(int fd, void* buf, size_t n, const Deadline& dl, const std::string& what);
+
+}  // namespace cx::distributed::tcp

@@ -1,0 +1,70 @@
+// defines: Transport, the interface every collective algorithm is written over,
+// and OpDesc, the description of the collective a message belongs to.
+//
+// An algorithm never sees a socket. It posts non-blocking sends and receives of
+// byte ranges to and from peer ranks and waits for them; the transport moves the
+// bytes (TCP today; shared memory or NCCL would implement the same interface).
+//
+// Ordering: sends to one peer leave in the order they were posted, and receives
+// from one peer are matched in the order they were posted, so two ranks that run
+// the same algorithm agree on every message without tags.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/error.h"
+#include "distributed/types.h"
+
+namespace cx::distributed {
+
+// Every message carries the descriptor of the operation it belongs to; a
+// receiver whose own descriptor differs raises MismatchError naming both.
+struct OpDesc {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  DataType dtype = DataType::kBytes;
+  ReduceOp op = ReduceOp::kNone;
+  int32_t root = -1;
+  uint64_t count = 0;  // elements per rank, as the caller passed them
+  uint64_t seq = 0;    // collective number (per peer pair for send/recv)
+
+  bool operator==(const OpDesc& o) const {
+    return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq;
+  }
+  // "all_reduce(count=10, dtype=float32, op=SUM) as collective #5"
+  std::string describe() const;
+};
+
+class Transport {
+ public:
+  using Req = int;
+
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Starts an operation: messages sent from now on carry `desc`, messages
+  // received must carry an equal one, and every wait gives up at `dl`.
+  virtual void begin(const OpDesc& desc, const Deadline& dl) = 0;
+
+  // Post a send/receive of exactly `bytes` bytes. The buffer must stay valid
+  // and (for a send) unchanged until the request completes.
+  virtual Req isend(int peer, const void* buf, size_t bytes) = 0;
+  virtual Req irecv(int peer, void* buf, size_t bytes) = 0;
+
+  // Drives progress until `r` is complete. Throws TimeoutError, ConnectionError
+  // (peer closed or died), MismatchError, or the error a peer aborted with.
+  virtual void wait(Req r) = 0;
+  virtual void wait_all() = 0;
+
+  // Fails the group: every peer is told (best effort, bounded time) why, so a
+  // rank that waits on us raises the same error instead of timing out.
+  virtual void abort(ErrorKind kind, const std::string& msg) = 0;
+
+  // Graceful end: tells peers we are done and waits (until `dl`) for them to
+  // say the same, so no connection is torn down under data still in flight.
+  virtual void close(const Deadline& dl) {}
+};
+
+}  // namespace cx::distributed
