@@ -319,6 +319,22 @@ def test_collective_before_init_says_to_call_init():
         D.get_rank()
 
 
+def test_a_wrapper_that_outlives_its_group_says_it_was_finalized(monkeypatch):
+    # DistributedDataParallel keeps the group it was made with; after finalize() its next
+    # collective must raise, not touch a torn-down backend.
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    D.init()
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(4, 2))
+    ddp = D.DistributedDataParallel(m)
+    D.finalize()
+    out = ddp.forward(np.ones((3, 4), np.float32))
+    with pytest.raises(D.DistributedError, match="the process group has been finalized"):
+        ddp.backward(np.ones_like(out))
+        ddp.sync_gradients()
+
+
 def test_init_twice_is_refused(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

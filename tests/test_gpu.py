@@ -84,7 +84,7 @@ def test_every_kernel_the_host_code_launches_is_in_the_build():
         with open(path, mode) as f:
             return f.read()
 
-    host = "".join(read(os.path.join(root, sub, f)) for sub in ("gpu", "train")
+    host = "".join(read(os.path.join(root, sub, f)) for sub in ("cuda", "nn", "train")
                    for f in os.listdir(os.path.join(root, sub)) if f.endswith(".cpp"))
     named = set(re.findall(r'"(cx_nn_\w+)"', host))
     defined = set(re.findall(r'__global__ void (cx_nn_\w+)\(', read(os.path.join(root, "cuda", "nn.cu"))))

@@ -10,11 +10,11 @@
 #include "bindings/bindings.h"
 #include "bindings/collective_docs.h"
 #include "distributed/default_group.h"
-#include "distributed/transport/nccl/cuda_driver.h"
-#include "distributed/transport/nccl/kernels.h"
-#include "distributed/transport/nccl/nccl_api.h"
-#include "distributed/transport/nccl/nccl_transport.h"
-#include "gpu/runtime.h"
+#include "cuda/blas.h"
+#include "cuda/driver.h"
+#include "cuda/module.h"
+#include "distributed/backend/nccl/nccl_api.h"
+#include "distributed/backend/nccl/nccl_backend.h"
 
 namespace cx::bindings {
 
@@ -312,7 +312,7 @@ py::object finish(ProcessGroup::WorkPtr w, bool async, const Keep&... keep) {
   return py::cast(std::move(pw));
 }
 
-bool on_gpu(const ProcessGroup& pg) { return pg.config().backend == Backend::kNccl; }
+bool on_gpu(const ProcessGroup& pg) { return pg.config().backend == BackendType::kNccl; }
 
 template <typename F>
 ProcessGroup::WorkPtr call(F&& f) {
@@ -330,9 +330,9 @@ void bind_dist(py::module_& m) {
       .value("MIN", ReduceOp::kMin)
       .value("MAX", ReduceOp::kMax);
 
-  py::enum_<Backend>(m, "BackendType", "Transport of the process group.")
-      .value("CPU", Backend::kCpu)
-      .value("NCCL", Backend::kNccl);
+  py::enum_<BackendType>(m, "BackendType", "Transport of the process group.")
+      .value("CPU", BackendType::kCpu)
+      .value("NCCL", BackendType::kNccl);
 
   py::class_<Config>(m, "DistributedConfig",
                      "Where this process sits in the job. from_environment() reads RANK, WORLD_SIZE, LOCAL_RANK, "
@@ -359,7 +359,7 @@ void bind_dist(py::module_& m) {
         return "DistributedConfig(rank=" + std::to_string(c.rank) + ", world_size=" + std::to_string(c.world_size) +
                ", local_rank=" + std::to_string(c.local_rank) + ", master_addr='" + c.master_addr +
                "', master_port=" + std::to_string(c.master_port) +
-               ", backend=" + (c.backend == Backend::kCpu ? "CPU" : "NCCL") +
+               ", backend=" + (c.backend == BackendType::kCpu ? "CPU" : "NCCL") +
                ", timeout_ms=" + std::to_string(c.timeout_ms) +
                ", operation_timeout_ms=" + std::to_string(c.operation_timeout_ms) + ")";
       });
@@ -572,7 +572,7 @@ void bind_dist(py::module_& m) {
       py::arg("arr"), py::arg("src"), py::arg("async_op") = false, docs::kRecv);
 
   // ---- GPU backend: library discovery, probes, and hooks for tests that run without a GPU ----
-  m.def("_set_cublas_search_dirs", &gpu::set_cublas_search_dirs, py::arg("dirs"),
+  m.def("_set_cublas_search_dirs", &cuda::set_cublas_search_dirs, py::arg("dirs"),
         "Directories searched for libcublas.so.13/.12 first (the nvidia wheels' lib folders).");
   m.def("_set_nccl_search_dirs", &nccl::set_nccl_search_dirs, py::arg("dirs"),
         "Directories searched for libnccl.so.2 before the system's (the Python side passes the nvidia wheels').");
@@ -588,12 +588,12 @@ void bind_dist(py::module_& m) {
     py::gil_scoped_release nogil;
     return cuda::device_count_or_zero();
   });
-  m.def("_cuda_kernels_built", &cuda::Kernels::available, "True if nvcc compiled the CUDA kernels into this build.");
+  m.def("_cuda_kernels_built", &cuda::kernels_built, "True if nvcc compiled the CUDA kernels into this build.");
   m.def("_check_gpu_local_rank", &cuda::check_local_rank, py::arg("local_rank"), py::arg("device_count"));
   m.def(
       "_array_view",
-      [](py::object arr, Backend backend, bool writable, bool reduce, std::optional<std::string> dtype) {
-        View v = view_of(arr, "the array", writable, reduce, backend == Backend::kNccl, dtype);
+      [](py::object arr, BackendType backend, bool writable, bool reduce, std::optional<std::string> dtype) {
+        View v = view_of(arr, "the array", writable, reduce, backend == BackendType::kNccl, dtype);
         py::dict d;
         d["ptr"] = reinterpret_cast<uintptr_t>(v.ptr);
         d["count"] = v.count;

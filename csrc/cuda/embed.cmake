@@ -1,11 +1,11 @@
 # cmake -DIN=nn.fatbin -DOUT=nn_fatbin.cpp -DNAME=nn -P embed.cmake
 # Writes the fatbin as the byte array kFatbin_<NAME> that _core links in (used by
-# csrc/distributed/transport/nccl/kernels.cpp and csrc/gpu/runtime.cpp).
+# csrc/cuda/module.cpp).
 file(READ "${IN}" hex HEX)
 string(LENGTH "${hex}" n)
 math(EXPR bytes "${n} / 2")
 string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," body "${hex}")
 string(REGEX REPLACE "(0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,)" "\\1\n" body "${body}")
 file(WRITE "${OUT}" "// generated from ${IN} by csrc/cuda/embed.cmake\n#include <cstddef>\n"
-     "namespace cx::distributed::cuda {\nalignas(8) extern const unsigned char kFatbin_${NAME}[] = {\n${body}0};\n"
-     "extern const size_t kFatbinBytes_${NAME} = ${bytes};\n}  // namespace cx::distributed::cuda\n")
+     "namespace cx::cuda {\nalignas(8) extern const unsigned char kFatbin_${NAME}[] = {\n${body}0};\n"
+     "extern const size_t kFatbinBytes_${NAME} = ${bytes};\n}  // namespace cx::cuda\n")

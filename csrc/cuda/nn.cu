@@ -203,7 +203,7 @@ extern "C" __global__ void cx_nn_bn_bwd(const float* gy, const float* xhat, cons
 // Each writes dL/d(output) and adds its sums into stats (double): stats[0] the
 // loss summed as the CPU sums it (over rows, or over elements), stats[1] the
 // rows (or elements) counted correct. Labels are range-checked on the host
-// first (GpuTrainer::launch_loss); the kernel only refuses to read out of bounds.
+// first (GpuEngine::launch_loss, via each loss's forward_batch); the kernel only refuses to read out of bounds.
 
 // Cross-entropy with integer labels, one warp per row.
 extern "C" __global__ void cx_nn_ce_labels(const float* x, const int64_t* labels, float* g, double* stats, u64 rows,

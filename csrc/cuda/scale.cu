@@ -1,6 +1,6 @@
 // The device kernels of the NCCL backend. Compiled by nvcc into a fatbin that
 // is embedded in _core and launched through the driver API (see Note [How CUDA
-// is found and loaded] in dist/transport/nccl/cuda_driver.h), so every kernel
+// is found and loaded] in cuda/driver.h), so every kernel
 // is extern "C" (its name is looked up as written) and takes plain pointers.
 //
 // cx_scale_*: x[i] *= f in place. ReduceOp.AVG is a SUM followed by this on

@@ -78,9 +78,9 @@ Config Config::from_environment() {
     std::string s(b);
     for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
     if (s == "cpu" || s == "tcp") {
-      c.backend = Backend::kCpu;
+      c.backend = BackendType::kCpu;
     } else if (s == "nccl") {
-      c.backend = Backend::kNccl;
+      c.backend = BackendType::kNccl;
     } else {
       CX_THROW(InvalidArgument, "environment variable DISTRIBUTED_BACKEND='", b,
                "' is not valid: expected 'cpu' or 'nccl'");

@@ -1,4 +1,4 @@
-// defines: Backend, Config (seed 004's DistributedConfig) and its environment parsing.
+// defines: BackendType, Config (Python's DistributedConfig) and its environment parsing.
 #pragma once
 
 #include <cstdint>
@@ -6,7 +6,7 @@
 
 namespace cx::distributed {
 
-enum class Backend : uint8_t { kCpu = 0, kNccl = 1 };
+enum class BackendType : uint8_t { kCpu = 0, kNccl = 1 };
 
 struct Config {
   int rank = 0;
@@ -14,7 +14,7 @@ struct Config {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  Backend backend = Backend::kCpu;
+  BackendType backend = BackendType::kCpu;
   // Note [Two deadlines]: setting up and running are bounded separately. A dead
   // peer is noticed within about a second through its closed connection whatever
   // these are; they only bound the wait for a live rank that never comes.

@@ -5,20 +5,21 @@
 // queued for the group's one communication thread; a blocking one first waits
 // for that queue to drain and then runs on the calling thread (no thread
 // hand-off on the latency path). Either way only one collective touches the
-// transport at a time (exec_mu_).
+// backend at a time (exec_mu_).
 //
-// Failure model. The first transport failure, timeout or mismatch poisons the
-// group: peers are told (Transport::abort), queued work fails with that error,
+// Failure model. The first failure, timeout or mismatch in a collective poisons the
+// group: peers are told (Backend::abort), queued work fails with that error,
 // and every later call raises it again. finalize() and a new init() start over.
 //
-// Backends. BackendType.CPU runs the algorithms of algorithms/ over a
-// TcpTransport. BackendType.NCCL puts an NcclTransport in the same place: the
-// queue, deadlines, poisoning and shutdown above are shared, but each
-// collective calls the NcclTransport's native NCCL collective instead of an
-// algorithm. Buffers are then device pointers, and `stream` is the caller's
-// CUDA stream (ignored by the CPU backend); see nccl_transport.h.
+// Backends. Each collective is checked here (roots, block counts, reducible
+// dtypes), then handed to the group's Backend (backend/backend.h) once: the CPU
+// backend runs the algorithms of algorithms/ over a Transport, the NCCL backend
+// NCCL's own collectives on device pointers, ordered after `stream`, the
+// caller's CUDA stream (ignored by the CPU backend). The queue, deadlines,
+// poisoning and shutdown above are the group's, whatever the backend.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -30,15 +31,13 @@
 #include <vector>
 
 #include "common/error.h"
-#include "distributed/algorithms/algorithms.h"
+#include "distributed/backend/backend.h"
 #include "distributed/config.h"
-#include "distributed/transport/transport.h"
 
 namespace cx::distributed {
 
 class StoreServer;
 class StoreClient;
-class NcclTransport;
 
 class Work {
  public:
@@ -57,7 +56,7 @@ class Work {
   bool done_ = false;
   std::optional<std::pair<ErrorKind, std::string>> error_;
   OpDesc desc_;
-  std::function<void(Transport&)> body_;
+  Backend::Body body_;
 };
 
 class ProcessGroup {
@@ -91,7 +90,8 @@ class ProcessGroup {
   void shutdown();
 
  private:
-  WorkPtr submit(OpDesc desc, std::function<void(Transport&)> body, bool async);
+  WorkPtr submit(OpDesc desc, Backend::Body body, bool async);
+  Backend& backend();  // throws once the group has been finalized
   void execute(Work& w);
   void comm_loop();
   void check_root(int root, const char* what) const;
@@ -99,16 +99,14 @@ class ProcessGroup {
   [[noreturn]] void rethrow_poison();
 
   Config cfg_;
-  algo::AlgoOptions algo_;
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<StoreClient> store_;
-  std::unique_ptr<Transport> transport_;  // TCP, local (world of one) or NCCL
-  NcclTransport* nccl_ = nullptr;         // transport_ when the backend is NCCL
+  std::unique_ptr<Backend> backend_;
 
   uint64_t seq_ = 0;                   // collectives submitted
   std::vector<uint64_t> sent_, recvd_;  // point-to-point messages per peer
 
-  std::mutex exec_mu_;  // held while a collective runs on the transport
+  std::mutex exec_mu_;  // held while a collective runs on the backend
   std::mutex mu_;       // guards everything below
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Work>> queue_;
@@ -116,7 +114,7 @@ class ProcessGroup {
   bool stop_ = false;
   std::thread comm_;
   std::optional<std::pair<ErrorKind, std::string>> poison_;
-  bool shut_ = false;
+  std::atomic<bool> shut_{false};  // written under mu_; read without it by backend()
 };
 
 }  // namespace cx::distributed

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/error.h"
 
@@ -135,6 +136,34 @@ float BCEWithLogitsLoss::forward(const float* x, const Shape& shape, const float
   }
   have_ = true;
   return static_cast<float>(total / static_cast<double>(n));
+}
+
+// ---- the trainer's view ----------------------------------------------------------------
+
+void check_dense_targets(const Loss& loss, const BatchTargets& t) {
+  CX_CHECK(t.dense, TypeMismatch, "DistributedTrainer: ", loss.repr(),
+           " needs float32 targets shaped like the model's output, got integer labels");
+}
+
+BatchSums CrossEntropyLoss::forward_batch(const float* out, const Shape& os, const BatchTargets& t) {
+  const float l = t.dense ? forward(out, os, t.dense, t.shape) : forward(out, os, t.labels, t.rows());
+  return {static_cast<double>(l) * t.rows(), static_cast<double>(correct_)};
+}
+
+BatchSums MSELoss::forward_batch(const float* out, const Shape& os, const BatchTargets& t) {
+  check_dense_targets(*this, t);
+  const float l = forward(out, os, t.dense, t.shape);
+  return {static_cast<double>(l) * t.rows(), std::numeric_limits<double>::quiet_NaN()};
+}
+
+BatchSums BCEWithLogitsLoss::forward_batch(const float* out, const Shape& os, const BatchTargets& t) {
+  check_dense_targets(*this, t);
+  const float l = forward(out, os, t.dense, t.shape);
+  // Per row: the fraction of outputs on the right side of 0.5.
+  const size_t n = t.rows(), total = numel(os), per = total / n;
+  size_t hit = 0;
+  for (size_t i = 0; i < total; ++i) hit += (out[i] > 0.f) == (t.dense[i] > 0.5f);
+  return {static_cast<double>(l) * n, static_cast<double>(hit) / static_cast<double>(per ? per : 1)};
 }
 
 }  // namespace cx::nn

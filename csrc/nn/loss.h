@@ -1,8 +1,14 @@
-// defines: CrossEntropyLoss, MSELoss, BCEWithLogitsLoss.
+// defines: Loss, CrossEntropyLoss, MSELoss, BCEWithLogitsLoss; BatchTargets,
+// BatchSums.
 //
 // Each: forward(output, target) returns the mean loss over the batch and keeps
 // dL/d(output) for backward(). All reductions are means (PyTorch's default), so
 // grads scale as 1/batch (1/numel for MSE and BCE).
+//
+// The trainer sees every loss through one interface, on either device:
+// forward_batch() takes a batch's targets as it holds them (labels or dense
+// rows) and returns what the batch adds to the reported metrics; the GPU form
+// queues the same on a cuda::Device (its code is loss_gpu.cpp).
 #pragma once
 
 #include <cstdint>
@@ -10,7 +16,25 @@
 
 #include "nn/tensor.h"
 
+namespace cx::cuda {
+class Device;
+}
+
 namespace cx::nn {
+
+// A batch's targets: class labels (batch,), or dense float rows of `shape`.
+struct BatchTargets {
+  const int64_t* labels = nullptr;
+  const float* dense = nullptr;
+  Shape shape;  // (batch,) for labels; the dense targets' shape
+  size_t rows() const { return shape.empty() ? 0 : shape[0]; }
+};
+
+// What one batch adds to the trainer's metrics.
+struct BatchSums {
+  double loss_sum = 0;  // the batch's mean loss times its rows
+  double correct = 0;   // rows the model got right (NaN where that means nothing: MSELoss)
+};
 
 class Loss {
  public:
@@ -19,10 +43,24 @@ class Loss {
   // dL/d(output) of the last forward. Throws if forward was never called.
   const Tensor& backward() const;
 
+  // Forward on a batch's output against its targets, keeping dL/d(output) for
+  // backward(); throws naming the loss when the targets do not fit it.
+  virtual BatchSums forward_batch(const float* out, const Shape& os, const BatchTargets& t) = 0;
+  // The same on a GPU, queued on dev's stream: `t` is the targets on the host
+  // (checked there), `on_device` their device copies; dL/d(output) goes into
+  // gout, and the kernels add their sums into stats[0..1] (device doubles,
+  // zeroed by the caller). batch_sums() reads them once the stream is done.
+  virtual void forward_batch(cuda::Device& dev, const float* out, const Shape& os, const BatchTargets& t,
+                             const BatchTargets& on_device, float* gout, double* stats) const = 0;
+  virtual BatchSums batch_sums(const double* stats, const Shape& os) const = 0;
+
  protected:
   Tensor grad_;
   bool have_ = false;
 };
+
+// Throws TypeMismatch naming `loss` unless `t` holds dense (float) targets.
+void check_dense_targets(const Loss& loss, const BatchTargets& t);
 
 // logits (batch, classes) in; targets are class indices (int32 or int64, in
 // [0, classes)) or dense (batch, classes) float rows (one-hot or probabilities).
@@ -30,6 +68,10 @@ class Loss {
 class CrossEntropyLoss : public Loss {
  public:
   std::string repr() const override { return "CrossEntropyLoss()"; }
+  BatchSums forward_batch(const float* out, const Shape& os, const BatchTargets& t) override;
+  void forward_batch(cuda::Device& dev, const float* out, const Shape& os, const BatchTargets& t,
+                     const BatchTargets& on_device, float* gout, double* stats) const override;
+  BatchSums batch_sums(const double* stats, const Shape& os) const override;
   float forward(const float* logits, const Shape& shape, const int64_t* labels, size_t n_labels);
   float forward(const float* logits, const Shape& shape, const int32_t* labels, size_t n_labels);
   float forward(const float* logits, const Shape& shape, const float* target, const Shape& target_shape);
@@ -47,6 +89,10 @@ class CrossEntropyLoss : public Loss {
 class MSELoss : public Loss {
  public:
   std::string repr() const override { return "MSELoss()"; }
+  BatchSums forward_batch(const float* out, const Shape& os, const BatchTargets& t) override;
+  void forward_batch(cuda::Device& dev, const float* out, const Shape& os, const BatchTargets& t,
+                     const BatchTargets& on_device, float* gout, double* stats) const override;
+  BatchSums batch_sums(const double* stats, const Shape& os) const override;
   float forward(const float* output, const Shape& shape, const float* target, const Shape& target_shape);
 };
 
@@ -55,6 +101,10 @@ class MSELoss : public Loss {
 class BCEWithLogitsLoss : public Loss {
  public:
   std::string repr() const override { return "BCEWithLogitsLoss()"; }
+  BatchSums forward_batch(const float* out, const Shape& os, const BatchTargets& t) override;
+  void forward_batch(cuda::Device& dev, const float* out, const Shape& os, const BatchTargets& t,
+                     const BatchTargets& on_device, float* gout, double* stats) const override;
+  BatchSums batch_sums(const double* stats, const Shape& os) const override;
   float forward(const float* logits, const Shape& shape, const float* target, const Shape& target_shape);
 };
 

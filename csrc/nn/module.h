@@ -23,6 +23,10 @@
 
 #include "nn/tensor.h"
 
+namespace cx::cuda {
+class Device;
+}
+
 namespace cx::nn {
 
 class ByteWriter;
@@ -50,6 +54,27 @@ struct ParamSpec {
 // gradient is final for this backward call.
 using ParamDone = std::function<void(size_t local_index)>;
 
+// Note [Modules on the GPU]
+// Every module runs on a GPU too: the same layer over device memory, its work
+// queued on a cuda::Device's stream (nn.cu's kernels, the Device's GEMM). The
+// model's parameters and gradients are two flat device buffers laid out as the
+// host's (Note [Flat buffers] in sequential.h), so parameter i of a module is at
+// param_offset(i) in both. What a module must keep on the device between
+// forward and backward, or across steps (a dropout mask and generator state,
+// batch-norm statistics), lives in a DeviceState the module makes and the
+// DeviceModel running it owns (device_model.h): device memory is freed with
+// its device. The module's GPU code is in modules_gpu.cpp, beside its CPU code.
+struct DeviceParams {
+  cuda::Device& dev;
+  float* params;  // the model's flat device parameters
+  float* grads;   // and gradients
+};
+
+class DeviceState {
+ public:
+  virtual ~DeviceState() = default;
+};
+
 class Module {
  public:
   virtual ~Module() = default;
@@ -72,6 +97,20 @@ class Module {
   virtual void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                         const ParamDone& done) = 0;
 
+  // The same on a GPU (Note [Modules on the GPU]): x, y, gy, gx are device
+  // pointers; `state` is what make_device_state() made (null if nothing).
+  virtual void forward(const DeviceParams& d, DeviceState* state, const float* x, const Shape& in, float* y,
+                       bool training) = 0;
+  virtual void backward(const DeviceParams& d, DeviceState* state, const float* x, const float* y, const Shape& in,
+                        const float* gy, float* gx, const ParamDone& done) = 0;
+  // The module's device state, filled from the host module (to_device), and
+  // copied back into it (to_host). Modules without any return null.
+  virtual std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const { return nullptr; }
+  virtual void to_device(cuda::Device& dev, DeviceState* state) const {}
+  virtual void to_host(cuda::Device& dev, const DeviceState* state) {}
+  // buffers() on the device: (pointer, floats), in the same order.
+  virtual std::vector<std::pair<float*, size_t>> device_buffers(DeviceState* state) { return {}; }
+
   // Non-trainable state saved with the model (BatchNorm's running statistics).
   virtual std::vector<std::vector<float>*> buffers() { return {}; }
   // Hyper-parameters, written to model files right after the kind.
@@ -91,6 +130,9 @@ class Module {
   const std::vector<ParamSpec>& param_specs() const { return specs_; }
   size_t num_params() const { return total_; }  // scalars over all its tensors
   float* param(size_t i) { return p_->data() + offset_ + local_off_[i]; }
+  // Parameter i (its gradient) within the model's flat device buffers.
+  float* param(const DeviceParams& d, size_t i) const { return d.params + param_offset(i); }
+  float* grad(const DeviceParams& d, size_t i) const { return d.grads + param_offset(i); }
   float* grad(size_t i) { return g_->data() + offset_ + local_off_[i]; }
   const float* param(size_t i) const { return p_->data() + offset_ + local_off_[i]; }
   size_t param_offset(size_t i) const { return offset_ + local_off_[i]; }

@@ -31,6 +31,10 @@ class LinearModule : public Module {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
   void write_config(ByteWriter& w) const override;
   size_t in_features() const { return in_; }
   size_t out_features() const { return out_; }
@@ -45,24 +49,45 @@ class LinearModule : public Module {
   LinearInit init_;
 };
 
-// Element-wise activations share one shape rule.
+// Element-wise layers share one shape rule.
 class ElementwiseModule : public Module {
  public:
   Shape output_shape(const Shape& in) const override;
 };
 
-class ReLUModule : public ElementwiseModule {
+// The activations share their GPU code: one kernel each way, told which function
+// by a code (nn.cu's cx_nn_act_fwd/bwd).
+class ActivationModule : public ElementwiseModule {
  public:
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
+
+ protected:
+  virtual int device_code() const = 0;  // cx_nn_act_fwd's: 0 ReLU, 1 LeakyReLU, 2 Sigmoid, 3 Tanh, 4 GELU
+  virtual float device_slope() const { return 0.0f; }
+};
+
+class ReLUModule : public ActivationModule {
+ public:
+  using ActivationModule::backward;  // the GPU ones
+  using ActivationModule::forward;
   ModuleKind kind() const override { return ModuleKind::kReLU; }
   std::string type_name() const override { return "ReLU"; }
   std::string repr() const override { return "ReLU()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+
+ protected:
+  int device_code() const override { return 0; }
 };
 
-class LeakyReLUModule : public ElementwiseModule {
+class LeakyReLUModule : public ActivationModule {
  public:
+  using ActivationModule::backward;  // the GPU ones
+  using ActivationModule::forward;
   explicit LeakyReLUModule(float negative_slope = 0.01f);
   ModuleKind kind() const override { return ModuleKind::kLeakyReLU; }
   std::string type_name() const override { return "LeakyReLU"; }
@@ -73,39 +98,58 @@ class LeakyReLUModule : public ElementwiseModule {
   void write_config(ByteWriter& w) const override;
   float negative_slope() const { return slope_; }
 
+ protected:
+  int device_code() const override { return 1; }
+  float device_slope() const override { return slope_; }
+
  private:
   float slope_;
 };
 
-class SigmoidModule : public ElementwiseModule {
+class SigmoidModule : public ActivationModule {
  public:
+  using ActivationModule::backward;  // the GPU ones
+  using ActivationModule::forward;
   ModuleKind kind() const override { return ModuleKind::kSigmoid; }
   std::string type_name() const override { return "Sigmoid"; }
   std::string repr() const override { return "Sigmoid()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+
+ protected:
+  int device_code() const override { return 2; }
 };
 
-class TanhModule : public ElementwiseModule {
+class TanhModule : public ActivationModule {
  public:
+  using ActivationModule::backward;  // the GPU ones
+  using ActivationModule::forward;
   ModuleKind kind() const override { return ModuleKind::kTanh; }
   std::string type_name() const override { return "Tanh"; }
   std::string repr() const override { return "Tanh()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+
+ protected:
+  int device_code() const override { return 3; }
 };
 
 // Exact GELU: x * Phi(x), Phi the standard normal CDF (PyTorch's default).
-class GELUModule : public ElementwiseModule {
+class GELUModule : public ActivationModule {
  public:
+  using ActivationModule::backward;  // the GPU ones
+  using ActivationModule::forward;
   ModuleKind kind() const override { return ModuleKind::kGELU; }
   std::string type_name() const override { return "GELU"; }
   std::string repr() const override { return "GELU()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+
+ protected:
+  int device_code() const override { return 4; }
 };
 
 // Softmax over the features of each row of (batch, features).
@@ -118,6 +162,10 @@ class SoftmaxModule : public Module {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
 };
 
 // Inverted dropout: in training each element is zeroed with probability p and the
@@ -132,6 +180,13 @@ class DropoutModule : public ElementwiseModule {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
+  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
+  void to_device(cuda::Device& dev, DeviceState* state) const override;
+  void to_host(cuda::Device& dev, const DeviceState* state) override;
   void write_config(ByteWriter& w) const override;
   float p() const { return p_; }
   uint64_t seed() const { return seed_; }
@@ -161,6 +216,14 @@ class BatchNormModule : public Module {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
+  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
+  void to_device(cuda::Device& dev, DeviceState* state) const override;
+  void to_host(cuda::Device& dev, const DeviceState* state) override;
+  std::vector<std::pair<float*, size_t>> device_buffers(DeviceState* state) override;
   std::vector<std::vector<float>*> buffers() override { return {&running_mean_, &running_var_}; }
   void write_config(ByteWriter& w) const override;
   size_t features() const { return f_; }
@@ -187,6 +250,10 @@ class FlattenModule : public Module {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
 };
 
 // Reads one module's kind and hyper-parameters (not its weights). Throws IoError

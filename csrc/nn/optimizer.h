@@ -6,6 +6,15 @@
 // (momentum, moments) is flat too, sized on the first step. Formulas follow
 // PyTorch's documented algorithms, so results match torch.optim to float
 // rounding.
+//
+// Note [Optimizers on the GPU]
+// The same optimizer object updates device buffers too: to_device() makes the
+// device twin of its state arrays (DeviceArrays, owned by whoever owns the
+// device), step() on a cuda::Device runs one update there (nn.cu's kernels,
+// which apply the formulas of update_rules.h, as the CPU does), and to_host()
+// copies the state back. The step count and the hyper-parameters stay in the
+// object, so a scheduler's set_lr() takes effect on the next step either way.
+// The GPU code of each optimizer is in optimizer_gpu.cpp.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/device.h"
 #include "nn/sequential.h"
 
 namespace cx::nn {
@@ -47,8 +57,23 @@ class Optimizer {
   // Restores hyper-parameters, step count and state; checks type and sizes.
   void load_state_dict(const StateDict& sd);
 
+  // The state arrays on a device, in state_arrays() order; an empty Buffer
+  // where this optimizer does not use the array (SGD without momentum).
+  struct DeviceArrays {
+    std::vector<cuda::Buffer> arrays;
+    size_t n = 0;
+  };
+  // Note [Optimizers on the GPU]. to_device: the host's state for n
+  // parameters (zeros where it has none yet); throws if it was built for
+  // another size. step: one update of n device parameters from their gradients.
+  DeviceArrays to_device(cuda::Device& dev, size_t n);
+  void step(cuda::Device& dev, DeviceArrays& state, float* params, const float* grads);
+  void to_host(cuda::Device& dev, const DeviceArrays& state);
+
  protected:
   virtual void update(float* p, const float* g, size_t n) = 0;  // t_ already counts this step
+  // The same on the device; state: the DeviceArrays' pointers (null where unused).
+  virtual void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) = 0;
   // Named state arrays, allocated on the first step.
   virtual std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() = 0;
   virtual void get_hparams(std::map<std::string, double>& s) const = 0;
@@ -68,6 +93,7 @@ class SGDOptimizer : public Optimizer {
 
  protected:
   void update(float* p, const float* g, size_t n) override;
+  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
   void set_hparams(const std::map<std::string, double>& s) override;
@@ -96,6 +122,7 @@ class AdamOptimizer : public Optimizer {
 
  protected:
   void update(float* p, const float* g, size_t n) override;
+  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
   void set_hparams(const std::map<std::string, double>& s) override;
@@ -123,6 +150,7 @@ class RMSpropOptimizer : public Optimizer {
 
  protected:
   void update(float* p, const float* g, size_t n) override;
+  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
   void set_hparams(const std::map<std::string, double>& s) override;

@@ -1,5 +1,7 @@
 // defines: Bucket and assign_buckets, the pure function that groups a model's
-// parameter tensors into gradient buckets for DistributedDataParallel.
+// parameter tensors into gradient buckets for DistributedDataParallel; and
+// BucketScheduler, the order in which buckets are launched during a backward,
+// on either device (Note [Overlap] in ddp.h).
 //
 // Note [Bucket order]
 // Backward produces gradients last layer first, so buckets are filled in
@@ -15,6 +17,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <vector>
 
 namespace cx::train {
@@ -30,5 +33,44 @@ struct Bucket {
 // offsets are the running sums). Empty tensors join whatever bucket is open.
 std::vector<Bucket> assign_buckets(const std::vector<size_t>& param_counts, size_t elem_bytes,
                                    size_t first_cap_bytes, size_t cap_bytes);
+
+// During a backward, parameters report their gradients final (param_ready); a
+// bucket is ready once all of its parameters are; ready buckets are launched
+// through `launch` strictly in index order (a bucket ready early waits for its
+// predecessors), so every rank issues the same sequence of collectives
+// whatever the order its hooks fire in. `launch` is the device's: an async
+// all-reduce of the bucket's slice, on the CPU or through NCCL.
+class BucketScheduler {
+ public:
+  using Launch = std::function<void(size_t bucket)>;
+  BucketScheduler(std::vector<Bucket> buckets, size_t num_params, Launch launch);
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  size_t bucket_of(size_t param) const { return bucket_of_.at(param); }
+
+  // A backward begins: nothing seen or ready yet. Ready buckets are launched
+  // as they become ready only if `launching`.
+  void start(bool launching);
+  // Parameter `param`'s gradient is final; a second report is ignored.
+  void param_ready(size_t param);
+  // The parameters not reported since start().
+  std::vector<size_t> unseen() const;
+  // Every bucket is ready as it is (Note [Unused parameters] in ddp.h).
+  void mark_all_ready();
+  // Launches the ready buckets not launched yet, in order.
+  void launch_ready();
+  // Launches every bucket not launched yet, in order, ready or not.
+  void launch_rest();
+
+ private:
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;  // param index -> bucket
+  Launch launch_;
+  std::vector<size_t> pending_;    // params of bucket b not yet final in this backward
+  std::vector<char> ready_;        // all of bucket b final in this backward
+  std::vector<char> seen_;         // param reported in this backward
+  size_t next_ = 0;                // next bucket to launch in this backward
+  bool launching_ = false;
+};
 
 }  // namespace cx::train

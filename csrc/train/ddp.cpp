@@ -29,29 +29,29 @@ uint64_t fnv1a(const float* p, size_t n) {
   return h;
 }
 
+// The buckets of a model (Note [Bucket order]): a pure function of its layout and the caps.
+std::vector<Bucket> buckets_of(const nn::SequentialModel* model, const DDPConfig& cfg) {
+  CX_CHECK(model != nullptr, InvalidArgument, "DistributedDataParallel: model is None");
+  const size_t cap = mb_to_bytes(cfg.bucket_size_mb, "bucket_size_mb");
+  const size_t first = std::min(cap, mb_to_bytes(cfg.first_bucket_mb, "first_bucket_mb"));
+  std::vector<size_t> counts;
+  for (auto [off, n] : model->param_slices()) counts.push_back(n);
+  return assign_buckets(counts, sizeof(float), first, cap);
+}
+
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialModel> model, DDPConfig cfg,
                                                  std::shared_ptr<distributed::ProcessGroup> group)
-    : model_(std::move(model)), cfg_(cfg), group_(std::move(group)) {
-  CX_CHECK(model_ != nullptr, InvalidArgument, "DistributedDataParallel: model is None");
+    : model_(std::move(model)),
+      cfg_(cfg),
+      group_(std::move(group)),
+      num_params_(model_ ? model_->param_slices().size() : 0),
+      num_elems_(model_ ? model_->num_parameters() : 0),
+      sched_(buckets_of(model_.get(), cfg_), num_params_, [this](size_t b) { launch(b); }) {
   CX_CHECK(group_ != nullptr, InvalidArgument,
            "DistributedDataParallel: no process group; call cx.distributed.init() first");
-  size_t cap = mb_to_bytes(cfg_.bucket_size_mb, "bucket_size_mb");
-  size_t first = std::min(cap, mb_to_bytes(cfg_.first_bucket_mb, "first_bucket_mb"));
-  auto slices = model_->param_slices();
-  num_params_ = slices.size();
-  num_elems_ = model_->num_parameters();
-  std::vector<size_t> counts;
-  for (auto [off, n] : slices) counts.push_back(n);
-  buckets_ = assign_buckets(counts, sizeof(float), first, cap);
-  bucket_of_.assign(num_params_, 0);
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    for (size_t p = buckets_[b].first_param; p <= buckets_[b].last_param && p < num_params_; ++p) bucket_of_[p] = b;
-  pending_.assign(buckets_.size(), 0);
-  ready_.assign(buckets_.size(), 0);
-  dirty_.assign(buckets_.size(), 0);
-  seen_.assign(num_params_, 0);
+  dirty_.assign(sched_.buckets().size(), 0);
 
   if (cfg_.broadcast_parameters) broadcast_parameters();
   fork_rng_streams();
@@ -99,7 +99,7 @@ void DistributedDataParallel::wait_in_flight() {
 }
 
 void DistributedDataParallel::launch(size_t b) {
-  const Bucket& bk = buckets_[b];
+  const Bucket& bk = sched_.buckets()[b];
   if (bk.count)
     in_flight_.push_back(group_->all_reduce(model_->flat_grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
                                             distributed::ReduceOp::kAvg, true));
@@ -107,20 +107,10 @@ void DistributedDataParallel::launch(size_t b) {
   dirty_[b] = 0;
 }
 
-void DistributedDataParallel::launch_ready_in_order() {
-  while (next_bucket_ < buckets_.size() && ready_[next_bucket_]) launch(next_bucket_++);
-}
-
 // Runs on the thread running backward, without the GIL (Note [Overlap]).
 void DistributedDataParallel::on_grad_ready(size_t param) {
-  if (!in_backward_ || param >= num_params_) return;  // model.backward called directly: sync reduces it
-  if (seen_[param]) return;
-  seen_[param] = 1;
-  size_t b = bucket_of_[param];
-  if (--pending_[b] == 0) {
-    ready_[b] = 1;
-    if (launching_) launch_ready_in_order();
-  }
+  if (!in_backward_) return;  // model.backward called directly: sync reduces it
+  sched_.param_ready(param);
 }
 
 const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, const nn::Shape& shape,
@@ -132,15 +122,10 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
            "): this model has been wrapped by another DistributedDataParallel (or DistributedTrainer) since this "
            "one was made, and only the newest wrapper sees its gradients; use the newest one");
   wait_in_flight();  // in-flight reductions read and write the buffer backward adds into
-  size_t k = backwards_since_sync_;
-  launching_ = require_sync_ && k + 1 >= period_;  // Note [Accumulation]
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    pending_[b] = buckets_[b].last_param - buckets_[b].first_param + 1;
-    ready_[b] = 0;
-    dirty_[b] = 1;
-  }
-  std::fill(seen_.begin(), seen_.end(), 0);
-  next_bucket_ = 0;
+  const size_t k = backwards_since_sync_;
+  const bool launching = require_sync_ && k + 1 >= period_;  // Note [Accumulation]
+  sched_.start(launching);
+  std::fill(dirty_.begin(), dirty_.end(), 1);
   in_backward_ = true;
   ++backwards_since_sync_;
   any_unsynced_ = true;
@@ -154,9 +139,7 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
   }
   in_backward_ = false;
 
-  std::vector<size_t> unused;
-  for (size_t p = 0; p < num_params_; ++p)
-    if (!seen_[p]) unused.push_back(p);
+  const std::vector<size_t> unused = sched_.unseen();
   if (!unused.empty()) {
     if (!cfg_.find_unused_parameters) {
       std::ostringstream os;
@@ -169,15 +152,15 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
                "zero_grad).");
     }
     // Note [Accumulation]: an unused parameter contributes nothing; its bucket is ready as it is.
-    for (size_t b = 0; b < buckets_.size(); ++b) ready_[b] = 1;
+    sched_.mark_all_ready();
   }
-  if (launching_) launch_ready_in_order();
+  if (launching) sched_.launch_ready();
   return gx;
 }
 
 void DistributedDataParallel::sync_gradients() {
   if (!any_unsynced_ && in_flight_.empty()) return;  // nothing new since the last sync
-  for (size_t b = 0; b < buckets_.size(); ++b)
+  for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
   wait_in_flight();
   if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;

@@ -12,9 +12,9 @@
 // tells us, during backward, when a parameter's gradient is final. When every
 // parameter of bucket b is final, b is ready; ready buckets are launched as
 // asynchronous AVG all-reduces on the group's communication thread strictly in
-// index order (a bucket ready early waits for its predecessors), so every rank
-// submits the same sequence of collectives and the group's one comm thread
-// pairs them up. Communication of the last layers thus runs while backward is
+// index order (a bucket ready early waits for its predecessors: BucketScheduler
+// in buckets.h, which the GPU trainer uses too), so every rank submits the same
+// sequence of collectives and the group's one comm thread pairs them up. Communication of the last layers thus runs while backward is
 // still computing the first ones. sync_gradients() launches whatever is left
 // and waits for all of it.
 //
@@ -127,8 +127,8 @@ class DistributedDataParallel {
   // rank 0's; same answer on every rank. Collective: every rank must call it.
   std::vector<ParamMismatch> check_parameters();
 
-  const std::vector<Bucket>& buckets() const { return buckets_; }
-  size_t bucket_of(size_t param) const { return bucket_of_.at(param); }
+  const std::vector<Bucket>& buckets() const { return sched_.buckets(); }
+  size_t bucket_of(size_t param) const { return sched_.bucket_of(param); }
   // Collectives launched so far (tests use it to see that no_sync communicates less).
   uint64_t allreduce_count() const { return launched_total_; }
   const DDPConfig& config() const { return cfg_; }
@@ -141,7 +141,6 @@ class DistributedDataParallel {
   void fork_rng_streams();
   void on_grad_ready(size_t param);
   void launch(size_t b);
-  void launch_ready_in_order();
   void wait_in_flight();
 
   std::shared_ptr<nn::SequentialModel> model_;
@@ -149,15 +148,8 @@ class DistributedDataParallel {
   std::shared_ptr<distributed::ProcessGroup> group_;
   size_t num_params_ = 0;             // parameter tensors at construction (checked against re-layouts)
   size_t num_elems_ = 0;
-  std::vector<Bucket> buckets_;
-  std::vector<size_t> bucket_of_;     // param index -> bucket
-  // Per backward (touched on the thread running backward only).
-  std::vector<size_t> pending_;       // params of bucket b not yet final in this backward
-  std::vector<char> ready_;           // all of bucket b final in this backward
+  BucketScheduler sched_;             // touched on the thread running backward only
   std::vector<char> dirty_;           // Note [Accumulation]
-  std::vector<char> seen_;            // param got its hook in this backward
-  size_t next_bucket_ = 0;            // next bucket to launch in this backward
-  bool launching_ = false;            // this backward may launch
   bool in_backward_ = false;
   std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;
   bool require_sync_ = true;

@@ -1,10 +1,10 @@
 #include "train/trainer.h"
 
-#include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "common/error.h"
+#include "train/cpu_engine.h"
+#include "train/gpu_engine.h"
 
 namespace cx::train {
 
@@ -17,30 +17,21 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
   CX_CHECK(opt_ != nullptr, InvalidArgument, "DistributedTrainer: optimizer is None");
   CX_CHECK(model_->num_parameters() > 0, InvalidArgument,
            "DistributedTrainer: the model has no parameters; add() layers before creating the trainer");
-  if (group_->config().backend == distributed::Backend::kNccl) {
-    // Note [The model on the GPU]: the host DDP keeps its bookkeeping (rank,
-    // per-rank dropout streams) but moves no data; GpuTrainer broadcasts rank
-    // 0's parameters on the device.
+  if (group_->config().backend == distributed::BackendType::kNccl) {
+    // Note [The model on the GPU] (gpu_engine.h): the host DDP keeps its
+    // bookkeeping (rank, per-rank dropout streams) but moves no data; the GPU
+    // engine broadcasts rank 0's parameters on the device.
     DDPConfig host_cfg = cfg;
     host_cfg.broadcast_parameters = false;
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
-    gpu_ = std::make_unique<GpuTrainer>(model_, loss_, opt_, group_, cfg, *ddp_);
+    engine_ = std::make_unique<GpuEngine>(model_, loss_, opt_, group_, cfg, *ddp_);
   } else {
     ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
+    engine_ = std::make_unique<CpuEngine>(model_, loss_, opt_, group_, ddp_);
   }
 }
 
-void TrainerCore::all_gather_host(const void* in, void* out, size_t bytes) {
-  if (gpu_) return gpu_->all_gather_host(in, out, bytes);
-  std::vector<void*> outs;
-  for (int r = 0; r < group_->size(); ++r) outs.push_back(static_cast<char*>(out) + bytes * r);
-  group_->all_gather(in, outs, bytes, distributed::DataType::kUInt8, false);
-}
-
-void TrainerCore::broadcast_host(void* buf, size_t bytes, int root) {
-  if (gpu_) return gpu_->broadcast_host(buf, bytes, root);
-  group_->broadcast(buf, bytes, distributed::DataType::kUInt8, root, false);
-}
+TrainerCore::~TrainerCore() = default;
 
 void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n) {
   size_t rows = x_shape[0];
@@ -75,33 +66,16 @@ void TrainerCore::slice(const float* X, const nn::Shape& x_shape, const Targets&
   gather(X, x_shape, y, idx.data(), n);
 }
 
-void TrainerCore::loss_forward(const nn::Tensor& out, size_t n, BatchStats& s) {
-  const nn::Shape& os = out.shape();
-  float l;
-  double correct;
-  if (auto* ce = dynamic_cast<nn::CrossEntropyLoss*>(loss_.get())) {
-    l = y_kind_ == Targets::Kind::kFloat32 ? ce->forward(out.data(), os, y_dense_.data(), yb_shape_)
-                                           : ce->forward(out.data(), os, y_labels_.data(), n);
-    correct = static_cast<double>(ce->correct());
+nn::BatchTargets TrainerCore::batch_targets(size_t n) const {
+  nn::BatchTargets t;
+  if (y_kind_ == Targets::Kind::kFloat32) {
+    t.dense = y_dense_.data();
+    t.shape = yb_shape_;
   } else {
-    CX_CHECK(y_kind_ == Targets::Kind::kFloat32, TypeMismatch, "DistributedTrainer: ", loss_->repr(),
-             " needs float32 targets shaped like the model's output, got integer labels");
-    if (auto* mse = dynamic_cast<nn::MSELoss*>(loss_.get())) {
-      l = mse->forward(out.data(), os, y_dense_.data(), yb_shape_);
-      correct = std::numeric_limits<double>::quiet_NaN();
-    } else if (auto* bce = dynamic_cast<nn::BCEWithLogitsLoss*>(loss_.get())) {
-      l = bce->forward(out.data(), os, y_dense_.data(), yb_shape_);
-      // Per row: the fraction of outputs on the right side of 0.5.
-      size_t per = out.numel() / n, hit = 0;
-      for (size_t i = 0; i < out.numel(); ++i) hit += (out.data()[i] > 0.f) == (y_dense_[i] > 0.5f);
-      correct = static_cast<double>(hit) / static_cast<double>(per ? per : 1);
-    } else {
-      CX_THROW(TypeMismatch, "DistributedTrainer: unsupported loss ", loss_->repr());
-    }
+    t.labels = y_labels_.data();
+    t.shape = {n};
   }
-  s.loss_sum += static_cast<double>(l) * n;
-  s.correct += correct;
-  s.count += n;
+  return t;
 }
 
 BatchStats TrainerCore::train_batch(const float* X, const nn::Shape& x_shape, const Targets& y,
@@ -110,18 +84,7 @@ BatchStats TrainerCore::train_batch(const float* X, const nn::Shape& x_shape, co
   BatchStats s;
   if (n == 0) return s;
   gather(X, x_shape, y, idx, n);
-  if (gpu_) {
-    bool labels = y_kind_ != Targets::Kind::kFloat32;
-    return gpu_->train_batch(x_.data(), xb_shape_, labels ? y_labels_.data() : nullptr,
-                             labels ? nullptr : y_dense_.data(), yb_shape_);
-  }
-  model_->train(true);
-  const nn::Tensor& out = model_->forward(x_.data(), xb_shape_);
-  loss_forward(out, n, s);
-  const nn::Tensor& g = loss_->backward();
-  ddp_->backward(g.data(), g.shape(), /*input_grad=*/false);
-  ddp_->update_parameters(*opt_);
-  return s;
+  return engine_->train_batch(x_.data(), xb_shape_, batch_targets(n));
 }
 
 BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin,
@@ -133,15 +96,8 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
     for (size_t b = begin; b < end; b += batch) {
       size_t n = std::min(batch, end - b);
       slice(X, x_shape, y, b, n);
-      if (gpu_) {
-        bool labels = y_kind_ != Targets::Kind::kFloat32;
-        BatchStats e = gpu_->eval_batch(x_.data(), xb_shape_, labels ? y_labels_.data() : nullptr,
-                                        labels ? nullptr : y_dense_.data(), yb_shape_);
-        s.loss_sum += e.loss_sum, s.correct += e.correct, s.count += e.count;
-        continue;
-      }
-      const nn::Tensor& out = model_->forward(x_.data(), xb_shape_);
-      loss_forward(out, n, s);
+      BatchStats e = engine_->eval_batch(x_.data(), xb_shape_, batch_targets(n));
+      s.loss_sum += e.loss_sum, s.correct += e.correct, s.count += e.count;
     }
   } catch (...) {
     model_->train(was_training);
@@ -149,13 +105,6 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
   }
   model_->train(was_training);
   return s;
-}
-
-BatchStats TrainerCore::reduce_stats(const BatchStats& s) {
-  if (gpu_) return gpu_->reduce_stats(s);
-  double v[3] = {s.loss_sum, s.correct, s.count};
-  group_->all_reduce(v, 3, distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
-  return BatchStats{v[0], v[1], v[2]};
 }
 
 }  // namespace cx::train

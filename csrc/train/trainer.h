@@ -1,8 +1,8 @@
-// defines: TrainerCore, the per-batch engine behind DistributedTrainer: gather a
-// batch's rows, forward, loss, backward with the overlapped bucket all-reduce
-// (DistributedDataParallel), optimizer step. One call per batch from Python;
-// the epoch loop, printing and checkpoint files live in
-// python/pycyxwiz/distributed/_train.py.
+// defines: TrainerCore, the C++ side of DistributedTrainer: gathers a batch's
+// rows and hands them to its Engine (engine.h: forward, loss, backward with the
+// overlapped bucket all-reduce, optimizer step, on the host or on the GPU).
+// One call per batch from Python; the epoch loop, printing and checkpoint files
+// live in python/pycyxwiz/distributed/_train.py.
 //
 // Reported metrics are sums (loss * rows, correct rows, rows) so that a
 // sample-weighted global mean is one SUM all-reduce away (reduce_stats).
@@ -17,7 +17,7 @@
 #include "nn/optimizer.h"
 #include "nn/sequential.h"
 #include "train/ddp.h"
-#include "train/gpu_trainer.h"
+#include "train/engine.h"
 #include "train/sampler.h"
 
 namespace cx::train {
@@ -30,16 +30,11 @@ struct Targets {
   nn::Shape row_shape;  // per-row shape of dense targets ({} for labels)
 };
 
-struct BatchStats {
-  double loss_sum = 0;  // sum over rows of the loss (batch mean * rows)
-  double correct = 0;   // rows classified correctly (NaN for MSELoss)
-  double count = 0;     // rows
-};
-
 class TrainerCore {
  public:
   TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
               std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group, DDPConfig cfg);
+  ~TrainerCore();
 
   // Trains on the iterator's next batch of rows of (X, y): one optimizer step.
   BatchStats train_batch(const float* X, const nn::Shape& x_shape, const Targets& y, DistributedBatchIterator& it);
@@ -47,30 +42,26 @@ class TrainerCore {
   BatchStats evaluate(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin, size_t end,
                       size_t batch);
   // SUM over ranks, in float64.
-  BatchStats reduce_stats(const BatchStats& s);
+  BatchStats reduce_stats(const BatchStats& s) { return engine_->reduce_stats(s); }
 
   // The model's device when the group's backend is NCCL ("" on the CPU).
-  std::string device() const { return gpu_ ? gpu_->describe() : std::string(); }
+  std::string device() const { return engine_->describe(); }
   // GPU training keeps parameters and optimizer state on the device: these copy
   // them to the host objects and back (no-ops on the CPU).
-  void sync_to_host() {
-    if (gpu_) gpu_->to_host();
-  }
-  void sync_from_host() {
-    if (gpu_) gpu_->from_host();
-  }
+  void sync_to_host() { engine_->to_host(); }
+  void sync_from_host() { engine_->from_host(); }
   // Collectives over host bytes for the trainer's bookkeeping (RNG states,
   // checkpoints), which work on either backend.
-  void all_gather_host(const void* in, void* out, size_t bytes);
-  void broadcast_host(void* buf, size_t bytes, int root);
+  void all_gather_host(const void* in, void* out, size_t bytes) { engine_->all_gather_host(in, out, bytes); }
+  void broadcast_host(void* buf, size_t bytes, int root) { engine_->broadcast_host(buf, bytes, root); }
 
   DistributedDataParallel& ddp() { return *ddp_; }
   const std::shared_ptr<DistributedDataParallel>& ddp_ptr() const { return ddp_; }
   distributed::ProcessGroup& group() { return *group_; }
 
  private:
-  // Loss of the model's last output against targets rows_ (gathered), adds to s.
-  void loss_forward(const nn::Tensor& out, size_t n, BatchStats& s);
+  // The gathered batch's targets (n rows), as the loss takes them.
+  nn::BatchTargets batch_targets(size_t n) const;
   void gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n);
   void slice(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin, size_t n);
 
@@ -79,7 +70,7 @@ class TrainerCore {
   std::shared_ptr<nn::Optimizer> opt_;
   std::shared_ptr<distributed::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
-  std::unique_ptr<GpuTrainer> gpu_;  // the step on the GPU (NCCL backend), else null
+  std::unique_ptr<Engine> engine_;  // CpuEngine, or GpuEngine with the NCCL backend
   std::vector<float> x_;          // gathered input rows
   std::vector<int64_t> y_labels_;  // gathered labels (int32 labels widened)
   std::vector<float> y_dense_;    // gathered dense targets

@@ -1,4 +1,4 @@
-#include "distributed/transport/nccl/cuda_driver.h"
+#include "cuda/driver.h"
 
 #include <dlfcn.h>
 
@@ -7,7 +7,7 @@
 
 #include "common/error.h"
 
-namespace cx::distributed::cuda {
+namespace cx::cuda {
 
 namespace {
 
@@ -136,4 +136,4 @@ void check_cu(CUresult r, const char* what) {
   if (r != kSuccess) CX_THROW(Error, what, " failed: ", cuda_driver().error_text(r));
 }
 
-}  // namespace cx::distributed::cuda
+}  // namespace cx::cuda

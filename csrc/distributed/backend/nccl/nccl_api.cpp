@@ -1,4 +1,4 @@
-#include "distributed/transport/nccl/nccl_api.h"
+#include "distributed/backend/nccl/nccl_api.h"
 
 #include <dlfcn.h>
 

@@ -1,38 +1,22 @@
-// defines: Device (one GPU's primary context, a stream, our nn kernels and a
-// GEMM), Buffer (a grow-only device allocation), set_cublas_search_dirs().
+// defines: Device (one GPU's primary context, a stream, the model's kernels of
+// nn.cu and a GEMM), Buffer (a grow-only device allocation), Event.
 //
-// Note [The model on the GPU]
-// With BackendType.NCCL the trainer runs the model on GPU LOCAL_RANK
-// (csrc/train/gpu_trainer.h). Everything goes through the CUDA driver API that
-// the NCCL backend already loads (Note [How CUDA is found and loaded] in
-// csrc/distributed/transport/nccl/cuda_driver.h): kernels are csrc/cuda/nn.cu,
-// compiled by nvcc at build time into a fatbin embedded in _core; the GEMM is
-// cuBLAS, dlopen'ed at run time from the nvidia-cublas(-cu12) wheel or the
-// system (only cublasCreate/SetStream/Sgemm/Destroy are declared, by us), and
-// where no cuBLAS loads, our own tiled kernel. CX_GPU_GEMM=tiled forces the
-// kernel (tests compare the two). All work is queued on the Device's stream in
-// order; the host waits only where it reads a result back.
+// All work is queued on the Device's stream in order; the host waits only where
+// it reads a result back. The GEMM is cuBLAS (blas.h) or, where none loads, our
+// own tiled kernel (cx_nn_sgemm); CX_GPU_GEMM=tiled forces the kernel (tests
+// compare the two).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
 
-#include "distributed/transport/nccl/cuda_driver.h"
+#include "cuda/blas.h"
+#include "cuda/driver.h"
+#include "cuda/module.h"
 
-namespace cx::gpu {
-
-using distributed::cuda::CUdeviceptr;
-using distributed::cuda::CUfunction;
-using distributed::cuda::CUstream;
-
-// Directories searched for libcublas.so.13/.12 before the system loader's path
-// (python/pycyxwiz/distributed/_gpu.py passes the nvidia wheels' lib folders).
-void set_cublas_search_dirs(std::vector<std::string> dirs);
-
-// True where this build embeds the model kernels (nvcc was found at build time).
-bool kernels_built();
+namespace cx::cuda {
 
 class Buffer {
  public:
@@ -54,12 +38,25 @@ class Buffer {
   size_t bytes_ = 0;
 };
 
+// A CUDA event (no timing) in the current context.
+class Event {
+ public:
+  Event();
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  CUevent get() const { return ev_; }
+
+ private:
+  CUevent ev_ = nullptr;
+};
+
 class Device {
  public:
   // Retains GPU `ordinal`'s primary context (the one CuPy and NCCL use), makes
-  // it current on this thread and creates a stream. Throws the driver's clear
-  // errors (no GPU, LOCAL_RANK beyond the device count) and, in a build without
-  // kernels, says to rebuild where nvcc is found.
+  // it current on this thread, creates a stream and loads nn.cu's kernels.
+  // Throws the driver's clear errors (no GPU, LOCAL_RANK beyond the device
+  // count) and, in a build without kernels, says to rebuild where nvcc is found.
   explicit Device(int ordinal);
   ~Device();
   Device(const Device&) = delete;
@@ -85,7 +82,7 @@ class Device {
   const std::string& gemm_backend() const { return gemm_desc_; }
 
   // Kernels of csrc/cuda/nn.cu, by name (cached).
-  CUfunction fn(const char* name);
+  CUfunction fn(const char* name) { return nn_->fn(name); }
   // Launch with a 1-D grid; each argument is passed by address as the kernel
   // expects, so the types must match the kernel's parameters exactly.
   template <typename... A>
@@ -104,18 +101,15 @@ class Device {
   static unsigned grid_for(size_t n, unsigned block = 256);
 
  private:
-  void load_cublas();
   void release();
 
   int ordinal_ = 0;
-  distributed::cuda::CUcontext ctx_ = nullptr;
+  CUcontext ctx_ = nullptr;
   CUstream stream_ = nullptr;
-  distributed::cuda::CUmodule mod_ = nullptr;
-  std::vector<std::pair<std::string, CUfunction>> fns_;
-  void* cublas_ = nullptr;            // cublasHandle_t
-  const void* cublas_lib_ = nullptr;  // the library it came from
+  std::unique_ptr<Module> nn_;
+  std::unique_ptr<Cublas> cublas_;
   std::string gemm_desc_;
   CUfunction sgemm_ = nullptr;
 };
 
-}  // namespace cx::gpu
+}  // namespace cx::cuda

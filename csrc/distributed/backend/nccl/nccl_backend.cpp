@@ -1,4 +1,6 @@
-#include "distributed/transport/nccl/nccl_transport.h"
+#include "distributed/backend/nccl/nccl_backend.h"
+
+#include <algorithm>
 
 #include <cstring>
 #include <exception>
@@ -9,7 +11,7 @@
 
 namespace cx::distributed {
 
-using namespace cx::distributed::cuda;
+using namespace cx::cuda;
 using namespace cx::distributed::nccl;
 
 namespace {
@@ -92,16 +94,9 @@ std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int firs
   return id;  // no store.done(): rank 0 may already be gone once every rank has seen the id
 }
 
-// ---- CudaEvent -----------------------------------------------------------------------
+// ---- NcclBackend ---------------------------------------------------------------------
 
-CudaEvent::CudaEvent() { check_cu(cuda_driver().cuEventCreate(&ev_, kEventDisableTiming), "cuEventCreate"); }
-CudaEvent::~CudaEvent() {
-  if (ev_) cuda_driver().cuEventDestroy(ev_);
-}
-
-// ---- NcclTransport -------------------------------------------------------------------
-
-NcclTransport::NcclTransport(StoreClient* store, const Config& cfg, const Deadline& dl)
+NcclBackend::NcclBackend(StoreClient* store, const Config& cfg, const Deadline& dl)
     : rank_(cfg.rank), size_(cfg.world_size), device_(cfg.local_rank) {
   try {
     setup(store, dl);
@@ -114,7 +109,7 @@ NcclTransport::NcclTransport(StoreClient* store, const Config& cfg, const Deadli
   }
 }
 
-void NcclTransport::setup(StoreClient* store, const Deadline& dl) {
+void NcclBackend::setup(StoreClient* store, const Deadline& dl) {
   // The local checks, in the order a user fixes them: a GPU, then NCCL.
   auto prepare = [&] {
     const CudaDriver& d = cuda_driver();
@@ -155,38 +150,31 @@ void NcclTransport::setup(StoreClient* store, const Deadline& dl) {
   OpDesc init;
   init.kind = CollectiveKind::kInit;
   begin(init, dl);
-  barrier();
+  run_barrier();
 }
 
-NcclTransport::~NcclTransport() {
+NcclBackend::~NcclBackend() {
   try {
     close(Deadline::after_ms(0));
   } catch (...) {
   }
 }
 
-void NcclTransport::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
+void NcclBackend::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
 
-void NcclTransport::begin(const OpDesc& desc, const Deadline& dl) {
+void NcclBackend::begin(const OpDesc& desc, const Deadline& dl) {
   desc_ = desc;
   dl_ = dl;
 }
 
-Transport::Req NcclTransport::isend(int, const void*, size_t) {
-  CX_THROW(Error, "internal: a CPU algorithm ran over the NCCL backend");
-}
-Transport::Req NcclTransport::irecv(int, void*, size_t) {
-  CX_THROW(Error, "internal: a CPU algorithm ran over the NCCL backend");
-}
-
-void NcclTransport::abort(ErrorKind, const std::string&) {
+void NcclBackend::abort(ErrorKind, const std::string&) {
   if (comm_) {
     api_->ncclCommAbort(comm_);
     comm_ = nullptr;
   }
 }
 
-void NcclTransport::close(const Deadline&) {
+void NcclBackend::close(const Deadline&) {
   if (!ctx_) return;  // construction failed before anything was made
   const CudaDriver& d = cuda_driver();
   d.cuCtxSetCurrent(ctx_);
@@ -195,7 +183,7 @@ void NcclTransport::close(const Deadline&) {
     api_->ncclCommDestroy(comm_);
     comm_ = nullptr;
   }
-  kernels_.reset();
+  scale_.reset();
   if (scratch_) d.cuMemFree(scratch_);
   if (done_) d.cuEventDestroy(done_);
   if (stream_) d.cuStreamDestroy(stream_);
@@ -207,7 +195,7 @@ void NcclTransport::close(const Deadline&) {
   ctx_ = nullptr;
 }
 
-Ready NcclTransport::mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what) {
+Ready NcclBackend::mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what) {
   const CudaDriver& d = cuda_driver();
   make_current();
   for (const void* p : bufs) {
@@ -228,18 +216,18 @@ Ready NcclTransport::mark(uintptr_t stream, const std::vector<const void*>& bufs
       }
     }
   }
-  auto ev = std::make_shared<CudaEvent>();
+  auto ev = std::make_shared<cuda::Event>();
   check_cu(d.cuEventRecord(ev->get(), stream_of(stream)), "cuEventRecord on the array's stream");
   return ev;
 }
 
-void NcclTransport::start(const Ready& ready) {
+void NcclBackend::start(const Ready& ready) {
   if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
   make_current();
   if (ready) check_cu(cuda_driver().cuStreamWaitEvent(stream_, ready->get(), 0), "cuStreamWaitEvent");
 }
 
-void NcclTransport::check(ncclResult_t r) {
+void NcclBackend::check(ncclResult_t r) {
   if (r == ncclSuccess || r == ncclInProgress) return;
   if (r == ncclInvalidArgument || r == ncclInvalidUsage) {
     CX_THROW(InvalidArgument, "rank ", rank_, ": NCCL refused ", desc_.describe(), ": ", api_->error_text(r, comm_));
@@ -247,13 +235,13 @@ void NcclTransport::check(ncclResult_t r) {
   fail_async(r);
 }
 
-void NcclTransport::fail_async(ncclResult_t r) {
+void NcclBackend::fail_async(ncclResult_t r) {
   CX_THROW(ConnectionError, "rank ", rank_, ": ", desc_.describe(), " failed on GPU ", device_, ": ",
            api_->error_text(r, comm_),
            ". A peer rank probably died or lost its network; the NCCL communicator has been aborted");
 }
 
-void NcclTransport::finish() {
+void NcclBackend::finish() {
   const CudaDriver& d = cuda_driver();
   check_cu(d.cuEventRecord(done_, stream_), "cuEventRecord");
   int polls = 0;
@@ -283,25 +271,116 @@ void NcclTransport::finish() {
 
 // ---- the collectives ---------------------------------------------------------------
 
-void NcclTransport::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready) {
+Backend::Body NcclBackend::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) {
+  auto ready = mark(stream, {buf}, "the array");
+  return [=] { run_all_reduce(buf, count, dt, op, ready); };
+}
+
+Backend::Body NcclBackend::broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) {
+  auto ready = mark(stream, {buf}, "the array");
+  return [=, bytes = count * dtype_size(dt)] { run_broadcast(buf, bytes, root, ready); };
+}
+
+Backend::Body NcclBackend::all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt,
+                                      uintptr_t stream) {
+  std::vector<const void*> bufs(outs.begin(), outs.end());
+  bufs.push_back(in);
+  auto ready = mark(stream, bufs, "the all_gather input or output");
+  return [=, bytes = count * dtype_size(dt)] { run_all_gather(in, outs, bytes, ready); };
+}
+
+Backend::Body NcclBackend::reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt,
+                                          ReduceOp op, uintptr_t stream) {
+  std::vector<const void*> bufs(ins);
+  bufs.push_back(out);
+  auto ready = mark(stream, bufs, "the reduce_scatter input or output");
+  return [=] { run_reduce_scatter(ins, out, count, dt, op, ready); };
+}
+
+Backend::Body NcclBackend::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t stream) {
+  auto ready = mark(stream, {buf}, "the array");
+  return [=] { run_reduce(buf, count, dt, op, root, ready); };
+}
+
+Backend::Body NcclBackend::scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root,
+                                   uintptr_t stream) {
+  std::vector<const void*> bufs(ins);
+  bufs.push_back(out);
+  auto ready = mark(stream, bufs, "the scatter input or output");
+  return [=, bytes = count * dtype_size(dt)] { run_scatter(ins, out, bytes, root, ready); };
+}
+
+Backend::Body NcclBackend::gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root,
+                                  uintptr_t stream) {
+  std::vector<const void*> bufs(outs.begin(), outs.end());
+  bufs.push_back(in);
+  auto ready = mark(stream, bufs, "the gather input or output");
+  return [=, bytes = count * dtype_size(dt)] { run_gather(in, outs, bytes, root, ready); };
+}
+
+Backend::Body NcclBackend::all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count,
+                                      DataType dt, uintptr_t stream) {
+  std::vector<const void*> bufs(ins);
+  bufs.insert(bufs.end(), outs.begin(), outs.end());
+  auto ready = mark(stream, bufs, "the all_to_all input or output");
+  return [=, bytes = count * dtype_size(dt)] { run_all_to_all(ins, outs, bytes, ready); };
+}
+
+Backend::Body NcclBackend::barrier() {
+  return [this] { run_barrier(); };
+}
+
+Backend::Body NcclBackend::send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) {
+  auto ready = mark(stream, {buf}, "the array");
+  return [=, bytes = count * dtype_size(dt)] { run_send(buf, bytes, dst, ready); };
+}
+
+Backend::Body NcclBackend::recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) {
+  auto ready = mark(stream, {buf}, "the array");
+  return [=, bytes = count * dtype_size(dt)] { run_recv(buf, bytes, src, ready); };
+}
+
+void NcclBackend::scale(void* x, size_t n, DataType dt, double f) {
+  if (n == 0) return;
+  if (!scale_) {
+    scale_ = std::make_unique<cuda::Module>("scale", "ReduceOp.AVG on NCCL older than 2.10 needs them: reinstall "
+                                                     "pycyxwiz where nvcc is on PATH, or update NCCL to 2.10 or newer");
+  }
+  unsigned long long count = n;
+  float ff = static_cast<float>(f);
+  void* args[3] = {&x, &count, &ff};
+  const char* kernel = nullptr;
+  switch (dt) {
+    case DataType::kFloat32: kernel = "cx_scale_f32"; break;
+    case DataType::kFloat16: kernel = "cx_scale_f16"; break;
+    case DataType::kBFloat16: kernel = "cx_scale_bf16"; break;
+    case DataType::kFloat64: kernel = "cx_scale_f64"; args[2] = &f; break;
+    default: CX_THROW(InvalidArgument, "cannot scale ", dtype_name(dt), " values");
+  }
+  const unsigned block = 256;
+  const unsigned grid = static_cast<unsigned>(std::min<size_t>((n + block - 1) / block, 4096));
+  check_cu(cuda_driver().cuLaunchKernel(scale_->fn(kernel), grid, 1, 1, block, 1, 1, 0, stream_, args, nullptr),
+           "launching cx_scale");
+}
+
+void NcclBackend::run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready) {
   start(ready);
   bool avg_by_hand = op == ReduceOp::kAvg && !api_->has_avg();
   ncclRedOp_t nop = to_nccl(avg_by_hand ? ReduceOp::kSum : op);
   check(api_->ncclAllReduce(buf, buf, count, to_nccl(dt), nop, comm_, stream_));
   if (avg_by_hand) {
-    if (!kernels_) kernels_ = std::make_unique<Kernels>();
-    kernels_->scale(buf, count, dt, 1.0 / size_, stream_);
+    scale(buf, count, dt, 1.0 / size_);
   }
   finish();
 }
 
-void NcclTransport::broadcast(void* buf, size_t bytes, int root, const Ready& ready) {
+void NcclBackend::run_broadcast(void* buf, size_t bytes, int root, const Ready& ready) {
   start(ready);
   check(api_->ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
   finish();
 }
 
-void NcclTransport::all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready) {
+void NcclBackend::run_all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready) {
   start(ready);
   bool contiguous = true;
   for (size_t r = 0; r < outs.size(); ++r) {
@@ -318,7 +397,7 @@ void NcclTransport::all_gather(const void* in, const std::vector<void*>& outs, s
   finish();
 }
 
-void NcclTransport::reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt,
+void NcclBackend::run_reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt,
                                    ReduceOp op, const Ready& ready) {
   if (op == ReduceOp::kAvg && !api_->has_avg()) {
     CX_THROW(InvalidArgument, "reduce_scatter with ReduceOp.AVG needs NCCL 2.10 or newer (this is ", api_->version,
@@ -343,7 +422,7 @@ void NcclTransport::reduce_scatter(const std::vector<const void*>& ins, void* ou
   finish();
 }
 
-void NcclTransport::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready) {
+void NcclBackend::run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready) {
   if (op == ReduceOp::kAvg && !api_->has_avg()) {
     CX_THROW(InvalidArgument, "reduce with ReduceOp.AVG needs NCCL 2.10 or newer (this is ", api_->version,
              "): use SUM and divide");
@@ -353,7 +432,7 @@ void NcclTransport::reduce(void* buf, size_t count, DataType dt, ReduceOp op, in
   finish();
 }
 
-void NcclTransport::scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root,
+void NcclBackend::run_scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root,
                             const Ready& ready) {
   start(ready);
   check(api_->ncclGroupStart());
@@ -365,7 +444,7 @@ void NcclTransport::scatter(const std::vector<const void*>& ins, void* out, size
   finish();
 }
 
-void NcclTransport::gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root,
+void NcclBackend::run_gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root,
                            const Ready& ready) {
   start(ready);
   check(api_->ncclGroupStart());
@@ -377,7 +456,7 @@ void NcclTransport::gather(const void* in, const std::vector<void*>& outs, size_
   finish();
 }
 
-void NcclTransport::all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
+void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
                                const Ready& ready) {
   start(ready);
   check(api_->ncclGroupStart());
@@ -389,19 +468,19 @@ void NcclTransport::all_to_all(const std::vector<const void*>& ins, const std::v
   finish();
 }
 
-void NcclTransport::send(const void* buf, size_t bytes, int peer, const Ready& ready) {
+void NcclBackend::run_send(const void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
   check(api_->ncclSend(buf, bytes, ncclUint8, peer, comm_, stream_));
   finish();
 }
 
-void NcclTransport::recv(void* buf, size_t bytes, int peer, const Ready& ready) {
+void NcclBackend::run_recv(void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
   check(api_->ncclRecv(buf, bytes, ncclUint8, peer, comm_, stream_));
   finish();
 }
 
-void NcclTransport::barrier() {
+void NcclBackend::run_barrier() {
   start(nullptr);
   check(api_->ncclAllReduce(reinterpret_cast<void*>(scratch_), reinterpret_cast<void*>(scratch_), 1, ncclFloat32,
                             ncclSum, comm_, stream_));

@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <string>
 
-namespace cx::distributed::cuda {
+namespace cx::cuda {
 
 // Our own declarations of the driver API types we use (cuda.h is not needed to build).
 using CUresult = int;
@@ -94,4 +94,4 @@ void check_local_rank(int local_rank, int device_count);
 // Throws Error "<what> failed: <error text>" if r is not CUDA_SUCCESS.
 void check_cu(CUresult r, const char* what);
 
-}  // namespace cx::distributed::cuda
+}  // namespace cx::cuda

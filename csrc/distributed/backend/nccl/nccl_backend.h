@@ -1,9 +1,5 @@
-// defines: NcclTransport, the GPU backend of a ProcessGroup: one NCCL
-// communicator on GPU LOCAL_RANK, and the collectives NCCL does natively.
-//
-// It is a Transport so that ProcessGroup's queue, deadlines, poisoning and
-// shutdown work unchanged (begin/abort/close), but no algorithm ever runs over
-// it: isend/irecv refuse, and ProcessGroup calls the collectives below instead.
+// defines: NcclBackend, the GPU backend of a ProcessGroup: one NCCL communicator
+// on GPU LOCAL_RANK, and the collectives NCCL does natively.
 //
 // Streams and completion. A collective is submitted with the caller's CUDA
 // stream (the array's __cuda_array_interface__ 'stream', or the legacy default
@@ -30,69 +26,68 @@
 #include <string>
 #include <vector>
 
+#include "cuda/device.h"
+#include "cuda/module.h"
+#include "distributed/backend/backend.h"
+#include "distributed/backend/nccl/nccl_api.h"
 #include "distributed/config.h"
-#include "distributed/transport/nccl/cuda_driver.h"
-#include "distributed/transport/nccl/kernels.h"
-#include "distributed/transport/nccl/nccl_api.h"
-#include "distributed/transport/transport.h"
 
 namespace cx::distributed {
 
 class StoreClient;
 
 // A CUDA event recorded on the caller's stream when a collective is submitted.
-class CudaEvent {
- public:
-  CudaEvent();
-  ~CudaEvent();
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  cuda::CUevent get() const { return ev_; }
+using Ready = std::shared_ptr<cuda::Event>;
 
- private:
-  cuda::CUevent ev_ = nullptr;
-};
-using Ready = std::shared_ptr<CudaEvent>;
-
-class NcclTransport : public Transport {
+class NcclBackend : public Backend {
  public:
   // Checks the GPU and NCCL, exchanges the unique id through `store` (null for
   // a world of one) and creates the communicator on GPU cfg.local_rank.
-  NcclTransport(StoreClient* store, const Config& cfg, const Deadline& dl);
-  ~NcclTransport() override;
+  NcclBackend(StoreClient* store, const Config& cfg, const Deadline& dl);
+  ~NcclBackend() override;
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  // Each checks, on the submitting thread, that every buffer is memory of this
+  // rank's GPU (TypeMismatch otherwise) and records the event the collective
+  // will wait for on `stream`.
+  Body all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) override;
+  Body broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) override;
+  Body all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, uintptr_t stream) override;
+  Body reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op,
+                      uintptr_t stream) override;
+  Body reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t stream) override;
+  Body scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root,
+               uintptr_t stream) override;
+  Body gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root,
+              uintptr_t stream) override;
+  Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
+                  uintptr_t stream) override;
+  Body barrier() override;
+  Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
+  Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
+
   void begin(const OpDesc& desc, const Deadline& dl) override;
-  Req isend(int, const void*, size_t) override;
-  Req irecv(int, void*, size_t) override;
-  void wait(Req) override {}
-  void wait_all() override {}
   void abort(ErrorKind kind, const std::string& msg) override;  // ncclCommAbort
   void close(const Deadline& dl) override;                       // ncclCommDestroy
 
-  // On the submitting thread: checks that every buffer is memory of this
-  // rank's GPU (TypeMismatch naming `what` otherwise) and records the event
-  // the collective will wait for on `stream`.
-  Ready mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what);
-
-  // Each runs the collective after `ready` and returns when it is complete.
-  // Counts are elements of dt per rank's block, as in ProcessGroup.
-  void all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready);
-  void broadcast(void* buf, size_t bytes, int root, const Ready& ready);
-  void all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready);
-  void reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt, ReduceOp op,
-                      const Ready& ready);
-  void reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready);
-  void scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root, const Ready& ready);
-  void gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root, const Ready& ready);
-  void all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
-                  const Ready& ready);
-  void send(const void* buf, size_t bytes, int peer, const Ready& ready);
-  void recv(void* buf, size_t bytes, int peer, const Ready& ready);
-  void barrier();
-
  private:
+  Ready mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what);
+  // Each runs the collective after `ready` and returns when it is complete.
+  void run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready);
+  void run_broadcast(void* buf, size_t bytes, int root, const Ready& ready);
+  void run_all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready);
+  void run_reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt, ReduceOp op,
+                          const Ready& ready);
+  void run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready);
+  void run_scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root, const Ready& ready);
+  void run_gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root, const Ready& ready);
+  void run_all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
+                      const Ready& ready);
+  void run_send(const void* buf, size_t bytes, int peer, const Ready& ready);
+  void run_recv(void* buf, size_t bytes, int peer, const Ready& ready);
+  void run_barrier();
+  // x[i] *= f for n elements of a floating-point dtype, on our stream.
+  void scale(void* x, size_t n, DataType dt, double f);
+
   void setup(StoreClient* store, const Deadline& dl);
   void make_current() const;
   void start(const Ready& ready);     // our stream waits for the caller's event
@@ -107,7 +102,7 @@ class NcclTransport : public Transport {
   cuda::CUevent done_ = nullptr;
   cuda::CUdeviceptr scratch_ = 0;  // 4 bytes: the barrier's all-reduce
   nccl::ncclComm_t comm_ = nullptr;
-  std::unique_ptr<cuda::Kernels> kernels_;
+  std::unique_ptr<cuda::Module> scale_;  // scale.cu: AVG by hand on NCCL < 2.10
   OpDesc desc_;
   Deadline dl_ = Deadline::after_ms(0);
 };

@@ -1,0 +1,44 @@
+// defines: Cublas (cuBLAS's SGEMM on one stream, loaded at run time) and
+// set_cublas_search_dirs().
+//
+// cuBLAS is dlopen'ed (Note [How CUDA is found and loaded] in driver.h): from
+// CX_CUBLAS_LIBRARY if set, else the nvidia-cublas(-cu12) wheels' folders
+// (python/pycyxwiz/distributed/_gpu.py passes them), else the system loader's
+// path. Only cublasCreate/SetStream/Sgemm/Destroy are declared, by us.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cuda/driver.h"
+
+namespace cx::cuda {
+
+// Directories searched for libcublas.so.13/.12 before the system loader's path.
+void set_cublas_search_dirs(std::vector<std::string> dirs);
+
+class Cublas {
+ public:
+  // The first library that opens and starts on this GPU, bound to `stream` (a
+  // libcublas.so.13 opens on a CUDA 12 driver but cublasCreate fails there: the
+  // next is tried). None: ok() is false and why_not() says what was tried.
+  explicit Cublas(CUstream stream);
+  ~Cublas();
+  Cublas(const Cublas&) = delete;
+  Cublas& operator=(const Cublas&) = delete;
+
+  bool ok() const { return handle_ != nullptr; }
+  const std::string& path() const;
+  const std::string& why_not() const { return why_not_; }
+
+  // Row-major C = alpha op(A) op(B) + beta C (op(A) M x K, op(B) K x N), queued on the stream.
+  void sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+             float beta, float* C, int ldc);
+
+ private:
+  const void* lib_ = nullptr;  // the library's entry points (blas.cpp's Library)
+  void* handle_ = nullptr;     // cublasHandle_t
+  std::string why_not_;
+};
+
+}  // namespace cx::cuda

@@ -1,0 +1,181 @@
+#include "cuda/device.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace cx::cuda {
+
+// ---- Buffer ------------------------------------------------------------------------
+
+namespace {
+// Frees after the queued work that may still read or write the memory (kernels
+// and copies on our stream, NCCL on its own): growing a buffer between steps
+// must not pull it from under the last step's backward.
+void free_after_work(CUdeviceptr p) {
+  const auto& d = cuda_driver();
+  d.cuCtxSynchronize();
+  d.cuMemFree(p);
+}
+}  // namespace
+
+Buffer::~Buffer() {
+  if (p_) free_after_work(p_);
+}
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) free_after_work(p_);
+    p_ = o.p_, bytes_ = o.bytes_;
+    o.p_ = 0, o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void Buffer::reserve(size_t bytes) {
+  if (bytes <= bytes_ && p_) return;
+  const auto& d = cuda_driver();
+  if (p_) free_after_work(p_);
+  p_ = 0;
+  bytes_ = 0;
+  size_t want = std::max<size_t>(bytes, 256);
+  CUresult r = d.cuMemAlloc(&p_, want);
+  if (r != kSuccess) {
+    CX_THROW(Error, "cuMemAlloc of ", want, " bytes on the GPU failed: ", d.error_text(r),
+             " (the model's parameters, activations or batch do not fit: lower batch_size)");
+  }
+  bytes_ = want;
+}
+
+// ---- Event -------------------------------------------------------------------------
+
+Event::Event() { check_cu(cuda_driver().cuEventCreate(&ev_, kEventDisableTiming), "cuEventCreate"); }
+Event::~Event() {
+  if (ev_) cuda_driver().cuEventDestroy(ev_);
+}
+
+// ---- Device ------------------------------------------------------------------------
+
+// Every kernel of nn.cu, resolved at construction: with lazy module loading
+// (the default since CUDA 12.2) resolving one loads it, and loading while an
+// NCCL kernel waits on peers is what Note [First step of a shape] (in
+// train/gpu_trainer.cpp) avoids.
+const char* const kNnKernels[] = {"cx_nn_bias_add", "cx_nn_col_sum_add", "cx_nn_act_fwd",   "cx_nn_act_bwd",
+                                  "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul",
+                                  "cx_nn_bn_fwd",     "cx_nn_bn_bwd",      "cx_nn_ce_labels",  "cx_nn_ce_dense",
+                                  "cx_nn_mse",        "cx_nn_bce",         "cx_nn_adam",       "cx_nn_sgd",
+                                  "cx_nn_rmsprop",    "cx_nn_sgemm"};
+
+Device::Device(int ordinal) : ordinal_(ordinal) {
+  const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none
+  check_local_rank(ordinal, device_count_or_zero());
+  if (!kernels_built()) {  // before touching the GPU: the same error everywhere
+    CX_THROW(Error, "this build of pycyxwiz has no CUDA kernels (nvcc was not on PATH when it was built), so the "
+                    "model cannot run on the GPU: reinstall pycyxwiz where nvcc is found (pip install . with CUDA's "
+                    "bin folder on PATH), or train with BackendType.CPU");
+  }
+  CUdevice dev = 0;
+  check_cu(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+  check_cu(d.cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
+  try {
+    make_current();
+    check_cu(d.cuStreamCreate(&stream_, kStreamNonBlocking), "cuStreamCreate");
+    nn_ = std::make_unique<Module>("nn", "the model cannot run on the GPU: reinstall pycyxwiz where nvcc is found, "
+                                         "or train with BackendType.CPU");
+    for (const char* k : kNnKernels) fn(k);
+    sgemm_ = fn("cx_nn_sgemm");
+    const char* force = std::getenv("CX_GPU_GEMM");
+    if (force && std::strcmp(force, "tiled") == 0) {
+      gemm_desc_ = "pycyxwiz tiled kernel (CX_GPU_GEMM=tiled)";
+    } else {
+      cublas_ = std::make_unique<Cublas>(stream_);
+      if (cublas_->ok()) {
+        gemm_desc_ = "cuBLAS (" + cublas_->path() + ")";
+      } else {
+        gemm_desc_ = "pycyxwiz tiled kernel (" + cublas_->why_not() + ")";
+        cublas_.reset();
+      }
+    }
+  } catch (...) {
+    release();  // the destructor does not run for a half-made Device
+    throw;
+  }
+}
+
+Device::~Device() { release(); }
+
+void Device::release() {
+  const auto& d = cuda_driver();
+  d.cuCtxSetCurrent(ctx_);
+  if (stream_) d.cuStreamSynchronize(stream_);
+  cublas_.reset();
+  nn_.reset();
+  if (stream_) d.cuStreamDestroy(stream_);
+  stream_ = nullptr;
+  CUdevice dev = 0;
+  if (ctx_ && d.cuDeviceGet(&dev, ordinal_) == kSuccess) d.cuDevicePrimaryCtxRelease(dev);
+  ctx_ = nullptr;
+}
+
+void Device::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
+
+std::string Device::name() const {
+  char buf[256] = {0};
+  CUdevice dev = 0;
+  const auto& d = cuda_driver();
+  if (d.cuDeviceGet(&dev, ordinal_) == kSuccess) d.cuDeviceGetName(buf, sizeof(buf) - 1, dev);
+  return buf;
+}
+
+void Device::upload(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  check_cu(cuda_driver().cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, stream_),
+           "copying to the GPU (cuMemcpyHtoDAsync)");
+}
+
+void Device::download(void* dst, const void* src, size_t bytes) {
+  if (bytes) {
+    check_cu(cuda_driver().cuMemcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, stream_),
+             "copying from the GPU (cuMemcpyDtoHAsync)");
+  }
+  sync();
+}
+
+void Device::copy(void* dst, const void* src, size_t bytes) {
+  if (!bytes || dst == src) return;
+  check_cu(cuda_driver().cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src),
+                                           bytes, stream_),
+           "cuMemcpyDtoDAsync");
+}
+
+void Device::zero(void* dst, size_t bytes) {
+  if (!bytes) return;
+  check_cu(cuda_driver().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), 0, bytes, stream_), "cuMemsetD8Async");
+}
+
+void Device::sync() { check_cu(cuda_driver().cuStreamSynchronize(stream_), "running the model on the GPU"); }
+
+void Device::launch_raw(CUfunction f, unsigned gx, unsigned gy, unsigned bx, unsigned by, void** args) {
+  check_cu(cuda_driver().cuLaunchKernel(f, gx, gy, 1, bx, by, 1, 0, stream_, args, nullptr), "launching a kernel");
+}
+
+unsigned Device::grid_for(size_t n, unsigned block) {
+  size_t g = (n + block - 1) / block;
+  return static_cast<unsigned>(std::clamp<size_t>(g, 1, 8192));
+}
+
+void Device::gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                  int ldb, float beta, float* C, int ldc) {
+  if (M == 0 || N == 0) return;
+  if (cublas_) {
+    cublas_->sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  int ita = ta, itb = tb;
+  void* args[] = {&ita, &itb, &M, &N, &K, &alpha, &A, &lda, &B, &ldb, &beta, &C, &ldc};
+  launch_raw(sgemm_, static_cast<unsigned>((N + 31) / 32), static_cast<unsigned>((M + 31) / 32), 32, 8, args);
+}
+
+}  // namespace cx::cuda

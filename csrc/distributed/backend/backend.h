@@ -1,0 +1,60 @@
+// defines: Backend, what a ProcessGroup runs its collectives on: the CPU backend
+// (the algorithms of algorithms/ over a Transport, on host memory) or the NCCL
+// backend (NCCL's own collectives, on GPU memory).
+//
+// ProcessGroup keeps what every backend shares: the submission order, the queue
+// of async work and its thread, deadlines, poisoning and shutdown. It calls the
+// backend once per collective, on the submitting thread, and the backend returns
+// the Body that does the work: whatever must happen at submission (NCCL records
+// an event on the caller's stream, so the collective is ordered after the work
+// that produced the array) happens in that call; the group then runs the bodies
+// in submission order, each between begin() and its end, on whichever thread the
+// group chooses. Counts are elements of dt per rank's block, as in ProcessGroup;
+// arguments have been checked there (roots, block counts, reducible dtypes).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "distributed/transport/transport.h"
+#include "distributed/types.h"
+
+namespace cx::distributed {
+
+class Backend {
+ public:
+  using Body = std::function<void()>;
+  virtual ~Backend() = default;
+
+  // `stream`: the caller's CUDA stream for GPU arrays (0: the legacy default);
+  // the CPU backend ignores it.
+  virtual Body all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) = 0;
+  virtual Body broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) = 0;
+  virtual Body all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, uintptr_t stream) = 0;
+  virtual Body reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op,
+                              uintptr_t stream) = 0;
+  virtual Body reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t stream) = 0;
+  virtual Body scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root,
+                       uintptr_t stream) = 0;
+  virtual Body gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root,
+                      uintptr_t stream) = 0;
+  virtual Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
+                          uintptr_t stream) = 0;
+  virtual Body barrier() = 0;
+  virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
+  virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
+
+  // The next body to run belongs to `desc`; its waits give up at `dl`.
+  virtual void begin(const OpDesc& desc, const Deadline& dl) = 0;
+  // Fails the group: peers are told why where the backend can tell them (CPU),
+  // the communicator is torn down where it cannot (NCCL: ncclCommAbort).
+  virtual void abort(ErrorKind kind, const std::string& msg) = 0;
+  // Graceful end, once every body has run.
+  virtual void close(const Deadline& dl) = 0;
+};
+
+}  // namespace cx::distributed

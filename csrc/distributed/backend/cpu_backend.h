@@ -1,0 +1,49 @@
+// defines: CpuBackend (the collectives of algorithms/ over a Transport, on host
+// memory) and make_cpu_backend(), which sets one up at init.
+#pragma once
+
+#include <memory>
+
+#include "distributed/algorithms/algorithms.h"
+#include "distributed/backend/backend.h"
+#include "distributed/config.h"
+
+namespace cx::distributed {
+
+class StoreClient;
+
+class CpuBackend : public Backend {
+ public:
+  CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOptions& opt);
+
+  Body all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) override;
+  Body broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) override;
+  Body all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, uintptr_t stream) override;
+  Body reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op,
+                      uintptr_t stream) override;
+  Body reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t stream) override;
+  Body scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root,
+               uintptr_t stream) override;
+  Body gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root,
+              uintptr_t stream) override;
+  Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
+                  uintptr_t stream) override;
+  Body barrier() override;
+  Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
+  Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
+
+  void begin(const OpDesc& desc, const Deadline& dl) override { t_->begin(desc, dl); }
+  void abort(ErrorKind kind, const std::string& msg) override { t_->abort(kind, msg); }
+  void close(const Deadline& dl) override { t_->close(dl); }
+
+ private:
+  std::unique_ptr<Transport> t_;
+  algo::AlgoOptions opt_;
+};
+
+// At init: agrees with the other ranks on the group (rank 0's nonce and
+// automatic tuning, through `store`), connects the transport and meets in a
+// barrier. A world of one (store null) talks to no one.
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const Deadline& dl);
+
+}  // namespace cx::distributed

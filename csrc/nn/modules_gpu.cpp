@@ -1,0 +1,189 @@
+// The layers on a GPU (Note [Modules on the GPU] in module.h): each module's
+// device forward and backward, the kernels of cuda/nn.cu queued on the Device's
+// stream. The CPU side of the same classes is modules.cpp; the two compute the
+// same function (tests/test_gpu.py compares them on a GPU).
+#include <algorithm>
+
+#include "common/error.h"
+#include "cuda/device.h"
+#include "nn/modules.h"
+
+namespace cx::nn {
+
+namespace {
+
+using u64 = unsigned long long;
+using cuda::Buffer;
+using cuda::Device;
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // nn::Rng's increment per draw
+
+// Blocks of 256 threads, one warp per row.
+unsigned warp_grid(size_t rows) { return static_cast<unsigned>((rows + 7) / 8); }
+
+}  // namespace
+
+// ---- Linear ------------------------------------------------------------------------
+
+void LinearModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {
+  const int B = static_cast<int>(in[0]), I = static_cast<int>(in_), O = static_cast<int>(out_);
+  d.dev.gemm(false, true, B, O, I, 1.0f, x, I, param(d, 0), I, 0.0f, y, O);
+  if (bias_)
+    d.dev.launch(d.dev.fn("cx_nn_bias_add"), Device::grid_for(u64(B) * O), 256, y,
+                 static_cast<const float*>(param(d, 1)), u64(B), u64(O));
+}
+
+void LinearModule::backward(const DeviceParams& d, DeviceState*, const float* x, const float*, const Shape& in,
+                            const float* gy, float* gx, const ParamDone& done) {
+  const int B = static_cast<int>(in[0]), I = static_cast<int>(in_), O = static_cast<int>(out_);
+  if (bias_) {
+    d.dev.launch2(d.dev.fn("cx_nn_col_sum_add"), static_cast<unsigned>((O + 31) / 32),
+                  static_cast<unsigned>(std::min(64, (B + 63) / 64)), 32, 8, grad(d, 1), gy, u64(B), u64(O));
+    if (done) done(1);
+  }
+  d.dev.gemm(true, false, O, I, B, 1.0f, gy, O, x, I, 1.0f, grad(d, 0), I);  // dW += gy^T x
+  if (done) done(0);
+  if (gx) d.dev.gemm(false, false, B, I, O, 1.0f, gy, O, param(d, 0), I, 0.0f, gx, I);  // dx = gy W
+}
+
+// ---- activations ---------------------------------------------------------------------
+
+void ActivationModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {
+  const u64 n = numel(in);
+  d.dev.launch(d.dev.fn("cx_nn_act_fwd"), Device::grid_for(n), 256, device_code(), x, y, n, device_slope());
+}
+
+void ActivationModule::backward(const DeviceParams& d, DeviceState*, const float* x, const float* y, const Shape& in,
+                                const float* gy, float* gx, const ParamDone&) {
+  if (!gx) return;
+  const u64 n = numel(in);
+  d.dev.launch(d.dev.fn("cx_nn_act_bwd"), Device::grid_for(n), 256, device_code(), x, y, gy, gx, n, device_slope());
+}
+
+// ---- Softmax -----------------------------------------------------------------------
+
+void SoftmaxModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {
+  d.dev.launch(d.dev.fn("cx_nn_softmax_fwd"), warp_grid(in[0]), 256, x, y, u64(in[0]), u64(in[1]));
+}
+
+void SoftmaxModule::backward(const DeviceParams& d, DeviceState*, const float*, const float* y, const Shape& in,
+                             const float* gy, float* gx, const ParamDone&) {
+  if (gx) d.dev.launch(d.dev.fn("cx_nn_softmax_bwd"), warp_grid(in[0]), 256, y, gy, gx, u64(in[0]), u64(in[1]));
+}
+
+// ---- Dropout -----------------------------------------------------------------------
+
+namespace {
+// The generator state advances on the device exactly as the host's would: the
+// masks are the ones the CPU draws from the same state (cuda/nn.cu).
+struct DropoutState : DeviceState {
+  Buffer mask;
+  uint64_t rng = 0;
+  bool last_training = false;
+};
+}  // namespace
+
+std::unique_ptr<DeviceState> DropoutModule::make_device_state(cuda::Device&) const {
+  return std::make_unique<DropoutState>();
+}
+void DropoutModule::to_device(cuda::Device&, DeviceState* s) const { static_cast<DropoutState*>(s)->rng = rng_.state(); }
+void DropoutModule::to_host(cuda::Device&, const DeviceState* s) {
+  rng_.set_state(static_cast<const DropoutState*>(s)->rng);
+}
+
+void DropoutModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+                            bool training) {
+  auto& st = *static_cast<DropoutState*>(s);
+  const u64 n = numel(in);
+  st.last_training = training && p_ > 0.0f;
+  if (!st.last_training) {
+    d.dev.copy(y, x, n * sizeof(float));
+    return;
+  }
+  st.mask.reserve(n * sizeof(float));
+  d.dev.launch(d.dev.fn("cx_nn_dropout_fwd"), Device::grid_for(n), 256, x, y, st.mask.f(), n, p_, u64(st.rng));
+  st.rng += n * kGolden;  // the state after n draws (Rng::next adds kGolden per draw)
+}
+
+void DropoutModule::backward(const DeviceParams& d, DeviceState* s, const float*, const float*, const Shape& in,
+                             const float* gy, float* gx, const ParamDone&) {
+  if (!gx) return;
+  const auto& st = *static_cast<const DropoutState*>(s);
+  const u64 n = numel(in);
+  if (st.last_training)
+    d.dev.launch(d.dev.fn("cx_nn_mul"), Device::grid_for(n), 256, gy, static_cast<const float*>(st.mask.f()), gx, n);
+  else
+    d.dev.copy(gx, gy, n * sizeof(float));
+}
+
+// ---- BatchNorm ---------------------------------------------------------------------
+
+namespace {
+struct BatchNormState : DeviceState {
+  Buffer xhat, invstd, rmean, rvar;
+  bool last_training = false;
+};
+}  // namespace
+
+std::unique_ptr<DeviceState> BatchNormModule::make_device_state(cuda::Device&) const {
+  auto s = std::make_unique<BatchNormState>();
+  s->rmean.reserve(f_ * sizeof(float));
+  s->rvar.reserve(f_ * sizeof(float));
+  s->invstd.reserve(f_ * sizeof(float));
+  return s;
+}
+
+void BatchNormModule::to_device(cuda::Device& dev, DeviceState* s) const {
+  auto& st = *static_cast<BatchNormState*>(s);
+  dev.upload(st.rmean.get(), running_mean_.data(), f_ * sizeof(float));
+  dev.upload(st.rvar.get(), running_var_.data(), f_ * sizeof(float));
+}
+
+void BatchNormModule::to_host(cuda::Device& dev, const DeviceState* s) {
+  const auto& st = *static_cast<const BatchNormState*>(s);
+  dev.download(running_mean_.data(), st.rmean.get(), f_ * sizeof(float));
+  dev.download(running_var_.data(), st.rvar.get(), f_ * sizeof(float));
+}
+
+std::vector<std::pair<float*, size_t>> BatchNormModule::device_buffers(DeviceState* s) {
+  auto& st = *static_cast<BatchNormState*>(s);
+  return {{st.rmean.f(), f_}, {st.rvar.f(), f_}};
+}
+
+void BatchNormModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+                              bool training) {
+  auto& st = *static_cast<BatchNormState*>(s);
+  if (training)  // as the CPU forward says it
+    CX_CHECK(in[0] >= 2, InvalidArgument, repr(), " needs a batch of at least 2 in training mode, got ",
+             shape_str(in));
+  st.last_training = training;
+  st.xhat.reserve(numel(in) * sizeof(float));
+  d.dev.launch(d.dev.fn("cx_nn_bn_fwd"), Device::grid_for(in[1]), 256, x, y, st.xhat.f(), st.invstd.f(),
+               static_cast<const float*>(param(d, 0)), static_cast<const float*>(param(d, 1)), st.rmean.f(),
+               st.rvar.f(), u64(in[0]), u64(in[1]), eps_, momentum_, training ? 1 : 0);
+}
+
+void BatchNormModule::backward(const DeviceParams& d, DeviceState* s, const float*, const float*, const Shape& in,
+                               const float* gy, float* gx, const ParamDone& done) {
+  const auto& st = *static_cast<const BatchNormState*>(s);
+  d.dev.launch(d.dev.fn("cx_nn_bn_bwd"), Device::grid_for(in[1]), 256, gy, static_cast<const float*>(st.xhat.f()),
+               static_cast<const float*>(st.invstd.f()), static_cast<const float*>(param(d, 0)), grad(d, 0),
+               grad(d, 1), gx, u64(in[0]), u64(in[1]), st.last_training ? 1 : 0);
+  if (done) {
+    done(1);
+    done(0);
+  }
+}
+
+// ---- Flatten -----------------------------------------------------------------------
+
+void FlattenModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {
+  d.dev.copy(y, x, numel(in) * sizeof(float));
+}
+
+void FlattenModule::backward(const DeviceParams& d, DeviceState*, const float*, const float*, const Shape& in,
+                             const float* gy, float* gx, const ParamDone&) {
+  if (gx) d.dev.copy(gx, gy, numel(in) * sizeof(float));
+}
+
+}  // namespace cx::nn

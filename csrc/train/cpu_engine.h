@@ -1,0 +1,39 @@
+// defines: CpuEngine, the trainer's per-batch work on the host: forward, the
+// loss, backward with the overlapped bucket all-reduce (DistributedDataParallel),
+// the optimizer's step.
+#pragma once
+
+#include <memory>
+
+#include "distributed/process_group.h"
+#include "nn/loss.h"
+#include "nn/optimizer.h"
+#include "nn/sequential.h"
+#include "train/ddp.h"
+#include "train/engine.h"
+
+namespace cx::train {
+
+class CpuEngine : public Engine {
+ public:
+  CpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
+            std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
+            std::shared_ptr<DistributedDataParallel> ddp);
+
+  BatchStats train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) override;
+  BatchStats eval_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) override;
+  BatchStats reduce_stats(const BatchStats& s) override;
+  void all_gather_host(const void* in, void* out, size_t bytes) override;
+  void broadcast_host(void* buf, size_t bytes, int root) override;
+
+ private:
+  BatchStats loss_of(const nn::Tensor& out, const nn::BatchTargets& y);
+
+  std::shared_ptr<nn::SequentialModel> model_;
+  std::shared_ptr<nn::Loss> loss_;
+  std::shared_ptr<nn::Optimizer> opt_;
+  std::shared_ptr<distributed::ProcessGroup> group_;
+  std::shared_ptr<DistributedDataParallel> ddp_;
+};
+
+}  // namespace cx::train

@@ -1,0 +1,86 @@
+// defines: GpuEngine, the trainer's per-batch work on GPU LOCAL_RANK when the
+// process group's backend is NCCL.
+//
+// Note [The model on the GPU]
+// With BackendType.NCCL the trainer runs the model on GPU LOCAL_RANK. One step:
+// the gathered batch is copied to the device once; forward, the loss and
+// backward run there (nn::DeviceModel, each module's, loss's and optimizer's
+// own device code: Note [Modules on the GPU] in nn/module.h); as each bucket of
+// gradients becomes final in backward its AVG all-reduce is queued on NCCL (the
+// same buckets and launch order as DistributedDataParallel: BucketScheduler),
+// so NCCL overlaps the rest of backward; then the optimizer's update runs on
+// the device over the flat parameter buffer. The host waits for the NCCL
+// results, and once at the end of the step to read the loss sums. Everything
+// goes through the CUDA driver API (cuda/): kernels are cuda/nn.cu, the GEMM is
+// cuBLAS where one loads (cuda/blas.h).
+//
+// The optimizer's state lives on the device while training; to_host() writes
+// it and the model's parameters back into the host objects (for checkpoints,
+// saving, predict), from_host() reads them again (after a checkpoint is loaded).
+#pragma once
+
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cuda/device.h"
+#include "distributed/process_group.h"
+#include "nn/device_model.h"
+#include "nn/loss.h"
+#include "nn/optimizer.h"
+#include "train/buckets.h"
+#include "train/ddp.h"
+#include "train/engine.h"
+
+namespace cx::train {
+
+class GpuEngine : public Engine {
+ public:
+  GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
+             std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
+             const DDPConfig& cfg, const DistributedDataParallel& host_ddp);
+  ~GpuEngine() override;
+
+  BatchStats train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) override;
+  BatchStats eval_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) override;
+  BatchStats reduce_stats(const BatchStats& s) override;
+
+  void to_host() override;
+  void from_host() override;
+
+  // Collectives on host bytes, staged through the device (NCCL moves device
+  // memory only).
+  void all_gather_host(const void* in, void* out, size_t bytes) override;
+  void broadcast_host(void* buf, size_t bytes, int root) override;
+
+  std::string describe() const override;  // "cuda:0 (NVIDIA H100 80GB HBM3), GEMM: cuBLAS (...)"
+
+ private:
+  // Copies the batch to the device; returns its targets' device copies.
+  nn::BatchTargets upload_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y);
+  // Queues the loss and its gradient (gout_) for the output `out`; read_loss
+  // waits for the stream and returns the batch's sums.
+  void launch_loss(const float* out, const nn::Shape& os, const nn::BatchTargets& y, const nn::BatchTargets& on_dev);
+  BatchStats read_loss(const nn::Shape& os);
+  void launch_bucket(size_t b);
+  void wait_in_flight();
+
+  // Declared first so it is destroyed last: every Buffer below frees into its context.
+  std::unique_ptr<cuda::Device> dev_;
+  std::shared_ptr<nn::SequentialModel> model_;
+  std::shared_ptr<nn::Loss> loss_;
+  std::shared_ptr<nn::Optimizer> opt_;
+  std::shared_ptr<distributed::ProcessGroup> group_;
+  std::unique_ptr<nn::DeviceModel> dm_;
+  nn::Optimizer::DeviceArrays opt_state_;
+
+  // Device batch and loss.
+  cuda::Buffer x_, labels_, dense_, gout_, stats_, staging_;
+
+  BucketScheduler sched_;  // the host DDP's buckets, so both devices cut the gradients the same way
+  std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;
+  std::set<size_t> shapes_seen_;  // batch sizes that have run a step (Note [First step of a shape])
+};
+
+}  // namespace cx::train
