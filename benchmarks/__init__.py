@@ -1,4 +1,4 @@
-"""pycyxwiz benchmarks: side by side with PyTorch gloo and Open MPI (issue 5).
+"""pycyxwiz benchmarks: side by side with PyTorch gloo and Open MPI.
 
     python -m benchmarks                 # the whole suite, < 15 min, writes benchmarks/results/
     python -m benchmarks.allreduce       # one collective; --help for flags

@@ -40,7 +40,7 @@ MPI_INSTALL_HINT = (
 )
 
 # The library columns. "pycyxwiz" is pycyxwiz over TCP (CX_SHM=0), the transport of gloo
-# and "mpi-tcp", which forces Open MPI onto TCP: the fair comparisons, and issue 5's targets.
+# and "mpi-tcp", which forces Open MPI onto TCP: the fair comparisons, and what the targets are about.
 # "pycyxwiz-shm" is pycyxwiz as it runs by default with every rank on one host, through
 # shared memory; "mpi-default" lets Open MPI pick shared memory (vader) likewise.
 LIBRARIES = ("pycyxwiz", "pycyxwiz-shm", "gloo", "mpi-tcp", "mpi-default")

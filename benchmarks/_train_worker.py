@@ -37,7 +37,7 @@ def make_data(n: int, seed: int = 1234) -> tuple[np.ndarray, np.ndarray]:
     return X, y
 
 
-# ---- pycyxwiz: seed 004's DistributedTrainer -------------------------------------------------
+# ---- pycyxwiz: its DistributedTrainer -------------------------------------------------------
 
 def _cx_fit(comm, X, y, epochs: int):
     cx = comm.cx

@@ -77,7 +77,7 @@ def _by_round(payload, other: str, world: int, size: int) -> str:
 
 
 def targets(parts: dict) -> list:
-    """Issue 5's targets as rows [target, ranks, measured, goal, met]: reported, never asserted.
+    """The targets (benchmarks/README.md) as rows [target, ranks, measured, goal, met]: reported, never asserted.
 
     Where a bandwidth target is missed at a size of 64 MiB or more, the row says what the goal is
     as a fraction of the TCP ceiling there (benchmarks.loopback.tcp_ceiling), and where pycyxwiz is."""
@@ -155,7 +155,7 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
         "Every library runs as real processes on 127.0.0.1, side by side in the same run. These machines are "
         "shared and noisy (10-30% run to run): read the ratios, not the absolute numbers. "
         "cx/X = pycyxwiz's speed over TCP over X's, shm/X = pycyxwiz's through shared memory (its default with "
-        "every rank on one host) over X's; above 1 = pycyxwiz faster. Issue 5's targets are for TCP. busbw follows "
+        "every rank on one host) over X's; above 1 = pycyxwiz faster. The targets are for TCP. busbw follows "
         "nccl-tests.",
     ]
     versions = _versions([p for p in parts.values() if isinstance(p, dict)])
@@ -184,7 +184,7 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
                       + ", ".join(f"**{c:.2f} GB/s** on {w} ranks" for w, c in ceilings.items()) + "."]
     rows = targets(parts)
     if rows:
-        lines += ["", "## Targets (issue 5), as measured in this run", "",
+        lines += ["", "## Targets, as measured in this run", "",
                   format_table(["target", "ranks", "measured", "goal", "met"], rows, markdown=True)]
     for op in COLLECTIVES:
         p = parts.get(op)

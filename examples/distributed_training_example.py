@@ -1,4 +1,4 @@
-"""Seed 004's comprehensive example: DDP, sampler and batch iterator by hand, with the
+"""The guide's comprehensive example: DDP, sampler and batch iterator by hand, with the
 guide's gradient-accumulation pattern, then the same with no_sync(), a parameter check,
 and held-out accuracy on the digits set.
 
@@ -78,7 +78,7 @@ def main() -> None:
                     else:
                         ddp.backward(loss_fn.backward() / accumulation_steps, input_grad=False)
                 ddp.update_parameters(optimizer)
-        # Global mean loss, weighted by samples (seed 001 "Monitoring").
+        # Global mean loss, weighted by samples.
         stats = np.array([total, n], np.float64)
         cx.distributed.all_reduce(stats)
         if ddp.is_master():                      # Best practice 2: log on the master only

@@ -1,4 +1,5 @@
-"""Seed 004's quick start, runnable: the lines between the markers are the guide's, unchanged.
+"""The distributed training guide's quick start, runnable: the lines between the markers are
+the guide's, unchanged.
 
     python examples/quickstart.py                          # one process
     ./launch_distributed.sh 4 python examples/quickstart.py
@@ -19,7 +20,7 @@ X_train = np.ascontiguousarray(np.kron(_X.reshape(-1, 8, 8), np.ones((4, 4), np.
                                .reshape(-1, 784))
 y_train = _y
 
-# ---- seed 004 "Quick Start", step 2 ----
+# ---- the guide's "Quick Start", step 2 ----
 import pycyxwiz as cx
 
 # Initialize distributed
@@ -50,7 +51,7 @@ if trainer.is_master():
     model.save("model.cyxmodel")
 
 cx.distributed.finalize()
-# ---- end of the seed's lines ----
+# ---- end of the guide's lines ----
 if trainer.is_master():
     print(f"final training accuracy {history.train_accuracies[-1]:.4f} on {history.world_size} rank(s); "
           f"saved model.cyxmodel")

@@ -16,7 +16,7 @@ int get_num_threads();
 // the CPU badly (each GEMM's threads fight the peers' threads and the comm
 // thread). So: OPENBLAS_NUM_THREADS / OMP_NUM_THREADS win if the user set them;
 // otherwise 1 thread when LOCAL_WORLD_SIZE > 1 (or, without LOCAL_WORLD_SIZE,
-// WORLD_SIZE > 1: the seed's manual launch runs every rank on one host);
+// WORLD_SIZE > 1: a launch by hand runs every rank on one host);
 // otherwise OpenBLAS's own default (all cores). Applied once, at import.
 void apply_default_num_threads();
 

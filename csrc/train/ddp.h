@@ -27,7 +27,7 @@
 // schedule below correct; they differ only in how much they communicate:
 //   - inside no_sync(), backward launches nothing; the next synced backward or
 //     sync_gradients() reduces the accumulated sum once;
-//   - the seed's pattern (backward k times, then sync_gradients) is learned: a
+//   - the guide's pattern (backward k times, then sync_gradients) is learned: a
 //     backward launches only if it is the k-th since the last sync, k being the
 //     count seen in the previous cycle (1 to start with), so after the first
 //     cycle the inner steps do not communicate.
@@ -54,7 +54,7 @@
 // older wrapper leaves the newer one's hook alone, and backward through a
 // stale wrapper raises InvalidArgument saying to use the newest one.
 // So DDPConfig.find_unused_parameters changes nothing for today's modules. It
-// is kept (the seed names it) as a guarantee for any future module or model
+// is kept (the API names it) as a guarantee for any future module or model
 // that leaves a parameter unreported: after backward returns, the unreported
 // parameters are listed; with the flag set every bucket is then marked ready
 // and reduced as it is (the unused slices hold what they held, zeros after

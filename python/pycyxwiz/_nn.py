@@ -1,4 +1,4 @@
-"""The model stack (issue 3): modules, Sequential model, losses, optimizers, schedulers.
+"""The model stack: modules, Sequential model, losses, optimizers, schedulers.
 
     model = cx.SequentialModel(); model.add(cx.LinearModule(64, 10))
     loss = cx.CrossEntropyLoss(); opt = cx.AdamOptimizer(1e-3)

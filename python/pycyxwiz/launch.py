@@ -3,7 +3,7 @@
     python -m pycyxwiz.launch --nproc-per-node 4 train.py --epochs 3
     python -m pycyxwiz.launch --nproc-per-node 2 -m mypackage.train        # a module, as python -m
     python -m pycyxwiz.launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
-    ./launch_distributed.sh 4 python train.py          # the same, seed 004's form
+    ./launch_distributed.sh 4 python train.py          # the same, through the shell launcher
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks).

@@ -1,4 +1,4 @@
-"""The process group and its collectives (seed 004 names; seed 000 semantics).
+"""The process group and its collectives.
 
     import numpy as np, pycyxwiz as cx
     cx.distributed.init()                      # from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...
