@@ -202,7 +202,7 @@ def test_clip_grad_norm_matches_numpy():
 
 
 def test_vectorised_and_scalar_kernels_agree():
-    """The AVX2 paths against the plain scalar reference (PYCYXWIZ_NN_SCALAR=1), in a child process."""
+    """The AVX2 paths against the plain scalar reference (CX_NN_SCALAR=1), in a child process."""
     import os
     import subprocess
     import sys
@@ -220,7 +220,7 @@ def test_vectorised_and_scalar_kernels_agree():
     )
     outs = []
     for scalar in ("0", "1"):
-        env = {**os.environ, "PYCYXWIZ_NN_SCALAR": scalar}
+        env = {**os.environ, "CX_NN_SCALAR": scalar}
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True, cwd="/")
         import io
         outs.append(np.load(io.BytesIO(r.stdout)))

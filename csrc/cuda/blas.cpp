@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "common/env.h"
 #include "common/error.h"
 
 namespace cx::cuda {
@@ -58,8 +59,7 @@ const Library* open_library(const std::string& path, std::string* why) {
 // Where to look, in order: CX_CUBLAS_LIBRARY alone if set; else the wheels'
 // folders, then the system loader's path.
 std::vector<std::string> candidates() {
-  const char* over = std::getenv("CX_CUBLAS_LIBRARY");
-  if (over && *over) return {over};
+  if (const char* over = env::get("CX_CUBLAS_LIBRARY")) return {over};
   std::vector<std::string> out;
   std::lock_guard<std::mutex> lk(g_mu);
   for (const auto& d : g_dirs)

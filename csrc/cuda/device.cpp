@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/env.h"
 #include "common/error.h"
 
 namespace cx::cuda {
@@ -86,7 +87,7 @@ Device::Device(int ordinal) : ordinal_(ordinal) {
                                          "or train with BackendType.CPU");
     for (const char* k : kNnKernels) fn(k);
     sgemm_ = fn("cx_nn_sgemm");
-    const char* force = std::getenv("CX_GPU_GEMM");
+    const char* force = env::get("CX_GPU_GEMM");
     if (force && std::strcmp(force, "tiled") == 0) {
       gemm_desc_ = "pycyxwiz tiled kernel (CX_GPU_GEMM=tiled)";
     } else {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "common/env.h"
 #include "common/error.h"
 
 namespace cx::cuda {
@@ -32,8 +33,8 @@ struct Loaded {
 Loaded load() {
   Loaded out;
   CudaDriver& d = out.drv;
-  const char* over = std::getenv("CX_CUDA_DRIVER_LIBRARY");
-  d.path = (over && *over) ? over : "libcuda.so.1";
+  const char* over = env::get("CX_CUDA_DRIVER_LIBRARY");
+  d.path = over ? over : "libcuda.so.1";
   void* lib = ::dlopen(d.path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* why = ::dlerror();
@@ -120,10 +121,10 @@ int device_count_or_zero() {
 void check_local_rank(int local_rank, int device_count) {
   if (device_count <= 0) {
     CX_THROW(Error, "no NVIDIA GPU visible: the driver reports no device (CUDA_VISIBLE_DEVICES='",
-             std::getenv("CUDA_VISIBLE_DEVICES") ? std::getenv("CUDA_VISIBLE_DEVICES") : "<unset>", "'); ", kUseCpu);
+             env::get("CUDA_VISIBLE_DEVICES") ? env::get("CUDA_VISIBLE_DEVICES") : "<unset>", "'); ", kUseCpu);
   }
   if (local_rank >= device_count) {
-    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+    const char* vis = env::get("CUDA_VISIBLE_DEVICES");
     CX_THROW(InvalidArgument, "LOCAL_RANK=", local_rank, " has no GPU: this machine shows ", device_count,
              device_count == 1 ? " GPU" : " GPUs", " (cuda:0 .. cuda:", device_count - 1,
              vis ? std::string(", CUDA_VISIBLE_DEVICES='") + vis + "'" : std::string(),

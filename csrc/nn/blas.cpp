@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/env.h"
 #include "common/error.h"
 
 namespace cx::nn {
@@ -25,8 +26,8 @@ int get_num_threads() { return scipy_openblas_get_num_threads(); }
 
 namespace {
 long env_long(const char* name, long fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
+  const char* v = env::get(name);
+  if (!v) return fallback;
   char* end = nullptr;
   long x = std::strtol(v, &end, 10);
   return (end && *end == '\0') ? x : fallback;
@@ -34,7 +35,7 @@ long env_long(const char* name, long fallback) {
 }  // namespace
 
 void apply_default_num_threads() {
-  if (std::getenv("OPENBLAS_NUM_THREADS") || std::getenv("OMP_NUM_THREADS")) return;
+  if (env::get("OPENBLAS_NUM_THREADS") || env::get("OMP_NUM_THREADS")) return;
   long local = env_long("LOCAL_WORLD_SIZE", -1);
   bool shared_host = local > 1 || (local < 0 && env_long("WORLD_SIZE", 1) > 1);
   if (shared_host) scipy_openblas_set_num_threads(1);

@@ -1,21 +1,22 @@
 #include "nn/kernels.h"
 
-#include "nn/update_rules.h"
-
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <string>
 
+#include "common/env.h"
+#include "nn/update_rules.h"
+
 namespace cx::nn::kernels {
 
 namespace {
 
-// PYCYXWIZ_NN_SCALAR=1 forces the scalar reference paths (tests compare the two).
+// CX_NN_SCALAR=1 forces the scalar reference paths (tests compare the two).
 bool have_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          !(std::getenv("PYCYXWIZ_NN_SCALAR") && std::string(std::getenv("PYCYXWIZ_NN_SCALAR")) == "1");
+                          !(env::get("CX_NN_SCALAR") && std::string(env::get("CX_NN_SCALAR")) == "1");
   return yes;
 }
 

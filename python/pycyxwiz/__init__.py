@@ -5,8 +5,10 @@
     cx.distributed.all_reduce(arr)              # in place, on every rank
 """
 from ._blas import preload as _preload_blas
+from ._env import apply_renames as _apply_renamed_environment_variables
 from ._failure import install_from_environment as _record_failures_for_the_launcher
 
+_apply_renamed_environment_variables()
 _preload_blas()
 _record_failures_for_the_launcher()
 

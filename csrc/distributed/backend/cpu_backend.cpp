@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "common/env.h"
 #include "distributed/store/store.h"
 #include "distributed/transport/tcp/tcp_transport.h"
 
@@ -37,7 +38,7 @@ uint64_t make_nonce() {
 
 // Ranks on this machine: LOCAL_WORLD_SIZE if the launcher set it, else all of them.
 int local_ranks(const Config& c) {
-  const char* l = std::getenv("LOCAL_WORLD_SIZE");
+  const char* l = env::get("LOCAL_WORLD_SIZE");
   return l ? std::max(1, std::atoi(l)) : c.world_size;
 }
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 
+#include "common/env.h"
 #include "common/error.h"
 
 namespace cx::distributed::nccl {
@@ -77,9 +78,9 @@ const NcclApi& nccl_api() {
   if (g_api) return *g_api;
   auto api = std::make_unique<NcclApi>();
   std::vector<std::string> tried;
-  const char* over = std::getenv("CX_NCCL_LIBRARY");
+  const char* over = env::get("CX_NCCL_LIBRARY");
   std::vector<std::string> paths;
-  if (over && *over) {
+  if (over) {
     paths.push_back(over);
   } else {
     for (const auto& d : g_dirs) paths.push_back(d + "/libnccl.so.2");
