@@ -8,7 +8,7 @@
 // so any grid covers any n.
 #include <cstdint>
 
-#include "nn/update_rules.h"
+#include "cuda/update_rules.h"
 
 #define CX_LOOP(i, n) \
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
@@ -337,7 +337,7 @@ extern "C" __global__ void cx_nn_bce(const float* x, const float* t, float* g, d
 }
 
 // ---------------------------------------------------------------- optimizers
-// The rules of csrc/nn/update_rules.h, which the CPU's scalar paths use too.
+// The rules of csrc/cuda/update_rules.h, which the CPU's scalar paths use too.
 
 extern "C" __global__ void cx_nn_adam(float* p, const float* g, float* m, float* v, u64 n, float b1, float b2,
                                       float eps, float step_size, float inv_bc2_sqrt, float l2, float decay) {

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "common/env.h"
-#include "nn/update_rules.h"
+#include "cuda/update_rules.h"
 
 namespace cx::nn::kernels {
 
@@ -20,7 +20,7 @@ bool have_avx2() {
   return yes;
 }
 
-// Scalar reference: the formulas exactly as published (nn/update_rules.h, which
+// Scalar reference: the formulas exactly as published (cuda/update_rules.h, which
 // the GPU kernels use too).
 void adam_scalar(float* p, const float* g, float* m, float* v, size_t i, size_t n, float b1, float b2,
                  float eps, float step_size, float inv_bc2_sqrt, float l2, float decay) {

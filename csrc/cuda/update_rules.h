@@ -1,7 +1,8 @@
 // defines: the optimizers' per-element update rules, shared by the CPU's scalar
 // reference paths (nn/kernels.cpp) and the GPU kernels (cuda/nn.cu), so the two
 // compute the same formula by construction. (The CPU's AVX2 paths are checked
-// against the scalar ones by tests/test_nn_optimizers.py.)
+// against the scalar ones by tests/test_nn_optimizers.py.) It lives in the floor
+// because the kernels do; nn/ includes it from here.
 #pragma once
 
 #include <math.h>
