@@ -1,15 +1,39 @@
-// defines: the per-area binding entry points called from module.cpp.
-// Each lives in its own file: errors.cpp, dist.cpp, nn.cpp, train.cpp.
+// defines: the binding entry points module.cpp calls, one per file (or pair of classes), and shared_class.
+// Every binding file converts Python objects to C++ views (arrays.h), releases the GIL and calls into the core;
+// the logic lives in the C++ layers or in python/pycyxwiz. The calls' order is the registration order, which
+// matters: a signature in a docstring names a class only if that class was registered before it.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
+#include <memory>
+
 namespace cx::bindings {
 namespace py = pybind11;
 
-void bind_errors(py::module_& m);
-void bind_dist(py::module_& m);   // m is _core.dist
-void bind_nn(py::module_& m);     // m is _core
-void bind_train(py::module_& m);  // m is _core.dist
+// A class held by shared_ptr (what the core's objects share between Python and C++).
+template <typename T, typename... Bases>
+using shared_class = py::class_<T, Bases..., std::shared_ptr<T>>;
+
+void bind_errors(py::module_& m);  // errors.cpp: the exception types and the C++ -> Python mapping
+
+// m is _core.dist
+void bind_process_group(py::module_& m);  // process_group.cpp: BackendType, DistributedConfig, init, get_*
+void bind_collectives(py::module_& m);    // collectives.cpp: ReduceOp, Work and the 11 collectives
+void bind_gpu(py::module_& m);            // gpu.cpp: GPU/NCCL library discovery and probes
+
+// m is _core
+void bind_nn_settings(py::module_& m);  // nn_settings.cpp: BLAS threads, manual_seed
+void bind_modules(py::module_& m);      // modules.cpp: Module and the layers
+void bind_model(py::module_& m);        // model.cpp: SequentialModel
+void bind_losses(py::module_& m);       // losses.cpp: CrossEntropyLoss, MSELoss, BCEWithLogitsLoss
+void bind_optimizers(py::module_& m);   // optimizers.cpp: the optimizers and clip_grad_norm
+void bind_schedulers(py::module_& m);   // optimizers.cpp: the learning-rate schedulers
+
+// m is _core.dist
+void bind_ddp(py::module_& m);      // ddp.cpp: DDPConfig, DistributedDataParallel
+void bind_sampler(py::module_& m);  // sampler.cpp: DistributedSampler, DistributedBatchIterator
+void bind_trainer(py::module_& m);  // trainer.cpp: _TrainerCore and the checkpoint helpers
+void bind_environment(py::module_& m);  // environment.cpp: the table of environment variables
 
 }  // namespace cx::bindings

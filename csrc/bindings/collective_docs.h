@@ -1,5 +1,5 @@
 // defines: the docstrings of the collectives (what help(cx.distributed.all_reduce) shows).
-// Kept apart from the bindings so dist.cpp reads as argument conversion only.
+// Kept apart from the bindings so collectives.cpp reads as argument conversion only.
 #pragma once
 
 namespace cx::bindings::docs {

@@ -62,7 +62,7 @@ Event::~Event() {
 // Every kernel of nn.cu, resolved at construction: with lazy module loading
 // (the default since CUDA 12.2) resolving one loads it, and loading while an
 // NCCL kernel waits on peers is what Note [First step of a shape] (in
-// train/gpu_trainer.cpp) avoids.
+// train/gpu_engine.cpp) avoids.
 const char* const kNnKernels[] = {"cx_nn_bias_add", "cx_nn_col_sum_add", "cx_nn_act_fwd",   "cx_nn_act_bwd",
                                   "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul",
                                   "cx_nn_bn_fwd",     "cx_nn_bn_bwd",      "cx_nn_ce_labels",  "cx_nn_ce_dense",

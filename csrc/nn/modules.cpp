@@ -30,6 +30,12 @@ void check_2d(const Module& m, const Shape& in, size_t want, const char* what) {
 
 // ---------------------------------------------------------------- Linear
 
+LinearInit linear_init_from_name(const std::string& name) {
+  if (name == "kaiming") return LinearInit::kKaiming;
+  if (name == "xavier") return LinearInit::kXavier;
+  CX_THROW(InvalidArgument, "LinearModule: init must be 'kaiming' or 'xavier', got '", name, "'");
+}
+
 LinearModule::LinearModule(size_t in, size_t out, bool bias, LinearInit init, uint64_t seed)
     : in_(in), out_(out), bias_(bias), init_(init) {
   CX_CHECK(in >= 1 && out >= 1, InvalidArgument, "LinearModule: in_features and out_features must be >= 1, got (",

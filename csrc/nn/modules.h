@@ -17,6 +17,8 @@ namespace cx::nn {
 class ByteReader;
 
 enum class LinearInit : uint8_t { kKaiming = 0, kXavier = 1 };
+// "kaiming" or "xavier" (init= of cx.LinearModule); InvalidArgument naming both for anything else.
+LinearInit linear_init_from_name(const std::string& name);
 
 // y = x W^T + b, W is (out, in) as in PyTorch. Init (seeded): Kaiming-uniform
 // U(-sqrt(6/in), sqrt(6/in)) for ReLU nets, or Xavier-uniform

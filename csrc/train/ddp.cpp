@@ -18,6 +18,15 @@ size_t mb_to_bytes(double mb, const char* field) {
   return static_cast<size_t>(mb * kMiB);
 }
 
+// "2 (layer 2 Linear.weight)": parameter tensor i as a message names it.
+std::string param_name(const nn::SequentialModel& m, size_t i) {
+  auto [mi, pi] = m.param_owners().at(i);
+  std::ostringstream os;
+  os << i << " (layer " << mi << " " << m.module(mi)->type_name() << "." << m.module(mi)->param_specs()[pi].name
+     << ")";
+  return os.str();
+}
+
 // FNV-1a over the bytes: equal tensors hash equal; a differing bit differs.
 uint64_t fnv1a(const float* p, size_t n) {
   const auto* b = reinterpret_cast<const unsigned char*>(p);
@@ -205,6 +214,21 @@ std::vector<ParamMismatch> DistributedDataParallel::check_parameters() {
     if (!m.ranks.empty()) out.push_back(std::move(m));
   }
   return out;
+}
+
+std::vector<ParamMismatch> DistributedDataParallel::check_parameters(bool raise_on_mismatch) {
+  std::vector<ParamMismatch> bad = check_parameters();
+  if (bad.empty() || !raise_on_mismatch) return bad;
+  std::ostringstream os;
+  os << "check_parameters (rank " << rank() << "): parameters differ across ranks:";
+  for (auto& b : bad) {
+    os << "\n  parameter " << param_name(*model_, b.param_index) << " differs from rank 0's on ranks [";
+    for (size_t i = 0; i < b.ranks.size(); ++i) os << (i ? ", " : "") << b.ranks[i];
+    os << "]";
+  }
+  os << "\nLikely causes: DDPConfig.broadcast_parameters = False with different initial weights, "
+        "different random seeds, or parameters changed on one rank outside the optimizer step.";
+  CX_THROW(MismatchError, os.str());
 }
 
 }  // namespace cx::train

@@ -126,6 +126,9 @@ class DistributedDataParallel {
   // Hashes every parameter tensor, gathers the hashes and compares them with
   // rank 0's; same answer on every rank. Collective: every rank must call it.
   std::vector<ParamMismatch> check_parameters();
+  // The same, and with raise_on_mismatch a MismatchError naming every parameter that differs (index, layer,
+  // tensor), the ranks it differs on and the likely causes, instead of returning a non-empty list.
+  std::vector<ParamMismatch> check_parameters(bool raise_on_mismatch);
 
   const std::vector<Bucket>& buckets() const { return sched_.buckets(); }
   size_t bucket_of(size_t param) const { return sched_.bucket_of(param); }

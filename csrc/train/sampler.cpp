@@ -30,6 +30,15 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, bool shuffle, uint6
   build();
 }
 
+std::shared_ptr<DistributedSampler> make_sampler(int64_t dataset_size, bool shuffle, uint64_t seed, bool drop_last,
+                                                 std::optional<int> num_replicas, std::optional<int> rank) {
+  CX_CHECK(!num_replicas || *num_replicas >= 1, InvalidArgument, "DistributedSampler: num_replicas must be >= 1, got ",
+           *num_replicas);
+  CX_CHECK(!rank || *rank >= 0, InvalidArgument, "DistributedSampler: rank must be >= 0, got ", *rank);
+  return std::make_shared<DistributedSampler>(dataset_size, shuffle, seed, drop_last, num_replicas.value_or(-1),
+                                              rank.value_or(-1));
+}
+
 void DistributedSampler::set_epoch(int64_t epoch) {
   CX_CHECK(epoch >= 0, InvalidArgument, "DistributedSampler.set_epoch: epoch must be >= 0, got ", epoch);
   if (epoch == epoch_) return;

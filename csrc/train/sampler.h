@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace cx::train {
@@ -55,6 +56,11 @@ class DistributedSampler {
   int64_t epoch_ = 0;
   std::vector<int64_t> indices_;
 };
+
+// The Python constructor's form: num_replicas and rank absent (nullopt) take the default process group's; given,
+// they must be valid (InvalidArgument: a negative value is not a way to ask for the group's).
+std::shared_ptr<DistributedSampler> make_sampler(int64_t dataset_size, bool shuffle, uint64_t seed, bool drop_last,
+                                                 std::optional<int> num_replicas, std::optional<int> rank);
 
 class DistributedBatchIterator {
  public:

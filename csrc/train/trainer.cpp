@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/error.h"
@@ -34,8 +35,8 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
 TrainerCore::~TrainerCore() = default;
 
 void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n) {
-  size_t rows = x_shape[0];
-  size_t row = nn::numel(x_shape) / (rows ? rows : 1);
+  size_t row = nn::numel(x_shape) / (x_shape[0] ? x_shape[0] : 1);
+  size_t rows = std::min(x_shape[0], y.rows);
   xb_shape_ = x_shape;
   xb_shape_[0] = n;
   x_.resize(n * row);
@@ -105,6 +106,13 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
   }
   model_->train(was_training);
   return s;
+}
+
+BatchStats TrainerCore::evaluate_all(const float* X, const nn::Shape& x_shape, const Targets& y, size_t batch) {
+  CX_CHECK(batch >= 1, InvalidArgument, "DistributedTrainer.evaluate: batch_size must be >= 1");
+  const size_t n = x_shape[0];
+  const size_t p = static_cast<size_t>(group_->size()), r = static_cast<size_t>(group_->rank());
+  return reduce_stats(evaluate(X, x_shape, y, n * r / p, n * (r + 1) / p, batch));
 }
 
 }  // namespace cx::train

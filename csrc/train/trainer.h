@@ -26,7 +26,7 @@ namespace cx::train {
 struct Targets {
   enum class Kind { kInt64, kInt32, kFloat32 } kind = Kind::kInt64;
   const void* data = nullptr;
-  size_t rows = 0;
+  size_t rows = 0;  // rows of y; a sample index must be below both these and X's rows
   nn::Shape row_shape;  // per-row shape of dense targets ({} for labels)
 };
 
@@ -43,6 +43,9 @@ class TrainerCore {
                       size_t batch);
   // SUM over ranks, in float64.
   BatchStats reduce_stats(const BatchStats& s) { return engine_->reduce_stats(s); }
+  // Collective: the global sums over all rows of (X, y). Rank r of p evaluates the contiguous shard
+  // [n*r/p, n*(r+1)/p), no padding, so every sample is counted exactly once; then reduce_stats.
+  BatchStats evaluate_all(const float* X, const nn::Shape& x_shape, const Targets& y, size_t batch);
 
   // The model's device when the group's backend is NCCL ("" on the CPU).
   std::string device() const { return engine_->describe(); }

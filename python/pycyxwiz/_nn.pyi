@@ -1,4 +1,5 @@
-# Type stub for the model stack (implemented in C++, csrc/nn/, bound in csrc/bindings/nn.cpp).
+# Type stub for the model stack (implemented in C++, csrc/nn/, bound in csrc/bindings/modules.cpp, model.cpp,
+# losses.cpp and optimizers.cpp).
 from os import PathLike
 from typing import Any, Dict, List, Optional, Tuple, Union
 

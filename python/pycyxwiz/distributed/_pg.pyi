@@ -1,6 +1,6 @@
-# Type stub for the process group and collectives (C++: csrc/distributed/, bound in csrc/bindings/dist.cpp;
-# re-exported by _pg.py). Every collective works in place on C-contiguous NumPy arrays and returns
-# None, or a Work handle with async_op=True.
+# Type stub for the process group and collectives (C++: csrc/distributed/, bound in csrc/bindings/
+# process_group.cpp and collectives.cpp; re-exported by _pg.py). Every collective works in place on
+# C-contiguous NumPy arrays and returns None, or a Work handle with async_op=True.
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Sequence, Union, overload
 
 import numpy as np

@@ -127,6 +127,20 @@ class DistributedTrainingHistory:
                 f"world_size={self.world_size})")
 
 
+# The checks of a data set (shapes, dtypes, as many samples in X as in y) are made here, once: _TrainerCore
+# (csrc/bindings/trainer.cpp) only converts what these return to pointers, checking what a pointer needs
+# (float32 X; int64/int32 labels of shape (samples,) or float32 y; C-contiguous).
+
+
+def _as_data(X: Any, y: Any, who: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(X, y) as float32 inputs and int64 labels / float32 targets with as many samples, or ValueError/TypeError."""
+    X = _as_inputs(X, who)
+    y = _as_targets(y, who)
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f"{who}: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
+    return X, y
+
+
 def _as_inputs(X: Any, who: str) -> np.ndarray:
     X = np.asarray(X)
     if X.ndim < 2:
@@ -248,10 +262,7 @@ class DistributedTrainer:
         if (X_val is None) != (y_val is None):
             raise ValueError("fit: pass both X_val and y_val, or neither")
         self.config = config
-        X = _as_inputs(X, "fit")
-        y = _as_targets(y, "fit")
-        if X.shape[0] != y.shape[0]:
-            raise ValueError(f"fit: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
+        X, y = _as_data(X, y, "fit")
         if X_val is None and config.validation_split > 0:
             n_val = int(round(X.shape[0] * config.validation_split))
             if n_val >= 1:
@@ -370,10 +381,7 @@ class DistributedTrainer:
 
             loss, accuracy = trainer.evaluate(X_test, y_test)
         """
-        X = _as_inputs(X, "evaluate")
-        y = _as_targets(y, "evaluate")
-        if X.shape[0] != y.shape[0]:
-            raise ValueError(f"evaluate: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
+        X, y = _as_data(X, y, "evaluate")
         if X.shape[0] == 0:
             raise ValueError("evaluate: the data set is empty")
         if not self._in_fit:

@@ -1,5 +1,5 @@
 # Type stub for data-parallel training: DDP, sampler and batch iterator (C++: csrc/train/, bound in
-# csrc/bindings/train.cpp) and the Python trainer, its config and history (_train.py).
+# csrc/bindings/ddp.cpp and sampler.cpp) and the Python trainer, its config and history (_train.py).
 from os import PathLike
 from typing import Any, ContextManager, Iterator, List, Optional, Tuple, Union, overload
 

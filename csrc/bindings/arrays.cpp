@@ -1,0 +1,329 @@
+// The conversions of arrays.h. No algorithm here: each function checks one Python object and describes it to C++.
+#include "bindings/arrays.h"
+
+#include <cstring>
+
+#include "common/error.h"
+#include "train/trainer.h"
+
+namespace cx::bindings {
+
+using distributed::DataType;
+
+namespace {
+
+// The reducible dtype of an array, from its descriptor's kind and size (cheap:
+// this runs on every call); ml_dtypes' bfloat16 (kind 'V') is recognised by
+// name. nullopt: not reducible (moved as bytes).
+std::optional<DataType> reducible_dtype(const py::dtype& d) {
+  const char kind = d.kind();
+  const auto size = d.itemsize();
+  switch (kind) {
+    case 'f':
+      if (size == 4) return DataType::kFloat32;
+      if (size == 8) return DataType::kFloat64;
+      if (size == 2) return DataType::kFloat16;
+      break;
+    case 'i':
+      if (size == 4) return DataType::kInt32;
+      if (size == 8) return DataType::kInt64;
+      break;
+    case 'u':
+      if (size == 1) return DataType::kUInt8;
+      break;
+    case 'V':
+      if (size == 2 && std::string(py::str(d.attr("name"))) == "bfloat16") return DataType::kBFloat16;
+      break;
+    default: break;
+  }
+  return std::nullopt;
+}
+
+bool is_gpu_array(const py::handle& obj) { return py::hasattr(obj, "__cuda_array_interface__"); }
+// What NumPy can view without a copy: an ndarray, anything with the buffer protocol
+// (memoryview, array.array, bytearray, ...) or the array interface. Objects that only
+// have __array__ (a torch.Tensor, say) may hand NumPy a copy, and a collective that
+// writes its result into a copy loses it: those are refused (not_an_array).
+bool is_host_array(const py::handle& obj) {
+  return py::isinstance<py::array>(obj) || PyObject_CheckBuffer(obj.ptr()) ||
+         py::hasattr(obj, "__array_interface__");
+}
+// The ndarray viewing a host array's memory (see is_host_array). Buffers go through a
+// memoryview: np.asarray(b"ab") would make a new 0-d string array, not a view.
+py::array host_array(const py::handle& obj) {
+  if (py::isinstance<py::array>(obj)) return py::reinterpret_borrow<py::array>(obj);
+  auto asarray = py::module_::import("numpy").attr("asarray");
+  if (PyObject_CheckBuffer(obj.ptr())) return asarray(py::memoryview(py::reinterpret_borrow<py::object>(obj)));
+  return asarray(obj);
+}
+std::string type_name(const py::handle& obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+std::string module_name(const py::handle& obj) {
+  return py::str(py::type::handle_of(obj).attr("__module__"));
+}
+
+// Refuses what cannot travel between processes as its bytes: Python objects
+// (pointers, meaningless in another process; the receiver would crash reading
+// them) and non-native byte order (reduced as if native, it gives wrong numbers
+// without an error; moved, a peer with the native type would misread it).
+void check_transferable(const py::dtype& d, const char* what) {
+  constexpr uint64_t kHasObject = 0x01;  // NPY_ITEM_HASOBJECT: the dtype holds PyObject pointers
+  if (d.flags() & kHasObject) {
+    CX_THROW(TypeMismatch, what, " has dtype ", std::string(py::str(d)), ", which holds pointers to Python "
+             "objects; they mean nothing in another process. Send bytes instead: pickle on your side, "
+             "e.g. np.frombuffer(pickle.dumps(obj), np.uint8) (send its length first)");
+  }
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  constexpr char kForeign = '>';
+#else
+  constexpr char kForeign = '<';
+#endif
+  bool native = d.byteorder() != kForeign;
+  if (native && d.has_fields()) native = d.attr("isnative").cast<bool>();  // byteorder is '|' for records
+  if (!native) {
+    CX_THROW(TypeMismatch, what, " has dtype ", std::string(py::str(d)), ", whose byte order is not this machine's: "
+             "pass arr.astype(arr.dtype.newbyteorder('=')) (and use that array afterwards)");
+  }
+}
+
+// Fills dt/count from the dtype name (or the bfloat16 override).
+void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
+               const std::optional<std::string>& dtype_override) {
+  std::optional<DataType> dt;
+  if (dtype_override) {
+    if (*dtype_override != "bfloat16") {
+      CX_THROW(InvalidArgument, "dtype='", *dtype_override, "' is not supported: the only override is 'bfloat16' "
+                                "(for bfloat16 values stored in a uint16 array)");
+    }
+    if (itemsize != 2) {
+      CX_THROW(TypeMismatch, "dtype='bfloat16' needs a 2-byte array (uint16 storage), got itemsize ", itemsize);
+    }
+    dt = DataType::kBFloat16;
+  } else {
+    dt = reducible_dtype(py::reinterpret_borrow<py::dtype>(v.dtype));
+  }
+  if (dt) {
+    v.dt = *dt;
+    v.count = v.size;
+  } else if (reduce) {
+    CX_THROW(TypeMismatch, what, " has dtype ", v.dtype_name(), ", which cannot be reduced: use float32, float64, "
+             "float16, bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64 or uint8");
+  } else {
+    v.dt = DataType::kBytes;  // moved, never combined: any dtype works
+    v.count = v.nbytes;
+  }
+}
+
+const char* kContiguous = " must be C-contiguous (collectives work in place on the array's memory): ";
+
+View numpy_view(const py::handle& obj, const char* what, bool writable, bool reduce,
+                const std::optional<std::string>& dtype_override) {
+  View v;
+  py::array arr = host_array(obj);
+  v.obj = arr;
+  check_transferable(arr.dtype(), what);
+  if (!(arr.flags() & py::array::c_style)) {
+    CX_THROW(InvalidArgument, what, kContiguous, "pass numpy.ascontiguousarray(a) and use that array afterwards");
+  }
+  if (writable && !arr.writeable()) {
+    CX_THROW(InvalidArgument, what, " is read-only, but the collective writes its result into it in place");
+  }
+  v.ptr = const_cast<void*>(arr.data());
+  v.size = static_cast<size_t>(arr.size());
+  v.nbytes = static_cast<size_t>(arr.nbytes());
+  v.dtype = arr.dtype();
+  for (py::ssize_t i = 0; i < arr.ndim(); ++i) v.shape.push_back(arr.shape(i));
+  set_dtype(v, static_cast<size_t>(arr.itemsize()), what, reduce, dtype_override);
+  return v;
+}
+
+// __cuda_array_interface__ (versions 0..3): shape, typestr, data=(ptr, readonly),
+// strides (None: C-contiguous), mask (must be None), stream (v3; None: no sync).
+View gpu_view(const py::handle& obj, const char* what, bool writable, bool reduce,
+              const std::optional<std::string>& dtype_override) {
+  View v;
+  v.obj = py::reinterpret_borrow<py::object>(obj);
+  py::dict cai = obj.attr("__cuda_array_interface__");
+  auto bad = [&](const std::string& why) {
+    CX_THROW(TypeMismatch, what, " has an invalid __cuda_array_interface__ (", why, ")");
+  };
+  if (!cai.contains("shape") || !cai.contains("typestr") || !cai.contains("data")) {
+    bad("shape, typestr and data are required");
+  }
+  if (cai.contains("mask") && !cai["mask"].is_none()) {
+    CX_THROW(TypeMismatch, what, " is a masked GPU array; collectives need plain arrays");
+  }
+  for (auto d : py::reinterpret_borrow<py::tuple>(cai["shape"])) v.shape.push_back(d.cast<int64_t>());
+  std::string typestr = py::str(cai["typestr"]);
+  py::object np_dtype = py::module_::import("numpy").attr("dtype")(typestr);
+  size_t itemsize = np_dtype.attr("itemsize").cast<size_t>();
+  if (typestr.size() < 3 || (typestr[0] == '>' && itemsize > 1)) {
+    CX_THROW(TypeMismatch, what, " has typestr '", typestr, "': only little-endian GPU arrays are supported");
+  }
+  v.dtype = np_dtype;
+  py::tuple data = cai["data"];
+  if (data.size() != 2) bad("data must be (pointer, read_only)");
+  v.ptr = reinterpret_cast<void*>(data[0].cast<uintptr_t>());
+  if (writable && data[1].cast<bool>()) {
+    CX_THROW(InvalidArgument, what, " is read-only, but the collective writes its result into it in place");
+  }
+  v.size = 1;
+  for (int64_t d : v.shape) v.size *= static_cast<size_t>(d);
+  v.nbytes = v.size * itemsize;
+  if (cai.contains("strides") && !cai["strides"].is_none()) {
+    py::tuple strides = cai["strides"];
+    if (strides.size() != v.shape.size()) bad("strides and shape differ in length");
+    int64_t expect = static_cast<int64_t>(itemsize);
+    for (size_t i = v.shape.size(); i-- > 0;) {
+      if (v.shape[i] > 1 && strides[i].cast<int64_t>() != expect) {
+        CX_THROW(InvalidArgument, what, kContiguous, "pass cupy.ascontiguousarray(a) and use that array afterwards");
+      }
+      expect *= v.shape[i];
+    }
+  }
+  if (cai.contains("stream") && !cai["stream"].is_none()) v.stream = cai["stream"].cast<uintptr_t>();
+  set_dtype(v, itemsize, what, reduce, dtype_override);
+  return v;
+}
+
+void same_layout(const View& ref, const View& v, const std::string& what) {
+  if (v.dt != ref.dt || v.count != ref.count || !v.dtype.equal(ref.dtype)) {
+    CX_THROW(InvalidArgument, what, " has ", v.size, " elements of ", v.dtype_name(), " but ", ref.size,
+             " elements of ", ref.dtype_name(), " are expected (every block must match the input array)");
+  }
+}
+
+}  // namespace
+
+// ---- collectives --------------------------------------------------------------------------------------------
+
+bool is_array(const py::handle& obj, bool gpu) { return gpu ? is_gpu_array(obj) : is_host_array(obj); }
+
+[[noreturn]] void not_an_array(const char* what, const py::handle& obj, bool gpu) {
+  std::string tname = type_name(obj);
+  if (gpu && py::isinstance<py::array>(obj)) {
+    CX_THROW(TypeMismatch, what, " is a NumPy array, but the process group uses BackendType.NCCL, which works on "
+             "GPU arrays: pass cupy.asarray(a) (and use that array afterwards), or use BackendType.CPU "
+             "(DISTRIBUTED_BACKEND=cpu) for NumPy arrays");
+  }
+  if (gpu) {
+    CX_THROW(TypeMismatch, what, " must be a GPU array (a CuPy array, or any object with __cuda_array_interface__) "
+             "with BackendType.NCCL, got ", tname);
+  }
+  if (is_gpu_array(obj)) {
+    CX_THROW(TypeMismatch, what, " is a GPU array (", tname, "), but the process group uses BackendType.CPU, which "
+             "works on NumPy arrays: initialize with BackendType.NCCL (DISTRIBUTED_BACKEND=nccl) for GPU arrays, "
+             "or copy it to the host with cupy.asnumpy(a)");
+  }
+  if (module_name(obj).rfind("torch", 0) == 0 && tname == "Tensor") {
+    CX_THROW(TypeMismatch, what, " is a torch.Tensor: pass t.numpy(), which shares the tensor's memory, so the "
+             "result lands in the tensor (t.detach().numpy() if it requires grad)");
+  }
+  CX_THROW(TypeMismatch, what, " must be a NumPy array (or an object NumPy can view without a copy: a "
+           "memoryview, array.array, bytearray, anything with the buffer protocol), got ", tname);
+}
+
+View view_of(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
+             const std::optional<std::string>& dtype_override) {
+  if (!is_array(obj, gpu)) not_an_array(what, obj, gpu);
+  return gpu ? gpu_view(obj, what, writable, reduce, dtype_override)
+             : numpy_view(obj, what, writable, reduce, dtype_override);
+}
+
+std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu) {
+  std::vector<View> out;
+  if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+    auto seq = py::reinterpret_borrow<py::sequence>(obj);
+    if (static_cast<int>(seq.size()) != p) {
+      CX_THROW(InvalidArgument, what, " has ", seq.size(), " entries, but the world size is ", p,
+               ": pass one array per rank");
+    }
+    for (size_t i = 0; i < seq.size(); ++i) {
+      std::string item = std::string(what) + "[" + std::to_string(i) + "]";
+      View v = view_of(seq[i], item.c_str(), writable, false, gpu);
+      if (ref.dt != DataType::kBytes && v.dt == DataType::kBytes) same_layout(ref, v, item);
+      v.dt = ref.dt;
+      if (ref.dt != DataType::kBytes) v.count = v.size;
+      same_layout(ref, v, item);
+      out.push_back(std::move(v));
+    }
+    return out;
+  }
+  View whole = view_of(obj, what, writable, false, gpu);
+  if (!whole.dtype.equal(ref.dtype) || whole.nbytes != p * ref.nbytes) {
+    CX_THROW(InvalidArgument, what, " must hold world_size x ", ref.size, " elements of ", ref.dtype_name(), " (", p,
+             " x ", ref.nbytes, " bytes); got ", whole.size, " elements of ", whole.dtype_name());
+  }
+  size_t block = ref.nbytes;
+  for (int i = 0; i < p; ++i) {
+    View v;
+    v.obj = whole.obj;
+    v.ptr = static_cast<char*>(whole.ptr) + block * static_cast<size_t>(i);
+    v.count = ref.count;
+    v.dt = ref.dt;
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+// ---- model stack --------------------------------------------------------------------------------------------
+
+std::string describe(py::handle obj) {
+  if (py::isinstance<py::array>(obj)) {
+    auto a = py::reinterpret_borrow<py::array>(obj);
+    return std::string(py::str(a.dtype())) + " array of shape " + nn::shape_str(shape_of(a));
+  }
+  return std::string("a ") + std::string(py::str(py::type::of(obj).attr("__name__")));
+}
+
+py::array float_array(py::handle obj, std::string_view who, const char* expected, size_t min_ndim) {
+  if (!py::isinstance<py::array>(obj) || !py::dtype::of<float>().equal(py::reinterpret_borrow<py::array>(obj).dtype()))
+    CX_THROW(TypeMismatch, who, ": expected a float32 NumPy array of shape ", expected, ", got ", describe(obj),
+             " (convert with np.asarray(x, dtype=np.float32))");
+  auto a = py::reinterpret_borrow<py::array>(obj);
+  CX_CHECK(static_cast<size_t>(a.ndim()) >= min_ndim, InvalidArgument, who, ": expected an array of shape ", expected,
+           ", got shape ", nn::shape_str(shape_of(a)));
+  CX_CHECK(a.flags() & py::array::c_style, InvalidArgument, who, ": expected a C-contiguous array of shape ", expected,
+           ", got a non-contiguous view (use np.ascontiguousarray(x))");
+  return a;
+}
+
+nn::Shape shape_of(const py::array& a) { return nn::Shape(a.shape(), a.shape() + a.ndim()); }
+
+py::array_t<float> to_numpy(const nn::Tensor& t) {
+  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
+  py::array_t<float> out(shape);
+  std::memcpy(out.mutable_data(), t.data(), t.numel() * sizeof(float));
+  return out;
+}
+
+py::array storage_view(const std::shared_ptr<nn::FloatStorage>& storage, size_t offset, const nn::Shape& shape) {
+  auto* keep = new std::shared_ptr<nn::FloatStorage>(storage);
+  py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<nn::FloatStorage>*>(p); });
+  std::vector<py::ssize_t> sh(shape.begin(), shape.end());
+  return py::array(py::dtype::of<float>(), sh, {}, storage->data() + offset, base);
+}
+
+// ---- trainer ------------------------------------------------------------------------------------------------
+
+train::Targets targets_of(py::handle y, const char* who) {
+  using Kind = train::Targets::Kind;
+  CX_CHECK(py::isinstance<py::array>(y), TypeMismatch, who, ": y must be a NumPy array, got ", describe(y));
+  auto a = py::reinterpret_borrow<py::array>(y);
+  CX_CHECK(a.flags() & py::array::c_style, InvalidArgument, who, ": y must be C-contiguous");
+  train::Targets t;
+  t.data = a.data();
+  t.rows = a.ndim() ? static_cast<size_t>(a.shape(0)) : 0;
+  if (py::dtype::of<int64_t>().equal(a.dtype())) t.kind = Kind::kInt64;
+  else if (py::dtype::of<int32_t>().equal(a.dtype())) t.kind = Kind::kInt32;
+  else if (py::dtype::of<float>().equal(a.dtype())) t.kind = Kind::kFloat32;
+  else
+    CX_THROW(TypeMismatch, who, ": y must be int64/int32 class labels or float32 targets, got ", describe(y));
+  if (t.kind != Kind::kFloat32)
+    CX_CHECK(a.ndim() == 1, InvalidArgument, who, ": integer labels must have shape (samples,), got ",
+             nn::shape_str(shape_of(a)));
+  else if (a.ndim() >= 1)
+    t.row_shape = nn::Shape(a.shape() + 1, a.shape() + a.ndim());
+  return t;
+}
+
+}  // namespace cx::bindings

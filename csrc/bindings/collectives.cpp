@@ -1,0 +1,241 @@
+// Bindings of the collectives and their Work handle. Each collective converts its arrays (arrays.h), releases the
+// GIL around the call into the process group and, with async_op=True, returns a Work that keeps the arrays alive.
+// The docstrings are in collective_docs.h.
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/arrays.h"
+#include "bindings/bindings.h"
+#include "bindings/collective_docs.h"
+#include "common/error.h"
+#include "distributed/default_group.h"
+
+namespace cx::bindings {
+
+using namespace cx::distributed;
+
+namespace {
+
+// What an async collective returns. Holds the arrays it works on, so they
+// outlive the operation; dropping an unfinished handle waits for it.
+struct PyWork {
+  std::shared_ptr<Work> work;
+  py::list keep;
+  ~PyWork() {
+    if (work && !work->is_completed()) {
+      py::gil_scoped_release nogil;
+      try {
+        work->wait();
+      } catch (...) {
+      }
+    }
+  }
+};
+
+template <typename... Keep>
+py::object finish(ProcessGroup::WorkPtr w, bool async, const Keep&... keep) {
+  if (!async) return py::none();
+  auto pw = std::make_unique<PyWork>();
+  pw->work = std::move(w);
+  (pw->keep.append(keep), ...);
+  return py::cast(std::move(pw));
+}
+
+bool on_gpu(const ProcessGroup& pg) { return pg.config().backend == BackendType::kNccl; }
+
+template <typename F>
+ProcessGroup::WorkPtr call(F&& f) {
+  py::gil_scoped_release nogil;
+  return f();
+}
+
+void bind_work(py::module_& m) {
+  py::class_<PyWork>(m, "Work", "Handle of an async collective (async_op=True).")
+      .def(
+          "wait",
+          [](PyWork& w, std::optional<double> timeout) {
+            int64_t ms = timeout ? static_cast<int64_t>(*timeout * 1000.0) : -1;
+            bool ok;
+            {
+              py::gil_scoped_release nogil;
+              ok = w.work->wait(ms);
+            }
+            if (!ok) {
+              CX_THROW(TimeoutError, "the collective did not complete within ", *timeout,
+                       " s (it is still running; wait again, or check the other ranks)");
+            }
+            return true;
+          },
+          py::arg("timeout") = py::none(),
+          "Block until the collective is done (timeout in seconds; None: its own deadline). Raises its error.")
+      .def("is_completed", [](PyWork& w) { return w.work->is_completed(); })
+      .def("__repr__", [](PyWork& w) {
+        return std::string("<cx.distributed.Work ") + (w.work->is_completed() ? "completed>" : "pending>");
+      });
+}
+
+// ---- the collectives, in the order the module defines them
+
+py::object all_reduce(py::object arr, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
+  auto pg = require_default_group("all_reduce()");
+  const bool gpu = on_gpu(*pg);
+  View v = view_of(arr, "the array", true, true, gpu, dtype);
+  auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op, v.stream); });
+  return finish(w, async_op, v.obj);
+}
+
+py::object broadcast(py::object arr, int src, bool async_op) {
+  auto pg = require_default_group("broadcast()");
+  const bool gpu = on_gpu(*pg);
+  View v = view_of(arr, "the array", true, false, gpu);
+  auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op, v.stream); });
+  return finish(w, async_op, v.obj);
+}
+
+py::object all_gather(py::object out, py::object arr, bool async_op) {
+  auto pg = require_default_group("all_gather()");
+  const bool gpu = on_gpu(*pg);
+  View in = view_of(arr, "the input array", false, false, gpu);
+  auto blocks = blocks_of(out, "the output", in, pg->size(), true, gpu);
+  std::vector<void*> outs;
+  for (auto& b : blocks) outs.push_back(b.ptr);
+  auto w = call([&] { return pg->all_gather(in.ptr, outs, in.count, in.dt, async_op, in.stream); });
+  return finish(w, async_op, out, in.obj);
+}
+
+py::object reduce_scatter(py::object out, py::object inputs, ReduceOp op, bool async_op,
+                          std::optional<std::string> dtype) {
+  auto pg = require_default_group("reduce_scatter()");
+  const bool gpu = on_gpu(*pg);
+  View o = view_of(out, "the output array", true, true, gpu, dtype);
+  auto blocks = blocks_of(inputs, "the input", o, pg->size(), false, gpu);
+  std::vector<const void*> ins;
+  for (auto& b : blocks) ins.push_back(b.ptr);
+  auto w = call([&] { return pg->reduce_scatter(ins, o.ptr, o.count, o.dt, op, async_op, o.stream); });
+  return finish(w, async_op, out, inputs);
+}
+
+py::object reduce(py::object arr, int dst, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
+  auto pg = require_default_group("reduce()");
+  const bool gpu = on_gpu(*pg);
+  View v = view_of(arr, "the array", true, true, gpu, dtype);
+  auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op, v.stream); });
+  return finish(w, async_op, v.obj);
+}
+
+py::object scatter(py::object arr, py::object scatter_list, int src, bool async_op) {
+  auto pg = require_default_group("scatter()");
+  const bool gpu = on_gpu(*pg);
+  View o = view_of(arr, "the output array", true, false, gpu);
+  std::vector<const void*> ins;
+  if (pg->rank() == src) {
+    if (scatter_list.is_none()) {
+      CX_THROW(InvalidArgument, "scatter(): the source rank ", src, " must pass scatter_list (one array per rank)");
+    }
+    for (auto& b : blocks_of(scatter_list, "scatter_list", o, pg->size(), false, gpu)) ins.push_back(b.ptr);
+  }
+  auto w = call([&] { return pg->scatter(ins, o.ptr, o.count, o.dt, src, async_op, o.stream); });
+  return finish(w, async_op, o.obj, scatter_list);
+}
+
+py::object gather(py::object arr, py::object gather_list, int dst, bool async_op) {
+  auto pg = require_default_group("gather()");
+  const bool gpu = on_gpu(*pg);
+  View in = view_of(arr, "the input array", false, false, gpu);
+  std::vector<void*> outs;
+  if (pg->rank() == dst) {
+    if (gather_list.is_none()) {
+      CX_THROW(InvalidArgument, "gather(): the destination rank ", dst, " must pass gather_list (one array per rank)");
+    }
+    for (auto& b : blocks_of(gather_list, "gather_list", in, pg->size(), true, gpu)) outs.push_back(b.ptr);
+  }
+  auto w = call([&] { return pg->gather(in.ptr, outs, in.count, in.dt, dst, async_op, in.stream); });
+  return finish(w, async_op, in.obj, gather_list);
+}
+
+py::object all_to_all(py::object out, py::object inputs, bool async_op) {
+  auto pg = require_default_group("all_to_all()");
+  const bool gpu = on_gpu(*pg);
+  if (!(py::isinstance<py::list>(inputs) || py::isinstance<py::tuple>(inputs)) && !is_array(inputs, gpu)) {
+    not_an_array("the input", inputs, gpu);
+  }
+  // The reference block: the first input block.
+  py::object first;
+  if (is_array(inputs, gpu)) {
+    View a = view_of(inputs, "the input", false, false, gpu);
+    if (a.shape.empty() || a.shape[0] != pg->size()) {
+      CX_THROW(InvalidArgument, "all_to_all(): an input array must have world_size (", pg->size(),
+               ") rows, one block per destination rank");
+    }
+    first = inputs[py::int_(0)];
+  } else {
+    auto seq = py::reinterpret_borrow<py::sequence>(inputs);
+    if (seq.size() == 0) CX_THROW(InvalidArgument, "all_to_all(): the input list is empty");
+    first = seq[0];
+  }
+  View ref = view_of(first, "the input[0]", false, false, gpu);
+  auto ib = blocks_of(inputs, "the input", ref, pg->size(), false, gpu);
+  auto ob = blocks_of(out, "the output", ref, pg->size(), true, gpu);
+  std::vector<const void*> ins;
+  std::vector<void*> outs;
+  for (auto& b : ib) ins.push_back(b.ptr);
+  for (auto& b : ob) outs.push_back(b.ptr);
+  auto w = call([&] { return pg->all_to_all(ins, outs, ref.count, ref.dt, async_op, ref.stream); });
+  return finish(w, async_op, out, inputs);
+}
+
+py::object barrier(bool async_op) {
+  auto pg = require_default_group("barrier()");
+  auto w = call([&] { return pg->barrier(async_op); });
+  return finish(w, async_op);
+}
+
+py::object send(py::object arr, int dst, bool async_op) {
+  auto pg = require_default_group("send()");
+  const bool gpu = on_gpu(*pg);
+  View v = view_of(arr, "the array", false, false, gpu);
+  auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream); });
+  return finish(w, async_op, v.obj);
+}
+
+py::object recv(py::object arr, int src, bool async_op) {
+  auto pg = require_default_group("recv()");
+  const bool gpu = on_gpu(*pg);
+  View v = view_of(arr, "the array", true, false, gpu);
+  auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream); });
+  return finish(w, async_op, v.obj);
+}
+
+}  // namespace
+
+void bind_collectives(py::module_& m) {
+  py::enum_<ReduceOp>(m, "ReduceOp", "How all_reduce, reduce and reduce_scatter combine values.")
+      .value("SUM", ReduceOp::kSum)
+      .value("AVG", ReduceOp::kAvg)
+      .value("PRODUCT", ReduceOp::kProduct)
+      .value("MIN", ReduceOp::kMin)
+      .value("MAX", ReduceOp::kMax);
+  bind_work(m);
+
+  m.def("all_reduce", &all_reduce, py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
+        py::arg("dtype") = py::none(), docs::kAllReduce);
+  m.def("broadcast", &broadcast, py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false, docs::kBroadcast);
+  m.def("all_gather", &all_gather, py::arg("out"), py::arg("arr"), py::arg("async_op") = false, docs::kAllGather);
+  m.def("reduce_scatter", &reduce_scatter, py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum,
+        py::arg("async_op") = false, py::arg("dtype") = py::none(), docs::kReduceScatter);
+  m.def("reduce", &reduce, py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum,
+        py::arg("async_op") = false, py::arg("dtype") = py::none(), docs::kReduce);
+  m.def("scatter", &scatter, py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0,
+        py::arg("async_op") = false, docs::kScatter);
+  m.def("gather", &gather, py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0,
+        py::arg("async_op") = false, docs::kGather);
+  m.def("all_to_all", &all_to_all, py::arg("out"), py::arg("inputs"), py::arg("async_op") = false, docs::kAllToAll);
+  m.def("barrier", &barrier, py::arg("async_op") = false, docs::kBarrier);
+  m.def("send", &send, py::arg("arr"), py::arg("dst"), py::arg("async_op") = false, docs::kSend);
+  m.def("recv", &recv, py::arg("arr"), py::arg("src"), py::arg("async_op") = false, docs::kRecv);
+}
+
+}  // namespace cx::bindings

@@ -1,0 +1,179 @@
+// Bindings of DDPConfig and DistributedDataParallel (csrc/train/ddp.h), and of the bucket assignment for tests.
+#include <pybind11/stl.h>
+
+#include <sstream>
+
+#include "bindings/arrays.h"
+#include "bindings/bindings.h"
+#include "distributed/default_group.h"
+#include "train/buckets.h"
+#include "train/ddp.h"
+
+namespace cx::bindings {
+
+using namespace cx::train;
+
+namespace {
+
+using DDPClass = shared_class<DistributedDataParallel>;
+
+// What no_sync() returns: a context manager that turns gradient synchronisation off and restores it.
+struct NoSync {
+  std::shared_ptr<DistributedDataParallel> ddp;
+  bool prev = true;
+};
+
+py::list bucket_tuples(const std::vector<Bucket>& buckets) {
+  py::list out;
+  for (auto& b : buckets) out.append(py::make_tuple(b.first_param, b.last_param, b.offset, b.count));
+  return out;
+}
+
+void bind_config(py::module_& m) {
+  py::class_<DDPConfig>(m, "DDPConfig",
+                        "Options of DistributedDataParallel.\n\n"
+                        "    cfg = cx.distributed.DDPConfig(); cfg.bucket_size_mb = 25\n"
+                        "    ddp = cx.distributed.DistributedDataParallel(model, cfg)")
+      .def(py::init<>())
+      .def_readwrite("broadcast_parameters", &DDPConfig::broadcast_parameters,
+                     "Copy rank 0's parameters to every rank at construction (default True).")
+      .def_readwrite("bucket_size_mb", &DDPConfig::bucket_size_mb, "Cap of a gradient bucket in MiB (default 25).")
+      .def_readwrite("find_unused_parameters", &DDPConfig::find_unused_parameters,
+                     "Reduce parameters that got no gradient in a backward instead of raising (default False).")
+      .def_readwrite("first_bucket_mb", &DDPConfig::first_bucket_mb,
+                     "Cap of the first bucket (the last layers) in MiB, so communication starts early (default 1).")
+      .def("__repr__", [](const DDPConfig& c) {
+        std::ostringstream os;
+        os << "DDPConfig(broadcast_parameters=" << (c.broadcast_parameters ? "True" : "False")
+           << ", bucket_size_mb=" << c.bucket_size_mb
+           << ", find_unused_parameters=" << (c.find_unused_parameters ? "True" : "False")
+           << ", first_bucket_mb=" << c.first_bucket_mb << ")";
+        return os.str();
+      });
+
+  py::class_<NoSync>(m, "_NoSync")
+      .def("__enter__",
+           [](NoSync& s) {
+             s.prev = s.ddp->require_sync();
+             s.ddp->set_require_sync(false);
+             return s.ddp;
+           })
+      .def("__exit__", [](NoSync& s, py::args) {
+        s.ddp->set_require_sync(s.prev);
+        return false;
+      });
+}
+
+// Construction, forward/backward and the gradient synchronisation.
+void def_training(DDPClass& c) {
+  c.def(py::init([](std::shared_ptr<nn::SequentialModel> model, const DDPConfig& cfg) {
+         auto g = distributed::require_default_group("DistributedDataParallel");
+         py::gil_scoped_release nogil;
+         return std::make_shared<DistributedDataParallel>(std::move(model), cfg, std::move(g));
+       }),
+       py::arg("model"), py::arg("config") = DDPConfig(), py::keep_alive<1, 2>(),
+       "Broadcasts rank 0's parameters (config.broadcast_parameters) and installs the gradient hook.")
+      .def(
+          "forward", [](DistributedDataParallel& d, py::handle x) { return py::cast(d.model()).attr("forward")(x); },
+          py::arg("input"), "The model's forward (the same replica on every rank).")
+      .def("__call__", [](DistributedDataParallel& d, py::handle x) { return py::cast(d.model()).attr("forward")(x); })
+      .def(
+          "backward",
+          [](DistributedDataParallel& d, py::handle g, bool input_grad) -> py::object {
+            auto a = float_array(g, "DistributedDataParallel.backward", "(batch, outputs) like forward's output", 1);
+            const nn::Tensor* gx;
+            {
+              py::gil_scoped_release nogil;
+              gx = d.backward(static_cast<const float*>(a.data()), shape_of(a), input_grad);
+            }
+            if (!gx) return py::none();
+            return to_numpy(*gx);
+          },
+          py::arg("grad_output"), py::arg("input_grad") = true,
+          "Backward with bucket all-reduces launched as gradients become final; returns dL/d(input).")
+      .def(
+          "sync_gradients",
+          [](DistributedDataParallel& d) {
+            {
+              py::gil_scoped_release nogil;
+              d.sync_gradients();
+            }
+            return py::cast(d.model()).attr("flat_gradients")();
+          },
+          "Waits for the outstanding buckets (launching those not yet sent): gradients are then the average over "
+          "ranks. Returns the flat gradient buffer (a view).")
+      .def(
+          "update_parameters",
+          [](DistributedDataParallel& d, nn::Optimizer& opt) {
+            py::gil_scoped_release nogil;
+            d.update_parameters(opt);
+          },
+          py::arg("optimizer"), "sync_gradients() if needed, optimizer.step(model), then zero the gradients.")
+      .def(
+          "no_sync", [](std::shared_ptr<DistributedDataParallel> d) { return NoSync{std::move(d)}; },
+          "Context manager: backward() inside it accumulates gradients without communicating.\n\n"
+          "    with ddp.no_sync():\n        ddp.backward(g1)\n    ddp.backward(g2); ddp.update_parameters(opt)")
+      .def_property_readonly("require_sync", &DistributedDataParallel::require_sync);
+}
+
+// The replicas' consistency, the buckets and the queries.
+void def_inspection(DDPClass& c) {
+  c.def(
+       "check_parameters",
+       [](DistributedDataParallel& d, bool raise_on_mismatch) {
+         std::vector<ParamMismatch> bad;
+         {
+           py::gil_scoped_release nogil;
+           bad = d.check_parameters(raise_on_mismatch);
+         }
+         py::list out;
+         for (auto& b : bad) out.append(py::make_tuple(b.param_index, b.ranks));
+         return out;
+       },
+       py::arg("raise_on_mismatch") = true,
+       "Collective: compares a hash of every parameter tensor with rank 0's. Returns [(param_index, [ranks])] "
+       "of those that differ, or raises CollectiveMismatchError naming them.")
+      .def("broadcast_parameters",
+           [](DistributedDataParallel& d) {
+             py::gil_scoped_release nogil;
+             d.broadcast_parameters();
+           },
+           "Collective: copies rank 0's parameters and buffers to every rank.")
+      .def_property_readonly(
+          "buckets", [](const DistributedDataParallel& d) { return bucket_tuples(d.buckets()); },
+          "(first_param, last_param, offset, count) of each bucket, in launch order.")
+      .def_property_readonly("allreduce_count", &DistributedDataParallel::allreduce_count,
+                             "Bucket all-reduces launched so far.")
+      .def_property_readonly("config", &DistributedDataParallel::config)
+      .def("is_master", &DistributedDataParallel::is_master)
+      .def("get_rank", &DistributedDataParallel::rank)
+      .def("get_world_size", &DistributedDataParallel::world_size)
+      .def("get_model", [](DistributedDataParallel& d) { return d.model(); })
+      .def("__repr__", [](const DistributedDataParallel& d) {
+        std::ostringstream os;
+        os << "DistributedDataParallel(rank=" << d.rank() << ", world_size=" << d.world_size()
+           << ", parameters=" << d.model()->num_parameters() << ", buckets=" << d.buckets().size() << ")";
+        return os.str();
+      });
+}
+
+}  // namespace
+
+void bind_ddp(py::module_& m) {
+  bind_config(m);
+  DDPClass c(m, "DistributedDataParallel",
+             "Wraps a SequentialModel: gradients are averaged over all ranks in buckets, overlapped with backward.\n\n"
+             "    ddp = cx.distributed.DistributedDataParallel(model, cx.distributed.DDPConfig())\n"
+             "    out = ddp.forward(x); ddp.backward(loss_fn.backward()); ddp.update_parameters(opt)");
+  def_training(c);
+  def_inspection(c);
+
+  m.def(
+      "_assign_buckets",
+      [](const std::vector<size_t>& counts, size_t elem_bytes, size_t first_cap, size_t cap) {
+        return bucket_tuples(assign_buckets(counts, elem_bytes, first_cap, cap));
+      },
+      py::arg("param_counts"), py::arg("elem_bytes"), py::arg("first_cap_bytes"), py::arg("cap_bytes"));
+}
+
+}  // namespace cx::bindings

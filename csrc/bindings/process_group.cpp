@@ -1,0 +1,73 @@
+// Bindings of the default process group: BackendType, DistributedConfig, init/finalize and the get_* queries.
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "bindings/bindings.h"
+#include "distributed/default_group.h"
+
+namespace cx::bindings {
+
+using namespace cx::distributed;
+
+namespace {
+
+void bind_config(py::module_& m) {
+  py::class_<Config>(m, "DistributedConfig",
+                     "Where this process sits in the job. from_environment() reads RANK, WORLD_SIZE, LOCAL_RANK, "
+                     "MASTER_ADDR, MASTER_PORT, DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS (timeout_ms: how long "
+                     "init() waits for every rank) and DISTRIBUTED_OPERATION_TIMEOUT_MS (operation_timeout_ms: how "
+                     "long one collective waits for its peers).")
+      .def(py::init<>())
+      .def_readwrite("rank", &Config::rank)
+      .def_readwrite("world_size", &Config::world_size)
+      .def_readwrite("local_rank", &Config::local_rank)
+      .def_readwrite("master_addr", &Config::master_addr)
+      .def_readwrite("master_port", &Config::master_port)
+      .def_readwrite("backend", &Config::backend)
+      .def_readwrite("timeout_ms", &Config::timeout_ms,
+                     "Milliseconds init() waits for every rank to arrive (default 600000, 10 min)")
+      .def_readwrite("operation_timeout_ms", &Config::operation_timeout_ms,
+                     "Milliseconds one collective waits for its peers (default 1800000, 30 min)")
+      .def_readwrite("chunk_bytes", &Config::chunk_bytes)
+      .def_readwrite("small_allreduce_bytes", &Config::small_allreduce_bytes)
+      .def_readwrite("spin_us", &Config::spin_us)
+      .def_static("from_environment", &Config::from_environment)
+      .def("validate", &Config::validate)
+      .def("__repr__", [](const Config& c) {
+        return "DistributedConfig(rank=" + std::to_string(c.rank) + ", world_size=" + std::to_string(c.world_size) +
+               ", local_rank=" + std::to_string(c.local_rank) + ", master_addr='" + c.master_addr +
+               "', master_port=" + std::to_string(c.master_port) +
+               ", backend=" + (c.backend == BackendType::kCpu ? "CPU" : "NCCL") +
+               ", timeout_ms=" + std::to_string(c.timeout_ms) +
+               ", operation_timeout_ms=" + std::to_string(c.operation_timeout_ms) + ")";
+      });
+}
+
+}  // namespace
+
+void bind_process_group(py::module_& m) {
+  py::enum_<BackendType>(m, "BackendType", "Transport of the process group.")
+      .value("CPU", BackendType::kCpu)
+      .value("NCCL", BackendType::kNccl);
+  bind_config(m);
+
+  m.def(
+      "init",
+      [](const Config& cfg) {
+        py::gil_scoped_release nogil;
+        init_default_group(cfg);
+      },
+      py::arg("config"));
+  m.def("finalize", [] {
+    py::gil_scoped_release nogil;
+    finalize_default_group();
+  });
+  m.def("is_initialized", [] { return default_group() != nullptr; });
+  m.def("get_rank", [] { return require_default_group("get_rank()")->rank(); });
+  m.def("get_world_size", [] { return require_default_group("get_world_size()")->size(); });
+  m.def("get_local_rank", [] { return require_default_group("get_local_rank()")->config().local_rank; });
+  m.def("get_config", [] { return require_default_group("get_config()")->config(); });
+}
+
+}  // namespace cx::bindings

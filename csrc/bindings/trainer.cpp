@@ -1,0 +1,159 @@
+// Bindings of the trainer's per-batch engine (_TrainerCore, csrc/train/trainer.h) and of the model bytes its
+// checkpoints hold. DistributedTrainer itself (epoch loop, checks of X and y, checkpoint files) is Python:
+// python/pycyxwiz/distributed/_train.py.
+#include <pybind11/stl.h>
+
+#include "bindings/arrays.h"
+#include "bindings/bindings.h"
+#include "common/error.h"
+#include "distributed/default_group.h"
+#include "nn/loss.h"
+#include "nn/optimizer.h"
+#include "nn/rng.h"
+#include "nn/sequential.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace cx::bindings {
+
+using namespace cx::train;
+
+namespace {
+
+using CoreClass = shared_class<TrainerCore>;
+
+// loss_fn as the core's Loss: the three loss classes share no Python base class.
+std::shared_ptr<nn::Loss> as_loss(py::handle obj) {
+  if (py::isinstance<nn::CrossEntropyLoss>(obj)) return obj.cast<std::shared_ptr<nn::CrossEntropyLoss>>();
+  if (py::isinstance<nn::MSELoss>(obj)) return obj.cast<std::shared_ptr<nn::MSELoss>>();
+  if (py::isinstance<nn::BCEWithLogitsLoss>(obj)) return obj.cast<std::shared_ptr<nn::BCEWithLogitsLoss>>();
+  CX_THROW(TypeMismatch, "DistributedTrainer: loss_fn must be cx.CrossEntropyLoss, cx.MSELoss or "
+           "cx.BCEWithLogitsLoss, got ", describe(obj));
+}
+
+py::tuple stats_tuple(const BatchStats& s) { return py::make_tuple(s.loss_sum, s.correct, s.count); }
+
+// Construction, training and evaluation.
+void def_steps(CoreClass& c) {
+  c.def(py::init([](std::shared_ptr<nn::SequentialModel> model, py::handle loss, std::shared_ptr<nn::Optimizer> opt,
+                    const DDPConfig& cfg) {
+         auto g = distributed::require_default_group("DistributedTrainer");
+         auto l = as_loss(loss);
+         py::gil_scoped_release nogil;
+         return std::make_shared<TrainerCore>(std::move(model), std::move(l), std::move(opt), std::move(g), cfg);
+       }),
+       py::arg("model"), py::arg("loss_fn"), py::arg("optimizer"), py::arg("ddp_config") = DDPConfig(),
+       py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+      .def(
+          "train_batch",
+          [](TrainerCore& c, py::handle X, py::handle y, DistributedBatchIterator& it) {
+            auto x = float_array(X, "DistributedTrainer.fit: X", "(samples, features)", 1);
+            Targets t = targets_of(y, "DistributedTrainer.fit");
+            BatchStats s;
+            {
+              py::gil_scoped_release nogil;
+              s = c.train_batch(static_cast<const float*>(x.data()), shape_of(x), t, it);
+            }
+            return stats_tuple(s);
+          },
+          py::arg("X"), py::arg("y"), py::arg("batch_iter"),
+          "One optimizer step on the iterator's next batch; returns this rank's (loss_sum, correct, count).")
+      .def(
+          "evaluate",
+          [](TrainerCore& c, py::handle X, py::handle y, size_t batch) {
+            auto x = float_array(X, "DistributedTrainer.evaluate: X", "(samples, features)", 1);
+            Targets t = targets_of(y, "DistributedTrainer.evaluate");
+            BatchStats s;
+            {
+              py::gil_scoped_release nogil;
+              s = c.evaluate_all(static_cast<const float*>(x.data()), shape_of(x), t, batch);
+            }
+            return stats_tuple(s);
+          },
+          py::arg("X"), py::arg("y"), py::arg("batch_size") = 256,
+          "Collective: global (loss_sum, correct, count) over all of (X, y), each rank evaluating a shard.")
+      .def(
+          "reduce_stats",
+          [](TrainerCore& c, double loss_sum, double correct, double count) {
+            BatchStats s{loss_sum, correct, count};
+            {
+              py::gil_scoped_release nogil;
+              s = c.reduce_stats(s);
+            }
+            return stats_tuple(s);
+          },
+          "Collective: SUM of (loss_sum, correct, count) over ranks, in float64.");
+}
+
+// The device, host copies and the host collectives of the trainer's bookkeeping.
+void def_host_side(CoreClass& c) {
+  c.def_property_readonly("ddp", &TrainerCore::ddp_ptr)
+      .def_property_readonly("device", &TrainerCore::device,
+                             "Where the model trains: '' for the CPU, else the GPU and its GEMM library.")
+      .def("sync_to_host", &TrainerCore::sync_to_host, py::call_guard<py::gil_scoped_release>(),
+           "GPU training: copy parameters, BatchNorm statistics, dropout states and optimizer state to the host.")
+      .def("sync_from_host", &TrainerCore::sync_from_host, py::call_guard<py::gil_scoped_release>(),
+           "GPU training: copy them from the host objects to the device again.")
+      .def(
+          "all_gather_host",
+          [](TrainerCore& c, py::array out, py::array in) {
+            CX_CHECK(out.flags() & py::array::c_style && in.flags() & py::array::c_style && out.writeable(),
+                     InvalidArgument, "all_gather_host: arrays must be C-contiguous and out writable");
+            size_t bytes = static_cast<size_t>(in.nbytes());
+            CX_CHECK(static_cast<size_t>(out.nbytes()) == bytes * static_cast<size_t>(c.group().size()),
+                     InvalidArgument, "all_gather_host: out must hold world_size times the input's bytes");
+            const void* src = in.data();
+            void* dst = out.mutable_data();
+            py::gil_scoped_release nogil;
+            c.all_gather_host(src, dst, bytes);
+          },
+          py::arg("out"), py::arg("mine"), "Collective: every rank's bytes of `mine`, in rank order, into `out`.")
+      .def(
+          "broadcast_host",
+          [](TrainerCore& c, py::array buf, int root) {
+            CX_CHECK(buf.flags() & py::array::c_style && buf.writeable(), InvalidArgument,
+                     "broadcast_host: the array must be C-contiguous and writable");
+            void* p = buf.mutable_data();
+            size_t bytes = static_cast<size_t>(buf.nbytes());
+            py::gil_scoped_release nogil;
+            c.broadcast_host(p, bytes, root);
+          },
+          py::arg("buf"), py::arg("src"), "Collective: rank src's bytes of `buf` into every rank's `buf`.");
+}
+
+// The model bytes of checkpoints and the dropout streams of their ranks.
+void bind_checkpoint_helpers(py::module_& m) {
+  m.def(
+      "_model_to_bytes",
+      [](const nn::SequentialModel& model) {
+        std::string s;
+        {
+          py::gil_scoped_release nogil;
+          s = model.serialize();
+        }
+        return py::bytes(s);
+      },
+      py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers).");
+  m.def("_fork_rng_stream", &nn::fork_stream, py::arg("state"), py::arg("stream"),
+        "The generator state DDP gives rank `stream` for rank 0's `state` (Note [Dropout across ranks]).");
+  m.def(
+      "_model_load_bytes",
+      [](nn::SequentialModel& model, const py::bytes& b, const std::string& what) {
+        std::string s = b;
+        py::gil_scoped_release nogil;
+        load_model_state(model, s, what);
+      },
+      py::arg("model"), py::arg("data"), py::arg("what"),
+      "Copies parameters and buffers from .cyxmodel bytes into model (same architecture).");
+}
+
+}  // namespace
+
+void bind_trainer(py::module_& m) {
+  CoreClass c(m, "_TrainerCore", "Per-batch engine of DistributedTrainer (see _train.py).");
+  def_steps(c);
+  def_host_side(c);
+  bind_checkpoint_helpers(m);
+}
+
+}  // namespace cx::bindings
