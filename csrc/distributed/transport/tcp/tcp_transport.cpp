@@ -65,8 +65,8 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
                            TcpOptions opt)
     : rank_(rank), world_(world), opt_(opt), peers_(static_cast<size_t>(world)) {
   const std::string ip = store.local_ip();
-  tcp::Fd listener = tcp::listen_on(ip, 0, "listening port");
-  const int port = tcp::bound_port(listener.get());
+  net::Fd listener = net::listen_on(ip, 0, "listening port");
+  const int port = net::bound_port(listener.get());
   store.set("addr/" + std::to_string(rank), ip + ":" + std::to_string(port), dl);
 
   // Lower ranks: we connect. Each hello names our rank and the group's nonce, so a
@@ -79,14 +79,14 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
     std::string host = a.substr(0, colon);
     int p = std::stoi(a.substr(colon + 1));
     std::string what = detail::concat("rank ", j, " (", a, ")");
-    tcp::Fd fd = tcp::connect_with_retry(host, p, dl, what);
+    net::Fd fd = net::connect_with_retry(host, p, dl, what);
     char hello[16];
     put<uint32_t>(hello, 0, kHandshakeMagic);
     put<int32_t>(hello, 4, rank);
     put<uint64_t>(hello, 8, nonce);
-    tcp::send_exact(fd.get(), hello, sizeof(hello), dl, what);
+    net::send_exact(fd.get(), hello, sizeof(hello), dl, what);
     char ack[8];
-    tcp::recv_exact(fd.get(), ack, sizeof(ack), dl, what);
+    net::recv_exact(fd.get(), ack, sizeof(ack), dl, what);
     if (get<uint32_t>(ack, 0) != kHandshakeMagic || get<int32_t>(ack, 4) != j) {
       CX_THROW(ConnectionError, "rank ", rank, ": the process at ", a, " is not rank ", j, " of this group");
     }
@@ -96,7 +96,7 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
   // Higher ranks connect to us.
   int expected = world - 1 - rank;
   while (expected > 0) {
-    tcp::Fd fd = tcp::accept_until(listener.get(), dl);
+    net::Fd fd = net::accept_until(listener.get(), dl);
     if (!fd.valid()) {
       std::ostringstream missing;
       for (int j = rank + 1; j < world; ++j)
@@ -107,7 +107,7 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
     }
     char hello[16];
     try {
-      tcp::recv_exact(fd.get(), hello, sizeof(hello), Deadline::after_ms(std::min<int64_t>(dl.timeout_ms, 5000)),
+      net::recv_exact(fd.get(), hello, sizeof(hello), Deadline::after_ms(std::min<int64_t>(dl.timeout_ms, 5000)),
                       "a connecting peer");
     } catch (const Error&) {
       continue;  // not one of ours
@@ -120,7 +120,7 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
     char ack[8];
     put<uint32_t>(ack, 0, kHandshakeMagic);
     put<int32_t>(ack, 4, rank);
-    tcp::send_exact(fd.get(), ack, sizeof(ack), dl, detail::concat("rank ", j));
+    net::send_exact(fd.get(), ack, sizeof(ack), dl, detail::concat("rank ", j));
     peers_[j].fd = std::move(fd);
     peers_[j].addr = "rank " + std::to_string(j);
     --expected;
@@ -128,7 +128,7 @@ TcpTransport::TcpTransport(StoreClient& store, int rank, int world, uint64_t non
   setup_shm(nonce, dl);
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;
-    tcp::set_nonblocking(peers_[j].fd.get(), true);
+    net::set_nonblocking(peers_[j].fd.get(), true);
     if (j > rank) {
       // Learn the peer's listening address for messages.
       peers_[j].addr = store.get("addr/" + std::to_string(j), dl, "timed out reading a peer address");
@@ -159,19 +159,19 @@ void TcpTransport::setup_shm(uint64_t nonce, const Deadline& dl) {
       if (j == rank_) continue;
       const std::string m = payload_for(j);
       const uint32_t n = static_cast<uint32_t>(m.size());
-      tcp::send_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
-      tcp::send_exact(peers_[j].fd.get(), m.data(), m.size(), dl, what(j));
+      net::send_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
+      net::send_exact(peers_[j].fd.get(), m.data(), m.size(), dl, what(j));
     }
   };
   auto recv_from = [&](int j) {
     uint32_t n = 0;
-    tcp::recv_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
+    net::recv_exact(peers_[j].fd.get(), &n, sizeof(n), dl, what(j));
     if (n > 4096) {
       CX_THROW(ConnectionError, "rank ", rank_, ": garbled setup message from ", what(j),
                " (are the pycyxwiz versions the same on every rank?)");
     }
     std::string m(n, '\0');
-    tcp::recv_exact(peers_[j].fd.get(), m.data(), n, dl, what(j));
+    net::recv_exact(peers_[j].fd.get(), m.data(), n, dl, what(j));
     return m;
   };
 
@@ -311,7 +311,7 @@ void TcpTransport::shm_peer_event(int peer) {
   // Bounded by the operation's deadline too, so a dying peer cannot push us past it.
   auto bounded = [&] { return Deadline::after_ms(std::max(1, deadline_.remaining_ms(1000))); };
   try {
-    tcp::recv_exact(p.fd.get(), h, kHeaderBytes, bounded(), "peer");
+    net::recv_exact(p.fd.get(), h, kHeaderBytes, bounded(), "peer");
     framed = get<uint32_t>(h, 0) == kFrameMagic && static_cast<uint8_t>(h[4]) == kAbort;
   } catch (const Error&) {
   }
@@ -322,7 +322,7 @@ void TcpTransport::shm_peer_event(int peer) {
     if (len <= kMaxAbortMessage) {
       std::string m(len, '\0');
       try {
-        tcp::recv_exact(p.fd.get(), m.data(), len, bounded(), "an aborting peer");
+        net::recv_exact(p.fd.get(), m.data(), len, bounded(), "an aborting peer");
         msg = std::move(m);
       } catch (const Error&) {
       }
@@ -425,7 +425,7 @@ void TcpTransport::check_header(int peer, const char* early, size_t early_n) {
     size_t have = std::min<size_t>(early_n, len);  // read together with the header
     std::memcpy(msg.data(), early, have);
     try {
-      tcp::recv_exact(p.fd.get(), msg.data() + have, len - have, Deadline::after_ms(1000), "an aborting peer");
+      net::recv_exact(p.fd.get(), msg.data() + have, len - have, Deadline::after_ms(1000), "an aborting peer");
     } catch (const Error&) {
       msg = "rank " + std::to_string(peer) + " aborted the group";
     }
@@ -522,7 +522,7 @@ void TcpTransport::salvage_abort(int peer) {
   auto skip = [&](size_t n) {
     while (n > 0) {
       size_t k = std::min(n, sink.size());
-      tcp::recv_exact(p.fd.get(), sink.data(), k, dl, "peer");
+      net::recv_exact(p.fd.get(), sink.data(), k, dl, "peer");
       n -= k;
     }
   };
@@ -536,13 +536,13 @@ void TcpTransport::salvage_abort(int peer) {
     }
     for (;;) {
       char h[kHeaderBytes];
-      tcp::recv_exact(p.fd.get(), h, kHeaderBytes, dl, "peer");
+      net::recv_exact(p.fd.get(), h, kHeaderBytes, dl, "peer");
       if (get<uint32_t>(h, 0) != kFrameMagic) return;
       uint64_t len = get<uint64_t>(h, 32);
       if (static_cast<uint8_t>(h[4]) == kAbort) {
         if (len > kMaxAbortMessage) return;
         std::string msg(len, '\0');
-        tcp::recv_exact(p.fd.get(), msg.data(), len, dl, "peer");
+        net::recv_exact(p.fd.get(), msg.data(), len, dl, "peer");
         rethrow_as(static_cast<ErrorKind>(get<uint32_t>(h, 12)), msg);
       }
       if (len > budget) return;
@@ -674,15 +674,15 @@ void TcpTransport::abort(ErrorKind kind, const std::string& msg) {
       if (!p.shm && !p.sends.empty() && p.sends.front().done > 0) {
         SendOp& s = p.sends.front();
         if (s.done < kHeaderBytes) {
-          tcp::send_exact(p.fd.get(), s.hdr + s.done, kHeaderBytes - s.done, dl, "peer");
+          net::send_exact(p.fd.get(), s.hdr + s.done, kHeaderBytes - s.done, dl, "peer");
           s.done = kHeaderBytes;
         }
-        tcp::send_exact(p.fd.get(), s.buf + (s.done - kHeaderBytes), s.len - (s.done - kHeaderBytes), dl, "peer");
+        net::send_exact(p.fd.get(), s.buf + (s.done - kHeaderBytes), s.len - (s.done - kHeaderBytes), dl, "peer");
       }
       char h[kHeaderBytes];
       fill_header(h, kAbort, text.size(), static_cast<uint32_t>(kind));
-      tcp::send_exact(p.fd.get(), h, kHeaderBytes, dl, "peer");
-      tcp::send_exact(p.fd.get(), text.data(), text.size(), dl, "peer");
+      net::send_exact(p.fd.get(), h, kHeaderBytes, dl, "peer");
+      net::send_exact(p.fd.get(), text.data(), text.size(), dl, "peer");
     } catch (const Error&) {
       // The peer is gone or not reading: it will see the connection close.
     }

@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "distributed/net/socket.h"
 #include "distributed/store/store.h"
 #include "distributed/transport/shm/shm.h"
-#include "distributed/transport/tcp/socket.h"
 #include "distributed/transport/transport.h"
 
 namespace cx::distributed {
@@ -67,7 +67,7 @@ class TcpTransport : public Transport {
     Req id;
   };
   struct Peer {
-    tcp::Fd fd;
+    net::Fd fd;
     std::string addr;
     bool shm = false;      // data through the rings below; the socket carries only ABORT frames
     shm::Ring in, out;     // peer -> us (in our segment), us -> peer (in its segment)

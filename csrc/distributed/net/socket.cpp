@@ -1,4 +1,4 @@
-#include "distributed/transport/tcp/socket.h"
+#include "distributed/net/socket.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -16,7 +16,7 @@
 
 #include "common/error.h"
 
-namespace cx::distributed::tcp {
+namespace cx::distributed::net {
 
 void Fd::reset(int fd) {
   if (fd_ >= 0) ::close(fd_);
@@ -214,4 +214,4 @@ void recv_exact(int fd, void* buf, size_t n, const Deadline& dl, const std::stri
   }
 }
 
-}  // namespace cx::distributed::tcp
+}  // namespace cx::distributed::net
