@@ -7,8 +7,8 @@
 #include <random>
 
 #include "distributed/store/store.h"
+#include "distributed/transport/mesh_transport.h"
 #include "distributed/transport/nccl/nccl_transport.h"
-#include "distributed/transport/tcp/tcp_transport.h"
 
 namespace cx::distributed {
 
@@ -176,11 +176,11 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
     if (cfg_.small_allreduce_bytes < 0) algo_.small_allreduce_bytes = id.small_allreduce_bytes;
   }
   const uint64_t nonce = id.nonce;
-  TcpOptions topt;
+  MeshOptions topt;
   topt.spin_us = default_spin_us(cfg_);
   topt.shm = cfg_.shm;
   topt.shm_ring_bytes = static_cast<size_t>(cfg_.shm_ring_bytes) / 64 * 64;
-  transport_ = std::make_unique<TcpTransport>(*store_, cfg_.rank, cfg_.world_size, nonce, dl, topt);
+  transport_ = std::make_unique<MeshTransport>(*store_, cfg_.rank, cfg_.world_size, nonce, dl, topt);
   OpDesc init;
   init.kind = CollectiveKind::kInit;
   transport_->begin(init, dl);
