@@ -1,5 +1,5 @@
 """Ranks on one host move data through shared memory (Note [Same-host pairs] in
-csrc/distributed/transport/tcp/tcp_transport.cpp); these tests check that they do, that the rings
+csrc/distributed/transport/shm/negotiate.cpp); these tests check that they do, that the rings
 carry every byte right when messages wrap around a tiny ring, that a pair falls back to TCP
 when either side cannot or will not share memory, and that nothing is left in /dev/shm.
 

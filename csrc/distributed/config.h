@@ -42,7 +42,7 @@ struct Config {
   int64_t halving_doubling_max_bytes = -1;
   int spin_us = -1;  // -1: chosen from the number of ranks per core
   // Ranks on one host exchange data through shared memory (Note [Same-host
-  // pairs] in tcp_transport.cpp). CX_SHM=0 keeps every pair on TCP.
+  // pairs] in transport/shm/negotiate.cpp). CX_SHM=0 keeps every pair on TCP.
   bool shm = true;
   int64_t shm_ring_bytes = 1 << 20;  // ring per ordered pair; CX_SHM_RING_BYTES
 

@@ -9,7 +9,7 @@
 
 #include "common/env.h"
 #include "distributed/store/store.h"
-#include "distributed/transport/tcp/tcp_transport.h"
+#include "distributed/transport/mesh_transport.h"
 
 namespace cx::distributed {
 
@@ -121,12 +121,12 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store,
     if (cfg.chunk_bytes <= 0) opt.chunk_bytes = id.chunk_bytes;
     if (cfg.small_allreduce_bytes < 0) opt.small_allreduce_bytes = id.small_allreduce_bytes;
   }
-  TcpOptions topt;
+  MeshOptions topt;
   topt.spin_us = default_spin_us(cfg);
   topt.shm = cfg.shm;
   topt.shm_ring_bytes = static_cast<size_t>(cfg.shm_ring_bytes) / 64 * 64;
   auto backend = std::make_unique<CpuBackend>(
-      std::make_unique<TcpTransport>(*store, cfg.rank, cfg.world_size, id.nonce, dl, topt), opt);
+      std::make_unique<MeshTransport>(*store, cfg.rank, cfg.world_size, id.nonce, dl, topt), opt);
   OpDesc init;
   init.kind = CollectiveKind::kInit;
   backend->begin(init, dl);

@@ -41,15 +41,15 @@ std::string header(uint8_t code, uint32_t klen, uint32_t vlen) {
 }  // namespace
 
 struct StoreServer::Client {
-  tcp::Fd fd;
+  net::Fd fd;
   std::string in;              // bytes received, not yet parsed
   std::string waiting_key;     // non-empty: a GET parked until the key is set
   int rank = -1;
 };
 
 StoreServer::StoreServer(const std::string& host, int port, int world_size) : world_size_(world_size) {
-  listen_ = tcp::listen_on(host, port, "MASTER_PORT");
-  port_ = tcp::bound_port(listen_.get());
+  listen_ = net::listen_on(host, port, "MASTER_PORT");
+  port_ = net::bound_port(listen_.get());
   if (::pipe2(wake_, O_CLOEXEC) != 0) CX_THROW(Error, "pipe(): ", std::strerror(errno));
   thread_ = std::thread([this] { serve(); });
 }
@@ -66,7 +66,7 @@ void StoreServer::reply(Client& c, uint8_t status, const std::string& value) {
   std::string msg = header(status, 0, static_cast<uint32_t>(value.size())) + value;
   // Replies are small; a client that does not read them within a second is dropped.
   try {
-    tcp::send_exact(c.fd.get(), msg.data(), msg.size(), Deadline::after_ms(1000), "store client");
+    net::send_exact(c.fd.get(), msg.data(), msg.size(), Deadline::after_ms(1000), "store client");
   } catch (const Error&) {
     c.fd.reset();
   }
@@ -159,7 +159,7 @@ void StoreServer::serve() {
       if (c >= 0) {
         auto cl = std::make_unique<Client>();
         cl->fd.reset(c);
-        tcp::tune_socket(c);
+        net::tune_socket(c);
         clients_.push_back(std::move(cl));
       }
     }
@@ -184,7 +184,7 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
     : host_(host), port_(port), rank_(rank) {
   std::string what = "the store of rank 0 (MASTER_ADDR:MASTER_PORT)";
   for (;;) {
-    fd_ = tcp::connect_with_retry(host, port, dl, what);
+    fd_ = net::connect_with_retry(host, port, dl, what);
     char hello[8];
     int32_t r = rank, w = world_size;
     std::memcpy(hello, &r, 4);
@@ -193,8 +193,8 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
     std::string rep(kHeader, '\0');
     bool retry = false;
     try {
-      tcp::send_exact(fd_.get(), req.data(), req.size(), dl, what);
-      tcp::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
+      net::send_exact(fd_.get(), req.data(), req.size(), dl, what);
+      net::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
     } catch (const ConnectionError&) {
       retry = true;  // the previous group's store closing under us: try again
     }
@@ -207,7 +207,7 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
       uint32_t vlen = get_u32(&rep[12]);
       if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply too large");
       std::string value(vlen, '\0');
-      tcp::recv_exact(fd_.get(), value.data(), vlen, dl, what);
+      net::recv_exact(fd_.get(), value.data(), vlen, dl, what);
       if (status == kOk) return;
       if (status == kRefused) CX_THROW(InvalidArgument, value);
     }
@@ -223,10 +223,10 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
                                  const Deadline& dl, const std::string& waiting_for) {
   std::string what = "the store of rank 0 at " + host_ + ":" + std::to_string(port_);
   std::string req = header(cmd, static_cast<uint32_t>(key.size()), static_cast<uint32_t>(value.size())) + key + value;
-  tcp::send_exact(fd_.get(), req.data(), req.size(), dl, what);
+  net::send_exact(fd_.get(), req.data(), req.size(), dl, what);
   std::string rep(kHeader, '\0');
   try {
-    tcp::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
+    net::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
   } catch (const TimeoutError&) {
     CX_THROW(TimeoutError, waiting_for);
   } catch (const ConnectionError& e) {
@@ -237,7 +237,7 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
   uint32_t vlen = get_u32(&rep[12]);
   if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
   std::string out(vlen, '\0');
-  tcp::recv_exact(fd_.get(), out.data(), vlen, dl, what);
+  net::recv_exact(fd_.get(), out.data(), vlen, dl, what);
   return out;
 }
 
@@ -251,6 +251,6 @@ std::string StoreClient::get(const std::string& key, const Deadline& dl, const s
 
 void StoreClient::done(const Deadline& dl) { request(kDone, "", "", dl, "timed out leaving the store"); }
 
-std::string StoreClient::local_ip() const { return tcp::local_ip_of(fd_.get()); }
+std::string StoreClient::local_ip() const { return net::local_ip_of(fd_.get()); }
 
 }  // namespace cx::distributed

@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "distributed/transport/tcp/socket.h"
+#include "distributed/net/socket.h"
 #include "distributed/types.h"
 
 namespace cx::distributed {
@@ -45,7 +45,7 @@ class StoreServer {
 
   int world_size_;
   int port_ = 0;
-  tcp::Fd listen_;
+  net::Fd listen_;
   int wake_[2] = {-1, -1};
   std::thread thread_;
 
@@ -77,7 +77,7 @@ class StoreClient {
   std::string host_;
   int port_;
   int rank_;
-  tcp::Fd fd_;
+  net::Fd fd_;
 };
 
 }  // namespace cx::distributed

@@ -1,6 +1,6 @@
 // defines: Segment (one rank's shared-memory file: its doorbell and a receive
-// ring per peer) and the ring and doorbell operations the TCP transport uses
-// for peers on the same host.
+// ring per peer) and the ring and doorbell operations that ShmChannel and the
+// mesh transport's sleep use for peers on the same host.
 //
 // Why: over loopback TCP the kernel copies every byte into a socket buffer and
 // out again and runs the TCP stack on it; CPU-bound at ~3-4 GB/s per core on

@@ -1,5 +1,6 @@
 // defines: Fd (an owned file descriptor) and the blocking-with-deadline socket
-// helpers used by the store, the handshake and the TCP transport's setup.
+// helpers. Below both the rendezvous store (store/) and the transport (its mesh's
+// setup and handshake, the channels' ABORT frames), and knows nothing of either.
 #pragma once
 
 #include <netinet/in.h>
@@ -8,7 +9,7 @@
 
 #include "distributed/types.h"
 
-namespace cx::distributed::tcp {
+namespace cx::distributed::net {
 
 class Fd {
  public:
@@ -61,4 +62,4 @@ void tune_socket(int fd);  // TCP_NODELAY, large buffers, keepalive
 void send_exact(int fd, const void* buf, size_t n, const Deadline& dl, const std::string& what);
 void recv_exact(int fd, void* buf, size_t n, const Deadline& dl, const std::string& what);
 
-}  // namespace cx::distributed::tcp
+}  // namespace cx::distributed::net

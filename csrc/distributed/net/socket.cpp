@@ -1,4 +1,4 @@
-#include "distributed/transport/tcp/socket.h"
+#include "distributed/net/socket.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -14,9 +14,10 @@
 #include <cstring>
 #include <thread>
 
+#include "common/env.h"
 #include "common/error.h"
 
-namespace cx::distributed::tcp {
+namespace cx::distributed::net {
 
 void Fd::reset(int fd) {
   if (fd_ >= 0) ::close(fd_);
@@ -98,7 +99,7 @@ void set_nonblocking(int fd, bool on) {
 // only helps where those limits are raised.
 static int socket_buffer_bytes() {
   static const int v = [] {
-    const char* e = std::getenv("CX_SOCKET_BUFFER_BYTES");
+    const char* e = env::get("CX_SOCKET_BUFFER_BYTES");
     return e ? std::max(0, std::atoi(e)) : 0;
   }();
   return v;
@@ -214,4 +215,4 @@ void recv_exact(int fd, void* buf, size_t n, const Deadline& dl, const std::stri
   }
 }
 
-}  // namespace cx::distributed::tcp
+}  // namespace cx::distributed::net

@@ -1,0 +1,127 @@
+// defines: Channel, one peer as a MeshTransport sees it (the connection to that
+// peer, the sends and receives posted to it, and how their bytes move), and
+// Operation, the state of the collective under way that all channels share.
+//
+// Two implementations, chosen per pair of ranks at setup (mesh_transport.cpp):
+//   TcpChannel (tcp/tcp_channel.h): frames over the pair's non-blocking socket.
+//   ShmChannel (shm/shm_channel.h): frames through shared-memory rings; the socket
+//     carries only ABORT frames, and its end-of-stream says the peer died.
+// Both carry the same frames (frame.h) and raise the same errors with the same
+// words, so an algorithm cannot tell them apart.
+//
+// The transport calls a busy channel once per progress pass, never per byte;
+// when nothing moves it asks each what to wait on (wait_on) and sleeps.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "distributed/net/socket.h"
+#include "distributed/transport/frame.h"
+#include "distributed/transport/transport.h"
+
+namespace cx::distributed {
+
+// The collective under way. The transport owns it and resets it in begin();
+// channels read the descriptor and deadline and mark their requests done.
+struct Operation {
+  OpDesc desc;
+  Deadline deadline{};
+  std::vector<char> done;  // per request of the current operation
+  int pending = 0;         // requests posted and not complete
+};
+
+// What a busy channel waits on when no byte moves.
+struct WaitOn {
+  short events;  // for poll() on the channel's socket
+  bool bell;     // its data comes through rings: sleep on our doorbell; the socket only says abort or death
+};
+
+class Channel {
+ public:
+  // `rank`: ours; `fd`: the connected socket to `peer` (non-blocking); `addr`
+  // names the peer in errors; `op` outlives the channel.
+  Channel(int rank, int peer, net::Fd fd, std::string addr, Operation& op);
+  virtual ~Channel() = default;
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  int fd() const { return fd_.get(); }
+  const std::string& addr() const { return addr_; }
+  bool busy() const { return !sends_.empty() || !recvs_.empty(); }
+
+  // Queues a send of request `id` and starts writing at once: small messages
+  // usually leave in this one call.
+  virtual void isend(Transport::Req id, const char* buf, size_t len) = 0;
+  void irecv(Transport::Req id, char* buf, size_t len) { recvs_.push_back(RecvOp{buf, len, 0, id}); }
+
+  // One pass: moves what can move of the pending sends, then the pending
+  // receives, without blocking, and marks finished requests done. True if any
+  // byte moved. Throws ConnectionError, MismatchError, or a peer's abort error.
+  virtual bool progress() = 0;
+  virtual WaitOn wait_on() const = 0;
+  // The socket of a channel whose data does not travel on it (WaitOn::bell)
+  // polled readable and the channel is still busy after its rings were drained:
+  // the peer aborted or died. Throws its error.
+  virtual void socket_event() = 0;
+  // Tells the peer why the group fails (an ABORT frame, best effort, 200 ms),
+  // drops the pending requests and half-closes the socket.
+  virtual void abort(ErrorKind kind, const std::string& text) = 0;
+
+  // Graceful end, in two halves so that the transport can wait on all peers at
+  // once: half_close() says we send nothing more; drain() reads and drops what
+  // the peer sent, once its socket polled readable, and returns false when the
+  // peer has closed its side too.
+  void half_close();
+  bool drain();
+
+ protected:
+  struct SendOp {
+    const char* buf;
+    size_t len;
+    size_t done;  // bytes of header + payload written
+    Transport::Req id;
+    char hdr[frame::kHeaderBytes];
+  };
+  struct RecvOp {
+    char* buf;
+    size_t len;
+    size_t done;
+    Transport::Req id;
+  };
+
+  void queue_send(Transport::Req id, const char* buf, size_t len) {
+    SendOp op{buf, len, 0, id, {}};
+    frame::fill(op.hdr, frame::kData, op_.desc, len, 0);
+    sends_.push_back(op);
+  }
+  void complete(Transport::Req id) {
+    op_.done[static_cast<size_t>(id)] = 1;
+    --op_.pending;
+  }
+  // Validates rhdr_ against the operation and the front receive; throws on a
+  // mismatch or a peer's abort. `early` holds bytes that arrived right after the
+  // header (read in the same call).
+  void check_header(const char* early, size_t early_n);
+  // Reads on, after the connection failed under us, for the ABORT frame the
+  // peer may have left; throws its error if there is one. `skip` payload bytes
+  // come before the next header.
+  void salvage_abort(size_t skip);
+  [[noreturn]] void lost_connection(const char* during, int err);
+  void send_abort_frame(ErrorKind kind, const std::string& text, const Deadline& dl);
+
+  const int rank_;
+  const int peer_;
+  net::Fd fd_;
+  std::string addr_;
+  Operation& op_;
+  std::deque<SendOp> sends_;
+  std::deque<RecvOp> recvs_;
+  char rhdr_[frame::kHeaderBytes];  // header of the frame being received
+  size_t rhdr_got_ = 0;
+  bool in_payload_ = false;
+};
+
+}  // namespace cx::distributed

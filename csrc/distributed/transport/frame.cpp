@@ -1,0 +1,29 @@
+#include "distributed/transport/frame.h"
+
+namespace cx::distributed::frame {
+
+void fill(char* h, uint8_t type, const OpDesc& desc, uint64_t payload_len, uint32_t abort_kind) {
+  put<uint32_t>(h, 0, kMagic);
+  h[4] = static_cast<char>(type);
+  h[5] = static_cast<char>(desc.kind);
+  h[6] = static_cast<char>(desc.dtype);
+  h[7] = static_cast<char>(desc.op);
+  put<int32_t>(h, 8, desc.root);
+  put<uint32_t>(h, 12, abort_kind);
+  put<uint64_t>(h, 16, desc.count);
+  put<uint64_t>(h, 24, desc.seq);
+  put<uint64_t>(h, 32, payload_len);
+}
+
+OpDesc desc(const char* h) {
+  OpDesc d;
+  d.kind = static_cast<CollectiveKind>(static_cast<uint8_t>(h[5]));
+  d.dtype = static_cast<DataType>(static_cast<uint8_t>(h[6]));
+  d.op = static_cast<ReduceOp>(static_cast<uint8_t>(h[7]));
+  d.root = get<int32_t>(h, 8);
+  d.count = get<uint64_t>(h, 16);
+  d.seq = get<uint64_t>(h, 24);
+  return d;
+}
+
+}  // namespace cx::distributed::frame

@@ -1,0 +1,139 @@
+#include "distributed/transport/shm/shm_channel.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace cx::distributed {
+
+using frame::kHeaderBytes;
+
+ShmChannel::ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operation& op, const shm::Segment& own,
+                       shm::Segment theirs)
+    : Channel(rank, peer, std::move(fd), std::move(addr), op),
+      theirs_(std::move(theirs)),
+      in_(own.ring(peer)),
+      out_(theirs_.ring(rank)),
+      bell_(theirs_.bell()) {}
+
+void ShmChannel::isend(Transport::Req id, const char* buf, size_t len) {
+  queue_send(id, buf, len);
+  progress_send();
+}
+
+bool ShmChannel::progress() {
+  bool moved = false;
+  if (!sends_.empty()) moved |= progress_send();
+  if (!recvs_.empty()) moved |= progress_recv();
+  return moved;
+}
+
+WaitOn ShmChannel::wait_on() const {
+  return {POLLIN, true};  // anything on the socket: the peer aborted or died
+}
+
+bool ShmChannel::progress_send() {
+  bool moved = false;
+  while (!sends_.empty()) {
+    SendOp& s = sends_.front();
+    if (s.done < kHeaderBytes) {
+      size_t n = shm::write(out_, s.hdr + s.done, kHeaderBytes - s.done);
+      if (n == 0) break;
+      s.done += n;
+      moved = true;
+      if (s.done < kHeaderBytes) break;
+    }
+    const size_t sent = s.done - kHeaderBytes;
+    if (sent < s.len) {
+      size_t n = shm::write(out_, s.buf + sent, s.len - sent);
+      if (n == 0) break;
+      s.done += n;
+      moved = true;
+    }
+    if (s.done == kHeaderBytes + s.len) {
+      complete(s.id);
+      sends_.pop_front();
+    } else {
+      break;  // ring full
+    }
+  }
+  if (moved) shm::notify(bell_);
+  return moved;
+}
+
+bool ShmChannel::progress_recv() {
+  bool moved = false;
+  while (!recvs_.empty()) {
+    RecvOp& r = recvs_.front();
+    if (!in_payload_) {
+      size_t n = shm::read(in_, rhdr_ + rhdr_got_, kHeaderBytes - rhdr_got_);
+      if (n == 0) break;
+      moved = true;
+      rhdr_got_ += n;
+      if (rhdr_got_ < kHeaderBytes) break;
+      rhdr_got_ = 0;
+      check_header(nullptr, 0);
+      in_payload_ = true;
+      r.done = 0;
+    }
+    if (r.done < r.len) {
+      size_t n = shm::read(in_, r.buf + r.done, r.len - r.done);
+      if (n == 0) break;
+      moved = true;
+      r.done += n;
+    }
+    if (r.done == r.len) {
+      in_payload_ = false;
+      complete(r.id);
+      recvs_.pop_front();
+    } else {
+      break;  // ring empty
+    }
+  }
+  if (moved) shm::notify(bell_);  // the writer may be waiting for room
+  return moved;
+}
+
+void ShmChannel::socket_event() {
+  char h[kHeaderBytes];
+  bool framed = false;
+  // Bounded by the operation's deadline too, so a dying peer cannot push us past it.
+  auto bounded = [&] { return Deadline::after_ms(std::max(1, op_.deadline.remaining_ms(1000))); };
+  try {
+    net::recv_exact(fd_.get(), h, kHeaderBytes, bounded(), "peer");
+    framed = frame::has_magic(h) && frame::type(h) == frame::kAbort;
+  } catch (const Error&) {
+  }
+  if (framed) {
+    // The peer failed and says why (Channel::abort); raise its error here too.
+    const uint64_t len = frame::payload_len(h);
+    std::string msg = "rank " + std::to_string(peer_) + " aborted the group";
+    if (len <= frame::kMaxAbortMessage) {
+      std::string m(len, '\0');
+      try {
+        net::recv_exact(fd_.get(), m.data(), len, bounded(), "an aborting peer");
+        msg = std::move(m);
+      } catch (const Error&) {
+      }
+    }
+    rethrow_as(frame::abort_kind(h), msg);
+  }
+  // Its stream holds nothing but an ABORT frame, if anything.
+  salvage_abort(0);
+  lost_connection(recvs_.empty() ? "sending to" : "receiving from", 0);
+}
+
+void ShmChannel::abort(ErrorKind kind, const std::string& text) {
+  try {
+    send_abort_frame(kind, text, Deadline::after_ms(200));
+  } catch (const Error&) {
+    // The peer is gone or not reading: it will see the connection close.
+  }
+  sends_.clear();
+  recvs_.clear();
+  shm::ring_bell(bell_);  // a peer asleep on its bell looks at the socket now
+  half_close();
+}
+
+}  // namespace cx::distributed

@@ -1,0 +1,26 @@
+// defines: TcpChannel, the Channel that moves frames over the pair's
+// non-blocking TCP socket: sendmsg of header and payload together, one readv of
+// the next header and payload, so a small message costs one syscall each way.
+#pragma once
+
+#include "distributed/transport/channel.h"
+
+namespace cx::distributed {
+
+class TcpChannel final : public Channel {
+ public:
+  using Channel::Channel;
+
+  void isend(Transport::Req id, const char* buf, size_t len) override;
+  bool progress() override;
+  WaitOn wait_on() const override;
+  void socket_event() override {}  // the socket carries the data: progress() reads what it says
+  void abort(ErrorKind kind, const std::string& text) override;
+
+ private:
+  bool progress_send();
+  bool progress_recv();
+  [[noreturn]] void peer_closed(const char* during);
+};
+
+}  // namespace cx::distributed
