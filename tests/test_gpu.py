@@ -355,7 +355,7 @@ def test_collectives_at_world_size_one_match_cupy():
         D.finalize()
 
 
-# ---- the model on the GPU (Note [The model on the GPU] in csrc/gpu/runtime.h) -----------------
+# ---- the model on the GPU (Note [The model on the GPU] in csrc/train/gpu_engine.h) ------------
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_train_worker.py")
 needs_gpu_nccl = pytest.mark.skipif(not (HAVE_GPU and have_nccl()), reason="needs an NVIDIA GPU and libnccl.so.2")

@@ -1,8 +1,9 @@
-// defines: CudaDriver, the few CUDA driver-API calls the NCCL backend makes,
-// loaded at run time; cuda_driver() to get it, check_cu() for errors.
+// defines: CudaDriver, the CUDA driver-API calls pycyxwiz makes (the NCCL
+// backend, the model on the GPU), loaded at run time; cuda_driver() to get it,
+// check_cu() for errors.
 //
 // Note [How CUDA is found and loaded]
-// _core links nothing of CUDA. The GPU backend talks to the driver API of
+// _core links nothing of CUDA. Everything on a GPU talks to the driver API of
 // libcuda.so.1 through dlopen: that library ships with the NVIDIA driver, so it
 // is present exactly where a GPU is usable, and it does not depend on which
 // CUDA toolkit (12 or 13) or which wheels are installed. No CUDA runtime

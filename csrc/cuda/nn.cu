@@ -1,8 +1,9 @@
 // The model stack's CUDA kernels: layers, losses, optimizer updates and a
 // fallback GEMM, each the device twin of a loop in csrc/nn/ (same formulas,
 // same float32 rounding where the order of operations allows). Launched through
-// the driver API by csrc/gpu/ops.cpp, which owns grid sizes and argument order:
-// change a signature here and there together.
+// the driver API (cuda::Device::launch) by each module's, loss's and optimizer's
+// GPU code (csrc/nn/*_gpu.cpp), which owns grid sizes and argument order: change
+// a signature here and there together.
 //
 // Sizes are unsigned long long; every elementwise kernel is a grid-stride loop,
 // so any grid covers any n.
