@@ -59,22 +59,11 @@ std::vector<std::pair<float*, size_t>> DeviceModel::buffers() {
 void DeviceModel::zero_grad() { dev_.zero(grads_.get(), n_ * sizeof(float)); }
 
 const float* DeviceModel::forward(const float* x, const Shape& shape, bool training) {
-  CX_CHECK(shape.size() >= 2 && shape[0] >= 1, InvalidArgument,
-           "SequentialModel.forward: expected input of shape (batch, features) with batch >= 1, got ",
-           shape_str(shape));
   have_forward_ = false;
+  shapes_ = model_->shapes_for(shape);
   const size_t n = layers_.size();
-  shapes_.resize(n + 1);
   acts_.resize(n);
-  shapes_[0] = shape;
-  for (size_t i = 0; i < n; ++i) {
-    try {
-      shapes_[i + 1] = layers_[i].m->output_shape(shapes_[i]);
-    } catch (const InvalidArgument& e) {
-      CX_THROW(InvalidArgument, "SequentialModel.forward: layer ", i, ": ", e.what());
-    }
-    acts_[i].reserve(numel(shapes_[i + 1]) * sizeof(float));
-  }
+  for (size_t i = 0; i < n; ++i) acts_[i].reserve(numel(shapes_[i + 1]) * sizeof(float));
   input_ = x;
   const DeviceParams d = device_params();
   const float* cur = x;

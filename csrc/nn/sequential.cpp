@@ -47,23 +47,27 @@ std::vector<std::pair<size_t, size_t>> SequentialModel::param_slices() const {
   return out;
 }
 
-const Tensor& SequentialModel::forward(const float* x, const Shape& shape) {
+std::vector<Shape> SequentialModel::shapes_for(const Shape& shape) const {
   CX_CHECK(!modules_.empty(), InvalidArgument, "SequentialModel.forward: the model has no modules; add() some first");
   CX_CHECK(shape.size() >= 2 && shape[0] >= 1, InvalidArgument,
            "SequentialModel.forward: expected input of shape (batch, features) with batch >= 1, got ", shape_str(shape));
-  have_forward_ = false;
-  const size_t n = modules_.size();
-  shapes_.resize(n + 1);
-  acts_.resize(n);
-  shapes_[0] = shape;
-  for (size_t i = 0; i < n; ++i) {
+  std::vector<Shape> shapes{shape};
+  for (size_t i = 0; i < modules_.size(); ++i) {
     try {
-      shapes_[i + 1] = modules_[i]->output_shape(shapes_[i]);
+      shapes.push_back(modules_[i]->output_shape(shapes[i]));
     } catch (const InvalidArgument& e) {
       CX_THROW(InvalidArgument, "SequentialModel.forward: layer ", i, ": ", e.what());
     }
-    acts_[i].resize(shapes_[i + 1]);
   }
+  return shapes;
+}
+
+const Tensor& SequentialModel::forward(const float* x, const Shape& shape) {
+  have_forward_ = false;
+  shapes_ = shapes_for(shape);
+  const size_t n = modules_.size();
+  acts_.resize(n);
+  for (size_t i = 0; i < n; ++i) acts_[i].resize(shapes_[i + 1]);
   input_ = x;
   in_shape_ = shape;
   const float* cur = x;

@@ -47,6 +47,10 @@ class SequentialModel {
   // (owned by the model, valid until the next forward). Throws InvalidArgument
   // naming the layer and the shape it expects.
   const Tensor& forward(const float* x, const Shape& shape);
+  // The shapes forward() goes through for an input of `shape`: [input, output of
+  // layer 0, ..., output of the last layer]. Throws InvalidArgument as forward()
+  // does (the device model checks shapes with it too).
+  std::vector<Shape> shapes_for(const Shape& shape) const;
 
   // grad_output: dL/d(output) with the output's shape. Accumulates (+=) into
   // flat_grads(). Returns dL/dx (owned by the model) when input_grad, else null;
