@@ -59,7 +59,7 @@ def main() -> None:
             for i, batch in enumerate(batches):
                 output = ddp.forward(X_train[batch])
                 loss = loss_fn.forward(output, y_train[batch]) / accumulation_steps
-                ddp.backward(loss_fn.backward() / accumulation_steps)
+                ddp.backward(loss_fn.backward(1 / accumulation_steps))
                 total, n = total + loss * accumulation_steps * len(batch), n + len(batch)
                 if (i + 1) % accumulation_steps == 0 or i + 1 == len(batches):
                     ddp.sync_gradients()
@@ -74,9 +74,9 @@ def main() -> None:
                     total, n = total + loss * len(batch), n + len(batch)
                     if j + 1 < len(group):
                         with ddp.no_sync():
-                            ddp.backward(loss_fn.backward() / accumulation_steps, input_grad=False)
+                            ddp.backward(loss_fn.backward(1 / accumulation_steps), input_grad=False)
                     else:
-                        ddp.backward(loss_fn.backward() / accumulation_steps, input_grad=False)
+                        ddp.backward(loss_fn.backward(1 / accumulation_steps), input_grad=False)
                 ddp.update_parameters(optimizer)
         # Global mean loss, weighted by samples.
         stats = np.array([total, n], np.float64)

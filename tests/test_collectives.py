@@ -234,6 +234,12 @@ def rooted_body(n):
     D.all_to_all(arr_out, arr_in)
     if not np.array_equal(arr_out, np.stack(outs)):
         fails.append("all_to_all array form")
+    # 1-D arrays of world_size elements: one element per rank, as the 2-D form
+    one_in = np.array([100 * r + k for k in range(p)], np.float32)
+    one_out = np.empty(p, np.float32)
+    D.all_to_all(one_out, one_in)
+    if not np.array_equal(one_out, np.array([100 * j + r for j in range(p)], np.float32)):
+        fails.append(("all_to_all 1-D", one_out.tolist()))
     return fails
 
 

@@ -229,6 +229,16 @@ View view_of(const py::handle& obj, const char* what, bool writable, bool reduce
              : numpy_view(obj, what, writable, reduce, dtype_override);
 }
 
+View one_block(const View& whole, int p) {
+  View b = whole;
+  const size_t n = static_cast<size_t>(p);
+  b.size = whole.size / n;
+  b.count = whole.count / n;
+  b.nbytes = whole.nbytes / n;
+  b.shape.assign(whole.shape.begin() + 1, whole.shape.end());
+  return b;
+}
+
 std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu) {
   std::vector<View> out;
   if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {

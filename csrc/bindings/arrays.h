@@ -49,6 +49,10 @@ struct View {
 View view_of(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
              const std::optional<std::string>& dtype_override = std::nullopt);
 
+// Block 0 of `whole` cut into p equal blocks along its first axis (whose length is p): the layout every
+// block must have.
+View one_block(const View& whole, int p);
+
 // p blocks like `ref`: a list (or tuple) of p arrays, or one array holding p blocks of ref's size.
 std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu);
 

@@ -162,21 +162,21 @@ py::object all_to_all(py::object out, py::object inputs, bool async_op) {
   if (!(py::isinstance<py::list>(inputs) || py::isinstance<py::tuple>(inputs)) && !is_array(inputs, gpu)) {
     not_an_array("the input", inputs, gpu);
   }
-  // The reference block: the first input block.
-  py::object first;
+  // The reference block: one row of an input array (a 1-D array of world_size elements has
+  // one-element blocks), or the first array of an input list.
+  View ref;
   if (is_array(inputs, gpu)) {
     View a = view_of(inputs, "the input", false, false, gpu);
     if (a.shape.empty() || a.shape[0] != pg->size()) {
       CX_THROW(InvalidArgument, "all_to_all(): an input array must have world_size (", pg->size(),
                ") rows, one block per destination rank");
     }
-    first = inputs[py::int_(0)];
+    ref = one_block(a, pg->size());
   } else {
     auto seq = py::reinterpret_borrow<py::sequence>(inputs);
     if (seq.size() == 0) CX_THROW(InvalidArgument, "all_to_all(): the input list is empty");
-    first = seq[0];
+    ref = view_of(seq[0], "the input[0]", false, false, gpu);
   }
-  View ref = view_of(first, "the input[0]", false, false, gpu);
   auto ib = blocks_of(inputs, "the input", ref, pg->size(), false, gpu);
   auto ob = blocks_of(out, "the output", ref, pg->size(), true, gpu);
   std::vector<const void*> ins;

@@ -98,10 +98,13 @@ void def_training(DDPClass& c) {
               py::gil_scoped_release nogil;
               d.sync_gradients();
             }
-            return py::cast(d.model()).attr("flat_gradients")();
+            const auto& m = *d.model();
+            return py::array_t<float>(static_cast<py::ssize_t>(m.num_parameters()), m.flat_grads());  // copies
           },
-          "Waits for the outstanding buckets (launching those not yet sent): gradients are then the average over "
-          "ranks. Returns the flat gradient buffer (a view).")
+          "Waits for the outstanding buckets (launching those not yet sent): the model's gradients are then the\n"
+          "average over ranks. Returns a copy of them, flat: values you can keep (update_parameters() zeroes the\n"
+          "gradient buffer, which model.flat_gradients() views). The trainer never makes this copy.\n\n"
+          "    synced_grads = ddp.sync_gradients()\n    ddp.update_parameters(optimizer)   # synced_grads unchanged")
       .def(
           "update_parameters",
           [](DistributedDataParallel& d, nn::Optimizer& opt) {

@@ -12,6 +12,20 @@ using namespace cx::nn;
 
 namespace {
 
+// Loss.backward(scale=1.0): a new array, dL/d(output) times scale.
+template <typename L>  // each loss class (Loss itself is not bound)
+py::array_t<float> backward_of(const L& l, float scale) {
+  const Shape& shape = l.backward().shape();
+  py::array_t<float> out(std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  l.backward_into(out.mutable_data(), scale);
+  return out;
+}
+
+constexpr const char* kBackwardDoc =
+    "dL/d(output) of the last forward, times `scale`: a new array.\n\n"
+    "    ddp.backward(loss_fn.backward(1 / accumulation_steps))   # k micro-batches add up to the big batch's\n\n"
+    "Without autograd, dividing the float that forward() returns changes no gradient: pass the scale here.";
+
 // Loss targets: dense float32 of the output's shape.
 py::array dense_target(py::handle t, const char* who) { return float_array(t, who, "(batch, ...) like the output", 1); }
 
@@ -64,7 +78,7 @@ void bind_losses(py::module_& m) {
       .def(py::init<>())
       .def("forward", &cross_entropy_forward, py::arg("output"), py::arg("target"), "Returns the mean loss.")
       .def("__call__", [](py::object self, py::handle o, py::handle t) { return self.attr("forward")(o, t); })
-      .def("backward", [](CrossEntropyLoss& l) { return to_numpy(l.backward()); }, "dL/d(output) of the last forward.")
+      .def("backward", &backward_of<CrossEntropyLoss>, py::arg("scale") = 1.0f, kBackwardDoc)
       .def("accuracy", &CrossEntropyLoss::accuracy, "Fraction of rows of the last forward classified correctly.")
       .def("correct", &CrossEntropyLoss::correct, "Rows of the last forward classified correctly.")
       .def("__repr__", &CrossEntropyLoss::repr);
@@ -78,7 +92,7 @@ void bind_losses(py::module_& m) {
           },
           py::arg("output"), py::arg("target"))
       .def("__call__", [](py::object self, py::handle o, py::handle t) { return self.attr("forward")(o, t); })
-      .def("backward", [](MSELoss& l) { return to_numpy(l.backward()); })
+      .def("backward", &backward_of<MSELoss>, py::arg("scale") = 1.0f, kBackwardDoc)
       .def("__repr__", &MSELoss::repr);
 
   shared_class<BCEWithLogitsLoss>(m, "BCEWithLogitsLoss",
@@ -91,7 +105,7 @@ void bind_losses(py::module_& m) {
           },
           py::arg("output"), py::arg("target"))
       .def("__call__", [](py::object self, py::handle o, py::handle t) { return self.attr("forward")(o, t); })
-      .def("backward", [](BCEWithLogitsLoss& l) { return to_numpy(l.backward()); })
+      .def("backward", &backward_of<BCEWithLogitsLoss>, py::arg("scale") = 1.0f, kBackwardDoc)
       .def("__repr__", &BCEWithLogitsLoss::repr);
 }
 

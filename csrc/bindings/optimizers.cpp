@@ -108,6 +108,16 @@ void bind_schedulers(py::module_& m) {
       .def_property_readonly("base_lr", &LRScheduler::base_lr)
       .def_property_readonly("optimizer", &LRScheduler::optimizer)
       .def("lr_at", &LRScheduler::lr_at, py::arg("epoch"))
+      .def_property(
+          "interval",
+          [](const LRScheduler& s) { return s.interval() == LRScheduler::Interval::kStep ? "step" : "epoch"; },
+          [](LRScheduler& s, const std::string& v) {
+            CX_CHECK(v == "epoch" || v == "step", InvalidArgument, "scheduler.interval must be 'epoch' or 'step', got '",
+                     v, "'");
+            s.set_interval(v == "step" ? LRScheduler::Interval::kStep : LRScheduler::Interval::kEpoch);
+          },
+          "How often DistributedTrainer.fit steps it: 'epoch' (StepLR, CosineAnnealingLR) or 'step', once per\n"
+          "optimizer step (LinearWarmupLR). Set it to change that.")
       .def("state_dict",
            [](const LRScheduler& s) {
              py::dict d;

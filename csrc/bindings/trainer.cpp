@@ -94,6 +94,8 @@ void def_host_side(CoreClass& c) {
            "GPU training: copy parameters, BatchNorm statistics, dropout states and optimizer state to the host.")
       .def("sync_from_host", &TrainerCore::sync_from_host, py::call_guard<py::gil_scoped_release>(),
            "GPU training: copy them from the host objects to the device again.")
+      .def("parameter_report", &TrainerCore::parameter_report, py::call_guard<py::gil_scoped_release>(),
+           "Collective: '' when every rank holds the same parameters, else which differ on which ranks.")
       .def(
           "all_gather_host",
           [](TrainerCore& c, py::array out, py::array in) {

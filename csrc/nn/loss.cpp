@@ -13,6 +13,12 @@ const Tensor& Loss::backward() const {
   return grad_;
 }
 
+void Loss::backward_into(float* out, float scale) const {
+  const Tensor& g = backward();
+  const float* src = g.data();
+  for (size_t i = 0; i < g.numel(); ++i) out[i] = src[i] * scale;
+}
+
 namespace {
 void check_logits(const char* who, const Shape& s) {
   CX_CHECK(s.size() == 2 && s[0] >= 1 && s[1] >= 1, InvalidArgument, who,

@@ -42,6 +42,10 @@ class Loss {
   virtual std::string repr() const = 0;
   // dL/d(output) of the last forward. Throws if forward was never called.
   const Tensor& backward() const;
+  // The same times `scale`, written into out (the output's numel floats): the
+  // gradient of scale * loss. Gradient accumulation over k micro-batches passes
+  // 1/k, so that the accumulated gradient is the big batch's.
+  void backward_into(float* out, float scale) const;
 
   // Forward on a batch's output against its targets, keeping dL/d(output) for
   // backward(); throws naming the loss when the targets do not fit it.

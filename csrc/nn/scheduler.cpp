@@ -58,6 +58,7 @@ double CosineAnnealingLR::lr_at(int64_t e) const {
 
 LinearWarmupLR::LinearWarmupLR(std::shared_ptr<Optimizer> opt, int64_t warmup_steps, double start_factor)
     : LRScheduler(std::move(opt)), warmup_(warmup_steps), start_(start_factor) {
+  interval_ = Interval::kStep;  // its length is in optimizer steps
   CX_CHECK(warmup_steps >= 1, InvalidArgument, "LinearWarmupLR: warmup_steps must be >= 1, got ", warmup_steps);
   CX_CHECK(start_factor >= 0 && start_factor <= 1, InvalidArgument,
            "LinearWarmupLR: start_factor must be in [0, 1], got ", start_factor);

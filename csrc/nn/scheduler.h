@@ -3,6 +3,10 @@
 // A scheduler owns nothing but a step counter: step() advances it and writes
 // lr_at(counter) into the optimizer. lr_at is a closed form of the counter, so
 // a resumed run (load_state_dict) continues on exactly the same curve.
+//
+// interval() says how often a trainer steps it: once per epoch (StepLR,
+// CosineAnnealingLR, as PyTorch's are used) or once per optimizer step
+// (LinearWarmupLR, whose length is in steps); set_interval changes it.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +25,9 @@ class LRScheduler {
   virtual std::string repr() const = 0;
   virtual double lr_at(int64_t epoch) const = 0;
   void step();
+  enum class Interval { kEpoch, kStep };
+  Interval interval() const { return interval_; }
+  void set_interval(Interval i) { interval_ = i; }
   double get_last_lr() const { return opt_->lr(); }
   int64_t last_epoch() const { return epoch_; }
   double base_lr() const { return base_lr_; }
@@ -32,6 +39,7 @@ class LRScheduler {
   std::shared_ptr<Optimizer> opt_;
   double base_lr_;
   int64_t epoch_ = 0;
+  Interval interval_ = Interval::kEpoch;
 };
 
 // lr = base * gamma^(epoch / step_size)

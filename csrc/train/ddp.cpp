@@ -183,44 +183,52 @@ void DistributedDataParallel::update_parameters(nn::Optimizer& opt) {
   model_->zero_grad();
 }
 
+void DistributedDataParallel::set_host_gather(HostGather g) { host_gather_ = std::move(g); }
+
+void DistributedDataParallel::gather_host(const void* in, void* out, size_t bytes) {
+  if (host_gather_) return host_gather_(in, out, bytes);
+  std::vector<void*> outs;
+  for (int r = 0; r < group_->size(); ++r) outs.push_back(static_cast<char*>(out) + bytes * r);
+  group_->all_gather(in, outs, bytes, distributed::DataType::kUInt8, false);
+}
+
+bool DistributedDataParallel::parameters_agree() {
+  wait_in_flight();
+  const uint64_t h = fnv1a(model_->flat_params(), model_->num_parameters());
+  std::vector<uint64_t> all(static_cast<size_t>(group_->size()));
+  gather_host(&h, all.data(), sizeof(h));
+  return std::all_of(all.begin(), all.end(), [&](uint64_t x) { return x == all[0]; });
+}
+
 std::vector<ParamMismatch> DistributedDataParallel::check_parameters() {
   wait_in_flight();
   auto slices = model_->param_slices();
-  size_t n = slices.size();
-  // Hashes are gathered as int64 (same bits); the count goes first so that models
-  // of different shapes are reported, not mis-compared.
-  std::vector<int64_t> mine(n + 1);
-  mine[0] = static_cast<int64_t>(n);
-  for (size_t i = 0; i < n; ++i)
-    mine[i + 1] = static_cast<int64_t>(fnv1a(model_->flat_params() + slices[i].first, slices[i].second));
-  int world = group_->size();
-  std::vector<int64_t> counts(world);
-  std::vector<void*> outs;
-  for (int r = 0; r < world; ++r) outs.push_back(&counts[r]);
-  group_->all_gather(mine.data(), outs, 1, distributed::DataType::kInt64, false);
+  const size_t n = slices.size();
+  const int world = group_->size();
+  // The count goes first so that models of different shapes are reported, not mis-compared.
+  const uint64_t count = n;
+  std::vector<uint64_t> counts(static_cast<size_t>(world));
+  gather_host(&count, counts.data(), sizeof(count));
   for (int r = 0; r < world; ++r)
-    CX_CHECK(counts[r] == static_cast<int64_t>(n), MismatchError, "check_parameters (rank ", group_->rank(),
-             "): rank ", r, " has a model with ", counts[r], " parameter tensors, this rank has ", n,
+    CX_CHECK(counts[r] == count, MismatchError, "check_parameters (rank ", group_->rank(), "): rank ", r,
+             " has a model with ", counts[r], " parameter tensors, this rank has ", n,
              "; every rank must build the same architecture");
-  std::vector<std::vector<int64_t>> all(world, std::vector<int64_t>(n + 1));
-  outs.clear();
-  for (int r = 0; r < world; ++r) outs.push_back(all[r].data());
-  group_->all_gather(mine.data(), outs, n + 1, distributed::DataType::kInt64, false);
+  std::vector<uint64_t> mine(n), all(n * static_cast<size_t>(world));
+  for (size_t i = 0; i < n; ++i) mine[i] = fnv1a(model_->flat_params() + slices[i].first, slices[i].second);
+  if (n) gather_host(mine.data(), all.data(), n * sizeof(uint64_t));
   std::vector<ParamMismatch> out;
   for (size_t i = 0; i < n; ++i) {
     ParamMismatch m{i, {}};
     for (int r = 1; r < world; ++r)
-      if (all[r][i + 1] != all[0][i + 1]) m.ranks.push_back(r);
+      if (all[r * n + i] != all[i]) m.ranks.push_back(r);
     if (!m.ranks.empty()) out.push_back(std::move(m));
   }
   return out;
 }
 
-std::vector<ParamMismatch> DistributedDataParallel::check_parameters(bool raise_on_mismatch) {
-  std::vector<ParamMismatch> bad = check_parameters();
-  if (bad.empty() || !raise_on_mismatch) return bad;
+std::string DistributedDataParallel::describe(const std::vector<ParamMismatch>& bad) const {
   std::ostringstream os;
-  os << "check_parameters (rank " << rank() << "): parameters differ across ranks:";
+  os << "parameters differ across ranks:";
   for (auto& b : bad) {
     os << "\n  parameter " << param_name(*model_, b.param_index) << " differs from rank 0's on ranks [";
     for (size_t i = 0; i < b.ranks.size(); ++i) os << (i ? ", " : "") << b.ranks[i];
@@ -228,7 +236,18 @@ std::vector<ParamMismatch> DistributedDataParallel::check_parameters(bool raise_
   }
   os << "\nLikely causes: DDPConfig.broadcast_parameters = False with different initial weights, "
         "different random seeds, or parameters changed on one rank outside the optimizer step.";
-  CX_THROW(MismatchError, os.str());
+  return os.str();
+}
+
+std::vector<ParamMismatch> DistributedDataParallel::check_parameters(bool raise_on_mismatch) {
+  std::vector<ParamMismatch> bad = check_parameters();
+  if (bad.empty() || !raise_on_mismatch) return bad;
+  CX_THROW(MismatchError, "check_parameters (rank ", rank(), "): ", describe(bad));
+}
+
+std::string DistributedDataParallel::parameter_report() {
+  if (parameters_agree()) return std::string();
+  return describe(check_parameters());
 }
 
 }  // namespace cx::train

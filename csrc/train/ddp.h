@@ -77,6 +77,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -126,9 +127,23 @@ class DistributedDataParallel {
   // Hashes every parameter tensor, gathers the hashes and compares them with
   // rank 0's; same answer on every rank. Collective: every rank must call it.
   std::vector<ParamMismatch> check_parameters();
+  // Whether every rank holds the same parameters, bit for bit: one 8-byte hash
+  // of them from each rank, gathered. Collective; the same answer on every
+  // rank. Cheap enough to run every few hundred steps
+  // (DistributedTrainingConfig.check_every_n_steps).
+  bool parameters_agree();
+  // "" when parameters_agree(); otherwise which parameter tensors differ from
+  // rank 0's on which ranks (check_parameters), with the likely causes. Collective.
+  std::string parameter_report();
   // The same, and with raise_on_mismatch a MismatchError naming every parameter that differs (index, layer,
   // tensor), the ranks it differs on and the likely causes, instead of returning a non-empty list.
   std::vector<ParamMismatch> check_parameters(bool raise_on_mismatch);
+
+  // How the replica checks above gather host bytes from every rank: through
+  // the group by default; the GPU trainer passes its engine's, which stages
+  // them through the device (NCCL moves device memory only).
+  using HostGather = std::function<void(const void* in, void* out, size_t bytes)>;
+  void set_host_gather(HostGather g);
 
   const std::vector<Bucket>& buckets() const { return sched_.buckets(); }
   size_t bucket_of(size_t param) const { return sched_.bucket_of(param); }
@@ -142,6 +157,8 @@ class DistributedDataParallel {
 
  private:
   void fork_rng_streams();
+  std::string describe(const std::vector<ParamMismatch>& bad) const;
+  void gather_host(const void* in, void* out, size_t bytes);
   void on_grad_ready(size_t param);
   void launch(size_t b);
   void wait_in_flight();
@@ -160,6 +177,7 @@ class DistributedDataParallel {
   size_t period_ = 1;                 // backwards per sync seen in the last cycle
   bool any_unsynced_ = false;         // something to reduce since the last sync
   uint64_t launched_total_ = 0;
+  HostGather host_gather_;
 };
 
 }  // namespace cx::train

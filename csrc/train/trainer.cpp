@@ -26,13 +26,16 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     host_cfg.broadcast_parameters = false;
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
     engine_ = std::make_unique<GpuEngine>(model_, loss_, opt_, group_, cfg, *ddp_);
+    ddp_->set_host_gather([e = engine_.get()](const void* in, void* out, size_t n) { e->all_gather_host(in, out, n); });
   } else {
     ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
     engine_ = std::make_unique<CpuEngine>(model_, loss_, opt_, group_, ddp_);
   }
 }
 
-TrainerCore::~TrainerCore() = default;
+TrainerCore::~TrainerCore() {
+  if (ddp_) ddp_->set_host_gather(nullptr);  // Python may keep trainer.ddp; the engine goes now
+}
 
 void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n) {
   size_t row = nn::numel(x_shape) / (x_shape[0] ? x_shape[0] : 1);

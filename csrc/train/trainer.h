@@ -58,6 +58,14 @@ class TrainerCore {
   void all_gather_host(const void* in, void* out, size_t bytes) { engine_->all_gather_host(in, out, bytes); }
   void broadcast_host(void* buf, size_t bytes, int root) { engine_->broadcast_host(buf, bytes, root); }
 
+  // Collective: "" when every rank holds the same parameters, else which ones
+  // differ on which ranks (DistributedDataParallel::parameter_report), read from
+  // the host objects (brought up to date first).
+  std::string parameter_report() {
+    engine_->to_host();
+    return ddp_->parameter_report();
+  }
+
   DistributedDataParallel& ddp() { return *ddp_; }
   const std::shared_ptr<DistributedDataParallel>& ddp_ptr() const { return ddp_; }
   distributed::ProcessGroup& group() { return *group_; }

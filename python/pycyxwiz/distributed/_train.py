@@ -1,4 +1,4 @@
-"""Data-parallel training (issue 4): DDP, sampler, batch iterator and the high-level trainer.
+"""Data-parallel training: DDP, sampler, batch iterator and the high-level trainer.
 
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     config = cx.distributed.DistributedTrainingConfig(); config.epochs = 10; config.batch_size = 64
@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -56,17 +57,20 @@ _CKPT_VERSION = 1
 
 
 class DistributedTrainingConfig:
-    """Options of DistributedTrainer.fit (seed 004 fields, plus resume_from and drop_last).
+    """Options of DistributedTrainer.fit.
 
         config = cx.distributed.DistributedTrainingConfig()
         config.epochs = 10; config.batch_size = 64          # batch_size is per rank
+
+    `epochs` is how many epochs one fit() trains: a second fit() continues the epoch count
+    (and so the sampler's shuffle), as a resumed run does.
 
     Setting an attribute that does not exist raises AttributeError (a typo never goes unnoticed).
     """
 
     __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
                  "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
-                 "resume_from", "drop_last")
+                 "resume_from", "drop_last", "scheduler", "check_every_n_steps", "on_divergence")
 
     def __init__(self, **kw: Any) -> None:
         self.epochs: int = 10
@@ -81,6 +85,9 @@ class DistributedTrainingConfig:
         self.validation_split: float = 0.0       # fraction of (X, y) held out when no X_val/y_val is given
         self.resume_from: Optional[str] = None   # checkpoint file to continue from
         self.drop_last: bool = False             # drop each rank's last, shorter batch
+        self.scheduler: Any = None               # an LRScheduler of the trainer's optimizer (or fit(scheduler=))
+        self.check_every_n_steps: int = 200      # compare the ranks' parameters every n steps (0: never)
+        self.on_divergence: str = "warn"         # when they differ: "warn" (RuntimeWarning) or "raise"
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -105,6 +112,7 @@ class DistributedTrainingHistory:
         self.effective_batch_size: int = 0     # batch_size * world_size
         self.world_size: int = 1
         self.epochs_completed: int = 0
+        self.epochs: List[int] = []            # the epoch numbers (from 1, across fits) of the entries above
         self.total_samples: float = 0.0        # training samples processed over all ranks
         self.train_time_seconds: float = 0.0   # time in the training loops (throughput's denominator)
 
@@ -217,6 +225,10 @@ class DistributedTrainer:
         # Every rank's model.get_rng_state() at the last epoch end or load (rank 0 only needs it).
         self._rng_by_rank: Optional[np.ndarray] = None
         self._in_fit = False
+        self._fit_start = 0          # the epoch the current (or last) fit started at
+        self._steps = 0              # optimizer steps over all fits (check_every_n_steps, per-step schedulers)
+        self._resume_pending = False  # load_checkpoint() was called: the next fit continues from it
+        self._scheduler: Any = None
 
     # ---- info ----------------------------------------------------------------------
     def is_master(self) -> bool:
@@ -238,11 +250,19 @@ class DistributedTrainer:
                 f"loss_fn={self.loss_fn!r}, optimizer={self.optimizer!r})")
 
     # ---- training ------------------------------------------------------------------
-    def fit(self, X, y, *args, resume_from: Optional[str] = None) -> DistributedTrainingHistory:
+    def fit(self, X, y, *args, resume_from: Optional[str] = None, scheduler: Any = None) -> DistributedTrainingHistory:
         """fit(X, y, config) or fit(X, y, X_val, y_val, config); returns a DistributedTrainingHistory.
 
             history = trainer.fit(X, y, config)
             history = trainer.fit(X, y, X_val, y_val, config, resume_from="checkpoints/epoch_0004.ckpt")
+            history = trainer.fit(X, y, config, scheduler=cx.StepLR(optimizer, step_size=10))
+
+        Each call trains config.epochs more epochs, continuing the epoch count of the calls
+        before (history.epochs says which). A scheduler (here or config.scheduler) is stepped
+        once per epoch or once per optimizer step, as its `interval` says, and saved in
+        checkpoints. Every config.check_every_n_steps steps the ranks' parameters are compared
+        (a hash from each); if they differ, every rank warns "Gradients differ across ranks"
+        naming the parameters and ranks, or raises with config.on_divergence = "raise".
         """
         X_val = y_val = None
         config: Optional[DistributedTrainingConfig] = None
@@ -259,6 +279,14 @@ class DistributedTrainer:
         if not isinstance(config, DistributedTrainingConfig):
             raise TypeError(f"fit: config must be a DistributedTrainingConfig, got {type(config).__name__}")
         self._check_config(config)
+        scheduler = scheduler if scheduler is not None else config.scheduler
+        if scheduler is not None:
+            if not isinstance(scheduler, _core.LRScheduler):
+                raise TypeError(f"fit: scheduler must be a cx LRScheduler (StepLR, CosineAnnealingLR, "
+                                f"LinearWarmupLR), got {type(scheduler).__name__}")
+            if scheduler.optimizer is not self.optimizer:
+                raise ValueError(f"fit: the scheduler steps {scheduler.optimizer!r}, not the trainer's optimizer "
+                                 f"{self.optimizer!r}: make it with the trainer's optimizer")
         if (X_val is None) != (y_val is None):
             raise ValueError("fit: pass both X_val and y_val, or neither")
         self.config = config
@@ -284,10 +312,15 @@ class DistributedTrainer:
                              f"{config.batch_size}; lower batch_size or set drop_last = False")
 
         resume_from = resume_from if resume_from is not None else config.resume_from
-        self._epoch, self._position, self._partial = 0, 0, (0.0, 0.0, 0.0)
-        self._history = DistributedTrainingHistory()
+        self._scheduler = scheduler
         if resume_from:
             self.load_checkpoint(resume_from)
+        if not self._resume_pending:
+            # A new fit continues where the last one ended (epoch count, so the shuffle goes on).
+            self._fit_start = self._epoch = self._epochs_done()
+            self._position, self._partial = 0, (0.0, 0.0, 0.0)
+            self._history = DistributedTrainingHistory()
+        self._resume_pending = False
         history = self._history
         history.effective_batch_size = config.batch_size * world
         history.world_size = world
@@ -315,11 +348,29 @@ class DistributedTrainer:
         self._core.sync_to_host()
         return history
 
+    def _epochs_done(self) -> int:
+        """Epochs completed over every fit so far (the next fit starts there)."""
+        return self._epoch if self._position == 0 else self._epoch + 1
+
+    def _after_step(self, config, world: int) -> None:
+        self._steps += 1
+        if self._scheduler is not None and self._scheduler.interval == "step":
+            self._scheduler.step()
+        n = config.check_every_n_steps
+        if n and world > 1 and self._steps % n == 0:
+            report = self._core.parameter_report()  # collective: the same answer on every rank
+            if report:
+                msg = f"Gradients differ across ranks (rank {self.get_rank()}, after step {self._steps}): {report}"
+                if config.on_divergence == "raise":
+                    raise _pg.DistributedError(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
     def _fit_epochs(self, X, y, X_val, y_val, config, sampler, batches, history, out, world) -> None:
         log_every = max(int(config.log_every_n_batches), 0)
         start = time.perf_counter()
+        end = self._fit_start + config.epochs
         self.model.zero_grad()
-        for epoch in range(self._epoch, config.epochs):
+        for epoch in range(self._epoch, end):
             batches.reset(epoch)
             if self._position:
                 batches.set_position(self._position)
@@ -330,14 +381,16 @@ class DistributedTrainer:
             while batches.has_next():
                 bl, bc, bn = self._core.train_batch(X, y, batches)
                 ls, cs, ns = ls + bl, cs + bc, ns + bn
+                self._after_step(config, world)
                 self._position = batches.position()
                 self._partial = (ls, cs, ns)
                 done = batches.position()
                 if log_every and (done % log_every == 0 or done == total):
                     dt = max(time.perf_counter() - t0, 1e-9)
-                    out.update(epoch + 1, config.epochs, done, total, ls / max(ns, 1), cs / max(ns, 1),
-                               ns * world / dt)
+                    out.update(epoch + 1, end, done, total, ls / max(ns, 1), cs / max(ns, 1), ns * world / dt)
             g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
+            if self._scheduler is not None and self._scheduler.interval == "epoch":
+                self._scheduler.step()
             self._core.sync_to_host()  # checkpoints, the RNG gather and callers read the host objects
             self._rng_by_rank = self._gather_rng_states()
             epoch_time = time.perf_counter() - t0
@@ -345,7 +398,8 @@ class DistributedTrainer:
             history.total_samples += g_count
             history.train_losses.append(g_loss / g_count)
             history.train_accuracies.append(g_correct / g_count)
-            msg = (f"Epoch {epoch + 1}/{config.epochs} - loss {g_loss / g_count:.4f} - "
+            history.epochs.append(epoch + 1)
+            msg = (f"Epoch {epoch + 1}/{end} - loss {g_loss / g_count:.4f} - "
                    f"acc {g_correct / g_count:.4f}")
             if X_val is not None:
                 vl, va = self.evaluate(X_val, y_val, batch_size=max(config.batch_size, 256))
@@ -375,6 +429,12 @@ class DistributedTrainer:
         if c.checkpoint_every_n_epochs < 0 or c.log_every_n_batches < 0:
             raise ValueError("DistributedTrainingConfig.checkpoint_every_n_epochs and log_every_n_batches must "
                              "be >= 0")
+        if not isinstance(c.check_every_n_steps, int) or c.check_every_n_steps < 0:
+            raise ValueError(f"DistributedTrainingConfig.check_every_n_steps must be an int >= 0 (0: never), got "
+                             f"{c.check_every_n_steps!r}")
+        if c.on_divergence not in ("warn", "raise"):
+            raise ValueError(f"DistributedTrainingConfig.on_divergence must be 'warn' or 'raise', got "
+                             f"{c.on_divergence!r}")
 
     def evaluate(self, X, y, batch_size: int = 256) -> Tuple[float, float]:
         """Collective: (mean loss, accuracy) over all of (X, y); each rank evaluates a shard.
@@ -421,6 +481,7 @@ class DistributedTrainer:
         meta = {
             "format": _CKPT_FORMAT, "version": _CKPT_VERSION,
             "epoch": self._epoch, "position": self._position, "partial": list(self._partial),
+            "fit_start": self._fit_start, "steps": self._steps,
             "world_size": self.get_world_size(),
             "sampler": {"seed": sampler.seed if sampler else self.config.seed,
                         "shuffle": sampler.shuffle if sampler else self.config.shuffle,
@@ -429,6 +490,7 @@ class DistributedTrainer:
             # restore it exactly; the model's generators (Dropout) are in the rng.modules array.
             "rng": {"sampler_seed": self.config.seed},
             "optimizer": scalars,
+            "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "history": self._history._to_json(),
         }
         buf = io.BytesIO()
@@ -507,7 +569,12 @@ class DistributedTrainer:
         if rng_rows is not None:
             self._restore_rng(rng_rows, meta, path)
         self.model.zero_grad()
+        if self._scheduler is not None and meta.get("scheduler"):
+            self._scheduler.load_state_dict(meta["scheduler"])
         self._epoch = int(meta["epoch"])
+        self._fit_start = int(meta.get("fit_start", 0))
+        self._steps = int(meta.get("steps", 0))
+        self._resume_pending = True
         self._position = int(meta["position"])
         self._partial = tuple(float(v) for v in meta["partial"])
         self._history = DistributedTrainingHistory._from_json(meta["history"])

@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._core import _pybind11_type
-from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss, Optimizer, SequentialModel
+from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, LRScheduler, MSELoss, Optimizer, SequentialModel
 
 _F32 = npt.NDArray[np.float32]
 _Loss = Union[CrossEntropyLoss, MSELoss, BCEWithLogitsLoss]
@@ -103,6 +103,9 @@ class DistributedTrainingConfig:
     validation_split: float         # 0.0
     resume_from: Optional[str]      # None
     drop_last: bool                 # False
+    scheduler: Optional[LRScheduler]  # None
+    check_every_n_steps: int        # 200; 0: never
+    on_divergence: str              # "warn" or "raise"
     def __init__(self, **kw: Any) -> None: ...
 
 class DistributedTrainingHistory:
@@ -115,6 +118,7 @@ class DistributedTrainingHistory:
     effective_batch_size: int
     world_size: int
     epochs_completed: int
+    epochs: List[int]
     total_samples: float
     train_time_seconds: float
     def __init__(self) -> None: ...
@@ -134,11 +138,11 @@ class DistributedTrainer:
     def device(self) -> str: ...
     @overload
     def fit(self, X: npt.ArrayLike, y: npt.ArrayLike, config: Optional[DistributedTrainingConfig] = None, *,
-            resume_from: Optional[str] = None) -> DistributedTrainingHistory: ...
+            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None) -> DistributedTrainingHistory: ...
     @overload
     def fit(self, X: npt.ArrayLike, y: npt.ArrayLike, X_val: npt.ArrayLike, y_val: npt.ArrayLike,
             config: Optional[DistributedTrainingConfig] = None, *,
-            resume_from: Optional[str] = None) -> DistributedTrainingHistory: ...
+            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None) -> DistributedTrainingHistory: ...
     def evaluate(self, X: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = 256) -> Tuple[float, float]: ...
     def save_checkpoint(self, path: _Path) -> Optional[str]: ...
     def load_checkpoint(self, path: _Path) -> None: ...
