@@ -94,6 +94,9 @@ void def_host_side(CoreClass& c) {
            "GPU training: copy parameters, BatchNorm statistics, dropout states and optimizer state to the host.")
       .def("sync_from_host", &TrainerCore::sync_from_host, py::call_guard<py::gil_scoped_release>(),
            "GPU training: copy them from the host objects to the device again.")
+      .def("sync_buffers", &TrainerCore::sync_buffers, py::call_guard<py::gil_scoped_release>(),
+           "Collective: rank 0's module buffers to every rank if DDPConfig.broadcast_buffers (fit: every epoch's "
+           "end).")
       .def(
           "all_gather_host",
           [](TrainerCore& c, py::array out, py::array in) {

@@ -337,6 +337,9 @@ class DistributedTrainer:
                     dt = max(time.perf_counter() - t0, 1e-9)
                     out.update(epoch + 1, config.epochs, done, total, ls / max(ns, 1), cs / max(ns, 1),
                                ns * world / dt)
+            # Every rank's BatchNorm statistics become rank 0's, so evaluation, checkpoints and the model
+            # after fit agree (DDPConfig.broadcast_buffers; Note [Buffers across ranks] in csrc/train/ddp.h).
+            self._core.sync_buffers()
             g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
             self._core.sync_to_host()  # checkpoints, the RNG gather and callers read the host objects
             self._rng_by_rank = self._gather_rng_states()
