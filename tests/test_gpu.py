@@ -471,3 +471,25 @@ def test_a_bad_label_reads_the_same_on_the_gpu_as_on_the_cpu():
         out[backend] = r.stdout.strip()
     assert "label 3 at row 2 is out of range [0, 3)" in out["cpu"]
     assert out["nccl"] == out["cpu"]
+
+
+SYNC_BN = """
+import pycyxwiz as cx
+cx.distributed.init()
+m = cx.SequentialModel(); m.add(cx.LinearModule(4, 3)); m.add(cx.SyncBatchNormModule(3))
+try:
+    cx.distributed.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
+except ValueError as e:
+    print("ERR", e)
+"""
+
+
+@gpu
+@needs_gpu_nccl
+def test_the_gpu_trainer_refuses_sync_batchnorm_at_construction():
+    # Without a GPU the same check is tested through its C++ path: test_batchnorm_across_ranks.py.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND="nccl")
+    r = subprocess.run([sys.executable, "-c", SYNC_BN], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ERR" in r.stdout and "layer 1" in r.stdout and "runs on the CPU backend only for now" in r.stdout

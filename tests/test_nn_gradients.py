@@ -54,6 +54,8 @@ CASES = {
     "gelu": (cx.GELUModule, (4, 6), lambda x, p: 0.5 * x * (1 + _erf(x / math.sqrt(2)))),
     "softmax": (cx.SoftmaxModule, (4, 6), lambda x, p: softmax64(x)),
     "batchnorm": (lambda: cx.BatchNormModule(5), (6, 5), lambda x, p: bn_train64(x, p[0], p[1], 1e-5)),
+    # Outside DistributedDataParallel it is BatchNorm of its own batch (across ranks: test_batchnorm_across_ranks)
+    "sync_batchnorm": (lambda: cx.SyncBatchNormModule(5), (6, 5), lambda x, p: bn_train64(x, p[0], p[1], 1e-5)),
     "flatten": (cx.FlattenModule, (3, 2, 4), lambda x, p: x.reshape(x.shape[0], -1)),
     "dropout_eval_like_p0": (lambda: cx.DropoutModule(0.0, seed=3), (4, 6), lambda x, p: x),
 }

@@ -19,6 +19,7 @@ MODELS = {
     "softmax": lambda: [cx.LinearModule(6, 5, seed=1), cx.SoftmaxModule()],
     "dropout": lambda: [cx.DropoutModule(0.3, seed=9), cx.LinearModule(6, 2, seed=1)],
     "batchnorm": lambda: [cx.LinearModule(6, 4, seed=1), cx.BatchNormModule(4, eps=1e-3, momentum=0.2)],
+    "sync_batchnorm": lambda: [cx.LinearModule(6, 4, seed=1), cx.SyncBatchNormModule(4, eps=1e-3, momentum=0.2)],
     "flatten": lambda: [cx.FlattenModule(), cx.LinearModule(6, 2, seed=1)],
 }
 

@@ -37,6 +37,9 @@ void bind_config(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("broadcast_parameters", &DDPConfig::broadcast_parameters,
                      "Copy rank 0's parameters to every rank at construction (default True).")
+      .def_readwrite("broadcast_buffers", &DDPConfig::broadcast_buffers,
+                     "Copy rank 0's module buffers (BatchNorm running statistics) to every rank before each forward "
+                     "in training mode, so they do not drift apart (default True, as PyTorch's DDP).")
       .def_readwrite("bucket_size_mb", &DDPConfig::bucket_size_mb, "Cap of a gradient bucket in MiB (default 25).")
       .def_readwrite("find_unused_parameters", &DDPConfig::find_unused_parameters,
                      "Reduce parameters that got no gradient in a backward instead of raising (default False).")
@@ -45,6 +48,7 @@ void bind_config(py::module_& m) {
       .def("__repr__", [](const DDPConfig& c) {
         std::ostringstream os;
         os << "DDPConfig(broadcast_parameters=" << (c.broadcast_parameters ? "True" : "False")
+           << ", broadcast_buffers=" << (c.broadcast_buffers ? "True" : "False")
            << ", bucket_size_mb=" << c.bucket_size_mb
            << ", find_unused_parameters=" << (c.find_unused_parameters ? "True" : "False")
            << ", first_bucket_mb=" << c.first_bucket_mb << ")";
@@ -64,6 +68,18 @@ void bind_config(py::module_& m) {
       });
 }
 
+py::array ddp_forward(DistributedDataParallel& d, py::handle x) {
+  auto a = float_array(x, "DistributedDataParallel.forward", "(batch, features)");
+  const nn::Tensor* out;
+  {
+    py::gil_scoped_release nogil;
+    out = &d.forward(static_cast<const float*>(a.data()), shape_of(a));
+  }
+  // The model reads the input again in backward (no copy): keep it alive, as SequentialModel.forward does.
+  py::cast(d.model()).attr("_forward_input") = a;
+  return to_numpy(*out);
+}
+
 // Construction, forward/backward and the gradient synchronisation.
 void def_training(DDPClass& c) {
   c.def(py::init([](std::shared_ptr<nn::SequentialModel> model, const DDPConfig& cfg) {
@@ -73,10 +89,10 @@ void def_training(DDPClass& c) {
        }),
        py::arg("model"), py::arg("config") = DDPConfig(), py::keep_alive<1, 2>(),
        "Broadcasts rank 0's parameters (config.broadcast_parameters) and installs the gradient hook.")
-      .def(
-          "forward", [](DistributedDataParallel& d, py::handle x) { return py::cast(d.model()).attr("forward")(x); },
-          py::arg("input"), "The model's forward (the same replica on every rank).")
-      .def("__call__", [](DistributedDataParallel& d, py::handle x) { return py::cast(d.model()).attr("forward")(x); })
+      .def("forward", &ddp_forward, py::arg("input"),
+           "The model's forward (the same replica on every rank); in training mode rank 0's buffers are broadcast "
+           "first (config.broadcast_buffers).")
+      .def("__call__", &ddp_forward, py::arg("input"))
       .def(
           "backward",
           [](DistributedDataParallel& d, py::handle g, bool input_grad) -> py::object {

@@ -12,6 +12,8 @@
 #include "cuda/module.h"
 #include "distributed/backend/nccl/nccl_api.h"
 #include "distributed/backend/nccl/nccl_backend.h"
+#include "nn/device_model.h"
+#include "nn/sequential.h"
 
 namespace cx::bindings {
 
@@ -37,6 +39,9 @@ void bind_gpu(py::module_& m) {
   });
   m.def("_cuda_kernels_built", &cuda::kernels_built, "True if nvcc compiled the CUDA kernels into this build.");
   m.def("_check_gpu_local_rank", &cuda::check_local_rank, py::arg("local_rank"), py::arg("device_count"));
+  m.def("_check_model_runs_on_gpu", &nn::check_runs_on_gpu, py::arg("model"),
+        "For tests: what the GPU trainer checks of a model before it opens a GPU (raises ValueError naming the "
+        "first layer without GPU code).");
   m.def(
       "_array_view",
       [](py::object arr, BackendType backend, bool writable, bool reduce, std::optional<std::string> dtype) {

@@ -4,8 +4,10 @@
 
 #include "bindings/arrays.h"
 #include "bindings/bindings.h"
+#include "common/error.h"
 #include "nn/modules.h"
 #include "nn/rng.h"
+#include "nn/sequential.h"
 
 namespace cx::bindings {
 
@@ -125,12 +127,39 @@ void bind_other_layers(py::module_& m) {
   module_class<FlattenModule>(m, "FlattenModule", "(batch, d1, d2, ...) -> (batch, d1*d2*...).").def(py::init<>());
 }
 
+// After BatchNormModule, its base.
+void bind_sync_batchnorm(py::module_& m) {
+  const char* convert_doc =
+      "Replaces every BatchNormModule of `model` by a SyncBatchNormModule with the same parameters, running "
+      "statistics, eps and momentum, in place, and returns the same model (as PyTorch's does for a container). "
+      "Convert before wrapping the model in DistributedDataParallel or DistributedTrainer.\n\n"
+      "    model = cx.SyncBatchNormModule.convert_sync_batchnorm(model)";
+  auto convert = [](std::shared_ptr<SequentialModel> model) {
+    CX_CHECK(model != nullptr, InvalidArgument, "convert_sync_batchnorm: model is None");
+    convert_sync_batchnorm(*model);
+    return model;
+  };
+  shared_class<SyncBatchNormModule, BatchNormModule>(
+      m, "SyncBatchNormModule",
+      "BatchNormModule whose training statistics are those of every rank's batch together, as "
+      "torch.nn.SyncBatchNorm (CPU backend only for now). Inside DistributedDataParallel or DistributedTrainer "
+      "it all-reduces per-feature sums in forward and backward; alone, or in a world of one, it is "
+      "BatchNormModule. Eval mode uses the running statistics and communicates nothing.\n\n"
+      "    model.add(cx.SyncBatchNormModule(64))\n"
+      "    model = cx.SyncBatchNormModule.convert_sync_batchnorm(model)   # or convert an existing model")
+      .def(py::init<size_t, float, float>(), py::arg("num_features"), py::arg("eps") = 1e-5f,
+           py::arg("momentum") = 0.1f)
+      .def_static("convert_sync_batchnorm", convert, py::arg("model"), convert_doc);
+  m.def("convert_sync_batchnorm", convert, py::arg("model"), convert_doc);
+}
+
 }  // namespace
 
 void bind_modules(py::module_& m) {
   bind_module_base(m);
   bind_linear(m);
   bind_other_layers(m);
+  bind_sync_batchnorm(m);
 }
 
 }  // namespace cx::bindings

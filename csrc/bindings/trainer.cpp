@@ -96,6 +96,9 @@ void def_host_side(CoreClass& c) {
            "GPU training: copy them from the host objects to the device again.")
       .def("parameter_report", &TrainerCore::parameter_report, py::call_guard<py::gil_scoped_release>(),
            "Collective: '' when every rank holds the same parameters, else which differ on which ranks.")
+      .def("sync_buffers", &TrainerCore::sync_buffers, py::call_guard<py::gil_scoped_release>(),
+           "Collective: rank 0's module buffers to every rank if DDPConfig.broadcast_buffers (fit: every epoch's "
+           "end).")
       .def(
           "all_gather_host",
           [](TrainerCore& c, py::array out, py::array in) {

@@ -6,9 +6,20 @@
 
 namespace cx::nn {
 
+void check_runs_on_gpu(const SequentialModel& model) {
+  for (size_t i = 0; i < model.size(); ++i) {
+    try {
+      model.module(i)->check_runs_on_gpu();
+    } catch (const InvalidArgument& e) {
+      CX_THROW(InvalidArgument, "the model cannot train on the GPU: layer ", i, ": ", e.what());
+    }
+  }
+}
+
 DeviceModel::DeviceModel(std::shared_ptr<SequentialModel> model, cuda::Device& dev)
     : model_(std::move(model)), dev_(dev) {
   CX_CHECK(model_ && model_->size() > 0, InvalidArgument, "the model has no modules; add() some first");
+  check_runs_on_gpu(*model_);
   n_ = model_->num_parameters();
   slices_ = model_->param_slices();
   size_t first = 0;

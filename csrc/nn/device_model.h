@@ -21,6 +21,11 @@
 
 namespace cx::nn {
 
+// Throws InvalidArgument naming the first layer of `model` that has no GPU
+// code (Module::check_runs_on_gpu). Needs no GPU: the trainer calls it before
+// it opens one, and DeviceModel's constructor calls it too.
+void check_runs_on_gpu(const SequentialModel& model);
+
 class DeviceModel {
  public:
   DeviceModel(std::shared_ptr<SequentialModel> model, cuda::Device& dev);

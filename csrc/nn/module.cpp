@@ -29,6 +29,19 @@ void Module::attach(std::shared_ptr<FloatStorage> params, std::shared_ptr<FloatS
   offset_ = offset;
 }
 
+void Module::detach() {
+  auto p = std::make_shared<FloatStorage>(total_);
+  auto g = std::make_shared<FloatStorage>(total_);
+  if (total_) {
+    std::memcpy(p->data(), p_->data() + offset_, total_ * sizeof(float));
+    std::memcpy(g->data(), g_->data() + offset_, total_ * sizeof(float));
+  }
+  p_ = std::move(p);
+  g_ = std::move(g);
+  offset_ = 0;
+  in_model_ = false;
+}
+
 const Tensor& Module::forward_standalone(const float* x, const Shape& in, bool training) {
   Shape out = output_shape(in);
   sx_.resize(in);

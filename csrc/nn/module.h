@@ -43,6 +43,7 @@ enum class ModuleKind : uint16_t {
   kDropout = 8,
   kBatchNorm = 9,
   kFlatten = 10,
+  kSyncBatchNorm = 11,
 };
 
 struct ParamSpec {
@@ -74,6 +75,19 @@ class DeviceState {
  public:
   virtual ~DeviceState() = default;
 };
+
+// Note [Modules that communicate]
+// nn/ knows nothing of distribution (README "Design"), yet a module may need a
+// sum over the replicas of a data-parallel model: SyncBatchNormModule's batch
+// statistics are those of every rank's batch together. Such a module is given
+// the sum from outside: train/ (DistributedDataParallel, which the trainer uses
+// too) hands every module a ReplicaSum, a blocking SUM all-reduce of a float64
+// buffer over its process group, when it wraps the model and takes it back when
+// it goes away (owner: the wrapper; as the grad-ready hook, only the newest
+// wrapper's stays). Every rank calls it at the same point of the same forward
+// or backward, so the collectives pair up; it is only given in a world of more
+// than one. A module without one computes on its local batch alone.
+using ReplicaSum = std::function<void(double* buf, size_t n)>;
 
 class Module {
  public:
@@ -110,6 +124,13 @@ class Module {
   virtual void to_host(cuda::Device& dev, const DeviceState* state) {}
   // buffers() on the device: (pointer, floats), in the same order.
   virtual std::vector<std::pair<float*, size_t>> device_buffers(DeviceState* state) { return {}; }
+  // Throws InvalidArgument saying why if this module has no GPU code (yet);
+  // the GPU trainer asks every module before it touches a device.
+  virtual void check_runs_on_gpu() const {}
+
+  // Note [Modules that communicate]: most modules ignore these.
+  virtual void set_replica_sum(ReplicaSum sum, const void* owner) {}
+  virtual void clear_replica_sum(const void* owner) {}
 
   // Non-trainable state saved with the model (BatchNorm's running statistics).
   virtual std::vector<std::vector<float>*> buffers() { return {}; }
@@ -144,6 +165,9 @@ class Module {
   void attach(std::shared_ptr<FloatStorage> params, std::shared_ptr<FloatStorage> grads, size_t offset);
   bool in_model() const { return in_model_; }
   void set_in_model() { in_model_ = true; }
+  // SequentialModel only, when it replaces this module: gives it back a
+  // storage of its own holding its current values; it belongs to no model.
+  void detach();
 
   // Using a module on its own (tests, experiments): keeps a copy of the input.
   const Tensor& forward_standalone(const float* x, const Shape& in, bool training);

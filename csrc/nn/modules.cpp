@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "nn/blas.h"
+#include "nn/sequential.h"
 #include "nn/serialize.h"
 
 namespace cx::nn {
@@ -252,34 +253,49 @@ BatchNormModule::BatchNormModule(size_t features, float eps, float momentum)
   std::fill(param(0), param(0) + features, 1.0f);
 }
 std::string BatchNormModule::repr() const {
-  return "BatchNorm(" + std::to_string(f_) + ", eps=" + fmt_float(eps_) + ", momentum=" + fmt_float(momentum_) + ")";
+  return type_name() + "(" + std::to_string(f_) + ", eps=" + fmt_float(eps_) + ", momentum=" + fmt_float(momentum_) +
+         ")";
 }
 Shape BatchNormModule::output_shape(const Shape& in) const {
   check_2d(*this, in, f_, "");
   return in;
 }
+// The statistics are two passes in float64; with sum_ each pass's sums are
+// every rank's (Note [SyncBatchNorm statistics]).
 void BatchNormModule::forward(const float* x, const Shape& in, float* y, bool training) {
   const size_t B = in[0], F = f_;
   last_training_ = training;
+  last_synced_ = training && sum_;
   xhat_.resize(in);
   invstd_.assign(F, 0.0f);
   float* xh = xhat_.data();
   const float *gamma = param(0), *beta = param(1);
   if (training) {
-    CX_CHECK(B >= 2, InvalidArgument, repr(), " needs a batch of at least 2 in training mode, got ", shape_str(in));
-    std::vector<double> mean(F, 0.0), var(F, 0.0);
+    if (!sum_)
+      CX_CHECK(B >= 2, InvalidArgument, repr(), " needs a batch of at least 2 in training mode, got ", shape_str(in));
+    stats_.assign(F + 1, 0.0);  // [rows, sum of x_j ...]
+    stats_[0] = static_cast<double>(B);
+    double* sum = stats_.data() + 1;
     for (size_t r = 0; r < B; ++r)
-      for (size_t j = 0; j < F; ++j) mean[j] += x[r * F + j];
-    for (size_t j = 0; j < F; ++j) mean[j] /= static_cast<double>(B);
+      for (size_t j = 0; j < F; ++j) sum[j] += x[r * F + j];
+    if (sum_) sum_(stats_.data(), F + 1);
+    const double M = stats_[0];
+    // Every rank has the same M, so either all of them throw here or none.
+    CX_CHECK(M >= 2, InvalidArgument, repr(), " needs a batch of at least 2 rows over all ranks in training mode, ",
+             "got ", M, " (this rank's input: ", shape_str(in), ")");
+    last_count_ = M;
+    std::vector<double> mean(F), var(F, 0.0);
+    for (size_t j = 0; j < F; ++j) mean[j] = sum[j] / M;
     for (size_t r = 0; r < B; ++r)
       for (size_t j = 0; j < F; ++j) {
         double d = x[r * F + j] - mean[j];
         var[j] += d * d;
       }
+    if (sum_) sum_(var.data(), F);
     for (size_t j = 0; j < F; ++j) {
-      double biased = var[j] / static_cast<double>(B);
+      double biased = var[j] / M;
       invstd_[j] = static_cast<float>(1.0 / std::sqrt(biased + eps_));
-      double unbiased = var[j] / static_cast<double>(B - 1);
+      double unbiased = var[j] / (M - 1);
       running_mean_[j] = static_cast<float>((1.0 - momentum_) * running_mean_[j] + momentum_ * mean[j]);
       running_var_[j] = static_cast<float>((1.0 - momentum_) * running_var_[j] + momentum_ * unbiased);
     }
@@ -309,6 +325,7 @@ void BatchNormModule::backward(const float*, const float*, const Shape& in, cons
       sum_gy[j] += gy[r * F + j];
       sum_gy_xh[j] += gy[r * F + j] * xh[r * F + j];
     }
+  // The local sums: DDP averages these gradients (Note [SyncBatchNorm statistics]).
   float *dgamma = grad(0), *dbeta = grad(1);
   for (size_t j = 0; j < F; ++j) dbeta[j] += sum_gy[j];
   done(1);
@@ -317,8 +334,16 @@ void BatchNormModule::backward(const float*, const float*, const Shape& in, cons
   if (!gx) return;
   const float* gamma = param(0);
   if (last_training_) {
+    float invB = 1.0f / static_cast<float>(B);
+    if (last_synced_) {  // dL/dx needs both sums over the whole batch
+      stats_.resize(2 * F);
+      for (size_t j = 0; j < F; ++j) stats_[j] = sum_gy[j], stats_[F + j] = sum_gy_xh[j];
+      sum_(stats_.data(), 2 * F);
+      for (size_t j = 0; j < F; ++j)
+        sum_gy[j] = static_cast<float>(stats_[j]), sum_gy_xh[j] = static_cast<float>(stats_[F + j]);
+      invB = static_cast<float>(1.0 / last_count_);
+    }
     // dx = gamma * invstd / B * (B*gy - sum(gy) - xhat * sum(gy*xhat))
-    const float invB = 1.0f / static_cast<float>(B);
     for (size_t r = 0; r < B; ++r)
       for (size_t j = 0; j < F; ++j) {
         size_t k = r * F + j;
@@ -333,6 +358,42 @@ void BatchNormModule::write_config(ByteWriter& w) const {
   w.u64(f_);
   w.f32(eps_);
   w.f32(momentum_);
+}
+
+// ---------------------------------------------------------------- SyncBatchNorm
+
+std::shared_ptr<SyncBatchNormModule> SyncBatchNormModule::from(BatchNormModule& bn) {
+  auto s = std::make_shared<SyncBatchNormModule>(bn.features(), bn.eps(), bn.momentum());
+  for (size_t i = 0; i < bn.param_specs().size(); ++i) {
+    const size_t n = numel(bn.param_specs()[i].shape);
+    std::memcpy(s->param(i), bn.param(i), n * sizeof(float));
+    std::memcpy(s->grad(i), bn.grad(i), n * sizeof(float));
+  }
+  s->running_mean() = bn.running_mean();
+  s->running_var() = bn.running_var();
+  return s;
+}
+
+void SyncBatchNormModule::set_replica_sum(ReplicaSum sum, const void* owner) {
+  sum_ = std::move(sum);
+  sum_owner_ = sum_ ? owner : nullptr;
+}
+
+void SyncBatchNormModule::clear_replica_sum(const void* owner) {
+  if (sum_owner_ != owner) return;  // a newer wrapper's (Note [Modules that communicate])
+  sum_ = nullptr;
+  sum_owner_ = nullptr;
+}
+
+size_t convert_sync_batchnorm(SequentialModel& model) {
+  size_t n = 0;
+  for (size_t i = 0; i < model.size(); ++i) {
+    const auto& m = model.module(i);
+    if (m->kind() != ModuleKind::kBatchNorm) continue;
+    model.replace(i, SyncBatchNormModule::from(static_cast<BatchNormModule&>(*m)));
+    ++n;
+  }
+  return n;
 }
 
 // ---------------------------------------------------------------- Flatten
@@ -379,6 +440,12 @@ std::shared_ptr<Module> read_module(ByteReader& r) {
         float eps = r.f32(), mom = r.f32();
         if (f == 0 || f > r.remaining() / 4) r.fail("bad BatchNorm size " + std::to_string(f));
         return std::make_shared<BatchNormModule>(f, eps, mom);
+      }
+      case ModuleKind::kSyncBatchNorm: {
+        uint64_t f = r.u64();
+        float eps = r.f32(), mom = r.f32();
+        if (f == 0 || f > r.remaining() / 4) r.fail("bad SyncBatchNorm size " + std::to_string(f));
+        return std::make_shared<SyncBatchNormModule>(f, eps, mom);
       }
       case ModuleKind::kFlatten: return std::make_shared<FlattenModule>();
     }

@@ -1,6 +1,7 @@
 // defines: the layers — LinearModule, the activations (ReLU, LeakyReLU, Sigmoid,
-// Tanh, GELU, Softmax), DropoutModule, BatchNormModule, FlattenModule — and
-// read_module(), which rebuilds one from a model file.
+// Tanh, GELU, Softmax), DropoutModule, BatchNormModule, SyncBatchNormModule,
+// FlattenModule — read_module(), which rebuilds one from a model file, and
+// convert_sync_batchnorm().
 //
 // Shapes: Linear, Softmax and BatchNorm take (batch, features); the element-wise
 // layers and Dropout take any (batch, ...) and keep it; Flatten turns
@@ -15,6 +16,7 @@
 namespace cx::nn {
 
 class ByteReader;
+class SequentialModel;
 
 enum class LinearInit : uint8_t { kKaiming = 0, kXavier = 1 };
 // "kaiming" or "xavier" (init= of cx.LinearModule); InvalidArgument naming both for anything else.
@@ -234,14 +236,83 @@ class BatchNormModule : public Module {
   std::vector<float>& running_mean() { return running_mean_; }
   std::vector<float>& running_var() { return running_var_; }
 
+ protected:
+  // The sum over replicas (Note [Modules that communicate]): always null here;
+  // SyncBatchNormModule's when train/ has given it one. The CPU forward and
+  // backward below are the two modules' one implementation: with a null sum it
+  // is batch normalisation of the local batch, with one of the union of every
+  // rank's batch (Note [SyncBatchNorm statistics]).
+  ReplicaSum sum_;
+  const void* sum_owner_ = nullptr;
+
  private:
   size_t f_;
   float eps_, momentum_;
   std::vector<float> running_mean_, running_var_;
   Tensor xhat_;
   std::vector<float> invstd_;
+  std::vector<double> stats_;  // what is summed over replicas
+  double last_count_ = 0;      // rows behind the last training forward's statistics (every rank's)
   bool last_training_ = false;
+  bool last_synced_ = false;   // the last forward's statistics were summed over replicas
 };
+
+// Note [SyncBatchNorm statistics]
+// As torch.nn.SyncBatchNorm: in training the batch mean and variance are those
+// of the union of every rank's batch, so N ranks with b rows each normalise as
+// one process with the N*b rows would, and the running statistics are updated
+// from those global statistics (unbiased variance over the global count). The
+// statistics are two SUM all-reduces of float64, the same two passes
+// BatchNormModule makes over its own batch:
+//   1. [rows, sum of x_j for each feature j]   -> global count M and mean m_j
+//   2. [sum of (x_j - m_j)^2 for each j]         -> variance (biased /M, unbiased /(M-1))
+// rather than one all-reduce of [rows, sum x, sum x^2] with var = E[x^2] - m^2.
+// The one-pass form subtracts two numbers of size m^2 to get one of size var,
+// losing about log10(m^2/var) digits (features far from zero mean: a layer's
+// inputs before the network has learned to centre them); the centred pass
+// loses nothing, and in a world of one it is bit for bit BatchNormModule's own
+// computation. The price is one more all-reduce per forward, of F doubles: a
+// latency, not a bandwidth, cost.
+// Backward needs, for dL/dx, two per-feature sums over the whole batch: sum of
+// dy and sum of dy*xhat; they are one SUM all-reduce ([2F] float64). The
+// gradients of gamma and beta stay the local sums: DistributedDataParallel
+// averages them like every other parameter's, which is the gradient of the
+// global batch (each rank's loss is its batch's mean). The backward all-reduce
+// is skipped when no dL/dx is wanted (the first layer of a model run with
+// input_grad=False, the same on every rank).
+// Without a sum (outside DistributedDataParallel, or a world of one) the module
+// is BatchNormModule on its local batch. Eval mode uses the running statistics
+// and communicates nothing. On the GPU it is refused (check_runs_on_gpu) until
+// it has device code.
+class SyncBatchNormModule : public BatchNormModule {
+ public:
+  using BatchNormModule::BatchNormModule;
+  using BatchNormModule::backward;
+  using BatchNormModule::forward;
+  // A SyncBatchNormModule with bn's hyper-parameters, parameters (and their
+  // gradients) and running statistics.
+  static std::shared_ptr<SyncBatchNormModule> from(BatchNormModule& bn);
+  ModuleKind kind() const override { return ModuleKind::kSyncBatchNorm; }
+  std::string type_name() const override { return "SyncBatchNorm"; }
+  void set_replica_sum(ReplicaSum sum, const void* owner) override;
+  void clear_replica_sum(const void* owner) override;
+
+  // CPU only for now: these throw InvalidArgument saying so.
+  void check_runs_on_gpu() const override;
+  void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
+  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
+};
+
+// Replaces every BatchNormModule of `model` by a SyncBatchNormModule with the
+// same parameters, buffers and hyper-parameters, in place (as PyTorch's
+// convert_sync_batchnorm does to a container's children); returns how many.
+// The replaced modules leave the model with a copy of their values. Convert
+// before wrapping the model in DistributedDataParallel: the wrapper gives the
+// modules it finds then their sum over ranks.
+size_t convert_sync_batchnorm(SequentialModel& model);
 
 class FlattenModule : public Module {
  public:

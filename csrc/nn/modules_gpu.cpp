@@ -175,6 +175,31 @@ void BatchNormModule::backward(const DeviceParams& d, DeviceState* s, const floa
   }
 }
 
+// ---- SyncBatchNorm -----------------------------------------------------------------
+
+// No device code yet (Note [SyncBatchNorm statistics] in modules.h): the GPU
+// trainer asks check_runs_on_gpu() before it makes a device model, and these
+// refuse in the same words should anything get past it.
+void SyncBatchNormModule::check_runs_on_gpu() const {
+  CX_THROW(InvalidArgument, repr(), ": SyncBatchNormModule runs on the CPU backend only for now (it has no GPU "
+           "code yet). Train this model with the CPU backend (DISTRIBUTED_BACKEND=cpu), or on the GPU with "
+           "BatchNormModule, whose statistics are each GPU's own batch's.");
+}
+
+std::unique_ptr<DeviceState> SyncBatchNormModule::make_device_state(cuda::Device&) const {
+  check_runs_on_gpu();
+  return nullptr;
+}
+
+void SyncBatchNormModule::forward(const DeviceParams&, DeviceState*, const float*, const Shape&, float*, bool) {
+  check_runs_on_gpu();
+}
+
+void SyncBatchNormModule::backward(const DeviceParams&, DeviceState*, const float*, const float*, const Shape&,
+                                   const float*, float*, const ParamDone&) {
+  check_runs_on_gpu();
+}
+
 // ---- Flatten -----------------------------------------------------------------------
 
 void FlattenModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {

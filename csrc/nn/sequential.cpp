@@ -37,6 +37,27 @@ void SequentialModel::add(std::shared_ptr<Module> m) {
   have_forward_ = false;
 }
 
+void SequentialModel::replace(size_t i, std::shared_ptr<Module> m) {
+  CX_CHECK(i < modules_.size(), InvalidArgument, "SequentialModel.replace: index ", i, " is out of range for ",
+           modules_.size(), " modules");
+  CX_CHECK(m != nullptr, InvalidArgument, "SequentialModel.replace: module is None");
+  CX_CHECK(!m->in_model(), InvalidArgument, "SequentialModel.replace: ", m->repr(),
+           " already belongs to a model; create a new module for each model");
+  const std::shared_ptr<Module>& old = modules_[i];
+  const auto& a = old->param_specs();
+  const auto& b = m->param_specs();
+  bool same = a.size() == b.size();
+  for (size_t k = 0; same && k < a.size(); ++k) same = a[k].name == b[k].name && a[k].shape == b[k].shape;
+  CX_CHECK(same, InvalidArgument, "SequentialModel.replace: ", m->repr(), " does not declare the same parameter "
+           "tensors as layer ", i, " (", old->repr(), ")");
+  const size_t offset = old->num_params() ? old->param_offset(0) : 0;
+  old->detach();
+  if (m->num_params()) m->attach(params_, grads_, offset);
+  m->set_in_model();
+  modules_[i] = std::move(m);
+  have_forward_ = false;
+}
+
 std::vector<std::pair<size_t, size_t>> SequentialModel::param_slices() const {
   std::vector<std::pair<size_t, size_t>> out;
   out.reserve(owners_.size());

@@ -42,6 +42,12 @@ class SequentialModel {
   void add(std::shared_ptr<Module> m);
   size_t size() const { return modules_.size(); }
   const std::shared_ptr<Module>& module(size_t i) const { return modules_.at(i); }
+  // Puts m in place of module i. m must declare the same parameter tensors
+  // (names and shapes), so the flat layout, parameter indices and buckets stay
+  // as they are; m's current values move into the slot (as add()), and the
+  // module it replaces leaves with a copy of its own (Module::detach).
+  // InvalidArgument otherwise, or if m already belongs to a model.
+  void replace(size_t i, std::shared_ptr<Module> m);
 
   // x: row-major, shape (batch, ...) with batch >= 1. Returns the model's output
   // (owned by the model, valid until the next forward). Throws InvalidArgument

@@ -18,7 +18,7 @@ BatchStats CpuEngine::loss_of(const nn::Tensor& out, const nn::BatchTargets& y) 
 
 BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
   model_->train(true);
-  const nn::Tensor& out = model_->forward(x, x_shape);
+  const nn::Tensor& out = ddp_->forward(x, x_shape);  // broadcasts rank 0's buffers first (broadcast_buffers)
   BatchStats s = loss_of(out, y);
   const nn::Tensor& g = loss_->backward();
   ddp_->backward(g.data(), g.shape(), /*input_grad=*/false);
@@ -41,6 +41,8 @@ void CpuEngine::all_gather_host(const void* in, void* out, size_t bytes) {
   for (int r = 0; r < group_->size(); ++r) outs.push_back(static_cast<char*>(out) + bytes * r);
   group_->all_gather(in, outs, bytes, distributed::DataType::kUInt8, false);
 }
+
+void CpuEngine::broadcast_buffers() { ddp_->broadcast_buffers(); }
 
 void CpuEngine::broadcast_host(void* buf, size_t bytes, int root) {
   group_->broadcast(buf, bytes, distributed::DataType::kUInt8, root, false);

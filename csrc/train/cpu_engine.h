@@ -1,6 +1,6 @@
-// defines: CpuEngine, the trainer's per-batch work on the host: forward, the
-// loss, backward with the overlapped bucket all-reduce (DistributedDataParallel),
-// the optimizer's step.
+// defines: CpuEngine, the trainer's per-batch work on the host: forward (with
+// rank 0's buffers broadcast first), the loss, backward with the overlapped
+// bucket all-reduce (DistributedDataParallel), the optimizer's step.
 #pragma once
 
 #include <memory>
@@ -25,6 +25,7 @@ class CpuEngine : public Engine {
   BatchStats reduce_stats(const BatchStats& s) override;
   void all_gather_host(const void* in, void* out, size_t bytes) override;
   void broadcast_host(void* buf, size_t bytes, int root) override;
+  void broadcast_buffers() override;
 
  private:
   BatchStats loss_of(const nn::Tensor& out, const nn::BatchTargets& y);

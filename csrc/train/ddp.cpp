@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "nn/rng.h"
+#include "train/buffer_sync.h"
 
 namespace cx::train {
 
@@ -64,6 +65,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialM
 
   if (cfg_.broadcast_parameters) broadcast_parameters();
   fork_rng_streams();
+  give_replica_sums();
   // The hook holds a raw pointer: the destructor clears it before we go away
   // (unless a newer wrapper has replaced it: Note [Unused parameters]).
   model_->set_grad_ready_hook([this](size_t i) { on_grad_ready(i); }, this);
@@ -76,8 +78,20 @@ void DistributedDataParallel::fork_rng_streams() {
   model_->set_rng_states(states);
 }
 
+// Note [Modules that communicate] in nn/module.h. The sum holds a raw pointer
+// to the group: the destructor takes it back before we (and our group_) go.
+void DistributedDataParallel::give_replica_sums() {
+  if (group_->size() < 2) return;  // a world of one: the modules compute as they would alone
+  distributed::ProcessGroup* g = group_.get();
+  nn::ReplicaSum sum = [g](double* buf, size_t n) {
+    g->all_reduce(buf, n, distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
+  };
+  for (size_t i = 0; i < model_->size(); ++i) model_->module(i)->set_replica_sum(sum, this);
+}
+
 DistributedDataParallel::~DistributedDataParallel() {
   model_->clear_grad_ready_hook(this);
+  for (size_t i = 0; i < model_->size(); ++i) model_->module(i)->clear_replica_sum(this);
   try {
     wait_in_flight();
   } catch (...) {
@@ -95,9 +109,18 @@ void DistributedDataParallel::broadcast_parameters() {
 }
 
 void DistributedDataParallel::broadcast_buffers() {
+  std::vector<FloatSpan> spans;
   for (size_t i = 0; i < model_->size(); ++i)
-    for (auto* buf : model_->module(i)->buffers())
-      if (!buf->empty()) group_->broadcast(buf->data(), buf->size(), distributed::DataType::kFloat32, 0, false);
+    for (auto* buf : model_->module(i)->buffers()) spans.emplace_back(buf->data(), buf->size());
+  buffer_pack_.resize(total_floats(spans));
+  train::broadcast_buffers(*group_, spans, buffer_pack_.data(), [](float* dst, const float* src, size_t n) {
+    std::memcpy(dst, src, n * sizeof(float));
+  });
+}
+
+const nn::Tensor& DistributedDataParallel::forward(const float* x, const nn::Shape& shape) {
+  if (cfg_.broadcast_buffers && model_->training()) broadcast_buffers();
+  return model_->forward(x, shape);
 }
 
 void DistributedDataParallel::wait_in_flight() {

@@ -4,7 +4,7 @@
 //
 // Usage from C++ (one call each per batch):
 //   DistributedDataParallel ddp(model, DDPConfig{});   // broadcasts rank 0's weights
-//   model->forward(x, shape); ddp.backward(g, shape, false);
+//   ddp.forward(x, shape); ddp.backward(g, shape, false);
 //   ddp.update_parameters(opt);                        // waits, averages, steps, zeroes grads
 //
 // Note [Overlap]
@@ -74,6 +74,27 @@
 // one trains exactly like the bare model. Wrapping a model again forks again
 // (deterministically). Checkpoints of DistributedTrainer hold every rank's
 // states, so a resumed run draws the masks an uninterrupted one would.
+//
+// Note [Buffers across ranks]
+// Module buffers (BatchNormModule's running_mean/running_var) are not
+// parameters: no gradient averages them, and each rank's training forward
+// updates them from its own batch, so left alone they drift apart (0.14 in
+// running_mean after a short fit on 2 ranks), evaluation shards then use
+// different statistics, and a checkpoint keeps only rank 0's. As PyTorch's DDP
+// (broadcast_buffers=True), forward() in training mode first copies rank 0's
+// buffers to every rank: one float32 broadcast of every buffer packed together
+// (train/buffer_sync.h), none for a model without buffers. Each rank's forward
+// then adds its own batch's update on top, so between steps they differ by one
+// update; DistributedTrainer broadcasts once more at the end of every epoch,
+// so evaluation, checkpoints and the model after fit hold the same statistics
+// on every rank. Eval-mode forwards change no buffer and send nothing.
+// DDPConfig.broadcast_buffers = False turns this off (the construction-time
+// copy of broadcast_parameters stays). SyncBatchNormModule keeps its running
+// statistics equal on every rank by itself (its statistics are global: Note
+// [SyncBatchNorm statistics] in nn/modules.h); the broadcast does no harm there.
+// Construction also hands every module the group's SUM all-reduce (Note
+// [Modules that communicate] in nn/module.h) when there is more than one rank,
+// and takes it back in the destructor.
 #pragma once
 
 #include <cstdint>
@@ -91,6 +112,7 @@ namespace cx::train {
 
 struct DDPConfig {
   bool broadcast_parameters = true;  // copy rank 0's parameters (and buffers) to every rank at construction
+  bool broadcast_buffers = true;     // and rank 0's buffers before every training forward (Note [Buffers across ranks])
   double bucket_size_mb = 25.0;      // cap per gradient bucket, MiB
   bool find_unused_parameters = false;
   double first_bucket_mb = 1.0;      // cap of bucket 0 (Note [Bucket order])
@@ -110,6 +132,9 @@ class DistributedDataParallel {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
+  // The model's forward; in training mode rank 0's buffers are broadcast
+  // first if config().broadcast_buffers (Note [Buffers across ranks]).
+  const nn::Tensor& forward(const float* x, const nn::Shape& shape);
   // Runs model.backward with the overlapped bucket all-reduce (Note [Overlap]).
   const nn::Tensor* backward(const float* grad_output, const nn::Shape& shape, bool input_grad);
   // Launches every dirty bucket, waits for all reductions: flat_grads() then
@@ -123,6 +148,7 @@ class DistributedDataParallel {
 
   // Copies rank 0's parameters (and module buffers) to every rank.
   void broadcast_parameters();
+  // Copies rank 0's module buffers to every rank, as one message.
   void broadcast_buffers();
   // Hashes every parameter tensor, gathers the hashes and compares them with
   // rank 0's; same answer on every rank. Collective: every rank must call it.
@@ -159,6 +185,7 @@ class DistributedDataParallel {
   void fork_rng_streams();
   std::string describe(const std::vector<ParamMismatch>& bad) const;
   void gather_host(const void* in, void* out, size_t bytes);
+  void give_replica_sums();
   void on_grad_ready(size_t param);
   void launch(size_t b);
   void wait_in_flight();
@@ -178,6 +205,7 @@ class DistributedDataParallel {
   bool any_unsynced_ = false;         // something to reduce since the last sync
   uint64_t launched_total_ = 0;
   HostGather host_gather_;
+  std::vector<float> buffer_pack_;    // broadcast_buffers' message
 };
 
 }  // namespace cx::train

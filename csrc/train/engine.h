@@ -34,6 +34,9 @@ class Engine {
   // checkpoints), on whichever memory the backend moves. Blocking.
   virtual void all_gather_host(const void* in, void* out, size_t bytes) = 0;
   virtual void broadcast_host(void* buf, size_t bytes, int root) = 0;
+  // Rank 0's module buffers to every rank, where the model lives (Note
+  // [Buffers across ranks] in ddp.h). Collective.
+  virtual void broadcast_buffers() = 0;
   // Where the model's state lives between steps: copies it to the host objects
   // and back (no-ops where it is the host).
   virtual void to_host() {}

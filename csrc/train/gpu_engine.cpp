@@ -1,30 +1,38 @@
 #include "train/gpu_engine.h"
 
 #include "common/error.h"
+#include "train/buffer_sync.h"
 
 namespace cx::train {
 
 namespace {
 uintptr_t stream_id(const cuda::Device& dev) { return reinterpret_cast<uintptr_t>(dev.stream()); }
+
+// Every layer must have GPU code (a SyncBatchNormModule has none yet): asked
+// before a GPU is touched, so every rank refuses at trainer construction.
+std::unique_ptr<cuda::Device> open_device(const nn::SequentialModel& model, const distributed::ProcessGroup& group) {
+  nn::check_runs_on_gpu(model);
+  return std::make_unique<cuda::Device>(group.config().local_rank);
+}
 }  // namespace
 
 GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
                        std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
                        const DDPConfig& cfg, const DistributedDataParallel& host_ddp)
-    : dev_(std::make_unique<cuda::Device>(group->config().local_rank)),
+    : dev_(open_device(*model, *group)),
       model_(std::move(model)),
       loss_(std::move(loss)),
       opt_(std::move(opt)),
       group_(std::move(group)),
-      sched_(host_ddp.buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }) {
+      sched_(host_ddp.buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }),
+      broadcast_buffers_(cfg.broadcast_buffers) {
   dm_ = std::make_unique<nn::DeviceModel>(model_, *dev_);
   opt_state_ = opt_->to_device(*dev_, dm_->size());
   stats_.reserve(4 * sizeof(double));
   if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
     // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
     group_->broadcast(dm_->params(), dm_->size(), distributed::DataType::kFloat32, 0, false, stream_id(*dev_));
-    for (auto [p, n] : dm_->buffers())
-      group_->broadcast(p, n, distributed::DataType::kFloat32, 0, false, stream_id(*dev_));
+    broadcast_buffers();
     dm_->to_host();
   }
 }
@@ -109,6 +117,7 @@ void GpuEngine::launch_bucket(size_t b) {
 BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
   dev_->make_current();
   const nn::BatchTargets on_dev = upload_batch(x, x_shape, y);
+  if (broadcast_buffers_) broadcast_buffers();  // as DistributedDataParallel::forward in training
   const float* out = dm_->forward(x_.f(), x_shape, true);
   const nn::Shape os = dm_->output_shape();
   launch_loss(out, os, y, on_dev);
@@ -161,6 +170,16 @@ void GpuEngine::all_gather_host(const void* in, void* out, size_t bytes) {
   for (int r = 0; r < world; ++r) outs.push_back(base + bytes * (r + 1));
   group_->all_gather(base, outs, bytes, distributed::DataType::kUInt8, false, stream_id(*dev_));
   dev_->download(out, base + bytes, bytes * world);
+}
+
+void GpuEngine::broadcast_buffers() {
+  dev_->make_current();
+  const std::vector<FloatSpan> spans = dm_->buffers();
+  if (total_floats(spans) == 0) return;  // no buffers: no collective, and no device allocation either
+  buffer_pack_.reserve(total_floats(spans) * sizeof(float));
+  train::broadcast_buffers(*group_, spans, buffer_pack_.f(), [this](float* dst, const float* src, size_t n) {
+    dev_->copy(dst, src, n * sizeof(float));
+  }, stream_id(*dev_));
 }
 
 void GpuEngine::broadcast_host(void* buf, size_t bytes, int root) {

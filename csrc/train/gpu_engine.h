@@ -3,7 +3,9 @@
 //
 // Note [The model on the GPU]
 // With BackendType.NCCL the trainer runs the model on GPU LOCAL_RANK. One step:
-// the gathered batch is copied to the device once; forward, the loss and
+// the gathered batch is copied to the device once; rank 0's device buffers are
+// broadcast (DDPConfig.broadcast_buffers, as the CPU engine's DDP forward:
+// Note [Buffers across ranks] in ddp.h); forward, the loss and
 // backward run there (nn::DeviceModel, each module's, loss's and optimizer's
 // own device code: Note [Modules on the GPU] in nn/module.h); as each bucket of
 // gradients becomes final in backward its AVG all-reduce is queued on NCCL (the
@@ -53,6 +55,9 @@ class GpuEngine : public Engine {
   // memory only).
   void all_gather_host(const void* in, void* out, size_t bytes) override;
   void broadcast_host(void* buf, size_t bytes, int root) override;
+  // The device buffers (DeviceModel::buffers()), on the device's stream: the
+  // GPU twin of DistributedDataParallel::broadcast_buffers.
+  void broadcast_buffers() override;
 
   std::string describe() const override;  // "cuda:0 (NVIDIA H100 80GB HBM3), GEMM: cuBLAS (...)"
 
@@ -77,10 +82,12 @@ class GpuEngine : public Engine {
 
   // Device batch and loss.
   cuda::Buffer x_, labels_, dense_, gout_, stats_, staging_;
+  cuda::Buffer buffer_pack_;  // broadcast_buffers' message
 
   BucketScheduler sched_;  // the host DDP's buckets, so both devices cut the gradients the same way
   std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;
   std::set<size_t> shapes_seen_;  // batch sizes that have run a step (Note [First step of a shape])
+  bool broadcast_buffers_ = true;  // DDPConfig.broadcast_buffers: before every training forward
 };
 
 }  // namespace cx::train

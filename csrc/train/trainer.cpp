@@ -37,6 +37,10 @@ TrainerCore::~TrainerCore() {
   if (ddp_) ddp_->set_host_gather(nullptr);  // Python may keep trainer.ddp; the engine goes now
 }
 
+void TrainerCore::sync_buffers() {
+  if (ddp_->config().broadcast_buffers) engine_->broadcast_buffers();
+}
+
 void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n) {
   size_t row = nn::numel(x_shape) / (x_shape[0] ? x_shape[0] : 1);
   size_t rows = std::min(x_shape[0], y.rows);

@@ -53,6 +53,10 @@ class TrainerCore {
   // them to the host objects and back (no-ops on the CPU).
   void sync_to_host() { engine_->to_host(); }
   void sync_from_host() { engine_->from_host(); }
+  // Collective: rank 0's module buffers to every rank if the DDPConfig's
+  // broadcast_buffers (fit calls it at the end of every epoch: Note [Buffers
+  // across ranks] in ddp.h); nothing otherwise.
+  void sync_buffers();
   // Collectives over host bytes for the trainer's bookkeeping (RNG states,
   // checkpoints), which work on either backend.
   void all_gather_host(const void* in, void* out, size_t bytes) { engine_->all_gather_host(in, out, bytes); }

@@ -32,6 +32,8 @@ __all__ = [
     "SoftmaxModule",
     "DropoutModule",
     "BatchNormModule",
+    "SyncBatchNormModule",
+    "convert_sync_batchnorm",
     "FlattenModule",
     "CrossEntropyLoss",
     "MSELoss",

@@ -82,6 +82,10 @@ def ddp_and_sampler(model: cx.SequentialModel, opt: cx.Optimizer, X: np.ndarray)
     ddp_config.broadcast_parameters = True
     ddp_config.bucket_size_mb = 25
     ddp_config.find_unused_parameters = False
+    ddp_config.broadcast_buffers = True
+    model = cx.SyncBatchNormModule.convert_sync_batchnorm(model)
+    model = cx.convert_sync_batchnorm(model)
+    sync_bn: cx.BatchNormModule = cx.SyncBatchNormModule(256, eps=1e-5, momentum=0.1)
     ddp = D.DistributedDataParallel(model, ddp_config)
     output = ddp.forward(X)
     grad_in = ddp.backward(output)

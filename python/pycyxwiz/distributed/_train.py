@@ -388,6 +388,9 @@ class DistributedTrainer:
                 if log_every and (done % log_every == 0 or done == total):
                     dt = max(time.perf_counter() - t0, 1e-9)
                     out.update(epoch + 1, end, done, total, ls / max(ns, 1), cs / max(ns, 1), ns * world / dt)
+            # Every rank's BatchNorm statistics become rank 0's, so evaluation, checkpoints and the model
+            # after fit agree (DDPConfig.broadcast_buffers; Note [Buffers across ranks] in csrc/train/ddp.h).
+            self._core.sync_buffers()
             g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
             if self._scheduler is not None and self._scheduler.interval == "epoch":
                 self._scheduler.step()

@@ -21,6 +21,7 @@ __all__ = [
 
 class DDPConfig(metaclass=_pybind11_type):
     broadcast_parameters: bool    # True: copy rank 0's parameters (and buffers) to every rank
+    broadcast_buffers: bool       # True: and rank 0's buffers before every forward in training mode
     bucket_size_mb: float         # 25.0
     find_unused_parameters: bool  # False
     first_bucket_mb: float        # 1.0: bucket 0 (the last layers) is small so communication starts early
