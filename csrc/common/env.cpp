@@ -52,6 +52,10 @@ const std::vector<Variable>& variables() {
       // Tests and the launcher.
       {"CX_NN_SCALAR", "1: the model math's plain scalar paths instead of AVX2 (tests compare them)", "0"},
       {"CX_ERROR_FILE", "where a rank records an uncaught exception for its launcher (set by the launcher)", "-"},
+      {"CX_PROGRESS_BAR",
+       "1: rank 0's DistributedTrainer draws its progress bar though its stdout is a pipe (the launchers set it "
+       "for the rank they show first when their own stdout is a terminal); 0: plain lines even on a terminal",
+       "a bar exactly when stdout is a terminal"},
   };
   return all;
 }
