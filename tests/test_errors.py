@@ -505,6 +505,78 @@ def test_two_processes_with_the_same_rank_are_refused():
     assert all(not o.ok for o in outs)  # the others are told, or time out waiting for rank 2
 
 
+def init_and_say_how_long():
+    t0 = time.monotonic()
+    try:
+        D.init()
+    except Exception as e:
+        return type(e).__name__, [c.__name__ for c in type(e).__mro__], str(e), time.monotonic() - t0
+    D.finalize()
+    return "ok", [], "", time.monotonic() - t0
+
+
+def test_a_second_rank_0_is_told_rank_0_is_taken_and_rank_0_says_who_came():
+    # The second process was meant to be rank 1 but was given RANK=0 too. Whichever binds
+    # MASTER_PORT second asks what holds it (Note [Who holds MASTER_PORT]): this job's store.
+    port = ranks.free_port()
+    outs = ranks.run(init_and_say_how_long, 2, init=False, timeout=60,
+                     env={"MASTER_PORT": port, "DISTRIBUTED_TIMEOUT_MS": 4000},
+                     per_rank_env={1: {"RANK": "0", "LOCAL_RANK": "0"}})
+    refused = [o for o in outs if o[0] == "ValueError"]
+    waited = [o for o in outs if o[0] == "DistributedTimeoutError"]
+    assert len(refused) == 1 and len(waited) == 1, outs
+    _, bases, msg, elapsed = refused[0]
+    assert msg.startswith(f"RANK=0 is already taken by another process of this job (127.0.0.1:{port} answers "
+                          "as its store"), msg
+    assert "two processes were started with RANK=0" in msg and "already in use" not in msg, msg
+    assert elapsed < 3, elapsed  # told at once, not after the 4 s deadline
+    # The real rank 0 keeps its group (nothing was claimed in it), and when rank 1 never comes it
+    # says that a second RANK=0 came and went.
+    _, bases, msg, elapsed = waited[0]
+    assert "TimeoutError" in bases and "for rank(s) 1 to connect" in msg, msg
+    assert f"another process started with RANK=0 found this rank's store on 127.0.0.1:{port}" in msg, msg
+
+
+def hold_store_until(up_file, done_file):
+    # rank 0's store is up (init returned); it stays up until the test is done probing it
+    if D.get_rank() == 0:
+        open(up_file, "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(done_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    D.barrier()
+    return True
+
+
+def test_master_port_held_by_another_jobs_store_names_that_job(tmp_path):
+    port = ranks.free_port()
+    up_file, done_file = str(tmp_path / "up"), str(tmp_path / "done")
+    result = {}
+
+    def other_job():
+        result["outs"] = ranks.run(hold_store_until, 2, args=(up_file, done_file), env={"MASTER_PORT": port},
+                                   timeout=60)
+
+    th = threading.Thread(target=other_job)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(up_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c = D.DistributedConfig()
+        c.rank, c.world_size, c.master_port, c.timeout_ms = 0, 3, port, 3000
+        with pytest.raises(D.DistributedConnectionError) as ei:
+            D.init(c)
+    finally:
+        open(done_file, "w").close()
+        th.join()
+    msg = str(ei.value)
+    assert f"MASTER_PORT {port} on 127.0.0.1 is already in use by another pycyxwiz job" in msg, msg
+    assert "WORLD_SIZE=2 where this process has WORLD_SIZE=3" in msg, msg
+    assert not D.is_initialized()
+    assert result["outs"] == [True, True]  # and the other job went on undisturbed
+
+
 def wrong_world():
     return D.get_world_size()
 

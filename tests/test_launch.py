@@ -1,4 +1,5 @@
 """The launchers: launch_distributed.sh, python -m pycyxwiz.launch, cx.distributed.spawn, mpirun."""
+import io
 import os
 import re
 import shutil
@@ -298,6 +299,162 @@ def test_two_nodes_on_one_machine_form_one_world(tmp_path):
     assert all(n.returncode == 0 for n in nodes)
     lines = sorted("".join(outs).splitlines())
     assert lines == [f"[rank {k}] sum 10.0 world 4" for k in range(4)]
+
+
+# ---- a progress bar through the launcher ----------------------------------------------------
+
+TRAIN = textwrap.dedent("""
+    import numpy as np, pycyxwiz as cx
+    cx.distributed.init()
+    X = np.random.default_rng(0).standard_normal((384, 8)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.int64)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(8, 16, seed=1)); model.add(cx.ReLUModule()); model.add(cx.LinearModule(16, 2, seed=2))
+    trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-2))
+    config = cx.distributed.DistributedTrainingConfig(); config.epochs = 3; config.batch_size = 16
+    config.log_every_n_batches = 2
+    trainer.fit(X, y, config)
+    print("done", flush=True)
+    cx.distributed.finalize()
+""")
+
+SAYS_BAR = "import os; print('bar', os.environ.get('CX_PROGRESS_BAR'), flush=True)\n"
+
+
+def on_a_terminal(argv, env, timeout=120):
+    """Runs argv with its stdout on a pseudo-terminal (as a person at a shell would); returns
+    (exit code, the bytes the terminal received, stderr)."""
+    import pty
+    import select
+    import tempfile
+    master, slave = pty.openpty()
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=err, env=env)
+        os.close(slave)
+        got, deadline = [], time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if not select.select([master], [], [], 1.0)[0]:
+                    if p.poll() is not None:
+                        break
+                    continue
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:  # EIO: every writer of the terminal has closed it
+                    break
+                if not data:
+                    break
+                got.append(data)
+        finally:
+            os.close(master)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        err.seek(0)
+        return p.returncode, b"".join(got).decode(errors="replace"), err.read().decode(errors="replace")
+
+
+def screen(received):
+    """The lines a terminal shows after `received`: a carriage return goes back to the start of the
+    line (what follows overwrites it), ESC[K erases from there to the end of the line."""
+    lines, cur, col = [], [], 0
+    for tok in re.split(r"(\r\n|\n|\r|\x1b\[K)", received):
+        if tok in ("\r\n", "\n"):
+            lines.append("".join(cur))
+            cur, col = [], 0
+        elif tok == "\r":
+            col = 0
+        elif tok == "\x1b[K":
+            del cur[col:]
+        elif tok:
+            for ch in tok:
+                if col < len(cur):
+                    cur[col] = ch
+                else:
+                    cur.append(ch)
+                col += 1
+    return lines + (["".join(cur)] if cur else [])
+
+
+def test_on_a_terminal_rank_0_draws_its_bar_through_the_launcher(tmp_path):
+    job = script(tmp_path, TRAIN)
+    code, tty, err = on_a_terminal([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2",
+                                    "--log-dir", str(tmp_path / "logs"), "--tee", job],
+                                   env_without_rendezvous(MASTER_PORT=ranks.free_port()))
+    assert code == 0, err
+    # Each redraw goes back to the start of the line and draws it again behind the prefix ...
+    assert re.search(r"\r\[rank 0\] Epoch 1/3 \[=+>?\.*\] \d+/12 - loss", tty), tty
+    assert "\r[rank 0] Epoch 3/3 [" in tty and "\x1b[K" in tty
+    # ... so the terminal ends up showing one line per epoch, with no bar left over.
+    shown = [ln for ln in screen(tty) if ln.startswith("[rank")]
+    epochs = [ln for ln in shown if " - loss " in ln]
+    assert [ln[:26] for ln in epochs] == [f"[rank 0] Epoch {e}/3 - loss " for e in (1, 2, 3)], shown
+    assert all("samples/s - " in ln and "[=" not in ln for ln in epochs), shown
+    assert shown[-1] == "[rank 0] done" or "[rank 1] done" in shown[-2:], shown
+    # The log file gets plain lines: each redraw as a line of its own, no carriage return.
+    log = (tmp_path / "logs" / "rank_0" / "stdout.log").read_text()
+    assert "\r" not in log and "\x1b" not in log
+    assert any(ln.startswith("Epoch 2/3 [") for ln in log.splitlines()), log
+    assert [ln[:17] for ln in log.splitlines() if " - loss " in ln and "[" not in ln] == \
+        [f"Epoch {e}/3 - loss " for e in (1, 2, 3)], log
+    assert (tmp_path / "logs" / "rank_1" / "stdout.log").read_text() == "done\n"
+
+
+def test_the_shell_launcher_passes_the_bar_through_too(tmp_path):
+    code, tty, err = on_a_terminal([str(SH), "2", sys.executable, script(tmp_path, TRAIN)],
+                                   env_without_rendezvous(MASTER_PORT=ranks.free_port()))
+    assert code == 0, err
+    assert re.search(r"\r\[rank 0\] Epoch 2/3 \[=+>?\.*\] \d+/12 - loss", tty), tty
+
+
+def test_without_a_terminal_rank_0_prints_plain_lines_and_no_carriage_return(tmp_path):
+    r = launch(tmp_path, "--nproc-per-node", 2, script(tmp_path, TRAIN))
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stdout and "\x1b" not in r.stdout
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("[rank 0] Epoch 1/3 batch 2/12 - loss ") for ln in lines), lines
+    assert [ln[:26] for ln in lines if " - loss " in ln and " batch " not in ln] == \
+        [f"[rank 0] Epoch {e}/3 - loss " for e in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("show,told", [(None, "0"), ("1", "1")])
+def test_only_the_rank_shown_first_is_told_it_may_draw_a_bar(tmp_path, show, told):
+    job = script(tmp_path, SAYS_BAR)
+    argv = [sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2",
+            *(["--show-ranks", show] if show else []), job]
+    env = env_without_rendezvous(MASTER_PORT=ranks.free_port())
+    env.pop("CX_PROGRESS_BAR", None)
+    code, tty, err = on_a_terminal(argv, env)
+    assert code == 0, err
+    said = sorted(ln for ln in screen(tty) if ln.startswith("[rank"))
+    assert said == sorted(f"[rank {k}] bar {'1' if str(k) == told else None}" for k in (0, 1)
+                          if show is None or str(k) == show), said
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)  # not a terminal: nobody
+    assert r.returncode == 0 and "bar 1" not in r.stdout, r.stdout
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_line_from_another_rank_keeps_the_bar_below_it():
+    from pycyxwiz.launch import _Console
+    out, err = Terminal(), Terminal()
+    c = _Console(out)
+    c.redraw("[rank 0] ", "\rEpoch 1/2 [==>...] 1/4\x1b[K")
+    c.line(out, "[rank 1] hello\n")
+    c.redraw("[rank 0] ", "\rEpoch 1/2 [====>.] 2/4\x1b[K")
+    c.line(err, "[rank 0] a warning\n")
+    c.redraw("[rank 0] ", "\r\x1b[KEpoch 1/2 - loss 0.5\n")
+    c.end()
+    assert out.getvalue() == ("\r[rank 0] Epoch 1/2 [==>...] 1/4\x1b[K"
+                              "\r\x1b[K[rank 1] hello\n[rank 0] Epoch 1/2 [==>...] 1/4\x1b[K"
+                              "\r[rank 0] Epoch 1/2 [====>.] 2/4\x1b[K"
+                              "\r\x1b[K[rank 0] Epoch 1/2 [====>.] 2/4\x1b[K"
+                              "\r[rank 0] \x1b[KEpoch 1/2 - loss 0.5\n")
+    assert err.getvalue() == "[rank 0] a warning\n"
+    assert screen(out.getvalue()) == ["[rank 1] hello", "[rank 0] Epoch 1/2 - loss 0.5"]
 
 
 # ---- cx.distributed.spawn -------------------------------------------------------------

@@ -30,6 +30,11 @@ const std::vector<Variable>& variables() {
       {"SLURM_PROCID", "under srun: RANK", "-"},
       {"SLURM_NTASKS", "under srun: WORLD_SIZE", "-"},
       {"SLURM_LOCALID", "under srun: LOCAL_RANK", "-"},
+      {"SLURM_STEP_NODELIST", "under srun: MASTER_ADDR is its first host, unless MASTER_ADDR is set", "-"},
+      {"SLURM_JOB_NODELIST", "under srun, without SLURM_STEP_NODELIST: the same", "-"},
+      {"SLURM_JOB_ID", "under srun: MASTER_PORT is 10000 + SLURM_JOB_ID % 20000, unless MASTER_PORT is set", "-"},
+      {"SLURM_STEP_ID", "set by srun for its tasks: without it, a job (SLURM_JOB_ID) of SLURM_NTASKS > 1 is refused "
+       "at init() (the batch script or an salloc shell, not srun's tasks)", "-"},
       // Threads of the model math.
       {"OMP_NUM_THREADS", "threads of the model math per rank (OpenBLAS reads it)",
        "the launchers: CPUs / ranks per node; otherwise 1 when ranks share a machine"},
@@ -52,6 +57,10 @@ const std::vector<Variable>& variables() {
       // Tests and the launcher.
       {"CX_NN_SCALAR", "1: the model math's plain scalar paths instead of AVX2 (tests compare them)", "0"},
       {"CX_ERROR_FILE", "where a rank records an uncaught exception for its launcher (set by the launcher)", "-"},
+      {"CX_PROGRESS_BAR",
+       "1: rank 0's DistributedTrainer draws its progress bar though its stdout is a pipe (the launchers set it "
+       "for the rank they show first when their own stdout is a terminal); 0: plain lines even on a terminal",
+       "a bar exactly when stdout is a terminal"},
   };
   return all;
 }

@@ -1,19 +1,62 @@
 #include "distributed/config.h"
 
 #include <cctype>
+#include <cstring>
 #include <limits>
 #include <string>
 
 #include "common/env.h"
 #include "common/error.h"
+#include "distributed/slurm.h"
 
 namespace cx::distributed {
+
+namespace {
+
+bool is(const char* var, const char* name) { return var && std::strcmp(var, name) == 0; }
+
+// Note [Slurm]: how a task of srun is told from a process that merely runs inside
+// a Slurm allocation. Slurm's own code (src/common/env.c) is the evidence:
+//  - srun gives every task SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS (the
+//    step's task count), and SLURM_STEP_ID, the number of its step
+//    (env_array_for_step; slurmstepd's setup_env for each task).
+//  - an sbatch script runs as the job's "batch" step: it has SLURM_JOB_ID,
+//    SLURM_JOB_NODELIST and SLURM_NTASKS (the job's, env_array_for_batch_job),
+//    and slurmstepd gives it SLURM_PROCID=0 and SLURM_LOCALID=0 as its one
+//    task, but no SLURM_STEP_ID: setup_env sets that only for a step id that is
+//    non-negative as an int, and the batch step's is SLURM_BATCH_SCRIPT,
+//    0xfffffffb (an salloc shell run as the "interactive" step, 0xfffffffa, alike).
+//  - a plain salloc shell has SLURM_JOB_ID and SLURM_NTASKS (with -n), and no
+//    SLURM_PROCID or SLURM_STEP_ID (env_array_for_job).
+// So RANK and WORLD_SIZE taken from SLURM_PROCID/SLURM_NTASKS in a job
+// (SLURM_JOB_ID) of several tasks without SLURM_STEP_ID mean `python train.py`
+// in the batch script or the salloc shell: one process that would wait for
+// peers nobody starts. That is refused at once. Explicit RANK/WORLD_SIZE (and
+// mpirun's, PMI's variables) always win: then Slurm's are not read for this.
+// Under srun, MASTER_ADDR defaults to the first host of the step's nodes (where
+// srun's block and cyclic distributions put task 0), SLURM_STEP_NODELIST, else
+// the job's, SLURM_JOB_NODELIST; MASTER_PORT to slurm::port_for_job(SLURM_JOB_ID).
+void refuse_slurm_batch_without_srun(const char* rank_var, const char* world_var) {
+  if (!is(world_var, "SLURM_NTASKS") || (rank_var && !is(rank_var, "SLURM_PROCID"))) return;
+  const char* job = env::get("SLURM_JOB_ID");
+  if (!job || env::get("SLURM_STEP_ID")) return;
+  const int64_t n = *env::integer("SLURM_NTASKS", 1, 1 << 20, "a positive integer (number of tasks)");
+  if (n < 2) return;
+  CX_THROW(InvalidArgument, "this looks like a Slurm allocation of ", n, " tasks (SLURM_JOB_ID=", job,
+           ", SLURM_NTASKS=", n, "), but this process was not started by srun (SLURM_STEP_ID is unset: this is the ",
+           "batch script or an salloc shell), so the other ", n - 1,
+           " task(s) would never come: run `srun python train.py` (srun starts one process per task), or set ",
+           "RANK and WORLD_SIZE yourself (explicit RANK/WORLD_SIZE always win)");
+}
+
+}  // namespace
 
 Config Config::from_environment() {
   Config c;
   const char *rank_var = nullptr, *world_var = nullptr, *local_var = nullptr;
   const char* rank_s = env::first_of({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}, &rank_var);
   const char* world_s = env::first_of({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}, &world_var);
+  refuse_slurm_batch_without_srun(rank_var, world_var);  // Note [Slurm]
   if (rank_s && !world_s) {
     CX_THROW(InvalidArgument, rank_var, "=", rank_s,
              " is set but WORLD_SIZE is not: set WORLD_SIZE to the number of processes");
@@ -33,9 +76,21 @@ Config Config::from_environment() {
   const char* local_s =
       env::first_of({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}, &local_var);
   c.local_rank = local_s ? static_cast<int>(*env::integer(local_var, 0, 1 << 20, "a non-negative integer")) : c.rank;
-  if (const char* a = env::get("MASTER_ADDR")) c.master_addr = a;
+  // Under srun (Note [Slurm]) rank 0's address and port come from the job.
+  const bool srun = is(rank_var, "SLURM_PROCID") && is(world_var, "SLURM_NTASKS") && c.world_size > 1;
+  const char* nodes_var = nullptr;
+  if (const char* a = env::get("MASTER_ADDR")) {
+    c.master_addr = a;
+  } else if (const char* nodes = srun ? env::first_of({"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"}, &nodes_var)
+                                      : nullptr) {
+    c.master_addr = slurm::first_host(nodes, nodes_var);
+  }
   if (auto v = env::integer("MASTER_PORT", 1, 65535, "a TCP port number 1 .. 65535")) {
     c.master_port = static_cast<int>(*v);
+  } else if (srun) {
+    if (auto job = env::integer("SLURM_JOB_ID", 0, std::numeric_limits<int64_t>::max() / 2, "a Slurm job id")) {
+      c.master_port = slurm::port_for_job(*job);
+    }
   }
   if (const char* b = env::get("DISTRIBUTED_BACKEND")) {
     std::string s(b);

@@ -48,9 +48,11 @@ struct Config {
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
   // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS, DISTRIBUTED_OPERATION_TIMEOUT_MS; under mpirun or srun also
-  // OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK} and SLURM_{PROCID,NTASKS,LOCALID}.
+  // OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK} and SLURM_{PROCID,NTASKS,LOCALID}, and
+  // under srun MASTER_ADDR/MASTER_PORT default to the job's (Note [Slurm] in config.cpp).
   // Neither RANK nor WORLD_SIZE anywhere: a single process (rank 0 of 1).
-  // Throws InvalidArgument naming the variable and its value.
+  // Throws InvalidArgument naming the variable and its value, or saying that a
+  // Slurm job's batch script or salloc shell was not started by srun.
   static Config from_environment();
 
   // Throws InvalidArgument for an impossible configuration.

@@ -45,11 +45,21 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
     if (cfg_.rank == 0) server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size);
     store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, dl);
   }
-  if (cfg_.backend == BackendType::kNccl) {
-    // The unique id travels through the store; NCCL then connects the ranks itself.
-    backend_ = std::make_unique<NcclBackend>(store_.get(), cfg_, dl);
-  } else {
-    backend_ = make_cpu_backend(cfg_, store_.get(), dl);
+  try {
+    if (cfg_.backend == BackendType::kNccl) {
+      // The unique id travels through the store; NCCL then connects the ranks itself.
+      backend_ = std::make_unique<NcclBackend>(store_.get(), cfg_, dl);
+    } else {
+      backend_ = make_cpu_backend(cfg_, store_.get(), dl);
+    }
+  } catch (const TimeoutError& e) {
+    // Note [Who holds MASTER_PORT] in store/store.h: a rank that never came may
+    // have been started with RANK=0 and turned away by this store.
+    const int n = server_ ? server_->turned_away() : 0;
+    if (n == 0) throw;
+    CX_THROW(TimeoutError, e.what(), ". Meanwhile ", n == 1 ? "another process" : std::to_string(n) + " other processes",
+             " started with RANK=0 found this rank's store on ", cfg_.master_addr, ":", cfg_.master_port,
+             " and gave up: was ", n == 1 ? "it" : "one of them", " meant to be a missing rank?");
   }
 }
 

@@ -9,6 +9,8 @@ Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MAST
 and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks).
 Every line a rank prints is prefixed with "[rank N]", its stdout on stdout and its
 stderr on stderr (--show-ranks 0 keeps only rank 0's; --log-dir writes them to files).
+On a terminal, the rank shown first may draw DistributedTrainer's progress bar, which
+the launcher redraws in place (Note [Redraws through the launcher]).
 If a rank fails, the others are stopped and the launcher exits with its exit code,
 naming the rank that failed first, with the last lines of its stderr. Ctrl-C stops
 every rank, and so does the launcher's own death (even by SIGKILL).
@@ -16,10 +18,12 @@ every rank, and so does the launcher's own death (even by SIGKILL).
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import ctypes
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +38,7 @@ from typing import Deque, Dict, IO, List, Optional, Sequence
 from . import _failure
 
 DEFAULT_PORT = 29500
+BAR_ENV = "CX_PROGRESS_BAR"  # the rank may draw a progress bar: Note [Redraws through the launcher]
 TAIL_LINES = 12  # lines of the failing rank's stderr shown in the launcher's report
 STOP_GRACE_S = 1.0  # after a rank fails, how long the others may take to exit before they are stopped
 
@@ -154,8 +159,82 @@ class _Rank:
         return self.signalled and self.rc is not None and self.rc < 0
 
 
-def _pump(stream: IO[bytes], prefix: str, console: Optional[IO[str]], log: Optional[IO[bytes]],
+def _is_tty(stream: Optional[IO[str]]) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+class _Console:
+    """What the pumps write to the launcher's stdout and stderr, and the one redrawn line there.
+
+    Note [Redraws through the launcher]: a rank's stdout is a pipe, so the rank cannot see that the
+    launcher shows its output on a terminal, and DistributedTrainer would print plain lines. So when
+    the launcher's own stdout is a terminal, it tells the rank whose output it shows first (rank 0,
+    or the first of --show-ranks) with CX_PROGRESS_BAR=1 that it may draw its bar, and that rank's
+    pump passes redraws through (_pump_redraws): it reads what arrives, not lines, and a carriage
+    return starts the line again, behind the rank's prefix, so the next redraw overwrites the last
+    ("\r[rank 0] Epoch 1/3 [=====>....] ..."). That line stays the last one on the screen: a line
+    from any other pump (another rank, a stderr) first clears it, is written, and the line is drawn
+    again below it. Nothing of this happens where the launcher's stdout is not a terminal: no rank
+    is told, every pump reads whole lines, and logs hold no carriage returns. --log-dir files of
+    the redrawing rank get each redraw as a plain line.
+    """
+
+    def __init__(self, stdout: IO[str]) -> None:
+        self.stdout = stdout
+        self._lock = threading.Lock()
+        self._open = ""        # the redrawn line as the screen shows it (prefix included); "" if none
+        self._restart = False  # a carriage return came: the next text starts that line again
+
+    def line(self, out: IO[str], text: str) -> None:
+        """Writes a whole line (text ends with a newline) to out, keeping the redrawn line below it."""
+        with self._lock:
+            shared = self._open and (out is self.stdout or _is_tty(out))
+            if shared:
+                self.stdout.write("\r\x1b[K")
+                self.stdout.flush()
+            out.write(text)
+            out.flush()
+            if shared:
+                self.stdout.write(self._open)
+                self.stdout.flush()
+
+    def redraw(self, prefix: str, text: str) -> None:
+        """Writes what a redrawing rank printed (any piece of it) to stdout, passing carriage returns."""
+        with self._lock:
+            for piece in _PIECES.split(text):
+                if piece == "\n":
+                    self.stdout.write(("" if self._open else prefix) + "\n")
+                    self._open, self._restart = "", False
+                elif piece == "\r":
+                    self._restart = True
+                elif piece:
+                    if self._restart or not self._open:
+                        self.stdout.write(("\r" if self._restart else "") + prefix + piece)
+                        self._open, self._restart = prefix + piece, False
+                    else:
+                        self.stdout.write(piece)
+                        self._open += piece
+            self.stdout.flush()
+
+    def end(self) -> None:
+        """Ends a line left open by a redraw, so what the launcher says next starts on its own line."""
+        with self._lock:
+            if self._open:
+                self.stdout.write("\n")
+                self.stdout.flush()
+            self._open, self._restart = "", False
+
+
+_PIECES = re.compile(r"(\r|\n)")
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's control sequences (\x1b[K: erase to the end)
+
+
+def _pump(stream: IO[bytes], prefix: str, out: Optional[IO[str]], screen: _Console, log: Optional[IO[bytes]],
           tail: Optional[Deque[str]]) -> None:
+    """Copies a rank's stream line by line to out (prefixed), its log file and its tail."""
     for raw in iter(stream.readline, b""):
         if log is not None:
             log.write(raw)
@@ -163,9 +242,34 @@ def _pump(stream: IO[bytes], prefix: str, console: Optional[IO[str]], log: Optio
         line = raw.decode(errors="replace")
         if tail is not None:
             tail.append(line.rstrip("\n"))
-        if console is not None:
-            console.write(prefix + line)
-            console.flush()
+        if out is not None:
+            screen.line(out, prefix + line)
+    stream.close()
+    if log is not None:
+        log.close()
+
+
+def _pump_redraws(stream: IO[bytes], prefix: str, screen: _Console, log: Optional[IO[bytes]]) -> None:
+    """The stdout of the rank told it may redraw: Note [Redraws through the launcher]."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    record = ""  # for the log: the text since the last carriage return or newline
+    fd = stream.fileno()
+    while True:
+        data = os.read(fd, 1 << 16)
+        text = decoder.decode(data, final=not data)
+        if text:
+            screen.redraw(prefix, text)
+        if log is not None:
+            *done, record = _PIECES.split(record + text)
+            lines = [_ESCAPES.sub("", t) for t in done if t not in ("\r", "\n")]
+            if not data:
+                lines.append(_ESCAPES.sub("", record))
+            lines = [t for t in lines if t]
+            if lines:
+                log.write("".join(t + "\n" for t in lines).encode())
+                log.flush()
+        if not data:
+            break
     stream.close()
     if log is not None:
         log.close()
@@ -239,6 +343,11 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
     scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
     logs = Path(log_dir) if log_dir else None
     console = logs is None or tee
+    screen = _Console(sys.stdout)
+    shown = [node_rank * nproc + local for local in range(nproc)
+             if show_ranks is None or node_rank * nproc + local in show_ranks]
+    # Note [Redraws through the launcher]: the rank shown first may draw a progress bar.
+    redrawing = shown[0] if console and shown and _is_tty(sys.stdout) else None
 
     # Every rank is started before any thread is: the preexec_fn runs between fork and exec,
     # where another thread's lock could be held.
@@ -258,6 +367,8 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
         env[_failure.ENV] = error_file
+        if rank == redrawing:
+            env.setdefault(BAR_ENV, "1")  # unless the user chose (CX_PROGRESS_BAR=0: plain lines)
         try:
             p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  start_new_session=True, preexec_fn=arm)
@@ -280,7 +391,11 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         for stream, out, name, tail in ((r.proc.stdout, sys.stdout, "stdout", None),
                                         (r.proc.stderr, sys.stderr, "stderr", r.tail)):
             log = open(logs / f"rank_{r.rank}" / f"{name}.log", "wb") if logs else None
-            t = threading.Thread(target=_pump, args=(stream, pre, out if show else None, log, tail), daemon=True)
+            if r.rank == redrawing and name == "stdout":
+                t = threading.Thread(target=_pump_redraws, args=(stream, pre, screen, log), daemon=True)
+            else:
+                t = threading.Thread(target=_pump, args=(stream, pre, out if show else None, screen, log, tail),
+                                     daemon=True)
             t.start()
             pumps.append(t)
 
@@ -339,7 +454,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
                 stop_all()
                 break
     except KeyboardInterrupt:
-        print("[launch] interrupted; stopping all ranks", file=sys.stderr, flush=True)
+        screen.line(sys.stderr, "[launch] interrupted; stopping all ranks\n")
         stop_all(signal.SIGINT)
         code = 130
     finally:
@@ -347,6 +462,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
     drained = time.monotonic() + 2  # a rank's child may hold its pipes open: do not wait for it long
     for t in pumps:
         t.join(max(0.0, drained - time.monotonic()))
+    screen.end()
     if failed:
         for r in ranks:  # the waiter threads record rc and exit time; the stopped ones have exited by now
             if r.rc is None:

@@ -49,7 +49,13 @@ std::string addr_to_string(const sockaddr_in& a) {
   return std::string(buf) + ":" + std::to_string(ntohs(a.sin_port));
 }
 
-Fd listen_on(const std::string& host, int port, const char* what) {
+std::string in_use_message(const std::string& host, int port, const char* what) {
+  return detail::concat(what, " ", port, " on ", host,
+                        " is already in use by another process: stop it, or choose a free port (e.g. ", what, "=",
+                        port + 1, ")");
+}
+
+Fd try_listen_on(const std::string& host, int port) {
   sockaddr_in a = resolve(host, port);
   Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) CX_THROW(ConnectionError, "socket(): ", std::strerror(errno));
@@ -57,11 +63,7 @@ Fd listen_on(const std::string& host, int port, const char* what) {
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
     int e = errno;
-    if (e == EADDRINUSE) {
-      CX_THROW(ConnectionError, what, " ", port, " on ", host,
-               " is already in use by another process: stop it, or choose a free port (e.g. ", what,
-               "=", port + 1, ")");
-    }
+    if (e == EADDRINUSE) return Fd();
     if (e == EADDRNOTAVAIL) {
       CX_THROW(ConnectionError, "cannot listen on ", host, ":", port, ": ", host,
                " is not an address of this machine (rank 0 must run on MASTER_ADDR)");
@@ -69,6 +71,12 @@ Fd listen_on(const std::string& host, int port, const char* what) {
     CX_THROW(ConnectionError, "cannot listen on ", host, ":", port, ": ", std::strerror(e));
   }
   if (::listen(fd.get(), 128) != 0) CX_THROW(ConnectionError, "listen(): ", std::strerror(errno));
+  return fd;
+}
+
+Fd listen_on(const std::string& host, int port, const char* what) {
+  Fd fd = try_listen_on(host, port);
+  if (!fd.valid()) CX_THROW(ConnectionError, in_use_message(host, port, what));
   return fd;
 }
 

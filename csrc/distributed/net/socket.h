@@ -42,8 +42,12 @@ sockaddr_in resolve(const std::string& host, int port);
 std::string addr_to_string(const sockaddr_in& a);
 
 // Listens on host:port (port 0 = ephemeral). Throws ConnectionError; a port in
-// use gets its own message naming `what` (e.g. "MASTER_PORT").
+// use gets its own message naming `what` (e.g. "MASTER_PORT"): in_use_message.
 Fd listen_on(const std::string& host, int port, const char* what);
+// The same, but a port in use (EADDRINUSE) returns an invalid Fd, for a caller
+// that finds out who holds it (the store: Note [Who holds MASTER_PORT]).
+Fd try_listen_on(const std::string& host, int port);
+std::string in_use_message(const std::string& host, int port, const char* what);
 int bound_port(int fd);
 std::string local_ip_of(int fd);  // the address this connected socket uses
 

@@ -19,7 +19,7 @@ constexpr uint32_t kMaxKey = 1024;
 constexpr uint32_t kMaxValue = 1 << 20;
 constexpr size_t kHeader = 16;
 
-enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4 };
+enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5 };
 enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2 };
 
 void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -38,7 +38,62 @@ std::string header(uint8_t code, uint32_t klen, uint32_t vlen) {
   return h;
 }
 
+// PROBE: the asker's i32 WORLD_SIZE; its reply: i32 world_size | i32 ranks joined | u32 closing.
+constexpr uint32_t kProbeReply = 12;
+// How long a rank 0 that could not bind MASTER_PORT waits for what holds it to
+// answer a PROBE. A store answers within milliseconds; a foreign program that
+// accepts and stays silent costs this much before the plain "in use" message.
+constexpr int64_t kProbeMs = 1000;
+
+// Rank 0 could not bind MASTER_PORT: say who holds it (Note [Who holds MASTER_PORT]).
+[[noreturn]] void explain_port_in_use(const std::string& host, int port, int world_size) {
+  std::optional<StoreInfo> info = probe_store(host, port, world_size, Deadline::after_ms(kProbeMs));
+  if (!info) CX_THROW(ConnectionError, net::in_use_message(host, port, "MASTER_PORT"));
+  if (info->closing) {
+    CX_THROW(ConnectionError, "MASTER_PORT ", port, " on ", host,
+             " is held by the store of a pycyxwiz group that is shutting down (an earlier job's rank 0 still "
+             "exiting?): wait for that process to exit, or choose another MASTER_PORT (e.g. MASTER_PORT=",
+             port + 1, ")");
+  }
+  if (info->world_size != world_size) {
+    CX_THROW(ConnectionError, "MASTER_PORT ", port, " on ", host,
+             " is already in use by another pycyxwiz job: its rank 0's store answers there, with WORLD_SIZE=",
+             info->world_size, " where this process has WORLD_SIZE=", world_size,
+             ": choose another MASTER_PORT for this job (e.g. MASTER_PORT=", port + 1, ")");
+  }
+  CX_THROW(InvalidArgument, "RANK=0 is already taken by another process of this job (", host, ":", port,
+           " answers as its store: WORLD_SIZE=", world_size, ", ", info->joined, " of ", world_size,
+           " ranks joined): two processes were started with RANK=0 (each rank must be unique in 0..",
+           world_size - 1, "); if that store is another job's, give this job another MASTER_PORT");
+}
+
 }  // namespace
+
+std::optional<StoreInfo> probe_store(const std::string& host, int port, int world_size, const Deadline& dl) {
+  const std::string what = "the process holding MASTER_PORT";
+  try {
+    net::Fd fd = net::connect_with_retry(host, port, dl, what);
+    int32_t w = world_size;
+    std::string req = header(kProbe, 0, 4) + std::string(reinterpret_cast<const char*>(&w), 4);
+    net::send_exact(fd.get(), req.data(), req.size(), dl, what);
+    char rep[kHeader + kProbeReply];
+    net::recv_exact(fd.get(), rep, kHeader, dl, what);
+    if (get_u32(rep) != kMagic || rep[4] != static_cast<char>(kOk) || get_u32(rep + 12) != kProbeReply) {
+      return std::nullopt;  // not one of ours
+    }
+    net::recv_exact(fd.get(), rep + kHeader, kProbeReply, dl, what);
+    StoreInfo info;
+    int32_t v;
+    std::memcpy(&v, rep + kHeader, 4);
+    info.world_size = v;
+    std::memcpy(&v, rep + kHeader + 4, 4);
+    info.joined = v;
+    info.closing = get_u32(rep + kHeader + 8) != 0;
+    return info;
+  } catch (const Error&) {
+    return std::nullopt;  // refused, silent or closed: nothing we can name
+  }
+}
 
 struct StoreServer::Client {
   net::Fd fd;
@@ -48,7 +103,8 @@ struct StoreServer::Client {
 };
 
 StoreServer::StoreServer(const std::string& host, int port, int world_size) : world_size_(world_size) {
-  listen_ = net::listen_on(host, port, "MASTER_PORT");
+  listen_ = net::try_listen_on(host, port);
+  if (!listen_.valid()) explain_port_in_use(host, port, world_size);
   port_ = net::bound_port(listen_.get());
   if (::pipe2(wake_, O_CLOEXEC) != 0) CX_THROW(Error, "pipe(): ", std::strerror(errno));
   thread_ = std::thread([this] { serve(); });
@@ -137,6 +193,19 @@ bool StoreServer::handle(Client& c) {
         closing_ = true;
         reply(c, kOk, "");
         break;
+      case kProbe: {  // Note [Who holds MASTER_PORT]: read-only, claims nothing
+        if (value.size() != 4) return false;
+        int32_t asker;
+        std::memcpy(&asker, value.data(), 4);
+        if (asker == world_size_) turned_away_.fetch_add(1);  // a second RANK=0 of this job, it seems
+        char v[kProbeReply];
+        int32_t w = world_size_, joined = static_cast<int32_t>(claimed_.size());
+        std::memcpy(v, &w, 4);
+        std::memcpy(v + 4, &joined, 4);
+        put_u32(v + 8, closing_ ? 1 : 0);
+        reply(c, kOk, std::string(v, kProbeReply));
+        break;
+      }
       default: return false;
     }
     if (!c.fd.valid()) return false;

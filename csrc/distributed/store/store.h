@@ -9,6 +9,20 @@
 //   reply:   u32 magic "CXS1" | u8 status | u8[3] 0 | u32 0     | u32 val_len | value
 // key_len <= 1 KiB and val_len <= 1 MiB: a larger announcement closes the
 // connection before anything is allocated.
+//
+// Note [Who holds MASTER_PORT]: when rank 0 cannot bind MASTER_PORT, the process
+// holding it is either a foreign program or a pycyxwiz store: most often that of
+// another process started with RANK=0 in the same job. Only a store speaks our
+// frames, so rank 0 connects and sends one PROBE with its WORLD_SIZE (read-only:
+// it claims nothing, and the store's ranks see nothing of it) and waits a bounded
+// time (kProbeMs) for the answer: WORLD_SIZE, how many ranks joined, whether the
+// group is closing. A store with our WORLD_SIZE is taken for this job's ("RANK=0 is
+// already taken"), another WORLD_SIZE for another job's; no answer, a garbled one
+// or a closed connection (a program that is not ours, or a pycyxwiz older than
+// PROBE) keeps the plain "already in use by another process". The store counts
+// the probes with its WORLD_SIZE, and when its rank 0 times out waiting for ranks
+// that never came, it says a second RANK=0 was turned away (ProcessGroup's
+// constructor).
 #pragma once
 
 #include <atomic>
@@ -16,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -35,6 +50,9 @@ class StoreServer {
   StoreServer& operator=(const StoreServer&) = delete;
 
   int port() const { return port_; }
+  // How many processes with this WORLD_SIZE that could not bind MASTER_PORT asked
+  // this store who holds it (Note [Who holds MASTER_PORT]): second RANK=0s.
+  int turned_away() const { return turned_away_.load(); }
 
  private:
   struct Client;
@@ -45,6 +63,7 @@ class StoreServer {
 
   int world_size_;
   int port_ = 0;
+  std::atomic<int> turned_away_{0};
   net::Fd listen_;
   int wake_[2] = {-1, -1};
   std::thread thread_;
@@ -55,6 +74,17 @@ class StoreServer {
   bool closing_ = false;  // a rank has finalized: refuse new members
   std::vector<std::unique_ptr<Client>> clients_;
 };
+
+// What a store answering on host:port says of itself (Note [Who holds MASTER_PORT]).
+struct StoreInfo {
+  int world_size = 0;
+  int joined = 0;        // ranks that have claimed their rank
+  bool closing = false;  // a rank has finalized: the group is ending
+};
+// Asks host:port for its StoreInfo within `dl`, saying this process's WORLD_SIZE;
+// nullopt when what answers is not a pycyxwiz store (or nothing answers in time).
+// Never throws.
+std::optional<StoreInfo> probe_store(const std::string& host, int port, int world_size, const Deadline& dl);
 
 class StoreClient {
  public:

@@ -165,13 +165,22 @@ def _as_targets(y: Any, who: str) -> np.ndarray:
     raise TypeError(f"{who}: y must hold integer class labels or float targets, got dtype {y.dtype}")
 
 
+def _draws_a_bar(stream) -> bool:
+    """A bar where stdout is a terminal, or where the launcher shows it on one (CX_PROGRESS_BAR=1:
+    Note [Redraws through the launcher] in pycyxwiz/launch.py); CX_PROGRESS_BAR=0: never."""
+    wanted = os.environ.get("CX_PROGRESS_BAR", "")
+    if wanted in ("0", "1"):
+        return wanted == "1"
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
 class _Progress:
     """Rank 0's output: a redrawn bar on a terminal, plain lines otherwise."""
 
     def __init__(self, enabled: bool, stream=None) -> None:
         self.stream = stream or sys.stdout
         self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.tty = enabled and _draws_a_bar(self.stream)
 
     def update(self, epoch: int, epochs: int, done: int, total: int, loss: float, acc: float, sps: float) -> None:
         if not self.enabled:
