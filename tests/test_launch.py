@@ -205,6 +205,9 @@ def test_nproc_per_node_defaults_to_one_and_auto_counts_cpus(tmp_path, monkeypat
     assert nproc_from("3") == 3
     with pytest.raises(SystemExit, match="'auto', 'cpu' or 'gpu', got 'many'"):
         nproc_from("many")
+    if cx._core.dist._cuda_device_count() == 0:
+        with pytest.raises(SystemExit, match="--nproc-per-node gpu counts GPUs, and none is visible here"):
+            nproc_from("gpu")
 
 
 def test_omp_num_threads_is_set_for_the_ranks_unless_the_user_set_it(tmp_path):

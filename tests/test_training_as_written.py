@@ -204,3 +204,31 @@ def test_parameters_that_differ_across_ranks_are_reported_on_every_rank():
         assert kind == "raised" and "Gradients differ across ranks" in msg and "after step 5" in msg, msg
     for kind, msgs in ranks.run(drift, 2, args=("warn", 0)):
         assert kind == "warned" and msgs == []  # 0: never checked
+
+
+def misconfigured(case):
+    X, y = data(16)
+    opt = cx.SGDOptimizer(0.1)
+    trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), opt)
+    config = D.DistributedTrainingConfig(epochs=1, batch_size=8, verbose=False)
+    kw = {}
+    if case == "every":
+        config.check_every_n_steps = -1
+    elif case == "divergence":
+        config.on_divergence = "ignore"
+    else:
+        kw["scheduler"] = opt  # an optimizer where a scheduler belongs
+    try:
+        trainer.fit(X, y, config, **kw)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("case,exc,text", [
+    ("every", "ValueError", "check_every_n_steps must be an int >= 0 (0: never), got -1"),
+    ("divergence", "ValueError", "on_divergence must be 'warn' or 'raise', got 'ignore'"),
+    ("scheduler", "TypeError", "scheduler must be a cx LRScheduler"),
+])
+def test_misconfigured_checks_and_schedulers_are_named(case, exc, text):
+    (err,) = ranks.run(misconfigured, 1, args=(case,))
+    assert err is not None and err[0] == exc and text in err[1], err

@@ -152,6 +152,7 @@ class _Rank:
     rc: Optional[int] = None
     exit_time: float = 0.0
     signalled: bool = False  # the launcher sent it a signal (it was still running after another rank failed)
+    report: Optional[dict] = None  # its uncaught exception (pycyxwiz._failure), read once it has exited
 
     @property
     def stopped(self) -> bool:
@@ -283,19 +284,17 @@ def _root_cause(failed: List[_Rank]) -> _Rank:
     else by its exit. A rank whose exception is a lost connection to a peer is named only when
     every failed rank has one (say, a network that went down for all)."""
     def when(r: _Rank) -> float:
-        rep = _failure.read(r.error_file)
-        return rep["time"] if rep else r.exit_time
+        return r.report["time"] if r.report else r.exit_time
 
     def consequence(r: _Rank) -> bool:
-        rep = _failure.read(r.error_file)
-        return rep is not None and "DistributedConnectionError" in rep.get("bases", [])
+        return r.report is not None and "DistributedConnectionError" in r.report.get("bases", [])
 
     first_hand = [r for r in failed if not consequence(r)]
     return min(first_hand or failed, key=when)
 
 
 def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
-    rep = _failure.read(cause.error_file)
+    rep = cause.report
     what = f"{rep['type']}: {rep['message']}" if rep else ""
     how = _how(cause.rc)
     if cause.stopped:
@@ -306,9 +305,8 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
         lines += [f"[launch]   {t}" for t in cause.tail]
     if others:
         def fate(r: _Rank) -> str:
-            rep = _failure.read(r.error_file)
-            if rep:
-                return f"rank {r.rank} raised {rep['type']}"
+            if r.report:
+                return f"rank {r.rank} raised {r.report['type']}"
             return f"rank {r.rank} was stopped by the launcher" if r.stopped else f"rank {r.rank} {_how(r.rc)}"
 
         lines.append("[launch] the other ranks stopped because of it: " + "; ".join(fate(r) for r in others))
@@ -468,8 +466,9 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
             if r.rc is None:
                 r.rc = r.proc.wait()
                 r.exit_time = r.exit_time or time.time()
+            r.report = _failure.read(r.error_file)
         bad = [r for r in ranks if r.rc != 0]
-        cause = _root_cause([r for r in bad if not r.stopped or _failure.read(r.error_file)] or bad)
+        cause = _root_cause([r for r in bad if not r.stopped or r.report] or bad)
         _report(cause, [r for r in bad if r is not cause], sys.stderr)
         code = cause.rc if cause.rc and cause.rc > 0 else 128 - (cause.rc or -1)
     scratch.cleanup()
