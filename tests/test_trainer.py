@@ -3,6 +3,7 @@ resume-from-checkpoint equality, a killed rank, printing, and every user-facing 
 """
 import contextlib
 import io
+import json
 import os
 import threading
 import time
@@ -128,9 +129,13 @@ def fit_dropout_with_checkpoints(ckpt_dir, epochs, resume_from):
 
 
 def drop_rng_from_checkpoint(src, dst):
+    """The file as version 1 wrote it before it held generator states (no manifest either)."""
     with np.load(src) as z:
-        arrays = {k: z[k] for k in z.files if k != "rng.modules"}
+        arrays = {k: z[k] for k in z.files if k not in ("rng.modules", "manifest.json")}
         assert "rng.modules" in z.files and z["rng.modules"].shape == (2, 1)   # one row per rank, one Dropout
+    meta = json.loads(arrays["meta"].tobytes().decode())
+    meta["version"] = 1
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     with open(dst, "wb") as f:                               # a file object: savez adds no ".npz"
         np.savez(f, **arrays)
 

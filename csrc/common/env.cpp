@@ -19,6 +19,8 @@ const std::vector<Variable>& variables() {
       {"MASTER_ADDR", "rank 0's address: its store listens there", "127.0.0.1"},
       {"MASTER_PORT", "rank 0's store port", "29500"},
       {"DISTRIBUTED_BACKEND", "cpu or nccl", "cpu"},
+      {"RESTART_COUNT", "which start of the job this is (the launchers set it: 0, then 1 after the first restart); "
+       "rank 0 admits only ranks of its own", "0"},
       {"DISTRIBUTED_TIMEOUT_MS", "how long init() waits for every rank (ms)", "600000 (10 min)"},
       {"DISTRIBUTED_OPERATION_TIMEOUT_MS", "how long one collective waits for its peers (ms)", "1800000 (30 min)"},
       {"OMPI_COMM_WORLD_RANK", "under mpirun: RANK", "-"},
@@ -56,6 +58,8 @@ const std::vector<Variable>& variables() {
       {"CUDA_VISIBLE_DEVICES", "the GPUs this process sees (read for messages)", "all"},
       // Tests and the launcher.
       {"CX_NN_SCALAR", "1: the model math's plain scalar paths instead of AVX2 (tests compare them)", "0"},
+      {"CX_MAX_RESTARTS", "python -m pycyxwiz.launch and launch_distributed.sh: restart every rank up to this many "
+       "times when one fails (--max-restarts wins)", "0"},
       {"CX_ERROR_FILE", "where a rank records an uncaught exception for its launcher (set by the launcher)", "-"},
       {"CX_PROGRESS_BAR",
        "1: rank 0's DistributedTrainer draws its progress bar though its stdout is a pipe (the launchers set it "

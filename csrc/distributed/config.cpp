@@ -122,6 +122,9 @@ Config Config::from_environment() {
   if (auto v = env::integer("CX_SHM", 0, 1, "0 (TCP only) or 1 (shared memory between ranks on one host)")) {
     c.shm = *v == 1;
   }
+  if (auto v = env::integer("RESTART_COUNT", 0, 1 << 20, "a non-negative integer (the launchers set it)")) {
+    c.generation = static_cast<int>(*v);
+  }
   if (auto v = env::integer("CX_SHM_RING_BYTES", 4096, 1LL << 30, "bytes (4096 .. 2^30)")) c.shm_ring_bytes = *v;
   return c;
 }

@@ -45,9 +45,14 @@ struct Config {
   // pairs] in transport/shm/negotiate.cpp). CX_SHM=0 keeps every pair on TCP.
   bool shm = true;
   int64_t shm_ring_bytes = 1 << 20;  // ring per ordered pair; CX_SHM_RING_BYTES
+  // Which start of the job this is: RESTART_COUNT, set by the launchers (0 the
+  // first time, k after the k-th restart: Note [Restarts] in pycyxwiz/launch.py).
+  // Rank 0's store admits only ranks of its own generation, so a rank left over
+  // from an earlier start cannot join a restarted group (nor the reverse).
+  int generation = 0;
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
-  // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS, DISTRIBUTED_OPERATION_TIMEOUT_MS; under mpirun or srun also
+  // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS, DISTRIBUTED_OPERATION_TIMEOUT_MS, RESTART_COUNT; under mpirun or srun also
   // OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK} and SLURM_{PROCID,NTASKS,LOCALID}, and
   // under srun MASTER_ADDR/MASTER_PORT default to the job's (Note [Slurm] in config.cpp).
   // Neither RANK nor WORLD_SIZE anywhere: a single process (rank 0 of 1).

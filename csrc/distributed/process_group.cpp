@@ -42,8 +42,11 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
   const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);  // setup; Note [Two deadlines] in config.h
   if (cfg_.world_size > 1) {
-    if (cfg_.rank == 0) server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size);
-    store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, dl);
+    if (cfg_.rank == 0) {
+      server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size, cfg_.generation);
+    }
+    store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, dl,
+                                           cfg_.generation);
   }
   try {
     if (cfg_.backend == BackendType::kNccl) {

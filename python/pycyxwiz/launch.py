@@ -12,8 +12,9 @@ stderr on stderr (--show-ranks 0 keeps only rank 0's; --log-dir writes them to f
 On a terminal, the rank shown first may draw DistributedTrainer's progress bar, which
 the launcher redraws in place (Note [Redraws through the launcher]).
 If a rank fails, the others are stopped and the launcher exits with its exit code,
-naming the rank that failed first, with the last lines of its stderr. Ctrl-C stops
-every rank, and so does the launcher's own death (even by SIGKILL).
+naming the rank that failed first, with the last lines of its stderr; with --max-restarts N
+it starts them all again instead, up to N times, with RESTART_COUNT set (Note [Restarts]).
+Ctrl-C stops every rank, and so does the launcher's own death (even by SIGKILL).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from . import _failure
 DEFAULT_PORT = 29500
 BAR_ENV = "CX_PROGRESS_BAR"  # the rank may draw a progress bar: Note [Redraws through the launcher]
 TAIL_LINES = 12  # lines of the failing rank's stderr shown in the launcher's report
-STOP_GRACE_S = 1.0  # after a rank fails, how long the others may take to exit before they are stopped
+STOP_GRACE_S = 1.0
+RESTART_PAUSE_S = 1.0  # between a failed group's end and the next start: sockets and ports are released  # after a rank fails, how long the others may take to exit before they are stopped
 
 
 def _port_free(addr: str, port: int) -> bool:
@@ -316,8 +318,12 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
 
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
         master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
-        module: bool = False, log_dir: Optional[str] = None, tee: bool = False) -> int:
-    """Run the ranks of this node; return the exit code the launcher should exit with."""
+        module: bool = False, log_dir: Optional[str] = None, tee: bool = False,
+        max_restarts: Optional[int] = None) -> int:
+    """Run the ranks of this node; return the exit code the launcher should exit with.
+
+    With max_restarts (default $CX_MAX_RESTARTS, else 0) a failed group is started again, up to
+    that many times (Note [Restarts])."""
     if nproc < 1:
         raise SystemExit(f"launch: --nproc-per-node must be at least 1, got {nproc}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -337,9 +343,55 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         n = max(1, _cpus() // nproc)
         threads_env["OMP_NUM_THREADS"] = str(n)
+    if max_restarts is None:
+        max_restarts = _max_restarts_from_env()
+    if max_restarts < 0:
+        raise SystemExit(f"launch: --max-restarts must be >= 0, got {max_restarts}")
+    for restart in range(max_restarts + 1):
+        code, failed = _run_group(argv, nproc, nnodes, node_rank, addr, port, threads_env if restart == 0 else {},
+                                  dict(threads_env), show_ranks, prefix, log_dir, tee, restart)
+        if not failed or restart == max_restarts:
+            if failed and max_restarts:
+                print(f"[launch] giving up after {max_restarts} restart(s)", file=sys.stderr, flush=True)
+            return code
+        print(f"[launch] restarting every rank of this node ({restart + 1} of at most {max_restarts} restarts, "
+              f"RESTART_COUNT={restart + 1})", file=sys.stderr, flush=True)
+        time.sleep(RESTART_PAUSE_S)
+    return code
+
+
+# Note [Restarts]
+# With --max-restarts N (or CX_MAX_RESTARTS=N, which the shell launcher passes on), a rank that
+# fails does not end the job: once the launcher has stopped the others and named the cause, it
+# starts every rank of its node again, with RESTART_COUNT=1, 2, ... up to N; a clean exit or a
+# Ctrl-C ends it. DistributedTrainer then resumes by itself from the newest checkpoint that loads
+# cleanly (DistributedTrainingConfig.auto_resume, on where fit writes checkpoints), so a job with
+# checkpoints loses at most the work since the last one, and with the same data order, dropout
+# masks and optimizer state ends where an uninterrupted run ends (tests/test_restarts.py).
+# Several nodes: a rank's failure fails every rank of the job within a second (they find it gone),
+# so every node's launcher restarts its ranks, each with the next RESTART_COUNT, and the group meets
+# again at rank 0's new store. The count is the group's generation: rank 0's store refuses a rank
+# of another one by name (Config::generation in csrc/distributed/config.h), so a rank left over
+# from an earlier start, or a node that restarted once more than the others, fails at init instead
+# of joining a group it does not belong to.
+def _max_restarts_from_env() -> int:
+    text = os.environ.get("CX_MAX_RESTARTS", "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise SystemExit(f"launch: CX_MAX_RESTARTS={text!r} is not valid: expected a number of restarts >= 0")
+    return int(text)
+
+
+def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: str, port: int,
+               announce_threads: Dict[str, str], threads_env: Dict[str, str], show_ranks: Optional[set],
+               prefix: bool, log_dir: Optional[str], tee: bool, restart: int):
+    """Starts this node's ranks and watches them; returns (exit code, whether a rank failed)."""
     world = nnodes * nproc
     scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
     logs = Path(log_dir) if log_dir else None
+    if logs is not None and restart:
+        logs = logs / f"restart_{restart}"  # each start's output apart
     console = logs is None or tee
     screen = _Console(sys.stdout)
     shown = [node_rank * nproc + local for local in range(nproc)
@@ -363,7 +415,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         env = dict(os.environ)
         env.update(threads_env)
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+                   MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1", RESTART_COUNT=str(restart))
         env[_failure.ENV] = error_file
         if rank == redrawing:
             env.setdefault(BAR_ENV, "1")  # unless the user chose (CX_PROGRESS_BAR=0: plain lines)
@@ -377,7 +429,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
             raise SystemExit(f"launch: cannot start {argv[0]!r}: {e.strerror}"
                              + (" (not found on PATH)" if isinstance(e, FileNotFoundError) else ""))
         ranks.append(_Rank(rank, p, error_file))
-    if threads_env:
+    if announce_threads:
         print(f"[launch] OMP_NUM_THREADS={threads_env['OMP_NUM_THREADS']} for each rank ({_cpus()} CPUs, {nproc} "
               "ranks on this node); set OMP_NUM_THREADS to choose another value", file=sys.stderr, flush=True)
 
@@ -428,7 +480,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
 
     old = signal.signal(signal.SIGTERM, on_signal)
     code = 0
-    failed = False
+    failed = interrupted = False
     try:
         running = len(ranks)
         while running:
@@ -455,6 +507,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         screen.line(sys.stderr, "[launch] interrupted; stopping all ranks\n")
         stop_all(signal.SIGINT)
         code = 130
+        interrupted = True  # the user's stop: never restarted
     finally:
         signal.signal(signal.SIGTERM, old)
     drained = time.monotonic() + 2  # a rank's child may hold its pipes open: do not wait for it long
@@ -472,7 +525,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         _report(cause, [r for r in bad if r is not cause], sys.stderr)
         code = cause.rc if cause.rc and cause.rc > 0 else 128 - (cause.rc or -1)
     scratch.cleanup()
-    return code
+    return code, failed and not interrupted
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -493,11 +546,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--log-dir", "--log_dir", default=None,
                     help="write each rank's output to DIR/rank_N/stdout.log and stderr.log instead of the console")
     ap.add_argument("--tee", action="store_true", help="with --log-dir: show the output on the console too")
+    ap.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
+                    help="when a rank fails, stop the others and start every rank again, up to N times "
+                         "(default $CX_MAX_RESTARTS or 0); each start gets RESTART_COUNT")
     ap.add_argument("-m", "--module", action="store_true", help="run the command as a Python module (python -m)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args], a module with -m, or any command")
     a = ap.parse_args(argv)
     sys.exit(run(nproc_from(a.nproc_per_node), a.command, a.nnodes, a.node_rank, a.master_addr, a.master_port,
-                 _parse_ranks(a.show_ranks), not a.no_prefix, a.module, a.log_dir, a.tee))
+                 _parse_ranks(a.show_ranks), not a.no_prefix, a.module, a.log_dir, a.tee, a.max_restarts))
 
 
 if __name__ == "__main__":

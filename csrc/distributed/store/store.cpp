@@ -102,7 +102,8 @@ struct StoreServer::Client {
   int rank = -1;
 };
 
-StoreServer::StoreServer(const std::string& host, int port, int world_size) : world_size_(world_size) {
+StoreServer::StoreServer(const std::string& host, int port, int world_size, int generation)
+    : world_size_(world_size), generation_(generation) {
   listen_ = net::try_listen_on(host, port);
   if (!listen_.valid()) explain_port_in_use(host, port, world_size);
   port_ = net::bound_port(listen_.get());
@@ -150,10 +151,11 @@ bool StoreServer::handle(Client& c) {
     c.in.erase(0, kHeader + klen + vlen);
     switch (cmd) {
       case kHello: {
-        if (value.size() != 8) return false;
-        int32_t rank, world;
+        if (value.size() != 12) return false;
+        int32_t rank, world, generation;
         std::memcpy(&rank, value.data(), 4);
         std::memcpy(&world, value.data() + 4, 4);
+        std::memcpy(&generation, value.data() + 8, 4);
         if (closing_) {
           reply(c, kRetry, "");
           return false;
@@ -162,6 +164,15 @@ bool StoreServer::handle(Client& c) {
           reply(c, kRefused, detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
                                             " but rank 0 has WORLD_SIZE=", world_size_,
                                             ": every rank must be given the same WORLD_SIZE"));
+          return false;
+        }
+        if (generation != generation_) {  // Config::generation
+          const bool stale = generation < generation_;
+          reply(c, kRefused, detail::concat("rank ", rank, " (RESTART_COUNT=", generation, ") and rank 0 (RESTART_COUNT=",
+                                            generation_, ") belong to different starts of this job: ",
+                                            stale ? "this rank is left over from an earlier start"
+                                                  : "rank 0 is left over from an earlier start",
+                                            "; every rank of a restarted job must be started again by its launcher"));
           return false;
         }
         if (claimed_.count(rank)) {
@@ -249,16 +260,18 @@ void StoreServer::serve() {
   }
 }
 
-StoreClient::StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl)
+StoreClient::StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl,
+                         int generation)
     : host_(host), port_(port), rank_(rank) {
   std::string what = "the store of rank 0 (MASTER_ADDR:MASTER_PORT)";
   for (;;) {
     fd_ = net::connect_with_retry(host, port, dl, what);
-    char hello[8];
-    int32_t r = rank, w = world_size;
+    char hello[12];
+    int32_t r = rank, w = world_size, g = generation;
     std::memcpy(hello, &r, 4);
     std::memcpy(hello + 4, &w, 4);
-    std::string req = header(kHello, 0, 8) + std::string(hello, 8);
+    std::memcpy(hello + 8, &g, 4);
+    std::string req = header(kHello, 0, 12) + std::string(hello, 12);
     std::string rep(kHeader, '\0');
     bool retry = false;
     try {

@@ -44,7 +44,8 @@ namespace cx::distributed {
 class StoreServer {
  public:
   // Binds MASTER_ADDR:MASTER_PORT (only that interface) and starts serving.
-  StoreServer(const std::string& host, int port, int world_size);
+  // Admits ranks of `generation` only (Config::generation, RESTART_COUNT).
+  StoreServer(const std::string& host, int port, int world_size, int generation = 0);
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -62,6 +63,7 @@ class StoreServer {
   void answer_waiters(const std::string& key);
 
   int world_size_;
+  int generation_;
   int port_ = 0;
   std::atomic<int> turned_away_{0};
   net::Fd listen_;
@@ -88,8 +90,8 @@ std::optional<StoreInfo> probe_store(const std::string& host, int port, int worl
 
 class StoreClient {
  public:
-  // Connects (retrying until the deadline) and claims `rank`.
-  StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl);
+  // Connects (retrying until the deadline) and claims `rank` of `generation`.
+  StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl, int generation = 0);
 
   void set(const std::string& key, const std::string& value, const Deadline& dl);
   // Blocks until the key exists or the deadline passes (then TimeoutError

@@ -9,28 +9,35 @@ per-batch engine are C++ (csrc/train/). This module holds what is Python by natu
 epoch loop (one C++ call per batch), the progress bar and log lines (rank 0 only), the
 history, and checkpoint files.
 
-Checkpoint file format (version 1): an uncompressed NumPy ``.npz`` archive with
+Checkpoint file format (version 2): an uncompressed NumPy ``.npz`` archive with
 ``meta`` (UTF-8 JSON: format, version, epoch and batch position to resume at, partial
 epoch sums, history, sampler seed/shuffle, world size), ``model`` (the ``.cyxmodel``
 bytes: architecture, parameters, buffers), ``opt.<name>`` (the optimizer's state
 arrays; its scalars are in ``meta``) and ``rng.modules`` (uint64, one row per rank: the
 generator states of the model's Dropout modules, ``model.get_rng_state()`` on that rank;
-absent in files written before it existed, which then resume with the states as they are).
+absent in files written before it existed, which then resume with the states as they are),
+and ``manifest.json`` with the SHA-256 of every member, the zip comment holding the SHA-256 of
+the whole file (Note [Checkpoints you can trust] in _ckpt_file.py; version 1 files had neither).
 
 Every rank draws its own dropout masks (Note [Dropout across ranks] in csrc/train/ddp.h),
 so a checkpoint must hold every rank's generator states although only rank 0 writes it.
 fit() all-gathers them at the end of every epoch (a few bytes); a checkpoint holds
 rank 0's live states and the other ranks' states from that gather, i.e. it is exact for
 the checkpoints fit writes and for any save_checkpoint between fits. Files are written to a temporary name, fsynced
-and renamed, so a reader sees either the old complete file or the new complete file.
+and renamed, so a reader sees either the old complete file or the new complete file; the
+temporary files of writers killed mid-save are removed at the next save.
+
+With config.auto_resume (on by default where checkpoints are written), the first fit() of a
+trainer resumes by itself from the newest checkpoint in config.checkpoint_dir that loads
+cleanly: a job restarted by `python -m pycyxwiz.launch --max-restarts N` carries on where its
+last checkpoint left it (Note [Restarts] in pycyxwiz/launch.py).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
+import re
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, List, Optional, Tuple
@@ -38,7 +45,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from .. import _core
-from . import _pg
+from . import _ckpt_file, _pg
 
 _d = _core.dist
 
@@ -53,7 +60,9 @@ __all__ = [
 ]
 
 _CKPT_FORMAT = "pycyxwiz-checkpoint"
-_CKPT_VERSION = 1
+_CKPT_VERSION = 2        # 2: a manifest and a whole-file checksum (Note [Checkpoints you can trust])
+_CKPT_READS = (1, 2)
+_CKPT_NAME = re.compile(r"epoch_\d{4,}\.ckpt")  # what fit writes into checkpoint_dir
 
 
 class DistributedTrainingConfig:
@@ -70,7 +79,7 @@ class DistributedTrainingConfig:
 
     __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
                  "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
-                 "resume_from", "drop_last", "scheduler", "check_every_n_steps", "on_divergence")
+                 "resume_from", "auto_resume", "drop_last", "scheduler", "check_every_n_steps", "on_divergence")
 
     def __init__(self, **kw: Any) -> None:
         self.epochs: int = 10
@@ -84,6 +93,8 @@ class DistributedTrainingConfig:
         self.save_on_master_only: bool = True
         self.validation_split: float = 0.0       # fraction of (X, y) held out when no X_val/y_val is given
         self.resume_from: Optional[str] = None   # checkpoint file to continue from
+        self.auto_resume: Optional[bool] = None  # first fit resumes from the newest checkpoint in checkpoint_dir
+        #                                          (None: when checkpoint_every_n_epochs > 0)
         self.drop_last: bool = False             # drop each rank's last, shorter batch
         self.scheduler: Any = None               # an LRScheduler of the trainer's optimizer (or fit(scheduler=))
         self.check_every_n_steps: int = 200      # compare the ranks' parameters every n steps (0: never)
@@ -322,7 +333,17 @@ class DistributedTrainer:
 
         resume_from = resume_from if resume_from is not None else config.resume_from
         self._scheduler = scheduler
-        if resume_from:
+        resumed_by_itself = False
+        if not resume_from and self._auto_resumes(config):
+            resume_from = self._newest_checkpoint(config.checkpoint_dir)
+            resumed_by_itself = resume_from is not None
+        if resumed_by_itself:
+            try:
+                self.load_checkpoint(resume_from)
+            except (OSError, ValueError) as e:
+                raise type(e)(f"{e} (config.auto_resume found it in checkpoint_dir {config.checkpoint_dir!r}: set "
+                              f"config.auto_resume = False, or empty that folder, to start over)") from None
+        elif resume_from:
             self.load_checkpoint(resume_from)
         if not self._resume_pending:
             # A new fit continues where the last one ended (epoch count, so the shuffle goes on).
@@ -336,6 +357,9 @@ class DistributedTrainer:
         self._fit_sampler = sampler
 
         out = _Progress(config.verbose and self.is_master())
+        if resumed_by_itself:
+            out.line(f"resuming from {resume_from} (epoch {self._epochs_done()}, batch {self._position}; "
+                     f"config.auto_resume = False starts over)")
         if self.device:
             out.line(f"training on {self.device}")
         # The model, BatchNorm statistics and optimizer state as the host objects hold them now
@@ -356,6 +380,41 @@ class DistributedTrainer:
         self._in_fit = False
         self._core.sync_to_host()
         return history
+
+    def _auto_resumes(self, config: DistributedTrainingConfig) -> bool:
+        """Note [Restarts] in pycyxwiz/launch.py: only a trainer's first fit looks for a checkpoint (a
+        later fit continues what this process trained), and only where fit writes checkpoints."""
+        on = config.auto_resume if config.auto_resume is not None else config.checkpoint_every_n_epochs > 0
+        return bool(on) and not self._resume_pending and self._steps == 0 and self._epochs_done() == 0
+
+    def _newest_checkpoint(self, directory: str) -> Optional[str]:
+        """Collective: the newest epoch_NNNN.ckpt in `directory` that loads cleanly, as rank 0 finds it;
+        None if there is none. A damaged newer one is skipped with a warning naming what is wrong."""
+        chosen = b""
+        if self.is_master():
+            try:
+                names = sorted((n for n in os.listdir(directory) if _CKPT_NAME.fullmatch(n)),
+                               key=lambda n: int(n[6:-5]), reverse=True)
+            except OSError:
+                names = []
+            for name in names:
+                path = os.path.join(directory, name)
+                try:
+                    with open(path, "rb") as f:
+                        _ckpt_file.unpack(f.read(), path)
+                except OSError as e:
+                    warnings.warn(f"auto_resume: skipping {path}: {e}", RuntimeWarning, stacklevel=3)
+                    continue
+                chosen = path.encode()
+                break
+        if self.get_world_size() > 1:
+            head = np.array([len(chosen)], np.int64)
+            self._core.broadcast_host(head, 0)
+            buf = np.frombuffer(chosen, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
+            if buf.size:
+                self._core.broadcast_host(buf, 0)
+            chosen = buf.tobytes()
+        return chosen.decode() if chosen else None
 
     def _epochs_done(self) -> int:
         """Epochs completed over every fit so far (the next fit starts there)."""
@@ -444,6 +503,9 @@ class DistributedTrainer:
         if not isinstance(c.check_every_n_steps, int) or c.check_every_n_steps < 0:
             raise ValueError(f"DistributedTrainingConfig.check_every_n_steps must be an int >= 0 (0: never), got "
                              f"{c.check_every_n_steps!r}")
+        if c.auto_resume not in (None, True, False):
+            raise ValueError(f"DistributedTrainingConfig.auto_resume must be None, True or False, got "
+                             f"{c.auto_resume!r}")
         if c.on_divergence not in ("warn", "raise"):
             raise ValueError(f"DistributedTrainingConfig.on_divergence must be 'warn' or 'raise', got "
                              f"{c.on_divergence!r}")
@@ -505,10 +567,8 @@ class DistributedTrainer:
             "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "history": self._history._to_json(),
         }
-        buf = io.BytesIO()
-        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-                 model=np.frombuffer(_d._model_to_bytes(self.model), np.uint8), **arrays)
-        return buf.getvalue()
+        return _ckpt_file.pack(dict(meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                                    model=np.frombuffer(_d._model_to_bytes(self.model), np.uint8), **arrays))
 
     def save_checkpoint(self, path: str) -> Optional[str]:
         """Writes model, optimizer state, epoch, sampler position and history to `path`, atomically.
@@ -525,7 +585,7 @@ class DistributedTrainer:
             path = f"{path}.rank{self.get_rank()}"
         self._core.sync_to_host()
         data = self._checkpoint_bytes()
-        _atomic_write(path, data)
+        _ckpt_file.atomic_write(path, data)
         return path
 
     def load_checkpoint(self, path: str) -> None:
@@ -560,17 +620,21 @@ class DistributedTrainer:
         self._restore(data, path)
 
     def _restore(self, data: bytes, path: str) -> None:
+        z = _ckpt_file.unpack(data, path)  # Note [Checkpoints you can trust]
         try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                meta = json.loads(z["meta"].tobytes().decode())
-                model_bytes = z["model"].tobytes()
-                arrays = {k[4:]: np.array(z[k]) for k in z.files if k.startswith("opt.")}
-                rng_rows = np.array(z["rng.modules"]) if "rng.modules" in z.files else None
-        except Exception as e:  # zipfile.BadZipFile, KeyError, ValueError, ...
+            meta = json.loads(z["meta"].tobytes().decode())
+            model_bytes = z["model"].tobytes()
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
             raise OSError(f"load_checkpoint: {path!r} is not a readable pycyxwiz checkpoint ({e}); it may be "
                           f"truncated or from another program") from None
-        if meta.get("format") != _CKPT_FORMAT or meta.get("version") != _CKPT_VERSION:
+        arrays = {k[4:]: v for k, v in z.items() if k.startswith("opt.")}
+        rng_rows = z.get("rng.modules")
+        if not isinstance(meta, dict) or meta.get("format") != _CKPT_FORMAT or \
+                meta.get("version") not in _CKPT_READS:
             raise OSError(f"load_checkpoint: {path!r} is not a pycyxwiz checkpoint of version {_CKPT_VERSION}")
+        if meta["version"] >= 2 and not _ckpt_file.is_proven(data):
+            raise OSError(f"load_checkpoint: {path!r} is damaged: it says version {meta['version']} but its "
+                          f"whole-file checksum is missing")
         _d._model_load_bytes(self.model, model_bytes, path)
         sd = dict(meta["optimizer"])
         sd.update(arrays)
@@ -611,30 +675,3 @@ class DistributedTrainer:
             mine = np.array([_core.dist._fork_rng_stream(int(s), rank) for s in rows[0]], np.uint64)
         self.model.set_rng_state(mine)
         self._rng_by_rank = rows.copy() if rows.shape[0] == world else None
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    """Temporary file in the same directory, fsync, rename, fsync the directory."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass

@@ -103,6 +103,7 @@ class DistributedTrainingConfig:
     save_on_master_only: bool       # True
     validation_split: float         # 0.0
     resume_from: Optional[str]      # None
+    auto_resume: Optional[bool]     # None: on when checkpoint_every_n_epochs > 0
     drop_last: bool                 # False
     scheduler: Optional[LRScheduler]  # None
     check_every_n_steps: int        # 200; 0: never

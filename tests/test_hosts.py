@@ -1,0 +1,260 @@
+"""Several hosts: each rank in a network namespace of its own "host" (tests/hosts.py), with its own
+address, hostname and /dev/shm. The collectives and training across hosts (TCP between hosts,
+shared memory only within one), and faults on the wire: a cable pulled in the middle of an
+all_reduce, the job restarted by its launchers once the cable is back, delay and loss.
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hosts
+import ranks
+
+pytestmark = pytest.mark.skipif(hosts.available() is not None, reason=str(hosts.available()))
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np, pycyxwiz as cx
+    D = cx.distributed
+    mode, out = sys.argv[1], sys.argv[2]
+
+    def segments():
+        with open("/proc/self/maps") as f:
+            return len({l.split()[5] for l in f if "/dev/shm/cx-" in l})
+
+    def collectives():
+        D.init()
+        r, p = D.get_rank(), D.get_world_size()
+        bad = []
+        for n in (1, 1000, 300_001):
+            x = np.arange(n, dtype=np.float32) * (r + 1)
+            D.all_reduce(x)
+            if not np.array_equal(x, np.arange(n, dtype=np.float32) * (p * (p + 1) // 2)):
+                bad.append(f"all_reduce {n}")
+            y = np.arange(n, dtype=np.float64) + 7 if r == p - 1 else np.zeros(n)
+            D.broadcast(y, src=p - 1)
+            if not np.array_equal(y, np.arange(n, dtype=np.float64) + 7):
+                bad.append(f"broadcast {n}")
+            g = np.empty((p, n), np.int32)
+            D.all_gather(g, np.full(n, r, np.int32))
+            if not np.array_equal(g, np.repeat(np.arange(p, dtype=np.int32), n).reshape(p, n)):
+                bad.append(f"all_gather {n}")
+            rs = np.empty(n, np.float32)
+            D.reduce_scatter(rs, np.tile(np.arange(n, dtype=np.float32), p) + r)
+            if not np.array_equal(rs, np.arange(n, dtype=np.float32) * p + p * (p - 1) // 2):
+                bad.append(f"reduce_scatter {n}")
+        D.barrier()
+        result = {"bad": bad, "segments": segments(), "host": os.uname().nodename}
+        D.finalize()
+        return result
+
+    def train():
+        D.init()
+        X, y = cx.datasets.load_digits()
+        m = cx.SequentialModel()
+        m.add(cx.LinearModule(64, 32, seed=1)); m.add(cx.ReLUModule()); m.add(cx.LinearModule(32, 10, seed=2))
+        t = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.AdamOptimizer(3e-3))
+        t.fit(X, y, D.DistributedTrainingConfig(epochs=3, batch_size=32, verbose=False, seed=3))
+        loss, acc = t.evaluate(X, y)
+        np.save(out + ".npy", m.flat_parameters())
+        D.finalize()
+        return {"acc": acc}
+
+    def loop():
+        # All-reduces of 8 MiB until told to stop; prints each one (the test cuts the link mid-way).
+        D.init()
+        restart = int(os.environ.get("RESTART_COUNT", "0"))
+        x = np.ones(2 << 20, np.float32)
+        for i in range(3 if restart else 100000):
+            x[:] = D.get_rank() + 1
+            D.all_reduce(x)
+            assert x[0] == 3 and x[-1] == 3
+            print(f"iteration {i} of start {restart}", flush=True)
+        D.finalize()
+        return {"restart": restart}
+
+    try:
+        res = {"ok": True, **globals()[mode]()}
+    except Exception as e:
+        res = {"ok": False, "type": type(e).__name__, "bases": [c.__name__ for c in type(e).__mro__],
+               "message": str(e), "time": time.time()}
+    with open(out, "w") as f:
+        json.dump(res, f)
+    sys.exit(0 if res["ok"] else 1)
+""")
+
+
+def rank_env(rank, world, local, nlocal, master, port, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "CX_SHM", "RESTART_COUNT")}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nlocal),
+               MASTER_ADDR=master, MASTER_PORT=str(port), DISTRIBUTED_TIMEOUT_MS="30000",
+               DISTRIBUTED_OPERATION_TIMEOUT_MS="30000", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_on_hosts(h, tmp_path, mode, per_host, timeout=120, **extra):
+    """Starts `per_host` ranks on each host (rank = host * per_host + local); returns their results."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    world = h.n * per_host
+    procs = []
+    for rank in range(world):
+        env = rank_env(rank, world, rank % per_host, per_host, h.addrs[0], 29400, **extra)
+        out = tmp_path / f"{mode}{rank}.json"
+        procs.append((h.popen(rank // per_host, [sys.executable, str(worker), mode, str(out)], env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+    results = []
+    for p, out in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            raise AssertionError(f"a rank of {mode} hung past {timeout} s")
+        assert out.exists(), text
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_collectives_across_hosts_match_numpy_and_share_memory_only_within_a_host(tmp_path, per_host):
+    with hosts.Hosts(2) as h:
+        res = run_on_hosts(h, tmp_path, "collectives", per_host)
+    for rank, r in enumerate(res):
+        assert r["ok"] and r["bad"] == [], r
+        assert r["host"] == f"cx-host-{rank // per_host}"
+        # Alone on its host: no peer to share memory with. Two on a host: its own segment and its
+        # neighbour's, and none of the other host's (TCP between hosts).
+        assert r["segments"] == (0 if per_host == 1 else 2), r
+
+
+def test_training_across_hosts_gives_the_parameters_of_training_on_one_host(tmp_path):
+    with hosts.Hosts(2) as h:
+        res = run_on_hosts(h, tmp_path, "train", 1)
+    assert all(r["ok"] for r in res), res
+    assert res[0]["acc"] > 0.9 and res[0]["acc"] == res[1]["acc"]
+    across = [np.load(tmp_path / f"train{r}.json.npy") for r in (0, 1)]
+    assert np.array_equal(across[0], across[1])
+    # The same job with both ranks on this machine (loopback TCP): the same numbers, bit for bit.
+    worker = tmp_path / "worker.py"
+    port = ranks.free_port()
+    procs = [subprocess.Popen([sys.executable, str(worker), "train", str(tmp_path / f"local{r}.json")],
+                              env=rank_env(r, 2, r, 2, "127.0.0.1", port, CX_SHM=0)) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert np.array_equal(np.load(tmp_path / "local0.json.npy"), across[0])
+
+
+class Lines:
+    """Collects a process's output lines on a thread, so a test can wait for one."""
+
+    def __init__(self, stream):
+        self.lines = []
+        self._t = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._t.start()
+
+    def _read(self, stream):
+        for line in iter(stream.readline, ""):
+            self.lines.append(line.rstrip("\n"))
+        stream.close()
+
+    def join(self):
+        self._t.join(10)
+
+    def wait_for(self, text, timeout):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def text(self):
+        return "\n".join(self.lines)
+
+
+OPERATION_TIMEOUT_S = 4
+
+
+def test_a_cable_pulled_mid_all_reduce_fails_every_rank_with_a_named_error_within_the_deadline(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    with hosts.Hosts(2) as h:
+        procs = []
+        for rank in (0, 1):
+            env = rank_env(rank, 2, 0, 1, h.addrs[0], 29400,
+                           DISTRIBUTED_OPERATION_TIMEOUT_MS=OPERATION_TIMEOUT_S * 1000)
+            p = h.popen(rank, [sys.executable, str(worker), "loop", str(tmp_path / f"loop{rank}.json")], env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs.append((p, Lines(p.stdout)))
+        try:
+            assert all(lines.wait_for("iteration 3 ", 60) for _, lines in procs), [l.text() for _, l in procs]
+            cut_at = time.time()
+            h.cut(1)
+            codes = [p.wait(timeout=OPERATION_TIMEOUT_S + 30) for p, _ in procs]
+        finally:
+            for p, lines in procs:
+                p.kill()
+                p.wait()
+                lines.join()
+    assert codes == [1, 1]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"loop{rank}.json").read_text())
+        assert not r["ok"]
+        # A pulled cable sends nothing: the peer is silent, not gone, so the deadline names it.
+        assert "DistributedTimeoutError" in r["bases"] or "DistributedConnectionError" in r["bases"], r
+        assert f"rank {1 - rank}" in r["message"] and "all_reduce" in r["message"], r["message"]
+        took = r["time"] - cut_at
+        print(f"rank {rank}: {r['type']} {took:.2f} s after the cable was pulled")
+        assert took < OPERATION_TIMEOUT_S + 15, took
+
+
+def test_the_launchers_restart_the_job_once_the_cable_is_back(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    with hosts.Hosts(2) as h:
+        launchers = []
+        for node in (0, 1):
+            env = rank_env(0, 2, 0, 1, h.addrs[0], 29400, DISTRIBUTED_OPERATION_TIMEOUT_MS=OPERATION_TIMEOUT_S * 1000)
+            for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                env.pop(v)
+            argv = [sys.executable, "-m", "pycyxwiz.launch", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "1", "--master-addr", h.addrs[0], "--master-port", "29400",
+                    "--max-restarts", "1", str(worker), "loop", str(tmp_path / f"node{node}.json")]
+            p = h.popen(node, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            launchers.append((p, Lines(p.stdout)))
+        try:
+            assert all(lines.wait_for("iteration 3 of start 0", 60) for _, lines in launchers)
+            h.cut(1)
+            for _, lines in launchers:  # each launcher sees its rank fail and starts it again
+                assert lines.wait_for("RESTART_COUNT=1", OPERATION_TIMEOUT_S + 30), lines.text()
+            h.mend(1)
+            codes = [p.wait(timeout=90) for p, _ in launchers]
+        finally:
+            for p, lines in launchers:
+                p.kill()
+                p.wait()
+                lines.join()
+        texts = [lines.text() for _, lines in launchers]
+    assert codes == [0, 0], texts
+    for node in (0, 1):
+        assert json.loads((tmp_path / f"node{node}.json").read_text()) == {"ok": True, "restart": 1}
+        assert "iteration 2 of start 1" in texts[node]
+
+
+@pytest.mark.parametrize("spec", [("delay", "50ms"), ("loss", "1%")])
+def test_collectives_stay_right_under_delay_and_loss(tmp_path, spec):
+    with hosts.Hosts(2) as h:
+        why = h.netem(1, *spec)
+        if why:
+            pytest.skip(f"the kernel here cannot shape traffic ({why})")
+        res = run_on_hosts(h, tmp_path, "collectives", 1, timeout=300)
+    assert all(r["ok"] and r["bad"] == [] for r in res), res
