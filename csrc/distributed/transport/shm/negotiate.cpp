@@ -65,11 +65,11 @@ Pairing negotiate(const std::vector<net::Fd>& socks, const std::vector<std::stri
   if (!local.empty()) {
     const size_t n = local.size() + 1;
     cap = std::min(cap, std::max<size_t>(64 * 1024, (size_t{256} << 20) / (n * (n - 1)) / 4096 * 4096));
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "cx-%016llx-%d", static_cast<unsigned long long>(nonce), rank);
+    const std::string mine = segment_name(nonce, rank);
+    remove_dead_segments();  // Note [Segments of dead ranks]
     try {
-      out.own = Segment::create(buf, world, cap, local);
-      name = buf;
+      out.own = Segment::create(mine, world, cap, local);
+      name = mine;
     } catch (const Error&) {
       out.own = Segment();  // no room or no /dev/shm: this rank stays on TCP
     }

@@ -100,4 +100,12 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 // hostname + boot id: equal on two ranks that may share memory.
 std::string host_key();
 
+// The name of this rank's segment: "cx-<nonce>-<rank>-<pid namespace>-<pid>"
+// (Note [Segments of dead ranks]).
+std::string segment_name(uint64_t nonce, int rank);
+// Removes /dev/shm/cx-* files that ranks killed during init left behind: those
+// of this pid namespace whose process is gone, and any older than an hour.
+// Returns how many it removed.
+int remove_dead_segments();
+
 }  // namespace cx::distributed::shm
