@@ -138,6 +138,52 @@ def reference_reversed():
     return model.flat_parameters().copy()
 
 
+ACC_COUNTS = [5, 3]   # optimizer steps per rank, two micro-batches each
+
+
+def joined_accumulation():
+    r = D.get_rank()
+    model = make_model(1 + 10 * r)
+    ddp = D.DistributedDataParallel(model)
+    opt = cx.AdamOptimizer(0.01)
+    loss_fn = cx.CrossEntropyLoss()
+    data = batches_of(r, 2 * ACC_COUNTS[r])
+    with ddp.join():
+        for s in range(ACC_COUNTS[r]):
+            with ddp.no_sync():
+                loss_fn.forward(ddp.forward(data[2 * s][0]), data[2 * s][1])
+                ddp.backward(loss_fn.backward(0.5), input_grad=False)
+            loss_fn.forward(ddp.forward(data[2 * s + 1][0]), data[2 * s + 1][1])
+            ddp.backward(loss_fn.backward(0.5), input_grad=False)
+            ddp.update_parameters(opt)
+    return model.flat_parameters().copy()
+
+
+def reference_accumulation():
+    model = make_model(1)
+    opt = cx.AdamOptimizer(0.01)
+    loss_fn = cx.CrossEntropyLoss()
+    data = [batches_of(r, 2 * ACC_COUNTS[r]) for r in range(2)]
+    for s in range(max(ACC_COUNTS)):
+        grads = []
+        for r in range(2):
+            if s < ACC_COUNTS[r]:
+                model.zero_grad()
+                for X, y in data[r][2 * s:2 * s + 2]:
+                    loss_fn.forward(model.forward(X), y)
+                    model.backward(loss_fn.backward(0.5))
+                grads.append(model.flat_gradients().astype(np.float64).copy())
+        model.flat_gradients()[:] = (np.sum(grads, axis=0) / len(grads)).astype(np.float32)
+        opt.step(model)
+    return model.flat_parameters().copy()
+
+
+def test_no_sync_accumulation_under_join_averages_the_active_ranks_sums():
+    want = ranks.run(reference_accumulation, 1)[0]
+    for params in ranks.run(joined_accumulation, 2):
+        np.testing.assert_allclose(params, want, rtol=2e-5, atol=2e-6)
+
+
 def test_batchnorm_buffers_are_broadcast_without_deadlock_and_agree_at_the_end():
     res = ranks.run(joined_loop, 3, args=(3, 3, False, True), timeout=60)
     for params, bufs, _ in res:
