@@ -112,7 +112,6 @@ void ZeroRedundancyOptimizer::step() {
 }
 
 nn::StateDict ZeroRedundancyOptimizer::state_dict() {
-  ddp_->take_unsynced();  // nothing in flight may write the buffers meanwhile
   nn::StateDict sd = opt_->state_dict();
   // Every rank has the same arrays (the same steps and hyper-parameters, no empty shard).
   for (auto& [name, arr] : sd.arrays) {

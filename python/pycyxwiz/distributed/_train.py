@@ -109,7 +109,9 @@ class DistributedTrainingConfig:
         self.scheduler: Any = None               # an LRScheduler of the trainer's optimizer (or fit(scheduler=))
         self.check_every_n_steps: int = 200      # compare the ranks' parameters every n steps (0: never)
         self.on_divergence: str = "warn"         # when they differ: "warn" (RuntimeWarning) or "raise"
-        self.shard_optimizer_state: bool = False  # ZeRO-1: each rank keeps 1/world_size of the optimizer state
+        # ZeRO-1: each rank keeps and updates 1/world_size of the optimizer state (trainer.optimizer then holds
+        # this rank's shard; checkpoints hold it whole). CPU backend only.
+        self.shard_optimizer_state: bool = False
         for k, v in kw.items():
             setattr(self, k, v)
 
