@@ -7,10 +7,10 @@ with AdamOptimizer, or with cx.distributed.ZeroRedundancyOptimizer around it; to
 DistributedDataParallel with torch.optim.Adam, or torch.distributed.optim.ZeroRedundancyOptimizer.
 Both get the same model shape, batch (64 per rank), learning rate and steps.
 
-Per rank: RSS once the model, its wrapper and the batch exist (no optimizer state yet: both
-libraries allocate it at the first step) is the baseline, the peak (VmHWM, reset at the
-baseline) after the steps minus it is what training added: the optimizer state, the gradient
-buckets and the library's scratch. The optimizer state is also counted exactly (elements held
+Per rank: RSS once the model, its DDP wrapper and the batch exist, before the optimizer is
+made, is the baseline; the peak (VmHWM, reset at the baseline) after the steps minus it is what
+the optimizer and training added: the optimizer state, the ZeRO wrapper's scratch, activations,
+gradient buckets and the library's buffers. The optimizer state is also counted exactly (elements held
 by this rank's optimizer, times 4 bytes).
 """
 from __future__ import annotations
@@ -39,13 +39,13 @@ def _cx(comm, hidden: int, zero: bool, steps: int) -> dict:
     model.add(cx.ReLUModule())
     model.add(cx.LinearModule(hidden, OUT, seed=3))
     ddp = cx.distributed.DistributedDataParallel(model)
-    opt = cx.AdamOptimizer(LR)
-    stepper = cx.distributed.ZeroRedundancyOptimizer(ddp, opt) if zero else opt
     loss_fn = cx.CrossEntropyLoss()
     X, y = _batch(comm.rank)
     comm.barrier()
     base = rss_bytes()
     reset_ok = reset_peak_rss()
+    opt = cx.AdamOptimizer(LR)
+    stepper = cx.distributed.ZeroRedundancyOptimizer(ddp, opt) if zero else opt
     for _ in range(steps):
         loss_fn.forward(ddp.forward(X), y)
         ddp.backward(loss_fn.backward(), input_grad=False)
@@ -64,17 +64,17 @@ def _torch(comm, hidden: int, zero: bool, steps: int) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                 torch.nn.ReLU(), torch.nn.Linear(hidden, OUT))
     ddp = DistributedDataParallel(model)
-    if zero:
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
-        local = opt.optim
-    else:
-        opt = local = torch.optim.Adam(ddp.parameters(), lr=LR)
     loss_fn = torch.nn.CrossEntropyLoss()
     Xn, yn = _batch(comm.rank)
     X, y = torch.from_numpy(Xn), torch.from_numpy(yn)
     comm.barrier()
     base = rss_bytes()
     reset_ok = reset_peak_rss()
+    if zero:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+        local = opt.optim
+    else:
+        opt = local = torch.optim.Adam(ddp.parameters(), lr=LR)
     for _ in range(steps):
         opt.zero_grad()
         loss_fn(ddp(X), y).backward()

@@ -140,8 +140,9 @@ def zero_table(cols: list, markdown: bool = False) -> str:
             if c["world"] == world and not c["ok"]:
                 notes.append(f"{c['lib']} {'ZeRO-1' if c['zero'] else 'plain'}: n/a ({c['reason']})")
     hidden = cols[0]["hidden"] if cols else ZERO_HIDDEN
+    steps = cols[0]["steps"] if cols else 4
     title = (f"ZeRO-1 memory per rank (max over ranks): MLP 784-{hidden}-{hidden}-10, Adam, batch 64; "
-             f"training peak = peak RSS added by the steps above the built model")
+             f"training peak = peak RSS added by making the optimizer and {steps} steps, above the model and its DDP")
     text = (f"**{title}**\n\n" if markdown else title + "\n") + format_table(headers, rows, markdown)
     if notes:
         text += "\n\n" + "\n".join(("- " if markdown else "  ") + n for n in notes)
