@@ -50,6 +50,10 @@ std::vector<Bucket> buckets_of(const nn::SequentialModel* model, const DDPConfig
   return assign_buckets(counts, sizeof(float), first, cap);
 }
 
+// What follows a join signal (Note [Join]).
+constexpr int kJoinForward = 1;  // a training forward's buffer broadcast
+constexpr int kJoinSync = 2;     // the gradient all-reduce
+
 bool has_buffers(nn::SequentialModel& m) {
   for (size_t i = 0; i < m.size(); ++i)
     for (auto* buf : m.module(i)->buffers())
@@ -167,7 +171,8 @@ std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) 
   const double kinds = join_buf_[static_cast<size_t>(world)];
   if (count == 0) return {0, 0};
   const int seen = static_cast<int>(kinds / count + 0.5);
-  if ((seen != 1 && seen != 2) || seen * count != static_cast<int>(kinds + 0.5) || (active && seen != kind)) {
+  const bool agree = (seen == kJoinForward || seen == kJoinSync) && seen * count == static_cast<int>(kinds + 0.5);
+  if (!agree || (active && seen != kind)) {
     joining_ = false;
     CX_THROW(MismatchError, "DistributedDataParallel.join (rank ", rank, "): the ", count,
              " ranks still active reached different collectives (some a training forward that broadcasts "
@@ -181,7 +186,7 @@ std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) 
 }
 
 void DistributedDataParallel::sync_gradients_joined() {
-  auto [active, kind] = join_signal(true, 2);
+  const int active = join_signal(true, kJoinSync).first;
   float* g = model_->flat_grads();
   if (num_elems_) {
     group_->all_reduce(g, num_elems_, distributed::DataType::kFloat32, distributed::ReduceOp::kSum, false);
@@ -198,7 +203,7 @@ void DistributedDataParallel::join_end() {
   for (;;) {
     auto [active, kind] = join_signal(false, 0);
     if (active == 0) break;
-    if (kind == 1) {
+    if (kind == kJoinForward) {
       broadcast_buffers_from(join_authority_);
     } else {
       model_->zero_grad();  // this rank's contribution: zeros
@@ -245,7 +250,7 @@ const nn::Tensor& DistributedDataParallel::forward(const float* x, const nn::Sha
     if (!joining_) {
       broadcast_buffers();
     } else if (has_buffers(*model_)) {  // Note [Join]
-      join_signal(true, 1);
+      join_signal(true, kJoinForward);
       broadcast_buffers_from(join_authority_);
     }
   }
