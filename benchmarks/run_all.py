@@ -139,6 +139,11 @@ def targets(parts: dict) -> list:
             lambda v: v >= 1.5)
         add("training samples/s vs itself on 1 rank", 2, cx2 / cx1 if cx2 and cx1 else None, "> 1.0x",
             lambda v: v > 1.0)
+    zc = (parts.get("memory") or {}).get("zero")
+    for world in sorted({c["world"] for c in zc or []}):
+        r = memory.zero_ratios(zc, "pycyxwiz", world)
+        add("ZeRO-1 optimizer state per rank / unsharded", world, r["state"], f"<= 1/{world} + a bucket",
+            lambda v, w=world: v <= 1.0 / w + 0.01, "{:.2f}x")
     return rows
 
 

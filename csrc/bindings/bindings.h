@@ -8,8 +8,16 @@
 
 #include <memory>
 
+namespace cx::nn {
+struct StateDict;
+}
+
 namespace cx::bindings {
 namespace py = pybind11;
+
+// optimizers.cpp: an optimizer's StateDict as the dict state_dict() returns, and back.
+py::dict optimizer_state_to_py(const nn::StateDict& sd);
+nn::StateDict optimizer_state_from_py(const py::dict& d);
 
 // A class held by shared_ptr (what the core's objects share between Python and C++).
 template <typename T, typename... Bases>
@@ -32,6 +40,7 @@ void bind_schedulers(py::module_& m);   // optimizers.cpp: the learning-rate sch
 
 // m is _core.dist
 void bind_ddp(py::module_& m);      // ddp.cpp: DDPConfig, DistributedDataParallel
+void bind_zero(py::module_& m);     // zero.cpp: ZeroRedundancyOptimizer, DistributedDataParallel.join
 void bind_sampler(py::module_& m);  // sampler.cpp: DistributedSampler, DistributedBatchIterator
 void bind_trainer(py::module_& m);  // trainer.cpp: _TrainerCore and the checkpoint helpers
 void bind_environment(py::module_& m);  // environment.cpp: the table of environment variables

@@ -16,6 +16,7 @@ PYBIND11_MODULE(_core, m) {
   bind_optimizers(m);
   bind_schedulers(m);
   bind_ddp(dist);
+  bind_zero(dist);
   bind_sampler(dist);
   bind_trainer(dist);
   bind_environment(m);

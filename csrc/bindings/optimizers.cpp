@@ -15,15 +15,8 @@ namespace cx::bindings {
 
 using namespace cx::nn;
 
-namespace {
-
-template <typename T>
-using optimizer_class = shared_class<T, Optimizer>;
-template <typename T>
-using scheduler_class = shared_class<T, LRScheduler>;
-
 // StateDict -> dict: "step" as an int and "nesterov" as a bool (the C++ side keeps every scalar as a double).
-py::dict state_to_py(const StateDict& sd) {
+py::dict optimizer_state_to_py(const StateDict& sd) {
   py::dict d;
   d["type"] = sd.type;
   for (const auto& [k, v] : sd.scalars) {
@@ -39,7 +32,7 @@ py::dict state_to_py(const StateDict& sd) {
   return d;
 }
 
-StateDict state_from_py(const py::dict& d) {
+StateDict optimizer_state_from_py(const py::dict& d) {
   StateDict sd;
   CX_CHECK(d.contains("type"), InvalidArgument, "load_state_dict: state_dict lacks 'type'");
   sd.type = d["type"].cast<std::string>();
@@ -57,6 +50,13 @@ StateDict state_from_py(const py::dict& d) {
   return sd;
 }
 
+namespace {
+
+template <typename T>
+using optimizer_class = shared_class<T, Optimizer>;
+template <typename T>
+using scheduler_class = shared_class<T, LRScheduler>;
+
 }  // namespace
 
 void bind_optimizers(py::module_& m) {
@@ -71,9 +71,11 @@ void bind_optimizers(py::module_& m) {
       .def("zero_grad", &Optimizer::zero_grad, py::arg("model"))
       .def_property("lr", &Optimizer::lr, &Optimizer::set_lr)
       .def_property_readonly("steps", &Optimizer::steps)
-      .def("state_dict", [](const Optimizer& o) { return state_to_py(o.state_dict()); },
+      .def_property_readonly("state_numel", &Optimizer::state_numel,
+                             "Floats of state held (every state array together; 0 before the first step).")
+      .def("state_dict", [](const Optimizer& o) { return optimizer_state_to_py(o.state_dict()); },
            "Hyper-parameters, step count and state as a dict of floats/ints and NumPy arrays.")
-      .def("load_state_dict", [](Optimizer& o, const py::dict& d) { o.load_state_dict(state_from_py(d)); },
+      .def("load_state_dict", [](Optimizer& o, const py::dict& d) { o.load_state_dict(optimizer_state_from_py(d)); },
            py::arg("state_dict"))
       .def("__repr__", &Optimizer::repr);
   optimizer_class<SGDOptimizer>(m, "SGDOptimizer", "SGD with optional (Nesterov) momentum and L2 weight decay.")

@@ -88,6 +88,26 @@ void def_steps(CoreClass& c) {
 // The device, host copies and the host collectives of the trainer's bookkeeping.
 void def_host_side(CoreClass& c) {
   c.def_property_readonly("ddp", &TrainerCore::ddp_ptr)
+      .def("set_shard_optimizer_state", &TrainerCore::set_shard_optimizer_state,
+           py::call_guard<py::gil_scoped_release>(), py::arg("on"),
+           "Collective: ZeRO-1 on or off (the optimizer's state is cut to this rank's shard, or gathered whole).")
+      .def_property_readonly("shard_optimizer_state", &TrainerCore::shard_optimizer_state)
+      .def_property_readonly("zero", &TrainerCore::zero, "The ZeroRedundancyOptimizer while sharded, else None.")
+      .def(
+          "optimizer_state_dict",
+          [](TrainerCore& c) {
+            nn::StateDict sd;
+            {
+              py::gil_scoped_release nogil;
+              sd = c.optimizer_state_dict();
+            }
+            return optimizer_state_to_py(sd);
+          },
+          "The whole optimizer state (collective while sharded).")
+      .def(
+          "load_optimizer_state_dict",
+          [](TrainerCore& c, const py::dict& d) { c.load_optimizer_state_dict(optimizer_state_from_py(d)); },
+          py::arg("state_dict"), "Loads a whole optimizer state (each rank keeps its shard while sharded).")
       .def_property_readonly("device", &TrainerCore::device,
                              "Where the model trains: '' for the CPU, else the GPU and its GEMM library.")
       .def("sync_to_host", &TrainerCore::sync_to_host, py::call_guard<py::gil_scoped_release>(),

@@ -41,6 +41,12 @@ void Optimizer::step(float* params, const float* grads, size_t n) {
   update(params, grads, n);
 }
 
+size_t Optimizer::state_numel() const {
+  size_t n = 0;
+  for (auto& [name, arr] : const_cast<Optimizer*>(this)->state_arrays()) n += arr->size();
+  return n;
+}
+
 StateDict Optimizer::state_dict() const {
   StateDict sd;
   sd.type = type_name();

@@ -52,6 +52,11 @@ class Optimizer {
   double lr() const { return lr_; }
   void set_lr(double lr);
   int64_t steps() const { return t_; }
+  // Parameters the state was built for (0 before the first step), and the
+  // elements of state held (every state array together): ZeRO-1 checks that
+  // a rank holds only its shard's (train/zero.h).
+  size_t state_params() const { return n_; }
+  size_t state_numel() const;
 
   StateDict state_dict() const;
   // Restores hyper-parameters, step count and state; checks type and sizes.

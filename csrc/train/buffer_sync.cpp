@@ -9,20 +9,20 @@ size_t total_floats(const std::vector<FloatSpan>& spans) {
 }
 
 void broadcast_buffers(distributed::ProcessGroup& group, const std::vector<FloatSpan>& spans, float* pack,
-                       const CopyFloats& copy, uintptr_t stream) {
+                       const CopyFloats& copy, uintptr_t stream, int root) {
   const size_t n = total_floats(spans);
   if (n == 0) return;
   if (spans.size() == 1) {
-    group.broadcast(spans[0].first, n, distributed::DataType::kFloat32, 0, false, stream);
+    group.broadcast(spans[0].first, n, distributed::DataType::kFloat32, root, false, stream);
     return;
   }
-  const bool root = group.rank() == 0;  // packs; the others unpack
+  const bool is_root = group.rank() == root;  // packs; the others unpack
   size_t off = 0;
-  if (root)
+  if (is_root)
     for (const auto& [p, k] : spans) copy(pack + off, p, k), off += k;
-  group.broadcast(pack, n, distributed::DataType::kFloat32, 0, false, stream);
+  group.broadcast(pack, n, distributed::DataType::kFloat32, root, false, stream);
   off = 0;
-  if (!root)
+  if (!is_root)
     for (const auto& [p, k] : spans) copy(p, pack + off, k), off += k;
 }
 

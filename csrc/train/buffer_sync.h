@@ -22,12 +22,13 @@ using CopyFloats = std::function<void(float* dst, const float* src, size_t float
 
 size_t total_floats(const std::vector<FloatSpan>& spans);
 
-// Collective: every rank's spans get rank 0's values. Several spans are packed
+// Collective: every rank's spans get rank `root`'s values (rank 0's but under
+// DistributedDataParallel::join: Note [Join] in ddp.h). Several spans are packed
 // into `pack` (room for total_floats(spans)) and go as one float32 broadcast;
 // one span goes in place; no span (a model without buffers) is no collective at
 // all, on every rank alike (every rank has the same model). `stream` is the
 // device stream for the NCCL backend (0 on the CPU).
 void broadcast_buffers(distributed::ProcessGroup& group, const std::vector<FloatSpan>& spans, float* pack,
-                       const CopyFloats& copy, uintptr_t stream = 0);
+                       const CopyFloats& copy, uintptr_t stream = 0, int root = 0);
 
 }  // namespace cx::train

@@ -22,7 +22,8 @@ BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   BatchStats s = loss_of(out, y);
   const nn::Tensor& g = loss_->backward();
   ddp_->backward(g.data(), g.shape(), /*input_grad=*/false);
-  ddp_->update_parameters(*opt_);
+  if (zero_) zero_->step();
+  else ddp_->update_parameters(*opt_);
   return s;
 }
 

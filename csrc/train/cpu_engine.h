@@ -11,6 +11,7 @@
 #include "nn/sequential.h"
 #include "train/ddp.h"
 #include "train/engine.h"
+#include "train/zero.h"
 
 namespace cx::train {
 
@@ -26,6 +27,8 @@ class CpuEngine : public Engine {
   void all_gather_host(const void* in, void* out, size_t bytes) override;
   void broadcast_host(void* buf, size_t bytes, int root) override;
   void broadcast_buffers() override;
+  // ZeRO-1 (Note [ZeRO-1] in zero.h): steps go through it while set; null: the plain optimizer.
+  void set_zero(std::shared_ptr<ZeroRedundancyOptimizer> zero) { zero_ = std::move(zero); }
 
  private:
   BatchStats loss_of(const nn::Tensor& out, const nn::BatchTargets& y);
@@ -35,6 +38,7 @@ class CpuEngine : public Engine {
   std::shared_ptr<nn::Optimizer> opt_;
   std::shared_ptr<distributed::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
+  std::shared_ptr<ZeroRedundancyOptimizer> zero_;
 };
 
 }  // namespace cx::train

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "nn/kernels.h"
 #include "nn/rng.h"
 #include "train/buffer_sync.h"
 
@@ -47,6 +48,17 @@ std::vector<Bucket> buckets_of(const nn::SequentialModel* model, const DDPConfig
   std::vector<size_t> counts;
   for (auto [off, n] : model->param_slices()) counts.push_back(n);
   return assign_buckets(counts, sizeof(float), first, cap);
+}
+
+// What follows a join signal (Note [Join]).
+constexpr int kJoinForward = 1;  // a training forward's buffer broadcast
+constexpr int kJoinSync = 2;     // the gradient all-reduce
+
+bool has_buffers(nn::SequentialModel& m) {
+  for (size_t i = 0; i < m.size(); ++i)
+    for (auto* buf : m.module(i)->buffers())
+      if (!buf->empty()) return true;
+  return false;
 }
 
 }  // namespace
@@ -108,18 +120,140 @@ void DistributedDataParallel::broadcast_parameters() {
   broadcast_buffers();
 }
 
-void DistributedDataParallel::broadcast_buffers() {
+void DistributedDataParallel::broadcast_buffers() { broadcast_buffers_from(0); }
+
+void DistributedDataParallel::broadcast_buffers_from(int root) {
   std::vector<FloatSpan> spans;
   for (size_t i = 0; i < model_->size(); ++i)
     for (auto* buf : model_->module(i)->buffers()) spans.emplace_back(buf->data(), buf->size());
   buffer_pack_.resize(total_floats(spans));
-  train::broadcast_buffers(*group_, spans, buffer_pack_.data(), [](float* dst, const float* src, size_t n) {
-    std::memcpy(dst, src, n * sizeof(float));
-  });
+  train::broadcast_buffers(
+      *group_, spans, buffer_pack_.data(),
+      [](float* dst, const float* src, size_t n) { std::memcpy(dst, src, n * sizeof(float)); }, 0, root);
+}
+
+// ---------------------------------------------------------------- join (Note [Join])
+
+void DistributedDataParallel::join_begin() {
+  CX_CHECK(!joining_, InvalidArgument, "DistributedDataParallel.join (rank ", group_->rank(),
+           "): already inside join(); contexts do not nest");
+  CX_CHECK(!shard_, InvalidArgument, "DistributedDataParallel.join (rank ", group_->rank(),
+           "): this DDP's gradients are sharded by a ZeroRedundancyOptimizer (ZeRO-1), whose reduce-scatter and "
+           "all-gather a finished rank cannot shadow; use join() with a plain optimizer, or give every rank the "
+           "same number of batches (DistributedSampler pads to that)");
+  if (group_->size() > 1)
+    for (size_t i = 0; i < model_->size(); ++i)
+      CX_CHECK(model_->module(i)->type_name() != "SyncBatchNorm", InvalidArgument,
+               "DistributedDataParallel.join (rank ", group_->rank(), "): layer ", i,
+               " is a SyncBatchNorm, whose forward sums statistics over every rank and cannot be answered by a "
+               "rank that has finished; use BatchNorm under join(), or give every rank the same number of batches");
+  wait_in_flight();
+  joining_ = true;
+  join_signalled_ = false;
+  join_authority_ = 0;
+}
+
+std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) {
+  const int world = group_->size(), rank = group_->rank();
+  join_buf_.assign(static_cast<size_t>(world) + 1, 0.0);
+  if (active) {
+    join_buf_[static_cast<size_t>(rank)] = 1.0;
+    join_buf_[static_cast<size_t>(world)] = kind;
+  }
+  group_->all_reduce(join_buf_.data(), join_buf_.size(), distributed::DataType::kFloat64,
+                     distributed::ReduceOp::kSum, false);
+  int count = 0, lowest = -1;
+  for (int r = 0; r < world; ++r)
+    if (join_buf_[static_cast<size_t>(r)] > 0.5) {
+      ++count;
+      if (lowest < 0) lowest = r;
+    }
+  const double kinds = join_buf_[static_cast<size_t>(world)];
+  if (count == 0) return {0, 0};
+  const int seen = static_cast<int>(kinds / count + 0.5);
+  const bool agree = (seen == kJoinForward || seen == kJoinSync) && seen * count == static_cast<int>(kinds + 0.5);
+  if (!agree || (active && seen != kind)) {
+    joining_ = false;
+    CX_THROW(MismatchError, "DistributedDataParallel.join (rank ", rank, "): the ", count,
+             " ranks still active reached different collectives (some a training forward that broadcasts "
+             "buffers, some the gradient all-reduce of sync_gradients/update_parameters). Every active rank must "
+             "run the same sequence per step: the same no_sync() pattern and the same forward/backward/update "
+             "calls");
+  }
+  join_authority_ = lowest;
+  join_signalled_ = true;
+  return {count, seen};
+}
+
+void DistributedDataParallel::sync_gradients_joined() {
+  const int active = join_signal(true, kJoinSync).first;
+  float* g = model_->flat_grads();
+  if (num_elems_) {
+    group_->all_reduce(g, num_elems_, distributed::DataType::kFloat32, distributed::ReduceOp::kSum, false);
+    nn::kernels::scale(g, num_elems_, 1.0f / static_cast<float>(active));
+  }
+  ++launched_total_;
+}
+
+void DistributedDataParallel::join_end() {
+  CX_CHECK(joining_, InvalidArgument, "DistributedDataParallel.join_end (rank ", group_->rank(),
+           "): not inside join()");
+  wait_in_flight();
+  // Shadow the peers still active: their signals say what comes next.
+  for (;;) {
+    auto [active, kind] = join_signal(false, 0);
+    if (active == 0) break;
+    if (kind == kJoinForward) {
+      broadcast_buffers_from(join_authority_);
+    } else {
+      model_->zero_grad();  // this rank's contribution: zeros
+      if (num_elems_)
+        group_->all_reduce(model_->flat_grads(), num_elems_, distributed::DataType::kFloat32,
+                           distributed::ReduceOp::kSum, false);
+    }
+  }
+  joining_ = false;
+  model_->zero_grad();
+  std::fill(dirty_.begin(), dirty_.end(), 0);
+  backwards_since_sync_ = 0;
+  any_unsynced_ = false;
+  // Ranks that finished early are behind: everyone takes the last active ranks' state.
+  if (join_signalled_ && group_->size() > 1) {
+    if (num_elems_)
+      group_->broadcast(model_->flat_params(), num_elems_, distributed::DataType::kFloat32, join_authority_, false);
+    broadcast_buffers_from(join_authority_);
+  }
+}
+
+// ---------------------------------------------------------------- ZeRO-1 (Note [ZeRO-1] in zero.h)
+
+void DistributedDataParallel::set_shard_gradients(bool on) {
+  if (on == shard_) return;
+  CX_CHECK(!joining_, InvalidArgument, "DistributedDataParallel (rank ", group_->rank(),
+           "): cannot change gradient sharding (ZeRO-1) inside join()");
+  wait_in_flight();
+  shard_ = on;
+}
+
+bool DistributedDataParallel::take_unsynced() {
+  wait_in_flight();
+  const bool had = any_unsynced_;
+  std::fill(dirty_.begin(), dirty_.end(), 0);
+  if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;
+  backwards_since_sync_ = 0;
+  any_unsynced_ = false;
+  return had;
 }
 
 const nn::Tensor& DistributedDataParallel::forward(const float* x, const nn::Shape& shape) {
-  if (cfg_.broadcast_buffers && model_->training()) broadcast_buffers();
+  if (cfg_.broadcast_buffers && model_->training()) {
+    if (!joining_) {
+      broadcast_buffers();
+    } else if (has_buffers(*model_)) {  // Note [Join]
+      join_signal(true, kJoinForward);
+      broadcast_buffers_from(join_authority_);
+    }
+  }
   return model_->forward(x, shape);
 }
 
@@ -155,7 +289,8 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
            "one was made, and only the newest wrapper sees its gradients; use the newest one");
   wait_in_flight();  // in-flight reductions read and write the buffer backward adds into
   const size_t k = backwards_since_sync_;
-  const bool launching = require_sync_ && k + 1 >= period_;  // Note [Accumulation]
+  // Note [Accumulation]; sharded (ZeRO-1) or joining: reduced at the step, not during backward.
+  const bool launching = require_sync_ && k + 1 >= period_ && !shard_ && !joining_;
   sched_.start(launching);
   std::fill(dirty_.begin(), dirty_.end(), 1);
   in_backward_ = true;
@@ -192,6 +327,14 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
 
 void DistributedDataParallel::sync_gradients() {
   if (!any_unsynced_ && in_flight_.empty()) return;  // nothing new since the last sync
+  if (joining_) {
+    wait_in_flight();
+    sync_gradients_joined();
+    std::fill(dirty_.begin(), dirty_.end(), 0);
+    backwards_since_sync_ = 0;
+    any_unsynced_ = false;
+    return;
+  }
   for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
   wait_in_flight();
@@ -201,6 +344,9 @@ void DistributedDataParallel::sync_gradients() {
 }
 
 void DistributedDataParallel::update_parameters(nn::Optimizer& opt) {
+  CX_CHECK(!shard_, InvalidArgument, "DistributedDataParallel.update_parameters (rank ", group_->rank(),
+           "): this DDP's optimizer state is sharded by a ZeroRedundancyOptimizer; pass that wrapper "
+           "(ddp.update_parameters(zero) or zero.step()), not the ", opt.type_name(), " optimizer inside it");
   sync_gradients();
   opt.step(*model_);
   model_->zero_grad();

@@ -95,6 +95,32 @@
 // Construction also hands every module the group's SUM all-reduce (Note
 // [Modules that communicate] in nn/module.h) when there is more than one rank,
 // and takes it back in the destructor.
+//
+// Note [Join]
+// Uneven inputs (torch.distributed.algorithms.Join): inside ddp.join() a rank
+// that runs out of batches calls join_end() and, until every rank has, answers
+// its peers' collectives with zeros. A joined rank cannot know what its peers
+// will send next, so under join every point where DDP communicates starts with
+// a join signal: one SUM all-reduce of world+1 float64s, slot r = 1 if rank r
+// is still active, the last slot the kind of what follows (1: a training
+// forward's buffer broadcast, 2: the gradient all-reduce). From it every rank
+// learns the active ranks (the same set everywhere, since every rank takes
+// part in every signal) and what to shadow; kinds that differ between active
+// ranks (one in no_sync, one stepping) throw on every rank instead of pairing
+// wrong collectives. What changes while joining:
+//   - backward launches nothing (no overlap): sync_gradients() sends the signal,
+//     then one SUM all-reduce of the whole gradient buffer, divided by the
+//     number of active ranks, joined ranks contributing zeros;
+//   - a training forward with buffers to broadcast sends the signal, then the
+//     buffers of the lowest active rank (rank 0 while it is active, so with
+//     even inputs nothing differs from plain DDP): a joined rank's are stale;
+//   - SyncBatchNorm's replica sums cannot be shadowed: join() refuses models
+//     that have one, as it refuses a ZeroRedundancyOptimizer's step.
+// When the signal reports no active rank every rank leaves together; ranks
+// that joined early have not stepped since, so the lowest rank of the last
+// non-empty active set broadcasts its parameters and buffers (every rank of
+// that set applied the same averaged updates). As in PyTorch, the optimizer
+// state of an early joiner stays as it was when it joined.
 #pragma once
 
 #include <cstdint>
@@ -143,6 +169,23 @@ class DistributedDataParallel {
   // sync_gradients() if needed, optimizer.step(model), model.zero_grad().
   void update_parameters(nn::Optimizer& opt);
 
+  // Note [Join]: enter uneven-input mode; join_end() when this rank has no
+  // more batches (shadows its peers until all have finished, then syncs the
+  // final parameters); join_abort() leaves without communicating (an error).
+  void join_begin();
+  void join_end();
+  void join_abort() { joining_ = false; }
+  bool joining() const { return joining_; }
+
+  // Note [ZeRO-1] in zero.h: with sharding on, backward launches nothing and a
+  // ZeroRedundancyOptimizer reduce-scatters the gradients at its step.
+  void set_shard_gradients(bool on);
+  bool shard_gradients() const { return shard_; }
+  // Waits for reductions in flight; returns whether backward accumulated
+  // gradient that no reduction has covered since, and marks it covered: the
+  // caller (ZeroRedundancyOptimizer::step) reduces it itself.
+  bool take_unsynced();
+
   void set_require_sync(bool on) { require_sync_ = on; }
   bool require_sync() const { return require_sync_; }
 
@@ -177,6 +220,7 @@ class DistributedDataParallel {
   uint64_t allreduce_count() const { return launched_total_; }
   const DDPConfig& config() const { return cfg_; }
   const std::shared_ptr<nn::SequentialModel>& model() const { return model_; }
+  const std::shared_ptr<distributed::ProcessGroup>& group() const { return group_; }
   int rank() const { return group_->rank(); }
   int world_size() const { return group_->size(); }
   bool is_master() const { return group_->rank() == 0; }
@@ -189,6 +233,10 @@ class DistributedDataParallel {
   void on_grad_ready(size_t param);
   void launch(size_t b);
   void wait_in_flight();
+  // Note [Join]: the signal; returns (active ranks, kind), records the set.
+  std::pair<int, int> join_signal(bool active, int kind);
+  void broadcast_buffers_from(int root);
+  void sync_gradients_joined();
 
   std::shared_ptr<nn::SequentialModel> model_;
   DDPConfig cfg_;
@@ -206,6 +254,11 @@ class DistributedDataParallel {
   uint64_t launched_total_ = 0;
   HostGather host_gather_;
   std::vector<float> buffer_pack_;    // broadcast_buffers' message
+  bool shard_ = false;                // Note [ZeRO-1] in zero.h
+  bool joining_ = false;              // Note [Join]
+  int join_authority_ = 0;            // lowest rank of the last non-empty active set
+  bool join_signalled_ = false;       // a signal reported active ranks since join_begin
+  std::vector<double> join_buf_;
 };
 
 }  // namespace cx::train

@@ -29,8 +29,36 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     ddp_->set_host_gather([e = engine_.get()](const void* in, void* out, size_t n) { e->all_gather_host(in, out, n); });
   } else {
     ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
-    engine_ = std::make_unique<CpuEngine>(model_, loss_, opt_, group_, ddp_);
+    auto cpu = std::make_unique<CpuEngine>(model_, loss_, opt_, group_, ddp_);
+    cpu_engine_ = cpu.get();
+    engine_ = std::move(cpu);
   }
+}
+
+void TrainerCore::set_shard_optimizer_state(bool on) {
+  if (on == (zero_ != nullptr)) return;
+  if (on) {
+    CX_CHECK(cpu_engine_ != nullptr, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
+             "): shard_optimizer_state (ZeRO-1) is not implemented for GPU training (BackendType.NCCL) yet; set "
+             "DistributedTrainingConfig.shard_optimizer_state = False, or train on the CPU backend");
+    zero_ = std::make_shared<ZeroRedundancyOptimizer>(ddp_, opt_);
+    cpu_engine_->set_zero(zero_);
+  } else {
+    nn::StateDict whole = zero_->state_dict();
+    cpu_engine_->set_zero(nullptr);
+    zero_.reset();
+    opt_->load_state_dict(whole);
+  }
+}
+
+nn::StateDict TrainerCore::optimizer_state_dict() {
+  engine_->to_host();
+  return zero_ ? zero_->state_dict() : opt_->state_dict();
+}
+
+void TrainerCore::load_optimizer_state_dict(const nn::StateDict& sd) {
+  if (zero_) zero_->load_state_dict(sd);
+  else opt_->load_state_dict(sd);
 }
 
 TrainerCore::~TrainerCore() {

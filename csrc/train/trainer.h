@@ -17,8 +17,10 @@
 #include "nn/optimizer.h"
 #include "nn/sequential.h"
 #include "train/ddp.h"
+#include "train/cpu_engine.h"
 #include "train/engine.h"
 #include "train/sampler.h"
+#include "train/zero.h"
 
 namespace cx::train {
 
@@ -70,6 +72,17 @@ class TrainerCore {
     return ddp_->parameter_report();
   }
 
+  // Collective: ZeRO-1 on or off (DistributedTrainingConfig.shard_optimizer_state;
+  // Note [ZeRO-1] in zero.h). Turning it on cuts the optimizer's state to this
+  // rank's shard, off gathers it whole again. The GPU engine refuses it.
+  void set_shard_optimizer_state(bool on);
+  bool shard_optimizer_state() const { return zero_ != nullptr; }
+  // The whole optimizer state (collective while sharded), and loading a whole
+  // one (each rank keeps its shard while sharded).
+  nn::StateDict optimizer_state_dict();
+  void load_optimizer_state_dict(const nn::StateDict& sd);
+  const std::shared_ptr<ZeroRedundancyOptimizer>& zero() const { return zero_; }
+
   DistributedDataParallel& ddp() { return *ddp_; }
   const std::shared_ptr<DistributedDataParallel>& ddp_ptr() const { return ddp_; }
   distributed::ProcessGroup& group() { return *group_; }
@@ -86,6 +99,8 @@ class TrainerCore {
   std::shared_ptr<distributed::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<Engine> engine_;  // CpuEngine, or GpuEngine with the NCCL backend
+  CpuEngine* cpu_engine_ = nullptr;  // engine_ when it is a CpuEngine
+  std::shared_ptr<ZeroRedundancyOptimizer> zero_;
   std::vector<float> x_;          // gathered input rows
   std::vector<int64_t> y_labels_;  // gathered labels (int32 labels widened)
   std::vector<float> y_dense_;    // gathered dense targets

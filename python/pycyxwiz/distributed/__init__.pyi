@@ -40,6 +40,8 @@ from ._train import (
     DistributedTrainer as DistributedTrainer,
     DistributedTrainingConfig as DistributedTrainingConfig,
     DistributedTrainingHistory as DistributedTrainingHistory,
+    ZeroRedundancyOptimizer as ZeroRedundancyOptimizer,
+    join as join,
 )
 
 
@@ -52,5 +54,6 @@ __all__ = [
     "all_to_all", "barrier", "send", "recv",
     "spawn", "SpawnError",
     "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
 ]

@@ -53,11 +53,31 @@ DDPConfig = _d.DDPConfig
 DistributedDataParallel = _d.DistributedDataParallel
 DistributedSampler = _d.DistributedSampler
 DistributedBatchIterator = _d.DistributedBatchIterator
+ZeroRedundancyOptimizer = _d.ZeroRedundancyOptimizer
 
 __all__ = [
     "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
 ]
+
+
+def join(ddp: Any) -> Any:
+    """Context manager for uneven inputs, the same as ``ddp.join()`` (torch.distributed.algorithms.Join).
+
+        with cx.distributed.join(ddp):
+            for xb, yb in my_batches: out = ddp.forward(xb); ...; ddp.update_parameters(opt)
+
+    A rank whose loop ends first answers its peers' collectives with zeros until every rank's
+    loop has ended; gradients are averaged over the ranks still active; on leaving every rank
+    holds the parameters of the last ranks active (Note [Join] in csrc/train/ddp.h). Collective.
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        hint = ("; wrap the model first: ddp = cx.distributed.DistributedDataParallel(model)"
+                if isinstance(ddp, _core.SequentialModel) else "")
+        raise TypeError(f"join: expects the DistributedDataParallel whose collectives a finished rank answers, "
+                        f"got {type(ddp).__name__}{hint}")
+    return ddp.join()
 
 _CKPT_FORMAT = "pycyxwiz-checkpoint"
 _CKPT_VERSION = 2        # 2: a manifest and a whole-file checksum (Note [Checkpoints you can trust])
@@ -79,7 +99,8 @@ class DistributedTrainingConfig:
 
     __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
                  "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
-                 "resume_from", "auto_resume", "drop_last", "scheduler", "check_every_n_steps", "on_divergence")
+                 "resume_from", "auto_resume", "drop_last", "scheduler", "check_every_n_steps", "on_divergence",
+                 "shard_optimizer_state")
 
     def __init__(self, **kw: Any) -> None:
         self.epochs: int = 10
@@ -99,6 +120,9 @@ class DistributedTrainingConfig:
         self.scheduler: Any = None               # an LRScheduler of the trainer's optimizer (or fit(scheduler=))
         self.check_every_n_steps: int = 200      # compare the ranks' parameters every n steps (0: never)
         self.on_divergence: str = "warn"         # when they differ: "warn" (RuntimeWarning) or "raise"
+        # ZeRO-1: each rank keeps and updates 1/world_size of the optimizer state (trainer.optimizer then holds
+        # this rank's shard; checkpoints hold it whole). CPU backend only.
+        self.shard_optimizer_state: bool = False
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -224,7 +248,9 @@ class DistributedTrainer:
 
     Construction wraps the model in DistributedDataParallel (rank 0's weights are copied to
     every rank), so every rank must create its trainer. fit, evaluate and load_checkpoint are
-    collective (every rank calls them); save_checkpoint is not.
+    collective (every rank calls them); save_checkpoint is not, except with
+    config.shard_optimizer_state = True (ZeRO-1: each rank holds and updates 1/world_size of the
+    optimizer state, and checkpoints gather it whole, so a resume may change the world size).
     """
 
     def __init__(self, model, loss_fn, optimizer, ddp_config: Optional[DDPConfig] = None) -> None:
@@ -333,6 +359,8 @@ class DistributedTrainer:
 
         resume_from = resume_from if resume_from is not None else config.resume_from
         self._scheduler = scheduler
+        # ZeRO-1 on or off before a checkpoint is loaded, so its state lands sharded (collective).
+        self._core.set_shard_optimizer_state(bool(config.shard_optimizer_state))
         resumed_by_itself = False
         if not resume_from and self._auto_resumes(config):
             resume_from = self._newest_checkpoint(config.checkpoint_dir)
@@ -547,7 +575,7 @@ class DistributedTrainer:
         return rows
 
     def _checkpoint_bytes(self) -> bytes:
-        sd = self.optimizer.state_dict()
+        sd = self._core.optimizer_state_dict()  # the whole state: gathered (collective) under ZeRO-1
         scalars = {k: v for k, v in sd.items() if not isinstance(v, np.ndarray)}
         arrays = {f"opt.{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
         arrays["rng.modules"] = self._rng_rows()
@@ -575,10 +603,20 @@ class DistributedTrainer:
 
             trainer.save_checkpoint("model.ckpt")
 
-        Not collective. With config.save_on_master_only (the default) only rank 0 writes; otherwise
+        Not collective, except with config.shard_optimizer_state (ZeRO-1): then every rank must
+        call it (as fit does), since each holds a shard of the optimizer state and the file holds
+        it whole. With config.save_on_master_only (the default) only rank 0 writes; otherwise
         rank r > 0 writes `path` + ".rank<r>". Returns the path written, or None.
         """
         path = os.fspath(path)
+        if self._core.shard_optimizer_state:
+            data = self._checkpoint_bytes()  # collective: gathers the optimizer state's shards
+            if self.config.save_on_master_only and not self.is_master():
+                return None
+            if not self.is_master():
+                path = f"{path}.rank{self.get_rank()}"
+            _ckpt_file.atomic_write(path, data)
+            return path
         if self.config.save_on_master_only and not self.is_master():
             return None
         if not self.is_master():
@@ -641,7 +679,7 @@ class DistributedTrainer:
         if sd.get("type") != self.optimizer.state_dict().get("type"):
             raise ValueError(f"load_checkpoint: {path!r} holds {sd.get('type')} optimizer state but the trainer's "
                              f"optimizer is {self.optimizer!r}")
-        self.optimizer.load_state_dict(sd)
+        self._core.load_optimizer_state_dict(sd)  # under ZeRO-1 each rank keeps its shard
         if rng_rows is not None:
             self._restore_rng(rng_rows, meta, path)
         self.model.zero_grad()

@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._core import _pybind11_type
-from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, LRScheduler, MSELoss, Optimizer, SequentialModel
+from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, LRScheduler, MSELoss, Optimizer, SequentialModel, _StateDict
 
 _F32 = npt.NDArray[np.float32]
 _Loss = Union[CrossEntropyLoss, MSELoss, BCEWithLogitsLoss]
@@ -16,6 +16,7 @@ _Path = Union[str, "PathLike[str]"]
 
 __all__ = [
     "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
 ]
 
@@ -36,8 +37,14 @@ class DistributedDataParallel(metaclass=_pybind11_type):
     @overload
     def backward(self, grad_output: _F32, input_grad: bool) -> Optional[_F32]: ...
     def sync_gradients(self) -> _F32: ...
+    @overload
     def update_parameters(self, optimizer: Optimizer) -> None: ...
+    @overload
+    def update_parameters(self, optimizer: ZeroRedundancyOptimizer) -> None: ...
     def no_sync(self) -> ContextManager[DistributedDataParallel]: ...
+    def join(self) -> ContextManager[DistributedDataParallel]: ...   # uneven inputs
+    @property
+    def joining(self) -> bool: ...
     @property
     def require_sync(self) -> bool: ...
     def check_parameters(self, raise_on_mismatch: bool = True) -> List[Tuple[int, List[int]]]: ...
@@ -52,6 +59,24 @@ class DistributedDataParallel(metaclass=_pybind11_type):
     def get_rank(self) -> int: ...
     def get_world_size(self) -> int: ...
     def get_model(self) -> SequentialModel: ...
+
+class ZeroRedundancyOptimizer(metaclass=_pybind11_type):
+    """ZeRO-1: each rank keeps and updates the optimizer state of its 1/world_size of the parameters."""
+    def __init__(self, ddp: DistributedDataParallel, optimizer: Optimizer) -> None: ...
+    def step(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def state_dict(self) -> _StateDict: ...                # collective: the whole state
+    def load_state_dict(self, state_dict: _StateDict) -> None: ...  # a whole state; this rank keeps its shard
+    @property
+    def shard(self) -> Tuple[int, int]: ...                # (offset, count) in the flat parameters
+    @property
+    def state_numel(self) -> int: ...                      # floats of optimizer state on this rank
+    @property
+    def optimizer(self) -> Optimizer: ...
+    @property
+    def ddp(self) -> DistributedDataParallel: ...
+
+def join(ddp: DistributedDataParallel) -> ContextManager[DistributedDataParallel]: ...
 
 class DistributedSampler(metaclass=_pybind11_type):
     def __init__(self, dataset_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
@@ -108,6 +133,7 @@ class DistributedTrainingConfig:
     scheduler: Optional[LRScheduler]  # None
     check_every_n_steps: int        # 200; 0: never
     on_divergence: str              # "warn" or "raise"
+    shard_optimizer_state: bool     # False; True: ZeRO-1
     def __init__(self, **kw: Any) -> None: ...
 
 class DistributedTrainingHistory:

@@ -1,0 +1,141 @@
+#include "train/zero.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace cx::train {
+
+namespace {
+constexpr double kMiB = 1024.0 * 1024.0;
+}  // namespace
+
+Shard shard_of(size_t n, int world, int rank) {
+  const size_t w = static_cast<size_t>(world), r = static_cast<size_t>(rank);
+  const size_t q = n / w;
+  return Shard{r * q, r + 1 == w ? n - r * q : q};
+}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<DistributedDataParallel> ddp,
+                                                 std::shared_ptr<nn::Optimizer> opt)
+    : ddp_(std::move(ddp)), opt_(std::move(opt)) {
+  CX_CHECK(ddp_ != nullptr, InvalidArgument,
+           "ZeroRedundancyOptimizer: ddp is None; wrap the model first: ddp = "
+           "cx.distributed.DistributedDataParallel(model)");
+  CX_CHECK(opt_ != nullptr, InvalidArgument, "ZeroRedundancyOptimizer: optimizer is None");
+  group_ = ddp_->group().get();
+  const int world = group_->size(), rank = group_->rank();
+  n_ = ddp_->model()->num_parameters();
+  CX_CHECK(n_ >= static_cast<size_t>(world), InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
+           "): the model has ", n_, " parameters, fewer than the ", world,
+           " ranks, so some rank would own no shard; use the optimizer without ZeRO-1");
+  CX_CHECK(!ddp_->shard_gradients(), InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
+           "): this DistributedDataParallel is already sharded by another ZeroRedundancyOptimizer; use that one");
+  CX_CHECK(!ddp_->joining(), InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
+           "): cannot be made inside ddp.join(); a finished rank cannot shadow its collectives");
+  q_ = n_ / static_cast<size_t>(world);
+  shard_ = shard_of(n_, world, rank);
+  const size_t piece = std::max<size_t>(1, static_cast<size_t>(ddp_->config().bucket_size_mb * kMiB) / sizeof(float));
+  scratch_.resize(std::min(piece, q_));
+  // Take the optimizer's state over: whole (an unsharded run, a checkpoint), or none yet.
+  const size_t built = opt_->state_params();
+  if (built == n_ && world > 1) {
+    load_state_dict(opt_->state_dict());
+  } else {
+    CX_CHECK(built == 0 || built == shard_.count, InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
+             "): the optimizer's state was built for ", built, " parameters, but the model has ", n_,
+             " (this rank's shard: ", shard_.count, "); use one optimizer per model");
+  }
+  ddp_->set_shard_gradients(true);
+}
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
+  try {
+    ddp_->set_shard_gradients(false);
+  } catch (...) {
+    // A poisoned group (waiting for in-flight work); its next user sees the error.
+  }
+}
+
+void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
+  if (!ddp_->take_unsynced()) return;  // nothing new, or sync_gradients() already averaged it all
+  const int world = group_->size();
+  float* g = ddp_->model()->flat_grads();
+  if (world > 1) {
+    float* own = g + shard_.offset;
+    std::vector<const void*> ins(static_cast<size_t>(world));
+    for (size_t off = 0; off < q_; off += scratch_.size()) {
+      const size_t c = std::min(scratch_.size(), q_ - off);
+      for (int i = 0; i < world; ++i) ins[static_cast<size_t>(i)] = g + static_cast<size_t>(i) * q_ + off;
+      group_->reduce_scatter(ins, scratch_.data(), c, distributed::DataType::kFloat32, distributed::ReduceOp::kAvg,
+                             false);
+      std::memcpy(own + off, scratch_.data(), c * sizeof(float));
+    }
+    const size_t tail = n_ - q_ * static_cast<size_t>(world);
+    if (tail)
+      group_->all_reduce(g + n_ - tail, tail, distributed::DataType::kFloat32, distributed::ReduceOp::kAvg, false);
+  }
+}
+
+void ZeroRedundancyOptimizer::all_gather_shards(const float* mine, float* out) {
+  const int world = group_->size();
+  std::vector<void*> outs(static_cast<size_t>(world));
+  for (int i = 0; i < world; ++i) outs[static_cast<size_t>(i)] = out + static_cast<size_t>(i) * q_;
+  if (world > 1 && q_) group_->all_gather(mine, outs, q_, distributed::DataType::kFloat32, false);
+  else if (mine != out) std::memcpy(out + shard_.offset, mine, shard_.count * sizeof(float));
+  const size_t tail = n_ - q_ * static_cast<size_t>(world);
+  if (world > 1 && tail) {
+    if (group_->rank() == world - 1) std::memmove(out + n_ - tail, mine + q_, tail * sizeof(float));
+    group_->broadcast(out + n_ - tail, tail, distributed::DataType::kFloat32, world - 1, false);
+  }
+}
+
+void ZeroRedundancyOptimizer::all_gather_parameters() {
+  float* p = ddp_->model()->flat_params();
+  all_gather_shards(p + shard_.offset, p);  // block i is rank i's shard, in place
+}
+
+void ZeroRedundancyOptimizer::step() {
+  const int rank = group_->rank();
+  CX_CHECK(ddp_->shard_gradients(), InvalidArgument, "ZeroRedundancyOptimizer.step (rank ", rank,
+           "): its DistributedDataParallel is no longer sharded");
+  CX_CHECK(ddp_->model()->num_parameters() == n_, InvalidArgument, "ZeroRedundancyOptimizer.step (rank ", rank,
+           "): the model changed after the optimizer was wrapped (", n_, " parameters then, ",
+           ddp_->model()->num_parameters(), " now)");
+  reduce_scatter_gradients();
+  float* p = ddp_->model()->flat_params();
+  const float* g = ddp_->model()->flat_grads();
+  opt_->step(p + shard_.offset, g + shard_.offset, shard_.count);
+  all_gather_parameters();
+  ddp_->model()->zero_grad();
+}
+
+nn::StateDict ZeroRedundancyOptimizer::state_dict() {
+  nn::StateDict sd = opt_->state_dict();
+  // Every rank has the same arrays (the same steps and hyper-parameters, no empty shard).
+  for (auto& [name, arr] : sd.arrays) {
+    CX_CHECK(arr.size() == shard_.count, InvalidArgument, "ZeroRedundancyOptimizer.state_dict (rank ",
+             group_->rank(), "): state '", name, "' holds ", arr.size(), " floats, not this rank's shard of ",
+             shard_.count, "; was the optimizer stepped outside the wrapper?");
+    std::vector<float> full(n_);
+    all_gather_shards(arr.data(), full.data());
+    arr.swap(full);
+  }
+  return sd;
+}
+
+void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& full) {
+  nn::StateDict mine = full;
+  for (auto& [name, arr] : mine.arrays) {
+    CX_CHECK(arr.size() == n_, InvalidArgument, "ZeroRedundancyOptimizer.load_state_dict (rank ", group_->rank(),
+             "): state '", name, "' holds ", arr.size(), " floats but the model has ", n_,
+             " parameters; load a whole state (state_dict() of a ZeroRedundancyOptimizer or of an unsharded "
+             "optimizer of the same model)");
+    arr = std::vector<float>(arr.begin() + static_cast<std::ptrdiff_t>(shard_.offset),
+                             arr.begin() + static_cast<std::ptrdiff_t>(shard_.offset + shard_.count));
+  }
+  opt_->load_state_dict(mine);
+}
+
+}  // namespace cx::train
