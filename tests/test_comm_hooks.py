@@ -22,6 +22,9 @@ NP16 = {"fp16": np.float16}
 
 
 def make_model(seed, sizes=(IN, HID, HID, OUT)):
+    # tests/ranks.py sets OPENBLAS_NUM_THREADS=1 after this module (and so OpenBLAS) was loaded in the
+    # rank's process, too late; two ranks each running two BLAS threads on two busy cores crawl.
+    cx.set_num_threads(1)
     m = cx.SequentialModel()
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         if i:
@@ -222,6 +225,7 @@ def digits_accuracies(configs, epochs):
     out = []
     for hook, opts in configs:
         cx.manual_seed(0)
+        cx.set_num_threads(1)  # as in make_model
         model = cx.SequentialModel()
         model.add(cx.LinearModule(64, 128))
         model.add(cx.ReLUModule())
