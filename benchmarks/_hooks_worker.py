@@ -13,7 +13,8 @@ Bytes: pycyxwiz counts the payload bytes it hands its transport (cx.distributed.
 the difference over the timed steps): measured. PyTorch has no counter, so its column is computed:
 the bytes each step hands to all_reduce (the hooks' calls are counted through torch.distributed.
 all_reduce; without a hook, every gradient once) times 2(p-1)/p, what a ring all-reduce sends per
-rank.
+rank. PyTorch's bf16_compress_hook refuses gloo (it requires NCCL), so the torch bf16 column runs
+the same steps as a hook written here (bf16_hook).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def run_cx(comm, a, X, y) -> dict:
     for x, t in batches(comm, X, y, a.batch, a.warmup):
         step(x, t)
     comm.barrier()
-    b0 = d._bytes_sent()
+    b0 = cx._core.dist._bytes_sent()
     times = []
     t_all = time.perf_counter()
     for x, t in batches(comm, X, y, a.batch, a.steps):
@@ -73,9 +74,27 @@ def run_cx(comm, a, X, y) -> dict:
         step(x, t)
         times.append(time.perf_counter() - t0)
     seconds = time.perf_counter() - t_all
-    sent = d._bytes_sent() - b0
+    sent = cx._core.dist._bytes_sent() - b0
     comm.barrier()
     return {"seconds": seconds, "step_times": times, "bytes_per_step": sent / a.steps, "bytes_how": "measured"}
+
+
+def bf16_hook(torch, dist):
+    """default_hooks.bf16_compress_hook where PyTorch allows it (NCCL); on gloo, which that hook refuses
+    ("requires CUDA 11+ and NCCL 2.10+"), the same steps written out: cast, divide, all-reduce, cast back."""
+    def hook(state, bucket):
+        world = dist.get_world_size()
+        buffer = bucket.buffer()
+        compressed = buffer.to(torch.bfloat16).div_(world)
+        fut = dist.all_reduce(compressed, async_op=True).get_future()
+
+        def decompress(f):
+            buffer.copy_(f.value()[0])
+            return buffer
+
+        return fut.then(decompress)
+
+    return hook
 
 
 def run_torch(comm, a, X, y) -> dict:
@@ -90,11 +109,14 @@ def run_torch(comm, a, X, y) -> dict:
             layers.append(torch.nn.ReLU())
         layers.append(torch.nn.Linear(n_in, n_out))
     model = torch.nn.Sequential(*layers)
-    ddp = DDP(model)
+    # PowerSGD's hook chains its all-reduces in future callbacks; with several buckets gloo then pairs
+    # them in different orders on different ranks ("Received data size doesn't match expected size",
+    # seen with torch 2.13), so PyTorch's PowerSGD column uses one bucket.
+    ddp = DDP(model, bucket_cap_mb=100) if a.hook == "powersgd" else DDP(model)
     if a.hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif a.hook == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        ddp.register_comm_hook(None, bf16_hook(torch, dist))
     elif a.hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=a.psgd_rank,
                                             start_powerSGD_iter=START_ITER)
