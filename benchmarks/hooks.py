@@ -81,7 +81,8 @@ def ratios(payload, world, hook) -> dict:
     for lib in payload["libs"]:
         c, base = _col(payload, lib, world, hook), _col(payload, lib, world, "none")
         out[lib] = {
-            "bytes_vs_none": c["bytes_per_step"] / base["bytes_per_step"] if c and base else None,
+            "bytes_vs_none": (c["bytes_per_step"] / base["bytes_per_step"]
+                              if c and base and base["bytes_per_step"] else None),
             "speedup_vs_none": base["step_s"] / c["step_s"] if c and base else None,
         }
     cx, th = _col(payload, "pycyxwiz", world, hook), _col(payload, "torch", world, hook)
