@@ -6,7 +6,7 @@
 
 Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
 reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
-(1, 2, 4 ranks), memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
+(1, 2, 4 ranks), communication hooks (2, 4 ranks), memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
 tables that go into the README. A complete run with the defaults replaces benchmarks/results/
 when it ends; any other run (--quick, --skip, other worlds or libraries, interrupted) writes
 benchmarks/results/partial/ and leaves the committed results alone. Each column has a timeout,
@@ -29,12 +29,12 @@ if __package__ in (None, ""):
 
 from benchmarks import _launch
 from benchmarks import allreduce as coll
-from benchmarks import loopback, memory, train
+from benchmarks import hooks, loopback, memory, train
 from benchmarks._launch import LIBRARIES, PARTIAL, RESULTS, mpi_available
 from benchmarks._report import format_table, human_size, machine_info, output_dir, set_output_dir, write_json
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
-STEPS = ("loopback", *COLLECTIVES, "train", "memory")
+STEPS = ("loopback", *COLLECTIVES, "train", "hooks", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
 
 
@@ -144,6 +144,16 @@ def targets(parts: dict) -> list:
         r = memory.zero_ratios(zc, "pycyxwiz", world)
         add("ZeRO-1 optimizer state per rank / unsharded", world, r["state"], f"<= 1/{world} + a bucket",
             lambda v, w=world: v <= 1.0 / w + 0.01, "{:.2f}x")
+    hk = parts.get("hooks")
+    if hk and 4 in hk["worlds"]:
+        bf = hooks.ratios(hk, 4, "bf16")["pycyxwiz"]
+        add(f"bf16 hook bytes / float32 DDP's ({hk['model']})", 4, bf["bytes_vs_none"], "<= 0.5x",
+            lambda v: v <= 0.5)
+        add(f"bf16 hook step speed-up over float32 DDP ({hk['model']})", 4, bf["speedup_vs_none"], ">= 1.5x",
+            lambda v: v >= 1.5)
+        ps = hooks.ratios(hk, 4, "powersgd")["pycyxwiz"]["bytes_vs_none"]
+        add(f"float32 DDP's bytes / PowerSGD rank {hk['powersgd_rank']}'s", 4, 1 / ps if ps else None,
+            ">= 20x (<= 1/20 of the bytes)", lambda v: v >= 20, fmt="{:.0f}x")
     return rows
 
 
@@ -201,6 +211,8 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
             lines += ["", f"![{op} busbw vs size]({name}.png)"]
     if parts.get("train"):
         lines += ["", "## training", "", train.table(parts["train"], markdown=True), "", "![training](train.png)"]
+    if parts.get("hooks"):
+        lines += ["", "## communication hooks", "", hooks.table(parts["hooks"], markdown=True)]
     if parts.get("memory"):
         lines += ["", "## memory", "", memory.tables(parts["memory"], markdown=True)]
     return "\n".join(lines) + "\n"
@@ -287,6 +299,12 @@ def _run(a, argv) -> float:
         train.plot(p, output_dir() / "train.png")
         print(train.table(p) + "\n", flush=True)
         parts["train"] = p
+    if "hooks" not in a.skip:
+        print("communication hooks ...", flush=True)
+        p = hooks.run([2, 4], list(hooks.HOOKS), list(hooks.LIBS), 6 if a.quick else 12, 32, 4, hooks.SIZES)
+        write_json("hooks", p)
+        print(hooks.table(p) + "\n", flush=True)
+        parts["hooks"] = p
     if "memory" not in a.skip:
         print("memory ...", flush=True)
         sizes = [1 << 20, 64 << 20] if a.quick else memory.DEFAULT_SIZES

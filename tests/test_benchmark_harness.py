@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 EVERY_STEP = ["loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong",
-              "train", "memory"]
+              "train", "hooks", "memory"]
 
 
 def digest(folder):

@@ -1,6 +1,7 @@
 // Bindings of DDPConfig and DistributedDataParallel (csrc/train/ddp.h), and of the bucket assignment for tests.
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <sstream>
 
 #include "bindings/arrays.h"
@@ -29,7 +30,41 @@ py::list bucket_tuples(const std::vector<Bucket>& buckets) {
   return out;
 }
 
+const char* b(bool v) { return v ? "True" : "False"; }
+
+std::string powersgd_repr(const PowerSGDConfig& c) {
+  std::ostringstream os;
+  os << "PowerSGDConfig(matrix_approximation_rank=" << c.matrix_approximation_rank
+     << ", start_powerSGD_iter=" << c.start_powerSGD_iter << ", min_compression_rate=" << c.min_compression_rate
+     << ", use_error_feedback=" << b(c.use_error_feedback) << ", warm_start=" << b(c.warm_start)
+     << ", seed=" << c.seed << ")";
+  return os.str();
+}
+
+void bind_powersgd(py::module_& m) {
+  py::class_<PowerSGDConfig>(m, "PowerSGDConfig",
+                             "Options of the 'powersgd' communication hook (the names and defaults of PyTorch's "
+                             "PowerSGDState).\n\n"
+                             "    cfg = cx.distributed.DDPConfig(); cfg.comm_hook = 'powersgd'\n"
+                             "    cfg.powersgd.matrix_approximation_rank = 4; cfg.powersgd.start_powerSGD_iter = 10")
+      .def(py::init<>())
+      .def_readwrite("matrix_approximation_rank", &PowerSGDConfig::matrix_approximation_rank,
+                     "Rank r of each matrix gradient's approximation (default 1); clipped to min(rows, cols).")
+      .def_readwrite("start_powerSGD_iter", &PowerSGDConfig::start_powerSGD_iter,
+                     "Steps of uncompressed float32 all-reduce before compression starts (default 1000).")
+      .def_readwrite("min_compression_rate", &PowerSGDConfig::min_compression_rate,
+                     "An n x m matrix is compressed only if n*m >= this * (n+m)*r (default 2); 0 compresses every "
+                     "matrix.")
+      .def_readwrite("use_error_feedback", &PowerSGDConfig::use_error_feedback,
+                     "Add what the last approximation dropped to the next step's gradient (default True).")
+      .def_readwrite("warm_start", &PowerSGDConfig::warm_start,
+                     "Start each step's power iteration from the last step's Q (default True).")
+      .def_readwrite("seed", &PowerSGDConfig::seed, "Seed of the random initial Q, the same on every rank (0).")
+      .def("__repr__", &powersgd_repr);
+}
+
 void bind_config(py::module_& m) {
+  bind_powersgd(m);
   py::class_<DDPConfig>(m, "DDPConfig",
                         "Options of DistributedDataParallel.\n\n"
                         "    cfg = cx.distributed.DDPConfig(); cfg.bucket_size_mb = 25\n"
@@ -45,13 +80,31 @@ void bind_config(py::module_& m) {
                      "Reduce parameters that got no gradient in a backward instead of raising (default False).")
       .def_readwrite("first_bucket_mb", &DDPConfig::first_bucket_mb,
                      "Cap of the first bucket (the last layers) in MiB, so communication starts early (default 1).")
+      .def_property(
+          "comm_hook", [](const DDPConfig& c) { return c.comm_hook; },
+          [](DDPConfig& c, py::object v) {
+            if (v.is_none()) {
+              c.comm_hook = "none";
+              return;
+            }
+            if (!py::isinstance<py::str>(v))
+              throw py::type_error("DDPConfig.comm_hook must be a str ('none', 'fp16', 'bf16', 'powersgd') or None, "
+                                   "got " + std::string(py::str(py::type::of(v).attr("__name__"))));
+            c.comm_hook = v.cast<std::string>();
+          },
+          "How gradient buckets are reduced: 'none' (float32, default; None means the same), 'fp16' or 'bf16' "
+          "(cast, all-reduced in that type, cast back: half the bytes) or 'powersgd' (low-rank matrices with error "
+          "feedback; options in .powersgd). Checked when DDP is built.")
+      .def_readwrite("powersgd", &DDPConfig::powersgd, "PowerSGDConfig: options of comm_hook = 'powersgd'.")
       .def("__repr__", [](const DDPConfig& c) {
         std::ostringstream os;
         os << "DDPConfig(broadcast_parameters=" << (c.broadcast_parameters ? "True" : "False")
            << ", broadcast_buffers=" << (c.broadcast_buffers ? "True" : "False")
            << ", bucket_size_mb=" << c.bucket_size_mb
            << ", find_unused_parameters=" << (c.find_unused_parameters ? "True" : "False")
-           << ", first_bucket_mb=" << c.first_bucket_mb << ")";
+           << ", first_bucket_mb=" << c.first_bucket_mb << ", comm_hook='" << c.comm_hook << "'";
+        if (c.comm_hook == "powersgd") os << ", powersgd=" << powersgd_repr(c.powersgd);
+        os << ")";
         return os.str();
       });
 
@@ -132,7 +185,55 @@ void def_training(DDPClass& c) {
           "no_sync", [](std::shared_ptr<DistributedDataParallel> d) { return NoSync{std::move(d)}; },
           "Context manager: backward() inside it accumulates gradients without communicating.\n\n"
           "    with ddp.no_sync():\n        ddp.backward(g1)\n    ddp.backward(g2); ddp.update_parameters(opt)")
-      .def_property_readonly("require_sync", &DistributedDataParallel::require_sync);
+      .def_property_readonly("require_sync", &DistributedDataParallel::require_sync)
+      .def(
+          "register_comm_hook",
+          [](DistributedDataParallel& d, const std::string& name, int rank, int64_t start, double rate,
+             bool error_feedback, bool warm_start, uint64_t seed) {
+            PowerSGDConfig c;
+            c.matrix_approximation_rank = rank;
+            c.start_powerSGD_iter = start;
+            c.min_compression_rate = rate;
+            c.use_error_feedback = error_feedback;
+            c.warm_start = warm_start;
+            c.seed = seed;
+            py::gil_scoped_release nogil;
+            d.register_comm_hook(name, c);
+          },
+          py::arg("name"), py::arg("matrix_approximation_rank") = 1, py::arg("start_powerSGD_iter") = 1000,
+          py::arg("min_compression_rate") = 2.0, py::arg("use_error_feedback") = true, py::arg("warm_start") = true,
+          py::arg("seed") = 0,
+          "Reduces gradient buckets with a communication hook from the next step on: 'none', 'fp16', 'bf16' or\n"
+          "'powersgd' (its options are those of PowerSGDConfig). Every rank registers the same hook, between steps.\n\n"
+          "    ddp.register_comm_hook('bf16')\n"
+          "    ddp.register_comm_hook('powersgd', matrix_approximation_rank=4, start_powerSGD_iter=100)")
+      .def_property_readonly(
+          "comm_hook", [](const DistributedDataParallel& d) { return d.config().comm_hook; },
+          "The communication hook in use: 'none', 'fp16', 'bf16' or 'powersgd'.")
+      .def("_comm_hook_state",
+           [](DistributedDataParallel& d) {
+             CommHookState s;
+             {
+               py::gil_scoped_release nogil;
+               s = d.comm_hook_state();
+             }
+             py::array_t<float> q(static_cast<py::ssize_t>(s.q.size()));
+             py::array_t<float> e(static_cast<py::ssize_t>(s.error.size()));
+             if (!s.q.empty()) std::memcpy(q.mutable_data(), s.q.data(), s.q.size() * sizeof(float));
+             if (!s.error.empty()) std::memcpy(e.mutable_data(), s.error.data(), s.error.size() * sizeof(float));
+             return py::make_tuple(s.iteration, q, e);
+           })
+      .def("_set_comm_hook_state",
+           [](DistributedDataParallel& d, int64_t iteration, py::array_t<float, py::array::c_style | py::array::forcecast> q,
+              py::array_t<float, py::array::c_style | py::array::forcecast> e) {
+             CommHookState s;
+             s.iteration = iteration;
+             s.q.assign(q.data(), q.data() + q.size());
+             s.error.assign(e.data(), e.data() + e.size());
+             py::gil_scoped_release nogil;
+             d.set_comm_hook_state(s);
+           },
+           py::arg("iteration"), py::arg("q"), py::arg("error"));
 }
 
 // The replicas' consistency, the buckets and the queries.

@@ -68,6 +68,8 @@ void bind_process_group(py::module_& m) {
   m.def("get_world_size", [] { return require_default_group("get_world_size()")->size(); });
   m.def("get_local_rank", [] { return require_default_group("get_local_rank()")->config().local_rank; });
   m.def("get_config", [] { return require_default_group("get_config()")->config(); });
+  // For the benchmarks: payload bytes this rank has sent over its transport (0 with NCCL).
+  m.def("_bytes_sent", [] { return require_default_group("_bytes_sent()")->bytes_sent(); });
 }
 
 }  // namespace cx::bindings

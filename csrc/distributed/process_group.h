@@ -69,6 +69,8 @@ class ProcessGroup {
   int size() const { return cfg_.world_size; }
   const Config& config() const { return cfg_; }
   bool poisoned();
+  // Payload bytes this rank has handed to its transport (Backend::bytes_sent).
+  uint64_t bytes_sent() const { return backend_ ? backend_->bytes_sent() : 0; }
 
   using WorkPtr = std::shared_ptr<Work>;
   // Each returns a Work that is complete for blocking calls. Counts are elements

@@ -74,6 +74,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialM
   CX_CHECK(group_ != nullptr, InvalidArgument,
            "DistributedDataParallel: no process group; call cx.distributed.init() first");
   dirty_.assign(sched_.buckets().size(), 0);
+  const std::string who = "DistributedDataParallel (rank " + std::to_string(group_->rank()) + "): DDPConfig.comm_hook";
+  const CommHookKind hook = parse_comm_hook(cfg_.comm_hook, who);
+  if (hook == CommHookKind::kPowerSgd) check_powersgd_config(cfg_.powersgd, who);
+  cfg_.comm_hook = comm_hook_name(hook);
 
   if (cfg_.broadcast_parameters) broadcast_parameters();
   fork_rng_streams();
@@ -81,6 +85,42 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialM
   // The hook holds a raw pointer: the destructor clears it before we go away
   // (unless a newer wrapper has replaced it: Note [Unused parameters]).
   model_->set_grad_ready_hook([this](size_t i) { on_grad_ready(i); }, this);
+  if (hook != CommHookKind::kNone) hook_ = make_comm_hook(hook, cfg_.powersgd, model_, sched_.buckets(), *group_);
+}
+
+void DistributedDataParallel::register_comm_hook(const std::string& name, const PowerSGDConfig& psgd) {
+  const std::string who = "DistributedDataParallel.register_comm_hook (rank " + std::to_string(group_->rank()) + ")";
+  const CommHookKind kind = parse_comm_hook(name, who);
+  if (kind == CommHookKind::kPowerSgd) check_powersgd_config(psgd, who);
+  CX_CHECK(kind == CommHookKind::kNone || hooks_refused_.empty(), InvalidArgument, who, ": hook '", name, "' ",
+           hooks_refused_);
+  CX_CHECK(kind == CommHookKind::kNone || (!shard_ && !joining_), InvalidArgument, who, ": hook '", name,
+           "' compresses all-reduces, but ", shard_ ? "this DDP's gradients are sharded by a ZeroRedundancyOptimizer "
+           "(ZeRO-1), which reduce-scatters them" : "inside join() a finished rank answers plain all-reduces",
+           "; use one or the other");
+  CX_CHECK(!any_unsynced_, InvalidArgument, who, ": the gradients of ", backwards_since_sync_,
+           " backward(s) are waiting to be reduced; register the hook between steps (before the first backward, or "
+           "after update_parameters / sync_gradients), on every rank");
+  wait_in_flight();
+  hook_ = kind == CommHookKind::kNone ? nullptr : make_comm_hook(kind, psgd, model_, sched_.buckets(), *group_);
+  cfg_.comm_hook = comm_hook_name(kind);
+  cfg_.powersgd = psgd;
+}
+
+CommHookState DistributedDataParallel::comm_hook_state() {
+  wait_in_flight();
+  return hook_ ? hook_->state() : CommHookState{};
+}
+
+void DistributedDataParallel::set_comm_hook_state(const CommHookState& s) {
+  wait_in_flight();
+  if (hook_) {
+    hook_->set_state(s);
+  } else {
+    CX_CHECK(s.q.empty() && s.error.empty(), InvalidArgument, "DistributedDataParallel (rank ", group_->rank(),
+             "): PowerSGD state given but the comm hook is '", cfg_.comm_hook,
+             "'; set DDPConfig.comm_hook = 'powersgd' (or register_comm_hook) first");
+  }
 }
 
 // Note [Dropout across ranks].
@@ -137,6 +177,9 @@ void DistributedDataParallel::broadcast_buffers_from(int root) {
 void DistributedDataParallel::join_begin() {
   CX_CHECK(!joining_, InvalidArgument, "DistributedDataParallel.join (rank ", group_->rank(),
            "): already inside join(); contexts do not nest");
+  CX_CHECK(!hook_, InvalidArgument, "DistributedDataParallel.join (rank ", group_->rank(), "): this DDP has the '",
+           cfg_.comm_hook, "' communication hook, whose compressed all-reduces a finished rank cannot shadow; use "
+           "join() without a hook, or give every rank the same number of batches");
   CX_CHECK(!shard_, InvalidArgument, "DistributedDataParallel.join (rank ", group_->rank(),
            "): this DDP's gradients are sharded by a ZeroRedundancyOptimizer (ZeRO-1), whose reduce-scatter and "
            "all-gather a finished rank cannot shadow; use join() with a plain optimizer, or give every rank the "
@@ -231,6 +274,9 @@ void DistributedDataParallel::set_shard_gradients(bool on) {
   if (on == shard_) return;
   CX_CHECK(!joining_, InvalidArgument, "DistributedDataParallel (rank ", group_->rank(),
            "): cannot change gradient sharding (ZeRO-1) inside join()");
+  CX_CHECK(!on || !hook_, InvalidArgument, "ZeroRedundancyOptimizer (rank ", group_->rank(), "): this DDP has the '",
+           cfg_.comm_hook, "' communication hook, which compresses all-reduces, but ZeRO-1 reduce-scatters the "
+           "gradients; use one or the other (DDPConfig.comm_hook = None)");
   wait_in_flight();
   shard_ = on;
 }
@@ -262,11 +308,14 @@ void DistributedDataParallel::wait_in_flight() {
   std::vector<distributed::ProcessGroup::WorkPtr> works;
   works.swap(in_flight_);
   for (auto& w : works) w->wait();
+  if (hook_) hook_->finish();
 }
 
 void DistributedDataParallel::launch(size_t b) {
   const Bucket& bk = sched_.buckets()[b];
-  if (bk.count)
+  if (hook_)
+    hook_->launch(b);  // comm_hooks.h
+  else if (bk.count)
     in_flight_.push_back(group_->all_reduce(model_->flat_grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
                                             distributed::ReduceOp::kAvg, true));
   ++launched_total_;
@@ -326,7 +375,7 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
 }
 
 void DistributedDataParallel::sync_gradients() {
-  if (!any_unsynced_ && in_flight_.empty()) return;  // nothing new since the last sync
+  if (!any_unsynced_ && in_flight_.empty() && !(hook_ && hook_->busy())) return;  // nothing new since the last sync
   if (joining_) {
     wait_in_flight();
     sync_gradients_joined();
@@ -338,6 +387,7 @@ void DistributedDataParallel::sync_gradients() {
   for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
   wait_in_flight();
+  if (hook_) hook_->end_step();
   if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;
   backwards_since_sync_ = 0;
   any_unsynced_ = false;

@@ -32,7 +32,11 @@
 //     count seen in the previous cycle (1 to start with), so after the first
 //     cycle the inner steps do not communicate.
 // Before a backward writes into the gradient buffer again, it waits for the
-// reductions in flight (they read and write the same memory).
+// reductions in flight (they read and write the same memory). With a
+// communication hook (DDPConfig.comm_hook, comm_hooks.h) launch() hands the
+// bucket to the hook and that wait completes the hook's work; fp16/bf16 are
+// linear up to rounding, PowerSGD is not (Note [PowerSGD and accumulation] in
+// comm_hooks.cpp).
 //
 // Note [Unused parameters]
 // A bucket is launched when every parameter in it has been reported final by
@@ -133,6 +137,7 @@
 #include "nn/optimizer.h"
 #include "nn/sequential.h"
 #include "train/buckets.h"
+#include "train/comm_hooks.h"
 
 namespace cx::train {
 
@@ -142,6 +147,8 @@ struct DDPConfig {
   double bucket_size_mb = 25.0;      // cap per gradient bucket, MiB
   bool find_unused_parameters = false;
   double first_bucket_mb = 1.0;      // cap of bucket 0 (Note [Bucket order])
+  std::string comm_hook = "none";    // "none", "fp16", "bf16", "powersgd" (comm_hooks.h)
+  PowerSGDConfig powersgd;           // options of the "powersgd" hook
 };
 
 // One parameter tensor that differs between ranks.
@@ -185,6 +192,19 @@ class DistributedDataParallel {
   // gradient that no reduction has covered since, and marks it covered: the
   // caller (ZeroRedundancyOptimizer::step) reduces it itself.
   bool take_unsynced();
+
+  // Replaces how buckets are reduced from the next step on (comm_hooks.h):
+  // "none" (float32 AVG all-reduce), "fp16", "bf16", "powersgd" with `psgd`.
+  // Every rank must register the same hook at the same point, between steps;
+  // InvalidArgument while a step's gradients wait to be reduced, for a name or
+  // option out of range, or where the trainer refuses hooks (the GPU engine).
+  void register_comm_hook(const std::string& name, const PowerSGDConfig& psgd = PowerSGDConfig());
+  // The hook's state for checkpoints (PowerSGD: iteration, Q, this rank's
+  // residuals; empty for the others) and its restore (same model and options).
+  CommHookState comm_hook_state();
+  void set_comm_hook_state(const CommHookState& s);
+  // Makes register_comm_hook refuse any hook but "none", saying `why`.
+  void refuse_comm_hooks(std::string why) { hooks_refused_ = std::move(why); }
 
   void set_require_sync(bool on) { require_sync_ = on; }
   bool require_sync() const { return require_sync_; }
@@ -259,6 +279,9 @@ class DistributedDataParallel {
   int join_authority_ = 0;            // lowest rank of the last non-empty active set
   bool join_signalled_ = false;       // a signal reported active ranks since join_begin
   std::vector<double> join_buf_;
+
+  std::unique_ptr<CommHook> hook_;    // null: the float32 AVG all-reduce of launch()
+  std::string hooks_refused_;
 };
 
 }  // namespace cx::train

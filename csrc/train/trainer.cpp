@@ -22,9 +22,20 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     // Note [The model on the GPU] (gpu_engine.h): the host DDP keeps its
     // bookkeeping (rank, per-rank dropout streams) but moves no data; the GPU
     // engine broadcasts rank 0's parameters on the device.
+    // Communication hooks (comm_hooks.h) work on host gradients; the GPU engine
+    // has none yet. Refused before a GPU is touched, on every rank alike.
+    const CommHookKind hook = parse_comm_hook(cfg.comm_hook, "DistributedTrainer: DDPConfig.comm_hook");
+    CX_CHECK(hook == CommHookKind::kNone, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
+             "): DDPConfig.comm_hook = '", comm_hook_name(hook), "' is not supported on the GPU (cuda:",
+             group_->config().local_rank, ", BackendType.NCCL): the GPU engine all-reduces float32 gradients "
+             "with NCCL. Use comm_hook = 'none' with the NCCL backend, or train on the CPU backend to use the hook");
     DDPConfig host_cfg = cfg;
     host_cfg.broadcast_parameters = false;
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
+    ddp_->refuse_comm_hooks(detail::concat("is not supported on the GPU (cuda:", group_->config().local_rank,
+                                           ", BackendType.NCCL): the trainer's GPU engine reduces the gradients "
+                                           "with NCCL in float32, not this host object; use the CPU backend for "
+                                           "communication hooks"));
     engine_ = std::make_unique<GpuEngine>(model_, loss_, opt_, group_, cfg, *ddp_);
     ddp_->set_host_gather([e = engine_.get()](const void* in, void* out, size_t n) { e->all_gather_host(in, out, n); });
   } else {

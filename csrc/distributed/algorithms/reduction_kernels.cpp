@@ -4,6 +4,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CX_HAVE_F16C_PATH 1
+#endif
+
 namespace cx::distributed {
 
 float half_to_float(uint16_t h) {
@@ -112,6 +117,41 @@ void reduce_16(uint16_t* d, const uint16_t* s, size_t n, ReduceOp op) {
   }
 }
 
+// SUM of float16 / bfloat16, the hot case of the 16-bit communication hooks:
+// the same widen-add-round as reduce_16, eight lanes at a time (F16C's
+// conversions round to nearest even, as float_to_half) or written branch-free
+// so the compiler vectorises it (bfloat16, NaN kept quiet as float_to_bf16).
+#if CX_HAVE_F16C_PATH
+__attribute__((target("avx,f16c"))) void sum_half_f16c(uint16_t* d, const uint16_t* s, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i)));
+    __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_add_ps(a, b), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) d[i] = float_to_half(half_to_float(d[i]) + half_to_float(s[i]));
+}
+
+bool have_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+void sum_bf16(uint16_t* __restrict d, const uint16_t* __restrict s, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t a = static_cast<uint32_t>(d[i]) << 16, b = static_cast<uint32_t>(s[i]) << 16;
+    float fa, fb;
+    std::memcpy(&fa, &a, 4);
+    std::memcpy(&fb, &b, 4);
+    const float f = fa + fb;
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    d[i] = static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? ((x >> 16) | 0x40u) : rounded);
+  }
+}
+
 }  // namespace
 
 void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp op) {
@@ -122,9 +162,19 @@ void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp 
     case DataType::kInt64: reduce_typed(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count, op); break;
     case DataType::kUInt8: reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op); break;
     case DataType::kFloat16:
+#if CX_HAVE_F16C_PATH
+      if ((op == ReduceOp::kSum || op == ReduceOp::kAvg) && have_f16c()) {
+        sum_half_f16c(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count);
+        break;
+      }
+#endif
       reduce_16<half_to_float, float_to_half>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
       break;
     case DataType::kBFloat16:
+      if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
+        sum_bf16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count);
+        break;
+      }
       reduce_16<bf16_to_float, float_to_bf16>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
       break;
     case DataType::kBytes: break;

@@ -55,6 +55,9 @@ class Backend {
   virtual void abort(ErrorKind kind, const std::string& msg) = 0;
   // Graceful end, once every body has run.
   virtual void close(const Deadline& dl) = 0;
+  // Payload bytes this rank's transport has sent (Transport::bytes_sent); 0
+  // where the backend cannot tell (NCCL).
+  virtual uint64_t bytes_sent() const { return 0; }
 };
 
 }  // namespace cx::distributed

@@ -35,6 +35,7 @@ class CpuBackend : public Backend {
   void begin(const OpDesc& desc, const Deadline& dl) override { t_->begin(desc, dl); }
   void abort(ErrorKind kind, const std::string& msg) override { t_->abort(kind, msg); }
   void close(const Deadline& dl) override { t_->close(dl); }
+  uint64_t bytes_sent() const override { return t_->bytes_sent(); }
 
  private:
   std::unique_ptr<Transport> t_;

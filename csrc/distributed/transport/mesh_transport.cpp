@@ -124,6 +124,7 @@ Transport::Req MeshTransport::isend(int peer, const void* buf, size_t bytes) {
   Req id = static_cast<Req>(op_.done.size());
   op_.done.push_back(0);
   ++op_.pending;
+  count_sent(bytes);
   channels_[peer]->isend(id, static_cast<const char*>(buf), bytes);
   return id;
 }

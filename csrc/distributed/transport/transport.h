@@ -10,6 +10,7 @@
 // the same algorithm agree on every message without tags.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -65,6 +66,17 @@ class Transport {
   // Graceful end: tells peers we are done and waits (until `dl`) for them to
   // say the same, so no connection is torn down under data still in flight.
   virtual void close(const Deadline& dl) {}
+
+  // Payload bytes handed to isend since the transport was made (frame headers
+  // not counted); read from any thread. The benchmarks count a step's bytes
+  // with it (cx.distributed._bytes_sent()).
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+
+ protected:
+  void count_sent(size_t bytes) { bytes_sent_.fetch_add(bytes, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint64_t> bytes_sent_{0};
 };
 
 }  // namespace cx::distributed

@@ -34,6 +34,7 @@ from ._pg import (
 from ._spawn import SpawnError as SpawnError, spawn as spawn
 from ._train import (
     DDPConfig as DDPConfig,
+    PowerSGDConfig as PowerSGDConfig,
     DistributedBatchIterator as DistributedBatchIterator,
     DistributedDataParallel as DistributedDataParallel,
     DistributedSampler as DistributedSampler,
@@ -53,7 +54,7 @@ __all__ = [
     "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
     "all_to_all", "barrier", "send", "recv",
     "spawn", "SpawnError",
-    "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
 ]

@@ -15,15 +15,21 @@ epoch sums, history, sampler seed/shuffle, world size), ``model`` (the ``.cyxmod
 bytes: architecture, parameters, buffers), ``opt.<name>`` (the optimizer's state
 arrays; its scalars are in ``meta``) and ``rng.modules`` (uint64, one row per rank: the
 generator states of the model's Dropout modules, ``model.get_rng_state()`` on that rank;
-absent in files written before it existed, which then resume with the states as they are),
-and ``manifest.json`` with the SHA-256 of every member, the zip comment holding the SHA-256 of
-the whole file (Note [Checkpoints you can trust] in _ckpt_file.py; version 1 files had neither).
+absent in files written before it existed, which then resume with the states as they are);
+with the PowerSGD communication hook also ``hook.q`` (float32: the warm-start Q of every compressed
+matrix, the same on every rank) and ``hook.error`` (float32, one row per rank: that rank's
+error-feedback residuals), and the hook's iteration count in ``meta``; and ``manifest.json`` with
+the SHA-256 of every member, the zip comment holding the SHA-256 of the whole file (Note
+[Checkpoints you can trust] in _ckpt_file.py; version 1 files had neither).
 
 Every rank draws its own dropout masks (Note [Dropout across ranks] in csrc/train/ddp.h),
 so a checkpoint must hold every rank's generator states although only rank 0 writes it.
 fit() all-gathers them at the end of every epoch (a few bytes); a checkpoint holds
 rank 0's live states and the other ranks' states from that gather, i.e. it is exact for
-the checkpoints fit writes and for any save_checkpoint between fits. Files are written to a temporary name, fsynced
+the checkpoints fit writes and for any save_checkpoint between fits. PowerSGD's residuals differ on every
+rank too and are as large as the compressed matrices, so fit gathers them only where they are needed: at
+the end of an epoch that writes a checkpoint and at the end of the fit (so, again, exact for the checkpoints
+fit writes and for save_checkpoint between fits). Files are written to a temporary name, fsynced
 and renamed, so a reader sees either the old complete file or the new complete file; the
 temporary files of writers killed mid-save are removed at the next save.
 
@@ -50,13 +56,14 @@ from . import _ckpt_file, _pg
 _d = _core.dist
 
 DDPConfig = _d.DDPConfig
+PowerSGDConfig = _d.PowerSGDConfig
 DistributedDataParallel = _d.DistributedDataParallel
 DistributedSampler = _d.DistributedSampler
 DistributedBatchIterator = _d.DistributedBatchIterator
 ZeroRedundancyOptimizer = _d.ZeroRedundancyOptimizer
 
 __all__ = [
-    "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
 ]
@@ -270,6 +277,8 @@ class DistributedTrainer:
         self._history = DistributedTrainingHistory()
         # Every rank's model.get_rng_state() at the last epoch end or load (rank 0 only needs it).
         self._rng_by_rank: Optional[np.ndarray] = None
+        # Every rank's PowerSGD residuals at the last gather (epochs that checkpoint, fit's end) or load.
+        self._hook_errors: Optional[np.ndarray] = None
         self._in_fit = False
         self._fit_start = 0          # the epoch the current (or last) fit started at
         self._steps = 0              # optimizer steps over all fits (check_every_n_steps, per-step schedulers)
@@ -492,6 +501,9 @@ class DistributedTrainer:
                 self._scheduler.step()
             self._core.sync_to_host()  # checkpoints, the RNG gather and callers read the host objects
             self._rng_by_rank = self._gather_rng_states()
+            if epoch + 1 == end or (config.checkpoint_every_n_epochs and
+                                    (epoch + 1) % config.checkpoint_every_n_epochs == 0):
+                self._hook_errors = self._gather_hook_errors()
             epoch_time = time.perf_counter() - t0
             history.train_time_seconds += epoch_time
             history.total_samples += g_count
@@ -563,6 +575,32 @@ class DistributedTrainer:
             self._core.all_gather_host(rows, mine)
         return rows
 
+    def _gather_hook_errors(self) -> Optional[np.ndarray]:
+        """Collective: every rank's PowerSGD residuals, one row per rank; None without that hook."""
+        if self.ddp.comm_hook != "powersgd":
+            return None
+        mine = np.ascontiguousarray(self.ddp._comm_hook_state()[2], dtype=np.float32)
+        world = self.get_world_size()
+        rows = np.empty((world, mine.size), np.float32)
+        if world == 1 or mine.size == 0:
+            rows[:] = mine
+        else:
+            self._core.all_gather_host(rows, mine)
+        return rows
+
+    def _hook_arrays(self) -> Tuple[dict, Optional[dict]]:
+        """A checkpoint's PowerSGD arrays and meta entry: this rank's live state, the others' residuals from
+        the last gather (zeros where none has been made)."""
+        if self.ddp.comm_hook != "powersgd":
+            return {}, None
+        iteration, q, mine = self.ddp._comm_hook_state()
+        rows = self._hook_errors
+        if rows is None or rows.shape != (self.get_world_size(), mine.size):
+            rows = np.zeros((self.get_world_size(), mine.size), np.float32)
+        rows = rows.copy()
+        rows[self.get_rank()] = mine
+        return {"hook.q": q, "hook.error": rows}, {"name": "powersgd", "iteration": int(iteration)}
+
     def _rng_rows(self) -> np.ndarray:
         """The rows a checkpoint holds: this rank's live states, the others' from the last gather."""
         mine = np.ascontiguousarray(self.model.get_rng_state(), dtype=np.uint64)
@@ -579,6 +617,8 @@ class DistributedTrainer:
         scalars = {k: v for k, v in sd.items() if not isinstance(v, np.ndarray)}
         arrays = {f"opt.{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
         arrays["rng.modules"] = self._rng_rows()
+        hook_arrays, hook_meta = self._hook_arrays()
+        arrays.update(hook_arrays)
         sampler = getattr(self, "_fit_sampler", None)
         meta = {
             "format": _CKPT_FORMAT, "version": _CKPT_VERSION,
@@ -594,6 +634,7 @@ class DistributedTrainer:
             "optimizer": scalars,
             "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "history": self._history._to_json(),
+            "comm_hook": hook_meta,
         }
         return _ckpt_file.pack(dict(meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
                                     model=np.frombuffer(_d._model_to_bytes(self.model), np.uint8), **arrays))
@@ -667,6 +708,7 @@ class DistributedTrainer:
                           f"truncated or from another program") from None
         arrays = {k[4:]: v for k, v in z.items() if k.startswith("opt.")}
         rng_rows = z.get("rng.modules")
+        hook = {k[5:]: v for k, v in z.items() if k.startswith("hook.")}
         if not isinstance(meta, dict) or meta.get("format") != _CKPT_FORMAT or \
                 meta.get("version") not in _CKPT_READS:
             raise OSError(f"load_checkpoint: {path!r} is not a pycyxwiz checkpoint of version {_CKPT_VERSION}")
@@ -682,6 +724,7 @@ class DistributedTrainer:
         self._core.load_optimizer_state_dict(sd)  # under ZeRO-1 each rank keeps its shard
         if rng_rows is not None:
             self._restore_rng(rng_rows, meta, path)
+        self._restore_hook(hook, meta, path)
         self.model.zero_grad()
         if self._scheduler is not None and meta.get("scheduler"):
             self._scheduler.load_state_dict(meta["scheduler"])
@@ -698,6 +741,27 @@ class DistributedTrainer:
                              f"(this run has {self.get_world_size()})")
         self._core.sync_from_host()
 
+
+    def _restore_hook(self, hook: dict, meta: dict, path: str) -> None:
+        """PowerSGD's state, when both the file and the trainer have that hook. This rank's residuals if the
+        world size is the same; otherwise they start at zero (each belongs to one rank of the old world), while
+        the iteration count and the warm-start Q (the same on every rank) carry over. A checkpoint without
+        PowerSGD state leaves the hook as it is; a trainer without the hook ignores the state."""
+        info = meta.get("comm_hook")
+        if self.ddp.comm_hook != "powersgd" or not info or "q" not in hook or "error" not in hook:
+            self._hook_errors = None
+            return
+        rows = hook["error"]
+        world, rank = self.get_world_size(), self.get_rank()
+        if rows.ndim != 2 or rows.dtype != np.float32:
+            raise ValueError(f"load_checkpoint: {path!r} holds PowerSGD residuals of shape {rows.shape} "
+                             f"({rows.dtype}); expected one float32 row per rank")
+        mine = rows[rank] if rows.shape[0] == world else np.zeros(rows.shape[1], np.float32)
+        try:
+            self.ddp._set_comm_hook_state(int(info["iteration"]), hook["q"], mine)
+        except ValueError as e:
+            raise ValueError(f"load_checkpoint: {path!r}: {e}") from None
+        self._hook_errors = rows.copy() if rows.shape[0] == world else None
 
     def _restore_rng(self, rows: np.ndarray, meta: dict, path: str) -> None:
         n = int(self.model.get_rng_state().size)

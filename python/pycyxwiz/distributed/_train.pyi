@@ -15,10 +15,19 @@ _Path = Union[str, "PathLike[str]"]
 
 
 __all__ = [
-    "DDPConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
+    "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
 ]
+
+class PowerSGDConfig(metaclass=_pybind11_type):
+    matrix_approximation_rank: int  # 1
+    start_powerSGD_iter: int        # 1000: steps of float32 all-reduce before compression starts
+    min_compression_rate: float     # 2.0: compress n x m only if n*m >= rate * (n+m)*r
+    use_error_feedback: bool        # True
+    warm_start: bool                # True
+    seed: int                       # 0: the random initial Q, the same on every rank
+    def __init__(self) -> None: ...
 
 class DDPConfig(metaclass=_pybind11_type):
     broadcast_parameters: bool    # True: copy rank 0's parameters (and buffers) to every rank
@@ -26,6 +35,11 @@ class DDPConfig(metaclass=_pybind11_type):
     bucket_size_mb: float         # 25.0
     find_unused_parameters: bool  # False
     first_bucket_mb: float        # 1.0: bucket 0 (the last layers) is small so communication starts early
+    powersgd: PowerSGDConfig      # options of comm_hook = "powersgd"
+    @property
+    def comm_hook(self) -> str: ...  # "none", "fp16", "bf16", "powersgd"
+    @comm_hook.setter
+    def comm_hook(self, value: Optional[str]) -> None: ...  # None means "none"
     def __init__(self) -> None: ...
 
 class DistributedDataParallel(metaclass=_pybind11_type):
@@ -47,6 +61,11 @@ class DistributedDataParallel(metaclass=_pybind11_type):
     def joining(self) -> bool: ...
     @property
     def require_sync(self) -> bool: ...
+    def register_comm_hook(self, name: str, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1000,
+                           min_compression_rate: float = 2.0, use_error_feedback: bool = True,
+                           warm_start: bool = True, seed: int = 0) -> None: ...
+    @property
+    def comm_hook(self) -> str: ...
     def check_parameters(self, raise_on_mismatch: bool = True) -> List[Tuple[int, List[int]]]: ...
     def broadcast_parameters(self) -> None: ...
     @property

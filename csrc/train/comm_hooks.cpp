@@ -1,0 +1,540 @@
+#include "train/comm_hooks.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <exception>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CX_HAVE_F16C_PATH 1
+#endif
+
+#include "common/error.h"
+#include "distributed/algorithms/reduction_kernels.h"
+#include "nn/blas.h"
+#include "nn/rng.h"
+
+namespace cx::train {
+
+using distributed::DataType;
+using distributed::ProcessGroup;
+using distributed::ReduceOp;
+
+CommHookKind parse_comm_hook(const std::string& name, const std::string& who) {
+  std::string s;
+  for (char c : name) s.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  if (s.empty() || s == "none") return CommHookKind::kNone;
+  if (s == "fp16") return CommHookKind::kFp16;
+  if (s == "bf16") return CommHookKind::kBf16;
+  if (s == "powersgd") return CommHookKind::kPowerSgd;
+  CX_THROW(InvalidArgument, who, ": unknown communication hook '", name,
+           "'; choose one of 'none' (float32 all-reduce), 'fp16', 'bf16' or 'powersgd'");
+}
+
+const char* comm_hook_name(CommHookKind k) {
+  switch (k) {
+    case CommHookKind::kFp16: return "fp16";
+    case CommHookKind::kBf16: return "bf16";
+    case CommHookKind::kPowerSgd: return "powersgd";
+    case CommHookKind::kNone: break;
+  }
+  return "none";
+}
+
+void check_powersgd_config(const PowerSGDConfig& c, const std::string& who) {
+  CX_CHECK(c.matrix_approximation_rank >= 1, InvalidArgument, who,
+           ": PowerSGD matrix_approximation_rank must be >= 1 (the rank of each gradient's approximation), got ",
+           c.matrix_approximation_rank);
+  CX_CHECK(c.start_powerSGD_iter >= 0, InvalidArgument, who,
+           ": PowerSGD start_powerSGD_iter must be >= 0 (steps of uncompressed all-reduce first), got ",
+           c.start_powerSGD_iter);
+  CX_CHECK(c.min_compression_rate >= 0.0 && std::isfinite(c.min_compression_rate), InvalidArgument, who,
+           ": PowerSGD min_compression_rate must be a finite number >= 0, got ", c.min_compression_rate);
+}
+
+namespace {
+
+// Waits for every work, then rethrows the first failure (the group is poisoned
+// by then, so the others fail too; none is left running on our buffers).
+class FirstError {
+ public:
+  // Waits for w; false (and remembers why) if it failed or an earlier one did.
+  bool wait(const ProcessGroup::WorkPtr& w) {
+    if (!w) return !err_;
+    try {
+      w->wait();
+    } catch (...) {
+      if (!err_) err_ = std::current_exception();
+    }
+    return !err_;
+  }
+  bool failed() const { return static_cast<bool>(err_); }
+  void rethrow() {
+    if (err_) std::rethrow_exception(err_);
+  }
+
+ private:
+  std::exception_ptr err_;
+};
+
+// ---- fp16 / bf16 -----------------------------------------------------------------------------
+
+// Note [Half-precision buckets]
+// launch(b) casts the bucket's float32 gradients, each multiplied by 1/world,
+// into a 16-bit scratch half the bucket's size and queues a SUM all-reduce of
+// the scratch; finish() widens the result back into the gradient slice. The
+// 1/world is applied before the all-reduce, in the same pass as the cast, for
+// two reasons: float16 tops out at 65504, and a SUM of N gradients near that
+// would overflow to inf while their average would not (a SUM of values each at
+// most max/N cannot overflow; this is also what PyTorch's fp16 hook does); and
+// the cast back then is a pure widening, exact and one pass, with no divide.
+// The price is range at the small end: float16 keeps 10 bits down to 6e-5 and
+// flushes below 6e-8, so a gradient that small divided by N loses bits. bfloat16
+// has float32's range, so neither overflow nor underflow changes; it takes the
+// same path for one code path and the exact cast back. The element-wise sums in
+// the ring round to the 16-bit type after every addition (reduction_kernels.h),
+// so the result is the float32 average within about (N+1) units of the type's
+// rounding of the mean of |g| (tests/test_comm_hooks.py checks that bound).
+// Bytes on the wire are half of float32's; two passes over the bucket remain,
+// the cast in (reads 4, writes 2 bytes per element) and out (reads 2, writes 4).
+
+#if CX_HAVE_F16C_PATH
+__attribute__((target("avx,f16c"))) void to_half_f16c(const float* src, float scale, uint16_t* dst, size_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + i), s);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) dst[i] = distributed::float_to_half(src[i] * scale);
+}
+
+__attribute__((target("avx,f16c"))) void from_half_f16c(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = distributed::half_to_float(src[i]);
+}
+
+bool have_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+void to_half(const float* src, float scale, uint16_t* dst, size_t n) {
+#if CX_HAVE_F16C_PATH
+  if (have_f16c()) return to_half_f16c(src, scale, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = distributed::float_to_half(src[i] * scale);
+}
+
+void from_half(const uint16_t* src, float* dst, size_t n) {
+#if CX_HAVE_F16C_PATH
+  if (have_f16c()) return from_half_f16c(src, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = distributed::half_to_float(src[i]);
+}
+
+// Round to nearest even, NaN kept quiet: distributed::float_to_bf16, written
+// branch-free so that the loop vectorises.
+void to_bf16(const float* __restrict src, float scale, uint16_t* __restrict dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float f = src[i] * scale;
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    const uint32_t nan = (x >> 16) | 0x40u;
+    dst[i] = static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
+}
+
+void from_bf16(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t x = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &x, 4);
+  }
+}
+
+class HalfHook : public CommHook {
+ public:
+  HalfHook(CommHookKind kind, std::shared_ptr<nn::SequentialModel> model, std::vector<Bucket> buckets,
+           ProcessGroup& group)
+      : kind_(kind), model_(std::move(model)), buckets_(std::move(buckets)), group_(group) {
+    scratch_.resize(model_->num_parameters());
+  }
+
+  void launch(size_t b) override {
+    const Bucket& bk = buckets_[b];
+    if (!bk.count) return;
+    const float scale = 1.0f / static_cast<float>(group_.size());
+    uint16_t* s = scratch_.data() + bk.offset;
+    const float* g = model_->flat_grads() + bk.offset;
+    if (kind_ == CommHookKind::kFp16)
+      to_half(g, scale, s, bk.count);
+    else
+      to_bf16(g, scale, s, bk.count);
+    const DataType dt = kind_ == CommHookKind::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
+    pending_.push_back({b, group_.all_reduce(s, bk.count, dt, ReduceOp::kSum, true)});
+  }
+
+  void finish() override {
+    std::vector<Pending> todo;
+    todo.swap(pending_);
+    FirstError err;
+    for (auto& p : todo) {
+      if (!err.wait(p.work)) continue;
+      const Bucket& bk = buckets_[p.bucket];
+      float* g = model_->flat_grads() + bk.offset;
+      if (kind_ == CommHookKind::kFp16)
+        from_half(scratch_.data() + bk.offset, g, bk.count);
+      else
+        from_bf16(scratch_.data() + bk.offset, g, bk.count);
+    }
+    err.rethrow();
+  }
+
+  bool busy() const override { return !pending_.empty(); }
+  CommHookKind kind() const override { return kind_; }
+
+ private:
+  struct Pending {
+    size_t bucket;
+    ProcessGroup::WorkPtr work;
+  };
+  CommHookKind kind_;
+  std::shared_ptr<nn::SequentialModel> model_;
+  std::vector<Bucket> buckets_;
+  ProcessGroup& group_;
+  std::vector<uint16_t> scratch_;  // one 16-bit slot per gradient element; bucket b uses its own range
+  std::vector<Pending> pending_;
+};
+
+// ---- PowerSGD --------------------------------------------------------------------------------
+
+// Note [PowerSGD]
+// For every matrix gradient M (n x m, a Linear weight: rows are outputs) that
+// is worth compressing (n*m >= min_compression_rate * (n+m)*r), one step of
+// the power iteration of Vogels et al. (Algorithm 2), with error feedback
+// (their Algorithm 1):
+//   D  = M + e                     e: this rank's residual from the last step
+//   P  = D Q;  P <- mean over ranks (all-reduce);  P^ = orthonormalise(P)
+//   Ql = D^T P^                    this rank's Q
+//   e  = D - P^ Ql^T               what this rank's own approximation drops
+//   Q  = mean over ranks of Ql (all-reduce);   M <- P^ Q^T = P^ P^^T mean(D)
+// Q is kept for the next step (warm start; with warm_start off a fresh random
+// Q every step), seeded identically on every rank, so P^ is the same
+// everywhere. The residual is the paper's (what the local decompression of
+// this rank's D loses), and the mean of the residuals is exactly what the
+// applied update misses of mean(D), so over steps nothing is lost, only
+// delayed. At full rank (r = min(n, m)) and P of full rank, P^ P^^T mean(D) =
+// mean(D): the result is the plain average within float32 rounding (the
+// orthonormalisation is done in float64, twice over, so it adds none to speak
+// of). Vectors (biases), matrices below the compression rate and every tensor
+// of the first start_powerSGD_iter steps (PyTorch's default, 1000: compression
+// works best once the gradients' directions have settled) are all-reduced
+// uncompressed, as float32 AVG, with no residual. A bucket's uncompressed
+// tensors travel packed together with its P's in one all-reduce, and its Q's
+// in a second.
+//
+// Note [Where hooks compute]
+// The hooks compute on the thread running DDP (backward's or sync_gradients'),
+// never on the group's one communication thread: that thread runs the
+// collectives of every bucket in order, and a GEMM there would hold back the
+// later buckets' all-reduces (and the half-precision casts are cheaper than the
+// bytes they save). PowerSGD's step is split at its first all-reduce: launch(b),
+// called in backward as soon as the bucket's gradients are final, adds the
+// residual, computes P = D Q (a GEMM r/batch the size of the layer's own
+// weight-gradient GEMM) and queues the first all-reduce; backward goes on while
+// it travels. finish() (in sync_gradients, or before the next backward writes
+// the buffer) orthonormalises P, computes Q and the residual, and queues the Q
+// all-reduce of every launched bucket before it waits for the first of them,
+// so those travel while it decompresses. Which buckets are launched and finished
+// when is the same on every rank (Note [Overlap] in ddp.h), and so is the order
+// of collectives.
+//
+// Note [PowerSGD and accumulation]
+// AVG is linear, so plain DDP may reduce a bucket several times in one step
+// (Note [Accumulation] in ddp.h). PowerSGD is not: a bucket reduced twice in a
+// step is compressed twice, the second time with the first result inside it.
+// Nothing is lost (each compression's residual is fed into the next), but the
+// step is no longer the one a single reduction would make. Under no_sync()
+// every bucket is reduced once per step; the guide's pattern (backward k times,
+// then sync_gradients) reduces more than once in its first cycle only, after
+// which DDP has learned k. The iteration count (for start_powerSGD_iter)
+// advances once per sync_gradients that reduced something.
+
+// Orthonormalises the r columns of the n x r row-major matrix p in place:
+// modified Gram-Schmidt in float64, run twice (one pass leaves an error of
+// cond(P) times the rounding; the second removes it). A column that is
+// numerically zero after projection becomes zero: it spans nothing.
+void orthonormalise(float* p, int n, int r, std::vector<double>& tmp) {
+  tmp.resize(static_cast<size_t>(n) * r);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < r; ++j) tmp[static_cast<size_t>(j) * n + i] = p[static_cast<size_t>(i) * r + j];
+  std::vector<double> first_norm(r, 0.0);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int j = 0; j < r; ++j) {
+      double* cj = tmp.data() + static_cast<size_t>(j) * n;
+      for (int k = 0; k < j; ++k) {
+        const double* ck = tmp.data() + static_cast<size_t>(k) * n;
+        double d = 0;
+        for (int i = 0; i < n; ++i) d += ck[i] * cj[i];
+        for (int i = 0; i < n; ++i) cj[i] -= d * ck[i];
+      }
+      double s = 0;
+      for (int i = 0; i < n; ++i) s += cj[i] * cj[i];
+      const double norm = std::sqrt(s);
+      if (pass == 0) first_norm[j] = norm;
+      if (!(norm > 0.0) || !std::isfinite(norm)) {
+        std::fill(cj, cj + n, 0.0);
+        continue;
+      }
+      for (int i = 0; i < n; ++i) cj[i] /= norm;
+    }
+  }
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < r; ++j) p[static_cast<size_t>(i) * r + j] = static_cast<float>(tmp[static_cast<size_t>(j) * n + i]);
+}
+
+constexpr double kTwoPi = 6.283185307179586;
+
+class PowerSgdHook : public CommHook {
+ public:
+  PowerSgdHook(const PowerSGDConfig& cfg, std::shared_ptr<nn::SequentialModel> model, std::vector<Bucket> buckets,
+               ProcessGroup& group)
+      : cfg_(cfg), model_(std::move(model)), buckets_(std::move(buckets)), group_(group) {
+    plan();
+  }
+
+  void launch(size_t b) override {
+    const Bucket& bk = buckets_[b];
+    if (!bk.count) return;
+    float* g = model_->flat_grads();
+    if (iteration_ < cfg_.start_powerSGD_iter) {
+      pending_.push_back({b, false, group_.all_reduce(g + bk.offset, bk.count, DataType::kFloat32, ReduceOp::kAvg,
+                                                      true), nullptr});
+      return;
+    }
+    Plan& pl = plans_[b];
+    if (!cfg_.warm_start) {
+      init_q(pl);
+    } else if (!q_ready_) {
+      for (auto& each : plans_) init_q(each);
+      q_ready_ = true;
+    }
+    float* buf = pl.buf.data();
+    size_t at = 0;
+    for (auto [off, n] : pl.plain) {
+      std::memcpy(buf + at, g + off, n * sizeof(float));
+      at += n;
+    }
+    for (const Matrix& mx : pl.mats) {
+      float* d = g + mx.offset;
+      const size_t nm = static_cast<size_t>(mx.n) * mx.m;
+      if (cfg_.use_error_feedback) {
+        const float* e = error_.data() + mx.err_off;
+        for (size_t i = 0; i < nm; ++i) d[i] += e[i];
+      }
+      nn::gemm(false, false, mx.n, mx.r, mx.m, 1.0f, d, mx.m, q_.data() + mx.q_off, mx.r, 0.0f,
+               buf + pl.plain_count + mx.p_off, mx.r);
+    }
+    pending_.push_back({b, true,
+                        group_.all_reduce(buf, pl.buf.size(), DataType::kFloat32, ReduceOp::kAvg, true), nullptr});
+  }
+
+  void finish() override {
+    std::vector<Pending> todo;
+    todo.swap(pending_);
+    FirstError err;
+    float* g = model_->flat_grads();
+    // Stage 1: P arrived; Q and the residual, and the Q all-reduces queued.
+    for (auto& p : todo) {
+      if (!err.wait(p.first) || !p.compressed) continue;
+      Plan& pl = plans_[p.bucket];
+      const float* buf = pl.buf.data();
+      size_t at = 0;
+      for (auto [off, n] : pl.plain) {
+        std::memcpy(g + off, buf + at, n * sizeof(float));
+        at += n;
+      }
+      for (const Matrix& mx : pl.mats) {
+        float* ph = pl.buf.data() + pl.plain_count + mx.p_off;
+        orthonormalise(ph, mx.n, mx.r, tmp_);
+        const float* d = g + mx.offset;
+        float* ql = q_.data() + mx.q_off;
+        nn::gemm(true, false, mx.m, mx.r, mx.n, 1.0f, d, mx.m, ph, mx.r, 0.0f, ql, mx.r);
+        if (cfg_.use_error_feedback) {
+          float* e = error_.data() + mx.err_off;
+          std::memcpy(e, d, static_cast<size_t>(mx.n) * mx.m * sizeof(float));
+          nn::gemm(false, true, mx.n, mx.m, mx.r, -1.0f, ph, mx.r, ql, mx.r, 1.0f, e, mx.m);
+        }
+      }
+      if (pl.q_count)
+        p.second = group_.all_reduce(q_.data() + pl.q_begin, pl.q_count, DataType::kFloat32, ReduceOp::kAvg, true);
+    }
+    // Stage 2: Q arrived; M = P^ Q^T.
+    for (auto& p : todo) {
+      if (!p.compressed || !err.wait(p.second)) continue;
+      Plan& pl = plans_[p.bucket];
+      for (const Matrix& mx : pl.mats)
+        nn::gemm(false, true, mx.n, mx.m, mx.r, 1.0f, pl.buf.data() + pl.plain_count + mx.p_off, mx.r,
+                 q_.data() + mx.q_off, mx.r, 0.0f, g + mx.offset, mx.m);
+    }
+    err.rethrow();
+  }
+
+  bool busy() const override { return !pending_.empty(); }
+
+  void end_step() override { ++iteration_; }
+
+  CommHookKind kind() const override { return CommHookKind::kPowerSgd; }
+
+  CommHookState state() const override {
+    CommHookState s;
+    s.iteration = iteration_;
+    if (q_ready_) s.q = q_;
+    s.error = error_;
+    return s;
+  }
+
+  void set_state(const CommHookState& s) override {
+    CX_CHECK(s.iteration >= 0, InvalidArgument, "PowerSGD state: iteration must be >= 0, got ", s.iteration);
+    CX_CHECK(s.q.empty() || s.q.size() == q_.size(), InvalidArgument, "PowerSGD state: ", s.q.size(),
+             " values of Q, but this model and matrix_approximation_rank need ", q_.size(),
+             "; restore it into the same architecture with the same PowerSGD options");
+    CX_CHECK(s.error.empty() || s.error.size() == error_.size(), InvalidArgument, "PowerSGD state: ",
+             s.error.size(), " error-feedback values, but this model and its PowerSGD options need ", error_.size(),
+             "; restore it into the same architecture with the same PowerSGD options");
+    iteration_ = s.iteration;
+    if (s.q.empty()) {
+      q_ready_ = false;
+    } else {
+      q_ = s.q;
+      q_ready_ = true;
+    }
+    if (s.error.empty())
+      std::fill(error_.begin(), error_.end(), 0.0f);
+    else
+      error_ = s.error;
+  }
+
+ private:
+  struct Matrix {
+    size_t offset;  // in the flat gradient buffer
+    int n, m, r;
+    size_t p_off;    // in the bucket's buffer, after its uncompressed values
+    size_t q_off;    // in q_
+    size_t err_off;  // in error_
+  };
+  struct Plan {
+    std::vector<std::pair<size_t, size_t>> plain;  // (offset, count) runs all-reduced as they are
+    size_t plain_count = 0;
+    std::vector<Matrix> mats;
+    std::vector<float> buf;  // uncompressed values, then every matrix's P
+    size_t q_begin = 0, q_count = 0;  // the bucket's Q's, contiguous in q_
+  };
+  struct Pending {
+    size_t bucket;
+    bool compressed;
+    ProcessGroup::WorkPtr first, second;
+  };
+
+  void plan() {
+    const auto slices = model_->param_slices();
+    const auto& owners = model_->param_owners();
+    size_t q_total = 0, err_total = 0;
+    plans_.resize(buckets_.size());
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bk = buckets_[b];
+      Plan& pl = plans_[b];
+      pl.q_begin = q_total;
+      size_t p_total = 0;
+      for (size_t i = bk.first_param; i <= bk.last_param && i < slices.size(); ++i) {
+        auto [off, cnt] = slices[i];
+        if (!cnt) continue;
+        auto [mi, pi] = owners[i];
+        const nn::Shape& shape = model_->module(mi)->param_specs()[pi].shape;
+        bool compress = false;
+        Matrix mx{};
+        if (shape.size() >= 2 && shape[0] > 0) {
+          const size_t n = shape[0], m = cnt / n;
+          const size_t r = std::min<size_t>({static_cast<size_t>(cfg_.matrix_approximation_rank), n, m});
+          compress = static_cast<double>(n) * m >= cfg_.min_compression_rate * static_cast<double>(n + m) * r;
+          mx = Matrix{off, static_cast<int>(n), static_cast<int>(m), static_cast<int>(r), 0, 0, 0};
+        }
+        if (!compress) {
+          if (!pl.plain.empty() && pl.plain.back().first + pl.plain.back().second == off)
+            pl.plain.back().second += cnt;
+          else
+            pl.plain.emplace_back(off, cnt);
+          pl.plain_count += cnt;
+          continue;
+        }
+        mx.p_off = p_total;
+        mx.q_off = q_total;
+        mx.err_off = err_total;
+        p_total += static_cast<size_t>(mx.n) * mx.r;
+        q_total += static_cast<size_t>(mx.m) * mx.r;
+        err_total += cnt;
+        pl.mats.push_back(mx);
+      }
+      // P's follow the uncompressed values; p_off were counted from 0.
+      pl.buf.resize(pl.plain_count + p_total);
+      pl.q_count = q_total - pl.q_begin;
+    }
+    q_.assign(q_total, 0.0f);
+    error_.assign(cfg_.use_error_feedback ? err_total : 0, 0.0f);
+  }
+
+  // A standard normal Q for every matrix of a bucket, the same on every rank:
+  // seeded by the seed, the matrix and (without warm start) the iteration.
+  void init_q(const Plan& pl) {
+    for (const Matrix& mx : pl.mats) {
+        uint64_t seed = cfg_.seed * 0x9E3779B97F4A7C15ull + mx.q_off;
+        if (!cfg_.warm_start) seed ^= static_cast<uint64_t>(iteration_) * 0xD1B54A32D192ED03ull;
+        nn::Rng rng(seed);
+        float* q = q_.data() + mx.q_off;
+        const size_t k = static_cast<size_t>(mx.m) * mx.r;
+        for (size_t i = 0; i < k; i += 2) {  // Box-Muller: two normals per two uniforms
+          const double u1 = (static_cast<double>(rng.next() >> 11) + 1.0) * (1.0 / 9007199254740993.0);
+          const double u2 = static_cast<double>(rng.next() >> 11) * (1.0 / 9007199254740992.0);
+          const double rad = std::sqrt(-2.0 * std::log(u1));
+          q[i] = static_cast<float>(rad * std::cos(kTwoPi * u2));
+          if (i + 1 < k) q[i + 1] = static_cast<float>(rad * std::sin(kTwoPi * u2));
+        }
+    }
+  }
+
+  PowerSGDConfig cfg_;
+  std::shared_ptr<nn::SequentialModel> model_;
+  std::vector<Bucket> buckets_;
+  ProcessGroup& group_;
+  std::vector<Plan> plans_;
+  std::vector<float> q_;      // every compressed matrix's Q (m x r), bucket by bucket
+  std::vector<float> error_;  // every compressed matrix's residual (n x m), this rank's
+  bool q_ready_ = false;     // Q initialised (with warm start: once, for every bucket)
+  int64_t iteration_ = 0;     // completed steps (sync_gradients that reduced something)
+  std::vector<Pending> pending_;
+  std::vector<double> tmp_;
+};
+
+}  // namespace
+
+std::unique_ptr<CommHook> make_comm_hook(CommHookKind kind, const PowerSGDConfig& psgd,
+                                         std::shared_ptr<nn::SequentialModel> model, std::vector<Bucket> buckets,
+                                         distributed::ProcessGroup& group) {
+  switch (kind) {
+    case CommHookKind::kFp16:
+    case CommHookKind::kBf16: return std::make_unique<HalfHook>(kind, std::move(model), std::move(buckets), group);
+    case CommHookKind::kPowerSgd:
+      check_powersgd_config(psgd, "DistributedDataParallel");
+      return std::make_unique<PowerSgdHook>(psgd, std::move(model), std::move(buckets), group);
+    case CommHookKind::kNone: break;
+  }
+  return nullptr;
+}
+
+}  // namespace cx::train
