@@ -277,11 +277,12 @@ def resume_body(tmp, hook_opts, zero_residuals):
     state = t.ddp._comm_hook_state()
     ckpt = os.path.join(tmp, "a", "epoch_0001.ckpt")
     if zero_residuals and D.get_rank() == 0:
-        with np.load(ckpt) as z:
-            arrays = {k: z[k] for k in z.files}
+        from pycyxwiz.distributed import _ckpt_file     # rewritten as a valid file, residuals zeroed
+        with open(ckpt, "rb") as f:
+            arrays = _ckpt_file.unpack(f.read(), ckpt)
         arrays["hook.error"] = np.zeros_like(arrays["hook.error"])
         with open(ckpt, "wb") as f:
-            np.savez(f, **arrays)
+            f.write(_ckpt_file.pack(arrays))
     D.barrier()
     t2 = trainer()
     config.checkpoint_dir = os.path.join(tmp, "b")

@@ -266,3 +266,35 @@ def test_the_gpu_trainer_refuses_sharded_optimizer_state_at_fit():
     r = subprocess.run([sys.executable, "-c", ZERO_ON_GPU], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "shard_optimizer_state (ZeRO-1) is not implemented for GPU training" in r.stdout
+
+
+def hook_with_zero_or_join():
+    errors = []
+    cfg = D.DDPConfig()
+    cfg.comm_hook = "bf16"
+    try:                                           # a hooked DDP, then ZeRO
+        D.ZeroRedundancyOptimizer(D.DistributedDataParallel(make_model(0), cfg), cx.AdamOptimizer(0.01))
+    except ValueError as e:
+        errors.append(str(e))
+    ddp = D.DistributedDataParallel(make_model(0))
+    zero = D.ZeroRedundancyOptimizer(ddp, cx.AdamOptimizer(0.01))  # shards while it lives
+    try:                                           # ZeRO, then a hook
+        ddp.register_comm_hook("fp16")
+    except ValueError as e:
+        errors.append(str(e))
+    del zero
+    hooked = D.DistributedDataParallel(make_model(0), cfg)
+    try:                                           # a hook, then join
+        with hooked.join():
+            pass
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_a_communication_hook_is_refused_with_zero_and_inside_join():
+    for errors in ranks.run(hook_with_zero_or_join, 2):
+        assert len(errors) == 3, errors
+        assert "has the 'bf16' communication hook" in errors[0] and "ZeRO-1 reduce-scatters" in errors[0]
+        assert "hook 'fp16' compresses all-reduces" in errors[1] and "ZeroRedundancyOptimizer" in errors[1]
+        assert "has the 'bf16' communication hook" in errors[2] and "join" in errors[2]
