@@ -88,7 +88,18 @@ def spawn(fn: Callable, world: int, args: tuple = (), env: Optional[dict] = None
         p = ctx.Process(target=_child, args=(fn, r, world, e, args, init, child), daemon=True)
         if start_delay and r in start_delay:
             time.sleep(start_delay[r])
-        p.start()
+        # The child inherits the environment at start: so what it imports before _child runs (the
+        # test module, pycyxwiz, OpenBLAS reading OPENBLAS_NUM_THREADS) already sees e.
+        saved = {k: os.environ.get(k) for k in e}
+        os.environ.update({k: str(v) for k, v in e.items()})
+        try:
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         child.close()
         procs.append(p)
         conns.append(parent)
