@@ -2,6 +2,7 @@
 
 #include "distributed/backend/cpu_backend.h"
 #include "distributed/backend/nccl/nccl_backend.h"
+#include "distributed/net/auth.h"
 #include "distributed/store/store.h"
 
 namespace cx::distributed {
@@ -41,16 +42,20 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   sent_.assign(static_cast<size_t>(cfg_.world_size), 0);
   recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
   const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);  // setup; Note [Two deadlines] in config.h
+  std::string secret;  // Note [Job secret] in net/auth.h
   if (cfg_.world_size > 1) {
-    if (cfg_.rank == 0) server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size);
-    store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, dl);
+    secret = net::job_secret(cfg_.master_addr, cfg_.rank);
+    if (cfg_.rank == 0) {
+      server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size, secret);
+    }
+    store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, secret, dl);
   }
   try {
     if (cfg_.backend == BackendType::kNccl) {
       // The unique id travels through the store; NCCL then connects the ranks itself.
       backend_ = std::make_unique<NcclBackend>(store_.get(), cfg_, dl);
     } else {
-      backend_ = make_cpu_backend(cfg_, store_.get(), dl);
+      backend_ = make_cpu_backend(cfg_, store_.get(), secret, dl);
     }
   } catch (const TimeoutError& e) {
     // Note [Who holds MASTER_PORT] in store/store.h: a rank that never came may
