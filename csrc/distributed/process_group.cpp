@@ -61,6 +61,12 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
     // Note [Who holds MASTER_PORT] in store/store.h: a rank that never came may
     // have been started with RANK=0 and turned away by this store.
     const int n = server_ ? server_->turned_away() : 0;
+    const int strangers = server_ ? server_->auth_failures() : 0;
+    if (n == 0 && strangers > 0) {
+      CX_THROW(TimeoutError, e.what(), ". Meanwhile ", strangers,
+               " connection(s) to this rank's store failed the job secret's handshake (their addresses are on "
+               "stderr): was a missing rank given another CX_AUTH_TOKEN?");
+    }
     if (n == 0) throw;
     CX_THROW(TimeoutError, e.what(), ". Meanwhile ", n == 1 ? "another process" : std::to_string(n) + " other processes",
              " started with RANK=0 found this rank's store on ", cfg_.master_addr, ":", cfg_.master_port,

@@ -24,6 +24,7 @@ import ctypes
 import os
 import queue
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -314,6 +315,17 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
     out.flush()
 
 
+def _job_secret(nnodes: int) -> dict:
+    """The job secret for the ranks' environment (README, "Threat model"): one made here for a
+    job of one node unless the user gave one (CX_AUTH_TOKEN, CX_AUTH_TOKEN_FILE) or CX_AUTH=off.
+    Nodes of a multi-node job must share theirs, so that one is the user's to set on every node."""
+    if os.environ.get("CX_AUTH_TOKEN") or os.environ.get("CX_AUTH_TOKEN_FILE") or os.environ.get("CX_AUTH") == "off":
+        return {}
+    if nnodes > 1:
+        return {}  # a rank on a real interface then says how to set one
+    return {"CX_AUTH_TOKEN": secrets.token_hex(32)}
+
+
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
         master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
         module: bool = False, log_dir: Optional[str] = None, tee: bool = False) -> int:
@@ -338,6 +350,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         n = max(1, _cpus() // nproc)
         threads_env["OMP_NUM_THREADS"] = str(n)
     world = nnodes * nproc
+    secret_env = _job_secret(nnodes)
     scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
     logs = Path(log_dir) if log_dir else None
     console = logs is None or tee
@@ -362,6 +375,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
             pass
         env = dict(os.environ)
         env.update(threads_env)
+        env.update(secret_env)
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
         env[_failure.ENV] = error_file

@@ -264,6 +264,7 @@ bool StoreServer::handle(Client& c) {
           reply(c, kRefused, "the store of rank 0 refused this process: it does not know the job's secret "
                              "(every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE)");
           flush(c);
+          auth_failures_.fetch_add(1);
           cut(c, "it does not know the job's secret");
           return false;
         }
@@ -448,6 +449,7 @@ void StoreServer::serve() {
         if (!handle(c)) c.fd.reset();
       } else if (k == 0 || (errno != EAGAIN && errno != EINTR)) {
         if (c.rank < 0 && !c.server_nonce.empty() && !c.authed) {
+          auth_failures_.fetch_add(1);
           cut(c, "it left the job secret's handshake unfinished (a rank with a different CX_AUTH_TOKEN?)");
         }
         c.fd.reset();

@@ -80,6 +80,8 @@ class StoreServer {
   // How many processes with this WORLD_SIZE that could not bind MASTER_PORT asked
   // this store who holds it (Note [Who holds MASTER_PORT]): second RANK=0s.
   int turned_away() const { return turned_away_.load(); }
+  // How many connections failed the job secret's handshake (Note [Job secret]).
+  int auth_failures() const { return auth_failures_.load(); }
 
  private:
   struct Client;
@@ -98,6 +100,7 @@ class StoreServer {
   std::string where_;  // host:port, for the log
   int port_ = 0;
   std::atomic<int> turned_away_{0};
+  std::atomic<int> auth_failures_{0};
   net::Fd listen_;
   int wake_[2] = {-1, -1};
   std::thread thread_;
