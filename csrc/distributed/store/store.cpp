@@ -216,7 +216,7 @@ bool StoreServer::handle(Client& c) {
     uint8_t cmd = static_cast<uint8_t>(c.in[4]);
     uint32_t klen = get_u32(&c.in[8]), vlen = get_u32(&c.in[12]);
     const bool member = c.rank >= 0;
-    if (!member && (klen > 0 || vlen > kMaxPreAuthValue || c.frames >= kMaxPreAuthFrames)) {
+    if (!member && (klen > kMaxPreAuthValue || vlen > kMaxPreAuthValue || c.frames >= kMaxPreAuthFrames)) {
       cut(c, "it sent more than a newcomer may before joining");
       return false;
     }
