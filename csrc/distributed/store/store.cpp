@@ -465,12 +465,14 @@ void StoreServer::serve() {
 
 namespace {
 
-// One reply of the store: (status, value); throws like recv_exact.
+// One reply of the store: (status, value); throws like recv_exact. Sets `fatal` when
+// what answers is not a store (no point in retrying).
 std::pair<uint8_t, std::string> read_reply(int fd, const Deadline& dl, const std::string& what,
-                                           const std::string& host, int port) {
+                                           const std::string& host, int port, bool& fatal) {
   char rep[kHeader];
   net::recv_exact(fd, rep, kHeader, dl, what);
   if (get_u32(rep) != kMagic) {
+    fatal = true;
     CX_THROW(ConnectionError, "something that is not a pycyxwiz store answers at ", host, ":", port,
              " (another program uses MASTER_PORT?): choose another MASTER_PORT");
   }
@@ -501,7 +503,7 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
     std::pair<uint8_t, std::string> rep;
     try {
       net::send_exact(fd_.get(), auth1.data(), auth1.size(), dl, what);
-      rep = read_reply(fd_.get(), dl, what, host, port);
+      rep = read_reply(fd_.get(), dl, what, host, port, fatal);
       if (rep.first != kOk || rep.second.size() != net::kNonceBytes + net::kProofBytes) {
         fatal = true;
         CX_THROW(ConnectionError, "rank ", rank, ": the store at ", host, ":", port,
@@ -520,12 +522,12 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
                         net::proof(secret, net::kClientRole, kStoreContext, nonce, server_nonce) +
                         header(kHello, 0, 8) + std::string(hello, 8);
       net::send_exact(fd_.get(), req.data(), req.size(), dl, what);
-      rep = read_reply(fd_.get(), dl, what, host, port);
+      rep = read_reply(fd_.get(), dl, what, host, port, fatal);
       if (rep.first == kRefused) {
         fatal = true;
         CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": ", rep.second);
       }
-      rep = read_reply(fd_.get(), dl, what, host, port);
+      rep = read_reply(fd_.get(), dl, what, host, port, fatal);
     } catch (const ConnectionError&) {
       if (fatal) throw;
       retry = true;  // the previous group's store closing under us: try again
