@@ -406,3 +406,59 @@ def test_spawn_gives_its_ranks_a_secret():
         os.environ.update(saved)
     assert out[0] == out[1] and out[0][1] == 2.0
     assert out[0][0] != hashlib.sha256(b"").hexdigest()
+
+
+# ---- frames from peers are data, not orders -------------------------------------------------------------
+
+
+def fake_rank_1_sends(port, frame_type, box):
+    """Joins as rank 1 of 2 with the secret, speaking the setup by hand, then sends rank 0 one frame
+    header of `frame_type` where the init barrier expects DATA."""
+    s = w.connect(port)
+    with s:
+        assert w.authenticate(s, SECRET.encode())[:2] == (True, w.OK)
+        s.sendall(w.frame(w.HELLO, value=w.hello_value(1, 2)))
+        assert w.read_reply(s)[0] == w.OK
+        s.sendall(w.frame(w.SET, b"addr/1", b"127.0.0.1:9"))
+        assert w.read_reply(s)[0] == w.OK
+        s.sendall(w.frame(w.GET, b"group"))
+        group = w.read_reply(s)[1]
+        nonce = struct.unpack_from("<Q", group)[0]
+        s.sendall(w.frame(w.GET, b"addr/0"))
+        host, p = w.read_reply(s)[1].decode().rsplit(":", 1)
+        d = w.connect(int(p), host)
+        with d:
+            cn = os.urandom(32)
+            d.sendall(struct.pack("<IiQ", w.MESH_MAGIC, 1, nonce) + cn)
+            ack = w.recv_exact(d, 72)
+            d.sendall(w.proof(SECRET.encode(), w.CLIENT_ROLE, f"mesh {nonce} 1 -> 0".encode(), cn, ack[8:40]))
+            # Same-host negotiation (transport/shm/negotiate.cpp), with CX_SHM=0: no key, no segment, not mapped.
+            for msg in (b"", b"", b"\0"):
+                n = struct.unpack("<I", w.recv_exact(d, 4))[0]
+                w.recv_exact(d, n)
+                d.sendall(struct.pack("<I", len(msg)) + msg)
+            header = struct.pack("<IBBBBiIQQQ", 0x31465843, frame_type, 0, 0, 0, 0, 0, 0, 1, 0)
+            d.sendall(header)
+            box["sent"] = True
+            w.closed_by_peer(d, timeout=10)
+
+
+def init_and_sum():
+    cx.distributed.init()
+    return sum_of_ranks()
+
+
+def test_an_unknown_frame_type_from_a_peer_ends_the_connection_with_a_named_error():
+    port = ranks.free_port()
+    box = {}
+    t = threading.Thread(target=fake_rank_1_sends, args=(port, 7, box))
+    t.start()
+    outs = ranks.spawn(init_and_sum, world=1, env={"WORLD_SIZE": 2, "CX_AUTH_TOKEN": SECRET, "MASTER_PORT": port,
+                                                   "CX_SHM": "0", "DISTRIBUTED_TIMEOUT_MS": 10000},
+                       init=False, timeout=60)
+    t.join(30)
+    assert box.get("sent") is True
+    o = outs[0]
+    assert o.is_a("DistributedConnectionError"), o
+    assert "rank 0: unknown frame type 7 from rank 1" in o.message
+    assert "the connection is not trusted any more" in o.message
