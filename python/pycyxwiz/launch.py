@@ -6,7 +6,9 @@
     ./launch_distributed.sh 4 python train.py          # the same, through the shell launcher
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks).
+and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks) and,
+for a job of one node, a fresh job secret CX_AUTH_TOKEN (the nodes of a multi-node job
+share one the user sets: README, "The job secret and the threat model").
 Every line a rank prints is prefixed with "[rank N]", its stdout on stdout and its
 stderr on stderr (--show-ranks 0 keeps only rank 0's; --log-dir writes them to files).
 On a terminal, the rank shown first may draw DistributedTrainer's progress bar, which

@@ -433,7 +433,13 @@ void StoreServer::serve() {
       if (c->out_off < c->out.size()) ev |= POLLOUT;
       fds.push_back({c->fd.get(), ev, 0});
     }
-    int rc = ::poll(fds.data(), fds.size(), kTickMs);
+    // Deadlines to look at (Note [A store strangers cannot stall]): wake up every
+    // kTickMs while any client has one running; members at rest have none.
+    bool timed = false;
+    for (auto& c : clients_) {
+      timed = timed || c->rank < 0 || c->partial_since != Clock::time_point{} || c->out_off < c->out.size();
+    }
+    int rc = ::poll(fds.data(), fds.size(), timed ? kTickMs : -1);
     if (rc < 0 && errno != EINTR) return;
     if (fds[0].revents) return;
     const size_t n = clients_.size();  // accept_all appends after these

@@ -39,6 +39,7 @@ def _entry(fn, rank, nprocs, port, secret, args, conn):
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), timeout: Optional[float] = None) -> List[Any]:
     """Run fn(rank, *args) in `nprocs` fresh processes and return their results in rank order.
 
+    The ranks get a fresh job secret (CX_AUTH_TOKEN) unless one is set already.
     fn must be importable (a module-level function). If any rank raises or dies, the
     others are stopped and SpawnError names the rank and shows its traceback. With
     `timeout` (seconds) a job still running then is stopped with SpawnError too.
