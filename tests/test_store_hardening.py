@@ -171,8 +171,6 @@ def test_a_rank_that_does_not_read_its_replies_is_cut_off_and_the_store_keeps_an
     status, (world, joined), _ = box["probe"]
     assert status == w.OK and world == 2 and joined == 2
     assert outs[0].is_a("DistributedTimeoutError"), outs[0]
-    print(f"flood: {total} MiB in {box['seconds']:.1f} s; rank 0 RSS {box['rss_before'] >> 20} -> "
-          f"{max(box['rss']) >> 20} MiB")
     assert "rank 0 waited 6000 ms for rank(s) 1 to connect" in outs[0].message
     # The store cut it off (what it queued for it passed 4 MiB), and said so.
     assert "it does not read the store's replies" in capfd.readouterr().err
