@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -35,10 +36,16 @@ if os.environ["RANK"] == "0":
 
 
 def free_base(runs: int) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        p = s.getsockname()[1]
-    return p if p + runs < 65000 else 20000
+    """`runs` consecutive ports below the kernel's ephemeral range (where the ranks' own sockets go)."""
+    while True:
+        base = random.randrange(20000, 28000)
+        try:
+            for p in range(base, base + runs):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
 
 
 def measure(python: str, world: int, runs: int, env_extra: dict) -> list:
