@@ -2,7 +2,8 @@
 # Start N ranks of a command on this machine:
 #   ./launch_distributed.sh 4 python train.py [args...]
 # Sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1) and MASTER_PORT
-# (default 29500, or a free port if that one is taken) for each rank, prefixes each
+# (default 29500, or a free port if that one is taken) for each rank, and a fresh job secret
+# (CX_AUTH_TOKEN, unless you set one: README, "The job secret"), prefixes each
 # output line with its rank, stops every rank if one fails, and exits non-zero then
 # (CX_MAX_RESTARTS=N: starts them all again instead, up to N times, with RESTART_COUNT).
 # The work is done by pycyxwiz's Python launcher (python -m pycyxwiz.launch --help).

@@ -44,5 +44,6 @@ void bind_zero(py::module_& m);     // zero.cpp: ZeroRedundancyOptimizer, Distri
 void bind_sampler(py::module_& m);  // sampler.cpp: DistributedSampler, DistributedBatchIterator
 void bind_trainer(py::module_& m);  // trainer.cpp: _TrainerCore and the checkpoint helpers
 void bind_environment(py::module_& m);  // environment.cpp: the table of environment variables
+void bind_crypto(py::module_& m);       // crypto.cpp: SHA-256 and HMAC test hooks
 
 }  // namespace cx::bindings

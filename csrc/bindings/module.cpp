@@ -20,4 +20,5 @@ PYBIND11_MODULE(_core, m) {
   bind_sampler(dist);
   bind_trainer(dist);
   bind_environment(m);
+  bind_crypto(m);
 }

@@ -37,6 +37,11 @@ const std::vector<Variable>& variables() {
       {"SLURM_JOB_ID", "under srun: MASTER_PORT is 10000 + SLURM_JOB_ID % 20000, unless MASTER_PORT is set", "-"},
       {"SLURM_STEP_ID", "set by srun for its tasks: without it, a job (SLURM_JOB_ID) of SLURM_NTASKS > 1 is refused "
        "at init() (the batch script or an salloc shell, not srun's tasks)", "-"},
+      // The job secret (README, "Threat model").
+      {"CX_AUTH_TOKEN", "the job's secret: every connection (store and rank to rank) proves it; the same on every "
+       "rank", "the launchers make one per job; otherwise none (allowed only on a loopback MASTER_ADDR)"},
+      {"CX_AUTH_TOKEN_FILE", "a file holding the job's secret (instead of CX_AUTH_TOKEN)", "-"},
+      {"CX_AUTH", "off: run without a secret on a non-loopback MASTER_ADDR (with a warning)", "on"},
       // Threads of the model math.
       {"OMP_NUM_THREADS", "threads of the model math per rank (OpenBLAS reads it)",
        "the launchers: CPUs / ranks per node; otherwise 1 when ranks share a machine"},

@@ -2,6 +2,7 @@
 
 #include "distributed/backend/cpu_backend.h"
 #include "distributed/backend/nccl/nccl_backend.h"
+#include "distributed/net/auth.h"
 #include "distributed/store/store.h"
 
 namespace cx::distributed {
@@ -41,11 +42,14 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   sent_.assign(static_cast<size_t>(cfg_.world_size), 0);
   recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
   const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);  // setup; Note [Two deadlines] in config.h
+  std::string secret;  // Note [Job secret] in net/auth.h
   if (cfg_.world_size > 1) {
+    secret = net::job_secret(cfg_.master_addr, cfg_.rank);
     if (cfg_.rank == 0) {
-      server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size, cfg_.generation);
+      server_ = std::make_unique<StoreServer>(cfg_.master_addr, cfg_.master_port, cfg_.world_size, secret,
+                                              cfg_.generation);
     }
-    store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, dl,
+    store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, secret, dl,
                                            cfg_.generation);
   }
   try {
@@ -53,12 +57,18 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
       // The unique id travels through the store; NCCL then connects the ranks itself.
       backend_ = std::make_unique<NcclBackend>(store_.get(), cfg_, dl);
     } else {
-      backend_ = make_cpu_backend(cfg_, store_.get(), dl);
+      backend_ = make_cpu_backend(cfg_, store_.get(), secret, dl);
     }
   } catch (const TimeoutError& e) {
     // Note [Who holds MASTER_PORT] in store/store.h: a rank that never came may
     // have been started with RANK=0 and turned away by this store.
     const int n = server_ ? server_->turned_away() : 0;
+    const int strangers = server_ ? server_->auth_failures() : 0;
+    if (n == 0 && strangers > 0) {
+      CX_THROW(TimeoutError, e.what(), ". Meanwhile ", strangers,
+               " connection(s) to this rank's store failed the job secret's handshake (their addresses are on "
+               "stderr): was a missing rank given another CX_AUTH_TOKEN?");
+    }
     if (n == 0) throw;
     CX_THROW(TimeoutError, e.what(), ". Meanwhile ", n == 1 ? "another process" : std::to_string(n) + " other processes",
              " started with RANK=0 found this rank's store on ", cfg_.master_addr, ":", cfg_.master_port,

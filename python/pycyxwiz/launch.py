@@ -6,7 +6,9 @@
     ./launch_distributed.sh 4 python train.py          # the same, through the shell launcher
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks).
+and, unless set already, OMP_NUM_THREADS (this node's CPUs shared among its ranks) and,
+for a job of one node, a fresh job secret CX_AUTH_TOKEN (the nodes of a multi-node job
+share one the user sets: README, "The job secret and the threat model").
 Every line a rank prints is prefixed with "[rank N]", its stdout on stdout and its
 stderr on stderr (--show-ranks 0 keeps only rank 0's; --log-dir writes them to files).
 On a terminal, the rank shown first may draw DistributedTrainer's progress bar, which
@@ -25,6 +27,7 @@ import ctypes
 import os
 import queue
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -316,6 +319,17 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
     out.flush()
 
 
+def _job_secret(nnodes: int) -> dict:
+    """The job secret for the ranks' environment (README, "Threat model"): one made here for a
+    job of one node unless the user gave one (CX_AUTH_TOKEN, CX_AUTH_TOKEN_FILE) or CX_AUTH=off.
+    Nodes of a multi-node job must share theirs, so that one is the user's to set on every node."""
+    if os.environ.get("CX_AUTH_TOKEN") or os.environ.get("CX_AUTH_TOKEN_FILE") or os.environ.get("CX_AUTH") == "off":
+        return {}
+    if nnodes > 1:
+        return {}  # a rank on a real interface then says how to set one
+    return {"CX_AUTH_TOKEN": secrets.token_hex(32)}
+
+
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
         master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
         module: bool = False, log_dir: Optional[str] = None, tee: bool = False,
@@ -388,6 +402,7 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
                prefix: bool, log_dir: Optional[str], tee: bool, restart: int):
     """Starts this node's ranks and watches them; returns (exit code, whether a rank failed)."""
     world = nnodes * nproc
+    secret_env = _job_secret(nnodes)
     scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
     logs = Path(log_dir) if log_dir else None
     if logs is not None and restart:
@@ -414,6 +429,7 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
             pass
         env = dict(os.environ)
         env.update(threads_env)
+        env.update(secret_env)
         env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1", RESTART_COUNT=str(restart))
         env[_failure.ENV] = error_file

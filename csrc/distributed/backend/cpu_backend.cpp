@@ -106,7 +106,8 @@ struct GroupId {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const Deadline& dl) {
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const std::string& secret,
+                                          const Deadline& dl) {
   algo::AlgoOptions opt = default_options(cfg);
   if (!store) return std::make_unique<CpuBackend>(std::make_unique<LocalTransport>(), opt);
   GroupId id{};
@@ -126,7 +127,7 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store,
   topt.shm = cfg.shm;
   topt.shm_ring_bytes = static_cast<size_t>(cfg.shm_ring_bytes) / 64 * 64;
   auto backend = std::make_unique<CpuBackend>(
-      std::make_unique<MeshTransport>(*store, cfg.rank, cfg.world_size, id.nonce, dl, topt), opt);
+      std::make_unique<MeshTransport>(*store, cfg.rank, cfg.world_size, id.nonce, secret, dl, topt), opt);
   OpDesc init;
   init.kind = CollectiveKind::kInit;
   backend->begin(init, dl);

@@ -45,6 +45,8 @@ class CpuBackend : public Backend {
 // At init: agrees with the other ranks on the group (rank 0's nonce and
 // automatic tuning, through `store`), connects the transport and meets in a
 // barrier. A world of one (store null) talks to no one.
-std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const Deadline& dl);
+// `secret` is the job's (Note [Job secret] in net/auth.h): every mesh link proves it.
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const std::string& secret,
+                                          const Deadline& dl);
 
 }  // namespace cx::distributed

@@ -6,9 +6,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "common/error.h"
+#include "distributed/net/auth.h"
 
 namespace cx::distributed {
 
@@ -19,8 +21,22 @@ constexpr uint32_t kMaxKey = 1024;
 constexpr uint32_t kMaxValue = 1 << 20;
 constexpr size_t kHeader = 16;
 
-enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5 };
+enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kAuth1 = 6, kAuth2 = 7 };
 enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2 };
+
+// Note [A store strangers cannot stall] in store.h.
+constexpr uint32_t kMaxPreAuthValue = 64;
+constexpr int kMaxPreAuthFrames = 4;   // AUTH1, AUTH2, HELLO; or one PROBE
+constexpr size_t kMaxPending = 256;    // connections that are not (yet) members
+constexpr int64_t kJoinMs = 10000;
+constexpr int64_t kReadMs = 10000;
+constexpr int64_t kWriteMs = 10000;
+constexpr int kTickMs = 200;           // how often those deadlines are looked at
+constexpr size_t kMaxQueuedReply = 64 * 1024;
+constexpr size_t kMaxBytesPerRank = 4u << 20;
+constexpr size_t kMaxBytesTotal = 64u << 20;
+constexpr size_t kMaxLogged = 1024;
+constexpr const char* kStoreContext = "store";
 
 void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
 uint32_t get_u32(const char* p) {
@@ -97,16 +113,27 @@ std::optional<StoreInfo> probe_store(const std::string& host, int port, int worl
 
 struct StoreServer::Client {
   net::Fd fd;
+  std::string addr;            // the peer's ip:port, for the log
   std::string in;              // bytes received, not yet parsed
+  std::string out;             // replies not yet written (from out_off)
+  size_t out_off = 0;
   std::string waiting_key;     // non-empty: a GET parked until the key is set
-  int rank = -1;
+  int rank = -1;               // >= 0: a member
+  bool authed = false;
+  int frames = 0;              // frames received before membership
+  std::string client_nonce, server_nonce;  // between AUTH1 and AUTH2
+  Clock::time_point accepted, partial_since, write_stalled_since;
+  size_t queued() const { return in.size() + out.size() - out_off; }
 };
 
-StoreServer::StoreServer(const std::string& host, int port, int world_size, int generation)
-    : world_size_(world_size), generation_(generation) {
+StoreServer::StoreServer(const std::string& host, int port, int world_size, const std::string& secret,
+                         int generation)
+    : world_size_(world_size), generation_(generation), secret_(secret) {
   listen_ = net::try_listen_on(host, port);
   if (!listen_.valid()) explain_port_in_use(host, port, world_size);
   port_ = net::bound_port(listen_.get());
+  where_ = host + ":" + std::to_string(port_);
+  net::set_nonblocking(listen_.get(), true);
   if (::pipe2(wake_, O_CLOEXEC) != 0) CX_THROW(Error, "pipe(): ", std::strerror(errno));
   thread_ = std::thread([this] { serve(); });
 }
@@ -119,13 +146,55 @@ StoreServer::~StoreServer() {
   ::close(wake_[1]);
 }
 
+void StoreServer::cut(Client& c, const std::string& why) {
+  if (!c.fd.valid()) return;
+  const std::string ip = c.addr.substr(0, c.addr.rfind(':'));
+  if (logged_.size() < kMaxLogged && logged_.insert(ip).second) {
+    std::fprintf(stderr, "pycyxwiz: rank 0's store at %s cut off a connection from %s: %s\n", where_.c_str(),
+                 c.addr.c_str(), why.c_str());
+    std::fflush(stderr);
+  }
+  c.fd.reset();
+}
+
+size_t StoreServer::bytes_in_use() const {
+  size_t n = stored_;
+  for (const auto& c : clients_) n += c->queued();
+  return n;
+}
+
 void StoreServer::reply(Client& c, uint8_t status, const std::string& value) {
-  std::string msg = header(status, 0, static_cast<uint32_t>(value.size())) + value;
-  // Replies are small; a client that does not read them within a second is dropped.
-  try {
-    net::send_exact(c.fd.get(), msg.data(), msg.size(), Deadline::after_ms(1000), "store client");
-  } catch (const Error&) {
-    c.fd.reset();
+  if (!c.fd.valid()) return;
+  if (c.out.size() - c.out_off + kHeader + value.size() > kMaxBytesPerRank) {
+    cut(c, "it does not read the store's replies");
+    return;
+  }
+  if (c.out_off == c.out.size()) {
+    c.out.clear();
+    c.out_off = 0;
+    c.write_stalled_since = Clock::now();
+  }
+  c.out += header(status, 0, static_cast<uint32_t>(value.size()));
+  c.out += value;
+  flush(c);
+}
+
+void StoreServer::flush(Client& c) {
+  while (c.fd.valid() && c.out_off < c.out.size()) {
+    ssize_t k = ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) {
+      c.out_off += static_cast<size_t>(k);
+      c.write_stalled_since = Clock::now();
+    } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      return;  // the rest when poll says the socket takes more
+    } else {
+      c.fd.reset();  // the client went away
+      return;
+    }
+  }
+  if (c.out_off == c.out.size()) {
+    c.out.clear();
+    c.out_off = 0;
   }
 }
 
@@ -133,7 +202,7 @@ void StoreServer::answer_waiters(const std::string& key) {
   for (auto& c : clients_) {
     if (c->fd.valid() && c->waiting_key == key) {
       c->waiting_key.clear();
-      reply(*c, kOk, data_[key]);
+      reply(*c, kOk, data_[key].second);
     }
   }
 }
@@ -141,15 +210,70 @@ void StoreServer::answer_waiters(const std::string& key) {
 bool StoreServer::handle(Client& c) {
   for (;;) {
     if (c.in.size() < kHeader) return true;
-    if (get_u32(c.in.data()) != kMagic) return false;  // not one of ours
+    if (get_u32(c.in.data()) != kMagic) {
+      cut(c, "it does not speak the store's protocol");
+      return false;
+    }
     uint8_t cmd = static_cast<uint8_t>(c.in[4]);
     uint32_t klen = get_u32(&c.in[8]), vlen = get_u32(&c.in[12]);
-    if (klen > kMaxKey || vlen > kMaxValue) return false;  // refuse before allocating
-    if (c.in.size() < kHeader + klen + vlen) return true;
+    const bool member = c.rank >= 0;
+    if (!member && (klen > kMaxPreAuthValue || vlen > kMaxPreAuthValue || c.frames >= kMaxPreAuthFrames)) {
+      cut(c, "it sent more than a newcomer may before joining");
+      return false;
+    }
+    if (klen > kMaxKey || vlen > kMaxValue) {  // refuse before allocating
+      cut(c, detail::concat("it announced a frame larger than the store takes (key ", klen, ", value ", vlen,
+                            " bytes)"));
+      return false;
+    }
+    if (c.in.size() < kHeader + klen + vlen) {
+      if (c.partial_since == Clock::time_point{}) c.partial_since = Clock::now();
+      return true;
+    }
+    c.partial_since = Clock::time_point{};
+    if (!member) ++c.frames;
     std::string key = c.in.substr(kHeader, klen);
     std::string value = c.in.substr(kHeader + klen, vlen);
     c.in.erase(0, kHeader + klen + vlen);
+    if (!member && cmd != kAuth1 && cmd != kAuth2 && cmd != kProbe && cmd != kHello) {
+      reply(c, kRefused, "the store of rank 0 takes this only from a rank that has joined the job");
+      flush(c);
+      cut(c, detail::concat("it sent command ", int(cmd), " before joining the job"));
+      return false;
+    }
+    if (cmd == kHello && !c.authed) {
+      reply(c, kRefused, "the store of rank 0 takes HELLO only after the job secret's handshake");
+      flush(c);
+      cut(c, "it sent HELLO without the job secret's handshake");
+      return false;
+    }
     switch (cmd) {
+      case kAuth1: {  // Note [Job secret]: the server proves itself first
+        if (value.size() != net::kNonceBytes || !c.server_nonce.empty()) {
+          cut(c, "a malformed job-secret handshake");
+          return false;
+        }
+        c.client_nonce = value;
+        c.server_nonce = net::fresh_nonce();
+        reply(c, kOk, c.server_nonce + net::proof(secret_, net::kServerRole, kStoreContext, c.client_nonce,
+                                                  c.server_nonce));
+        break;
+      }
+      case kAuth2: {
+        if (c.server_nonce.empty() || c.authed ||
+            !net::proof_ok(value, secret_, net::kClientRole, kStoreContext, c.client_nonce, c.server_nonce)) {
+          reply(c, kRefused, "the store of rank 0 refused this process: it does not know the job's secret "
+                             "(every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE)");
+          flush(c);
+          auth_failures_.fetch_add(1);
+          cut(c, "it does not know the job's secret");
+          return false;
+        }
+        c.authed = true;
+        c.client_nonce.clear();
+        reply(c, kOk, "");
+        break;
+      }
       case kHello: {
         if (value.size() != 12) return false;
         int32_t rank, world, generation;
@@ -158,12 +282,19 @@ bool StoreServer::handle(Client& c) {
         std::memcpy(&generation, value.data() + 8, 4);
         if (closing_) {
           reply(c, kRetry, "");
+          flush(c);
           return false;
         }
         if (world != world_size_) {
           reply(c, kRefused, detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
                                             " but rank 0 has WORLD_SIZE=", world_size_,
                                             ": every rank must be given the same WORLD_SIZE"));
+          flush(c);
+          return false;
+        }
+        if (rank < 0 || rank >= world_size_) {
+          reply(c, kRefused, detail::concat("RANK=", rank, " is not in 0..", world_size_ - 1));
+          flush(c);
           return false;
         }
         if (generation != generation_) {  // Config::generation
@@ -179,6 +310,7 @@ bool StoreServer::handle(Client& c) {
           reply(c, kRefused, detail::concat("RANK=", rank, " is already taken by another process: ",
                                             "two processes were started with RANK=", rank,
                                             " (each rank must be unique in 0..", world_size_ - 1, ")"));
+          flush(c);
           return false;
         }
         claimed_.insert(rank);
@@ -186,15 +318,35 @@ bool StoreServer::handle(Client& c) {
         reply(c, kOk, "");
         break;
       }
-      case kSet:
-        data_[key] = value;
+      case kSet: {
+        auto it = data_.find(key);
+        const size_t old = it != data_.end() && it->second.first == c.rank ? it->second.second.size() : 0;
+        const size_t mine = stored_by_rank_[c.rank] - old + value.size();
+        const size_t total = bytes_in_use() - old + value.size();
+        if (mine > kMaxBytesPerRank || total > kMaxBytesTotal) {
+          reply(c, kRefused,
+                detail::concat("the store of rank 0 refused to store '", key.substr(0, 64), "' (", value.size(),
+                               " bytes) for rank ", c.rank, ": that would make ", mine,
+                               " bytes stored by this rank (at most ", kMaxBytesPerRank, ") and ", total,
+                               " in the whole store (at most ", kMaxBytesTotal,
+                               "); the store only carries setup data (addresses, ids)"));
+          break;
+        }
+        if (it != data_.end()) {
+          stored_by_rank_[it->second.first] -= it->second.second.size();
+          stored_ -= it->second.second.size();
+        }
+        stored_by_rank_[c.rank] += value.size();
+        stored_ += value.size();
+        data_[key] = {c.rank, std::move(value)};
         reply(c, kOk, "");
         answer_waiters(key);
         break;
+      }
       case kGet: {
         auto it = data_.find(key);
         if (it != data_.end()) {
-          reply(c, kOk, it->second);
+          reply(c, kOk, it->second.second);
         } else {
           c.waiting_key = key;
         }
@@ -217,81 +369,190 @@ bool StoreServer::handle(Client& c) {
         reply(c, kOk, std::string(v, kProbeReply));
         break;
       }
-      default: return false;
+      default:
+        cut(c, detail::concat("it sent an unknown command (", int(cmd), ")"));
+        return false;
     }
     if (!c.fd.valid()) return false;
   }
 }
 
+void StoreServer::accept_all() {
+  for (;;) {
+    sockaddr_in a{};
+    socklen_t len = sizeof(a);
+    int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&a), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EMFILE && errno != ENFILE) return;  // EAGAIN: all taken
+    }
+    // Note [A store strangers cannot stall]: make room by cutting the oldest newcomer.
+    size_t newcomers = 0;
+    Client* oldest = nullptr;
+    for (auto& c : clients_) {
+      if (c->rank >= 0 || !c->fd.valid()) continue;
+      ++newcomers;
+      if (!oldest || c->accepted < oldest->accepted) oldest = c.get();
+    }
+    if (fd < 0) {  // out of descriptors
+      if (!oldest) return;
+      cut(*oldest, "too many connections to the store at once: the oldest newcomer is dropped");
+      oldest->fd.reset();
+      continue;
+    }
+    if (newcomers >= kMaxPending && oldest) {
+      cut(*oldest, "too many connections to the store at once: the oldest newcomer is dropped");
+    }
+    auto cl = std::make_unique<Client>();
+    cl->fd.reset(fd);
+    cl->addr = net::addr_to_string(a);
+    cl->accepted = Clock::now();
+    net::tune_socket(fd);
+    clients_.push_back(std::move(cl));
+  }
+}
+
+void StoreServer::enforce_deadlines() {
+  const auto now = Clock::now();
+  auto older = [&](Clock::time_point t, int64_t ms) {
+    return t != Clock::time_point{} && now - t > std::chrono::milliseconds(ms);
+  };
+  for (auto& cp : clients_) {
+    Client& c = *cp;
+    if (!c.fd.valid()) continue;
+    if (c.rank < 0 && older(c.accepted, kJoinMs)) {
+      cut(c, detail::concat("it did not join the job within ", kJoinMs, " ms of connecting"));
+    } else if (older(c.partial_since, kReadMs)) {
+      cut(c, detail::concat("it left a request half sent for ", kReadMs, " ms"));
+    } else if (c.out_off < c.out.size() && older(c.write_stalled_since, kWriteMs)) {
+      cut(c, detail::concat("it did not read the store's replies for ", kWriteMs, " ms"));
+    }
+  }
+}
+
 void StoreServer::serve() {
   std::vector<pollfd> fds;
-  char buf[4096];
+  std::vector<char> buf(64 * 1024);
   for (;;) {
     fds.clear();
     fds.push_back({wake_[0], POLLIN, 0});
     fds.push_back({listen_.get(), POLLIN, 0});
-    for (auto& c : clients_) fds.push_back({c->fd.get(), POLLIN, 0});
-    int rc = ::poll(fds.data(), fds.size(), -1);
+    for (auto& c : clients_) {
+      short ev = 0;
+      // A client with replies piling up is not read until it reads them.
+      if (c->out.size() - c->out_off < kMaxQueuedReply) ev |= POLLIN;
+      if (c->out_off < c->out.size()) ev |= POLLOUT;
+      fds.push_back({c->fd.get(), ev, 0});
+    }
+    // Deadlines to look at (Note [A store strangers cannot stall]): wake up every
+    // kTickMs while any client has one running; members at rest have none.
+    bool timed = false;
+    for (auto& c : clients_) {
+      timed = timed || c->rank < 0 || c->partial_since != Clock::time_point{} || c->out_off < c->out.size();
+    }
+    int rc = ::poll(fds.data(), fds.size(), timed ? kTickMs : -1);
     if (rc < 0 && errno != EINTR) return;
     if (fds[0].revents) return;
-    if (fds[1].revents & POLLIN) {
-      int c = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (c >= 0) {
-        auto cl = std::make_unique<Client>();
-        cl->fd.reset(c);
-        net::tune_socket(c);
-        clients_.push_back(std::move(cl));
-      }
-    }
-    for (size_t i = 2; i < fds.size(); ++i) {
+    const size_t n = clients_.size();  // accept_all appends after these
+    for (size_t i = 2; i < n + 2; ++i) {
       if (!fds[i].revents) continue;
       Client& c = *clients_[i - 2];
-      ssize_t k = ::recv(c.fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
+      if (!c.fd.valid()) continue;
+      if (fds[i].revents & POLLOUT) flush(c);
+      if (!c.fd.valid() || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      ssize_t k = ::recv(c.fd.get(), buf.data(), buf.size(), MSG_DONTWAIT);
       if (k > 0) {
-        c.in.append(buf, static_cast<size_t>(k));
-        if (c.in.size() > kHeader + kMaxKey + kMaxValue || !handle(c)) c.fd.reset();
+        c.in.append(buf.data(), static_cast<size_t>(k));
+        if (!handle(c)) c.fd.reset();
       } else if (k == 0 || (errno != EAGAIN && errno != EINTR)) {
+        if (c.rank < 0 && !c.server_nonce.empty() && !c.authed) {
+          auth_failures_.fetch_add(1);
+          cut(c, "it left the job secret's handshake unfinished (a rank with a different CX_AUTH_TOKEN?)");
+        }
         c.fd.reset();
       }
     }
+    if (fds[1].revents & POLLIN) accept_all();
+    enforce_deadlines();
     for (size_t i = clients_.size(); i-- > 0;) {
       if (!clients_[i]->fd.valid()) clients_.erase(clients_.begin() + static_cast<long>(i));
     }
   }
 }
 
-StoreClient::StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl,
-                         int generation)
+namespace {
+
+// One reply of the store: (status, value); throws like recv_exact. Sets `fatal` when
+// what answers is not a store (no point in retrying).
+std::pair<uint8_t, std::string> read_reply(int fd, const Deadline& dl, const std::string& what,
+                                           const std::string& host, int port, bool& fatal) {
+  char rep[kHeader];
+  net::recv_exact(fd, rep, kHeader, dl, what);
+  if (get_u32(rep) != kMagic) {
+    fatal = true;
+    CX_THROW(ConnectionError, "something that is not a pycyxwiz store answers at ", host, ":", port,
+             " (another program uses MASTER_PORT?): choose another MASTER_PORT");
+  }
+  uint32_t vlen = get_u32(rep + 12);
+  if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply too large from ", host, ":", port);
+  std::string value(vlen, '\0');
+  net::recv_exact(fd, value.data(), vlen, dl, what);
+  return {static_cast<uint8_t>(rep[4]), std::move(value)};
+}
+
+}  // namespace
+
+StoreClient::StoreClient(const std::string& host, int port, int rank, int world_size, const std::string& secret,
+                         const Deadline& dl, int generation)
     : host_(host), port_(port), rank_(rank) {
   std::string what = "the store of rank 0 (MASTER_ADDR:MASTER_PORT)";
   for (;;) {
     fd_ = net::connect_with_retry(host, port, dl, what);
+    // Note [Job secret]: AUTH1 with our nonce; the store proves the secret with its
+    // nonce; we prove it and claim our rank in one go (AUTH2 then HELLO).
+    const std::string nonce = net::fresh_nonce();
+    std::string auth1 = header(kAuth1, 0, net::kNonceBytes) + nonce;
     char hello[12];
-    int32_t r = rank, w = world_size, g = generation;
+    int32_t r = rank, w = world_size, g = generation;  // Config::generation
     std::memcpy(hello, &r, 4);
     std::memcpy(hello + 4, &w, 4);
     std::memcpy(hello + 8, &g, 4);
-    std::string req = header(kHello, 0, 12) + std::string(hello, 12);
-    std::string rep(kHeader, '\0');
-    bool retry = false;
+    bool retry = false, fatal = false;
+    std::pair<uint8_t, std::string> rep;
     try {
+      net::send_exact(fd_.get(), auth1.data(), auth1.size(), dl, what);
+      rep = read_reply(fd_.get(), dl, what, host, port, fatal);
+      if (rep.first != kOk || rep.second.size() != net::kNonceBytes + net::kProofBytes) {
+        fatal = true;
+        CX_THROW(ConnectionError, "rank ", rank, ": the store at ", host, ":", port,
+                 " does not speak this version's handshake (a pycyxwiz of another version on rank 0?)");
+      }
+      const std::string server_nonce = rep.second.substr(0, net::kNonceBytes);
+      if (!net::proof_ok(rep.second.substr(net::kNonceBytes), secret, net::kServerRole, kStoreContext, nonce,
+                         server_nonce)) {
+        fatal = true;
+        CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": the store at ", host, ":", port,
+                 " does not know this job's secret: rank 0 was given another CX_AUTH_TOKEN (or none, or this one "
+                 "none), or that is not this job's store. Give every rank the same CX_AUTH_TOKEN or "
+                 "CX_AUTH_TOKEN_FILE");
+      }
+      std::string req = header(kAuth2, 0, net::kProofBytes) +
+                        net::proof(secret, net::kClientRole, kStoreContext, nonce, server_nonce) +
+                        header(kHello, 0, 12) + std::string(hello, 12);
       net::send_exact(fd_.get(), req.data(), req.size(), dl, what);
-      net::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
+      rep = read_reply(fd_.get(), dl, what, host, port, fatal);
+      if (rep.first == kRefused) {
+        fatal = true;
+        CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": ", rep.second);
+      }
+      rep = read_reply(fd_.get(), dl, what, host, port, fatal);
     } catch (const ConnectionError&) {
+      if (fatal) throw;
       retry = true;  // the previous group's store closing under us: try again
     }
     if (!retry) {
-      if (get_u32(rep.data()) != kMagic) {
-        CX_THROW(ConnectionError, "something that is not a pycyxwiz store answers at ", host, ":", port,
-                 " (another program uses MASTER_PORT?): choose another MASTER_PORT");
-      }
-      uint8_t status = static_cast<uint8_t>(rep[4]);
-      uint32_t vlen = get_u32(&rep[12]);
-      if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply too large");
-      std::string value(vlen, '\0');
-      net::recv_exact(fd_.get(), value.data(), vlen, dl, what);
-      if (status == kOk) return;
-      if (status == kRefused) CX_THROW(InvalidArgument, value);
+      if (rep.first == kOk) return;
+      if (rep.first == kRefused) CX_THROW(InvalidArgument, rep.second);
     }
     if (dl.expired()) {
       CX_THROW(TimeoutError, "Timeout waiting for peers: rank ", rank, " could not join the store at ", host,
@@ -320,6 +581,7 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
   if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
   std::string out(vlen, '\0');
   net::recv_exact(fd_.get(), out.data(), vlen, dl, what);
+  if (static_cast<uint8_t>(rep[4]) == kRefused) CX_THROW(InvalidArgument, "rank ", rank_, ": ", out);
   return out;
 }
 

@@ -10,6 +10,32 @@
 // key_len <= 1 KiB and val_len <= 1 MiB: a larger announcement closes the
 // connection before anything is allocated.
 //
+// Commands: AUTH1 (client nonce) -> server nonce | server proof; AUTH2 (client
+// proof); HELLO (rank, WORLD_SIZE) claims a rank; SET, GET (parked until the key
+// exists), DONE; PROBE (Note [Who holds MASTER_PORT]). A connection starts with
+// AUTH1, AUTH2 then HELLO (Note [Job secret] in net/auth.h; without a secret the
+// proofs use an empty key and prove nothing); SET, GET and DONE are for members
+// (a claimed rank) only.
+//
+// Note [A store strangers cannot stall]
+// Rank 0's store answers on a port anyone on the network may reach, from one
+// thread that serves every rank's setup, so nobody may hold that thread or its
+// memory:
+//  - Before it has proved the secret a connection may send at most
+//    kMaxPreAuthFrames small frames (AUTH1, AUTH2, PROBE, HELLO; kMaxPreAuthValue
+//    bytes each); anything else, or more, cuts it off. One that is not a member
+//    within kJoinMs is cut off too, and beyond kMaxPending such connections the
+//    oldest is cut to make room, so idle strangers cannot fill the store (its
+//    members are never cut for that).
+//  - Replies are queued and written as the socket takes them; a client that
+//    lets kMaxQueuedReply bytes pile up is no longer read until it reads, and one
+//    whose queue does not move for kWriteMs, or that leaves a frame half sent for
+//    kReadMs, is cut off.
+//  - Each member may store kMaxBytesPerRank bytes, all of them kMaxBytesTotal
+//    (counting every queued byte); a SET beyond either is refused with a message
+//    that says so (the connection stays).
+// A connection cut for misbehaving is logged to rank 0's stderr, once per address.
+//
 // Note [Who holds MASTER_PORT]: when rank 0 cannot bind MASTER_PORT, the process
 // holding it is either a foreign program or a pycyxwiz store: most often that of
 // another process started with RANK=0 in the same job. Only a store speaks our
@@ -44,8 +70,9 @@ namespace cx::distributed {
 class StoreServer {
  public:
   // Binds MASTER_ADDR:MASTER_PORT (only that interface) and starts serving.
+  // Connections must prove `secret` (Note [Job secret]; "" proves nothing).
   // Admits ranks of `generation` only (Config::generation, RESTART_COUNT).
-  StoreServer(const std::string& host, int port, int world_size, int generation = 0);
+  StoreServer(const std::string& host, int port, int world_size, const std::string& secret, int generation = 0);
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -54,24 +81,37 @@ class StoreServer {
   // How many processes with this WORLD_SIZE that could not bind MASTER_PORT asked
   // this store who holds it (Note [Who holds MASTER_PORT]): second RANK=0s.
   int turned_away() const { return turned_away_.load(); }
+  // How many connections failed the job secret's handshake (Note [Job secret]).
+  int auth_failures() const { return auth_failures_.load(); }
 
  private:
   struct Client;
   void serve();
+  void accept_all();
   bool handle(Client& c);  // false: drop the client
   void reply(Client& c, uint8_t status, const std::string& value);
+  void flush(Client& c);
   void answer_waiters(const std::string& key);
+  void cut(Client& c, const std::string& why);  // drop a misbehaving client, logging its address once
+  void enforce_deadlines();
+  size_t bytes_in_use() const;
 
   int world_size_;
   int generation_;
+  std::string secret_;
+  std::string where_;  // host:port, for the log
   int port_ = 0;
   std::atomic<int> turned_away_{0};
+  std::atomic<int> auth_failures_{0};
   net::Fd listen_;
   int wake_[2] = {-1, -1};
   std::thread thread_;
 
   // Only the serving thread touches these.
-  std::map<std::string, std::string> data_;
+  std::map<std::string, std::pair<int, std::string>> data_;  // key -> (rank that set it, value)
+  std::map<int, size_t> stored_by_rank_;
+  size_t stored_ = 0;
+  std::set<std::string> logged_;  // addresses already logged by cut()
   std::set<int> claimed_;
   bool closing_ = false;  // a rank has finalized: refuse new members
   std::vector<std::unique_ptr<Client>> clients_;
@@ -90,8 +130,10 @@ std::optional<StoreInfo> probe_store(const std::string& host, int port, int worl
 
 class StoreClient {
  public:
-  // Connects (retrying until the deadline) and claims `rank` of `generation`.
-  StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl, int generation = 0);
+  // Connects (retrying until the deadline), proves `secret` (Note [Job secret])
+  // and claims `rank` of `generation`.
+  StoreClient(const std::string& host, int port, int rank, int world_size, const std::string& secret,
+              const Deadline& dl, int generation = 0);
 
   void set(const std::string& key, const std::string& value, const Deadline& dl);
   // Blocks until the key exists or the deadline passes (then TimeoutError

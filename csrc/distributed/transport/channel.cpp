@@ -32,6 +32,7 @@ void Channel::check_header(const char* early, size_t early_n) {
     }
     rethrow_as(frame::abort_kind(h), msg);
   }
+  if (frame::type(h) != frame::kData) unknown_frame(frame::type(h));
   OpDesc theirs = frame::desc(h);
   if (!(theirs == op_.desc)) {
     CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", op_.desc.describe(), " but rank ",
@@ -83,6 +84,12 @@ void Channel::salvage_abort(size_t skip_first) {
   } catch (const ConnectionError&) {
   } catch (const TimeoutError&) {
   }
+}
+
+void Channel::unknown_frame(uint8_t type) {
+  CX_THROW(ConnectionError, "rank ", rank_, ": unknown frame type ", int(type), " from rank ", peer_, " (", addr_,
+           ") during ", op_.desc.describe(),
+           ": the connection is not trusted any more (a pycyxwiz of another version on that rank?)");
 }
 
 void Channel::lost_connection(const char* during, int err) {

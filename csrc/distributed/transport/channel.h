@@ -110,6 +110,8 @@ class Channel {
   // come before the next header.
   void salvage_abort(size_t skip);
   [[noreturn]] void lost_connection(const char* during, int err);
+  // A frame that is neither DATA nor ABORT: ConnectionError naming its type.
+  [[noreturn]] void unknown_frame(uint8_t type);
   void send_abort_frame(ErrorKind kind, const std::string& text, const Deadline& dl);
 
   const int rank_;

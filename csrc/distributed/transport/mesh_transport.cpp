@@ -1,11 +1,17 @@
 #include "distributed/transport/mesh_transport.h"
 
+#include <errno.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <set>
 #include <sstream>
 
+#include "distributed/net/auth.h"
 #include "distributed/net/socket.h"
 #include "distributed/store/store.h"
 #include "distributed/transport/frame.h"
@@ -17,12 +23,50 @@ namespace cx::distributed {
 
 namespace {
 
-constexpr uint32_t kHandshakeMagic = 0x31485843;  // "CXH1"
+// Note [Mesh handshake]
+// A rank connects to each lower rank and is accepted by each higher one. Every
+// link runs the challenge-response of Note [Job secret] (net/auth.h), bound to
+// this group (its nonce from the store) and to both ranks:
+//   connector -> acceptor: u32 "CXH2" | i32 rank | u64 group nonce | 32-byte nonce
+//   acceptor -> connector: u32 "CXH2" | i32 rank | 32-byte nonce | proof (acceptor role)
+//   connector -> acceptor: proof (connector role)
+// The acceptor serves every connection it has accepted at once, in one poll loop,
+// each with its own short deadline (kHandshakeMs), so connections that stay
+// silent or send garbage cost nothing but their descriptor: they cannot delay a
+// real peer. Beyond kMaxPendingLinks unfinished ones the oldest is dropped. One
+// that fails the proof is dropped and its address logged to stderr, once.
+constexpr uint32_t kHandshakeMagic = 0x32485843;  // "CXH2"
+constexpr size_t kHelloBytes = 16 + net::kNonceBytes;
+constexpr size_t kAckBytes = 8 + net::kNonceBytes + net::kProofBytes;
+constexpr int64_t kHandshakeMs = 5000;
+constexpr size_t kMaxPendingLinks = 64;
+
+std::string link_context(uint64_t group_nonce, int connector, int acceptor) {
+  return detail::concat("mesh ", group_nonce, " ", connector, " -> ", acceptor);
+}
+
+// A connection accepted by this rank, part way through Note [Mesh handshake].
+struct Pending {
+  net::Fd fd;
+  std::string addr;
+  std::string got;  // bytes received so far
+  int peer = -1;    // the rank it claims, once its hello is in
+  std::string client_nonce, server_nonce;
+  Deadline dl;
+};
+
+void log_refused(std::set<std::string>& logged, int rank, const std::string& addr, const std::string& why) {
+  const std::string ip = addr.substr(0, addr.rfind(':'));
+  if (logged.size() < 1024 && logged.insert(ip).second) {
+    std::fprintf(stderr, "pycyxwiz: rank %d refused a connection from %s: %s\n", rank, addr.c_str(), why.c_str());
+    std::fflush(stderr);
+  }
+}
 
 }  // namespace
 
-MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t nonce, const Deadline& dl,
-                             MeshOptions opt)
+MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t nonce, const std::string& secret,
+                             const Deadline& dl, MeshOptions opt)
     : rank_(rank), world_(world), opt_(opt), channels_(static_cast<size_t>(world)) {
   using frame::get;
   using frame::put;
@@ -33,35 +77,56 @@ MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t n
   const int port = net::bound_port(listener.get());
   store.set("addr/" + std::to_string(rank), ip + ":" + std::to_string(port), dl);
 
-  // Lower ranks: we connect. Each hello names our rank and the group's nonce, so a
-  // stray connection (another job, a previous group) is never taken for a peer.
+  // Lower ranks: we connect (Note [Mesh handshake]).
   for (int j = 0; j < rank; ++j) {
     std::string a = store.get("addr/" + std::to_string(j), dl,
                               detail::concat("Timeout waiting for peers: rank ", rank, " waited ", dl.timeout_ms,
                                              " ms for rank ", j, " to publish its address"));
     auto colon = a.rfind(':');
     std::string host = a.substr(0, colon);
-    int p = std::stoi(a.substr(colon + 1));
+    int p = 0;
+    try {
+      p = colon == std::string::npos ? 0 : std::stoi(a.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+    if (p <= 0 || p > 65535) {
+      CX_THROW(ConnectionError, "rank ", rank, ": the store holds a malformed address for rank ", j, ": '",
+               a.substr(0, 64), "'");
+    }
     std::string what = detail::concat("rank ", j, " (", a, ")");
     net::Fd fd = net::connect_with_retry(host, p, dl, what);
-    char hello[16];
+    const std::string my_nonce = net::fresh_nonce();
+    char hello[kHelloBytes];
     put<uint32_t>(hello, 0, kHandshakeMagic);
     put<int32_t>(hello, 4, rank);
     put<uint64_t>(hello, 8, nonce);
+    std::memcpy(hello + 16, my_nonce.data(), net::kNonceBytes);
     net::send_exact(fd.get(), hello, sizeof(hello), dl, what);
-    char ack[8];
+    char ack[kAckBytes];
     net::recv_exact(fd.get(), ack, sizeof(ack), dl, what);
     if (get<uint32_t>(ack, 0) != kHandshakeMagic || get<int32_t>(ack, 4) != j) {
       CX_THROW(ConnectionError, "rank ", rank, ": the process at ", a, " is not rank ", j, " of this group");
     }
+    const std::string their_nonce(ack + 8, net::kNonceBytes);
+    const std::string ctx = link_context(nonce, rank, j);
+    if (!net::proof_ok(std::string(ack + 8 + net::kNonceBytes, net::kProofBytes), secret, net::kServerRole, ctx,
+                       my_nonce, their_nonce)) {
+      CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": the process at ", a,
+               " that answers as rank ", j,
+               " does not know this job's secret: every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE");
+    }
+    const std::string mine = net::proof(secret, net::kClientRole, ctx, my_nonce, their_nonce);
+    net::send_exact(fd.get(), mine.data(), mine.size(), dl, what);
     socks[j] = std::move(fd);
     addrs[j] = a;
   }
-  // Higher ranks connect to us.
+  // Higher ranks connect to us: serve every accepted connection at once.
   int expected = world - 1 - rank;
+  std::vector<Pending> pending;
+  std::set<std::string> logged;
+  net::set_nonblocking(listener.get(), true);
   while (expected > 0) {
-    net::Fd fd = net::accept_until(listener.get(), dl);
-    if (!fd.valid()) {
+    if (dl.expired()) {
       std::ostringstream missing;
       for (int j = rank + 1; j < world; ++j)
         if (!socks[j].valid()) missing << (missing.tellp() ? ", " : "") << j;
@@ -69,26 +134,93 @@ MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t n
                " ms for rank(s) ", missing.str(), " to connect. Start all WORLD_SIZE=", world,
                " processes, or raise DISTRIBUTED_TIMEOUT_MS");
     }
-    char hello[16];
-    try {
-      net::recv_exact(fd.get(), hello, sizeof(hello), Deadline::after_ms(std::min<int64_t>(dl.timeout_ms, 5000)),
-                      "a connecting peer");
-    } catch (const Error&) {
-      continue;  // not one of ours
+    std::vector<pollfd> fds;
+    fds.push_back({listener.get(), POLLIN, 0});
+    for (auto& q : pending) fds.push_back({q.fd.get(), POLLIN, 0});
+    int wait_ms = dl.remaining_ms(100);
+    for (auto& q : pending) wait_ms = std::min(wait_ms, q.dl.remaining_ms(100));
+    int rc = ::poll(fds.data(), fds.size(), std::max(0, wait_ms));
+    if (rc < 0 && errno != EINTR) CX_THROW(ConnectionError, "rank ", rank, ": poll(): ", std::strerror(errno));
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& q = pending[i];
+      if (!fds[i + 1].revents) {
+        if (q.dl.expired()) q.fd.reset();  // silent: drop it
+        continue;
+      }
+      const size_t want = q.peer < 0 ? kHelloBytes : net::kProofBytes;
+      char buf[kHelloBytes];
+      ssize_t k = ::recv(q.fd.get(), buf, want - q.got.size(), MSG_DONTWAIT);
+      if (k <= 0) {
+        if (k == 0 || (errno != EAGAIN && errno != EINTR)) q.fd.reset();
+        continue;
+      }
+      q.got.append(buf, static_cast<size_t>(k));
+      if (q.got.size() < want) continue;
+      if (q.peer < 0) {
+        const char* h = q.got.data();
+        int32_t j = get<int32_t>(h, 4);
+        if (get<uint32_t>(h, 0) != kHandshakeMagic || get<uint64_t>(h, 8) != nonce || j <= rank || j >= world ||
+            socks[j].valid()) {
+          q.fd.reset();  // stray or stale connection (another job, a previous group): drop it
+          continue;
+        }
+        q.peer = j;
+        q.client_nonce = q.got.substr(16, net::kNonceBytes);
+        q.server_nonce = net::fresh_nonce();
+        q.got.clear();
+        char ack[kAckBytes];
+        put<uint32_t>(ack, 0, kHandshakeMagic);
+        put<int32_t>(ack, 4, rank);
+        std::memcpy(ack + 8, q.server_nonce.data(), net::kNonceBytes);
+        const std::string pr =
+            net::proof(secret, net::kServerRole, link_context(nonce, j, rank), q.client_nonce, q.server_nonce);
+        std::memcpy(ack + 8 + net::kNonceBytes, pr.data(), net::kProofBytes);
+        try {
+          net::send_exact(q.fd.get(), ack, sizeof(ack), q.dl, "a connecting peer");
+        } catch (const Error&) {
+          q.fd.reset();
+        }
+        continue;
+      }
+      if (socks[q.peer].valid() ||
+          !net::proof_ok(q.got, secret, net::kClientRole, link_context(nonce, q.peer, rank), q.client_nonce,
+                         q.server_nonce)) {
+        log_refused(logged, rank, q.addr,
+                    detail::concat("it claimed to be rank ", q.peer, " but does not know the job's secret"));
+        q.fd.reset();
+        continue;
+      }
+      net::set_nonblocking(q.fd.get(), false);
+      socks[q.peer] = std::move(q.fd);
+      addrs[q.peer] = "rank " + std::to_string(q.peer);
+      --expected;
     }
-    int32_t j = get<int32_t>(hello, 4);
-    if (get<uint32_t>(hello, 0) != kHandshakeMagic || get<uint64_t>(hello, 8) != nonce || j <= rank || j >= world ||
-        socks[j].valid()) {
-      continue;  // stray or stale connection: drop it
+    pending.erase(std::remove_if(pending.begin(), pending.end(), [](const Pending& q) { return !q.fd.valid(); }),
+                  pending.end());
+    if (fds[0].revents & POLLIN) {
+      for (;;) {
+        sockaddr_in a{};
+        socklen_t len = sizeof(a);
+        int c = ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&a), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c < 0) {
+          if (errno == EINTR || errno == ECONNABORTED) continue;
+          if ((errno == EMFILE || errno == ENFILE) && !pending.empty()) {
+            pending.erase(pending.begin());  // out of descriptors: drop the oldest newcomer
+            continue;
+          }
+          break;
+        }
+        if (pending.size() >= kMaxPendingLinks) pending.erase(pending.begin());
+        net::tune_socket(c);
+        Pending q;
+        q.fd.reset(c);
+        q.addr = net::addr_to_string(a);
+        q.dl = Deadline::after_ms(std::min<int64_t>(dl.timeout_ms, kHandshakeMs));
+        pending.push_back(std::move(q));
+      }
     }
-    char ack[8];
-    put<uint32_t>(ack, 0, kHandshakeMagic);
-    put<int32_t>(ack, 4, rank);
-    net::send_exact(fd.get(), ack, sizeof(ack), dl, detail::concat("rank ", j));
-    socks[j] = std::move(fd);
-    addrs[j] = "rank " + std::to_string(j);
-    --expected;
   }
+  net::set_nonblocking(listener.get(), false);
   shm::Pairing pairs = shm::negotiate(socks, addrs, rank, nonce, opt_.shm, opt_.shm_ring_bytes, dl);
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;

@@ -33,7 +33,10 @@ class MeshTransport : public Transport {
   // Connects the full mesh: publishes this rank's listening address in the
   // store, connects to lower ranks, accepts higher ones, then finds out which
   // pairs share memory.
-  MeshTransport(StoreClient& store, int rank, int world, uint64_t nonce, const Deadline& dl, MeshOptions opt);
+  // Every link proves `secret` (Note [Job secret] in net/auth.h) before it is taken
+  // for a peer; connections that do not are dropped and logged (Note [Mesh handshake]).
+  MeshTransport(StoreClient& store, int rank, int world, uint64_t nonce, const std::string& secret,
+                const Deadline& dl, MeshOptions opt);
   ~MeshTransport() override;
   MeshTransport(const MeshTransport&) = delete;
   MeshTransport& operator=(const MeshTransport&) = delete;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import time
 import traceback
@@ -23,9 +24,10 @@ class SpawnError(RuntimeError):
     """A spawned rank failed; the message holds its traceback."""
 
 
-def _entry(fn, rank, nprocs, port, args, conn):
+def _entry(fn, rank, nprocs, port, secret, args, conn):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+    os.environ.update(secret)
     try:
         conn.send(("ok", fn(rank, *args)))
     except BaseException as e:
@@ -37,6 +39,7 @@ def _entry(fn, rank, nprocs, port, args, conn):
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), timeout: Optional[float] = None) -> List[Any]:
     """Run fn(rank, *args) in `nprocs` fresh processes and return their results in rank order.
 
+    The ranks get a fresh job secret (CX_AUTH_TOKEN) unless one is set already.
     fn must be importable (a module-level function). If any rank raises or dies, the
     others are stopped and SpawnError names the rank and shows its traceback. With
     `timeout` (seconds) a job still running then is stopped with SpawnError too.
@@ -47,10 +50,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), timeout: Option
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # The job secret (README, "Threat model"): the user's if given, else one for this job.
+    given = os.environ.get("CX_AUTH_TOKEN") or os.environ.get("CX_AUTH_TOKEN_FILE") or os.environ.get("CX_AUTH") == "off"
+    secret = {} if given else {"CX_AUTH_TOKEN": secrets.token_hex(32)}
     procs, conns = [], []
     for r in range(nprocs):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_entry, args=(fn, r, nprocs, port, args, child), daemon=False)
+        p = ctx.Process(target=_entry, args=(fn, r, nprocs, port, secret, args, child), daemon=False)
         p.start()
         child.close()
         procs.append(p)

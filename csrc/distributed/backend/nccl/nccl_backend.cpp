@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "distributed/net/auth.h"
 #include "distributed/store/store.h"
 
 namespace cx::distributed {
@@ -77,8 +78,11 @@ std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Dead
 std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int first_byte) {
   const Deadline dl = Deadline::after_ms(cfg.timeout_ms);
   std::unique_ptr<StoreServer> server;
-  if (cfg.rank == 0) server = std::make_unique<StoreServer>(cfg.master_addr, cfg.master_port, cfg.world_size);
-  StoreClient store(cfg.master_addr, cfg.master_port, cfg.rank, cfg.world_size, dl);
+  const std::string secret = net::job_secret(cfg.master_addr, cfg.rank);
+  if (cfg.rank == 0) {
+    server = std::make_unique<StoreServer>(cfg.master_addr, cfg.master_port, cfg.world_size, secret);
+  }
+  StoreClient store(cfg.master_addr, cfg.master_port, cfg.rank, cfg.world_size, secret, dl);
   std::string id = exchange_nccl_id(
       store, cfg.rank, cfg.world_size, dl,
       [&] {

@@ -96,7 +96,7 @@ bool ShmChannel::progress_recv() {
 }
 
 void ShmChannel::socket_event() {
-  char h[kHeaderBytes];
+  char h[kHeaderBytes] = {};
   bool framed = false;
   // Bounded by the operation's deadline too, so a dying peer cannot push us past it.
   auto bounded = [&] { return Deadline::after_ms(std::max(1, op_.deadline.remaining_ms(1000))); };
@@ -105,6 +105,8 @@ void ShmChannel::socket_event() {
     framed = frame::has_magic(h) && frame::type(h) == frame::kAbort;
   } catch (const Error&) {
   }
+  // Only ABORT frames travel on this socket: anything else ends the connection.
+  if (!framed && frame::has_magic(h) && frame::type(h) != frame::kAbort) unknown_frame(frame::type(h));
   if (framed) {
     // The peer failed and says why (Channel::abort); raise its error here too.
     const uint64_t len = frame::payload_len(h);
