@@ -5,6 +5,7 @@ all_reduce, the job restarted by its launchers once the cable is back, delay and
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -91,9 +92,14 @@ WORKER = textwrap.dedent("""
 """)
 
 
+SECRET = secrets.token_hex(32)  # a job on a real interface needs its secret (README, "The job secret")
+
+
 def rank_env(rank, world, local, nlocal, master, port, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "CX_SHM", "RESTART_COUNT")}
+                                                             "MASTER_PORT", "CX_SHM", "RESTART_COUNT", "CX_AUTH",
+                                                             "CX_AUTH_TOKEN_FILE")}
+    env["CX_AUTH_TOKEN"] = SECRET
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nlocal),
                MASTER_ADDR=master, MASTER_PORT=str(port), DISTRIBUTED_TIMEOUT_MS="30000",
                DISTRIBUTED_OPERATION_TIMEOUT_MS="30000", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -101,14 +107,15 @@ def rank_env(rank, world, local, nlocal, master, port, **extra):
     return env
 
 
-def run_on_hosts(h, tmp_path, mode, per_host, timeout=120, **extra):
+def run_on_hosts(h, tmp_path, mode, per_host, timeout=120, per_rank=None, **extra):
     """Starts `per_host` ranks on each host (rank = host * per_host + local); returns their results."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     world = h.n * per_host
     procs = []
     for rank in range(world):
-        env = rank_env(rank, world, rank % per_host, per_host, h.addrs[0], 29400, **extra)
+        env = rank_env(rank, world, rank % per_host, per_host, h.addrs[0], 29400,
+                       **{**extra, **(per_rank or {}).get(rank, {})})
         out = tmp_path / f"{mode}{rank}.json"
         procs.append((h.popen(rank // per_host, [sys.executable, str(worker), mode, str(out)], env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
@@ -135,6 +142,16 @@ def test_collectives_across_hosts_match_numpy_and_share_memory_only_within_a_hos
         # Alone on its host: no peer to share memory with. Two on a host: its own segment and its
         # neighbour's, and none of the other host's (TCP between hosts).
         assert r["segments"] == (0 if per_host == 1 else 2), r
+
+
+def test_a_rank_on_another_host_without_the_jobs_secret_is_refused(tmp_path):
+    with hosts.Hosts(2) as h:
+        res = run_on_hosts(h, tmp_path, "collectives", 1, per_rank={1: {"CX_AUTH_TOKEN": "not-the-secret"}},
+                           DISTRIBUTED_TIMEOUT_MS=6000)
+    assert not res[1]["ok"] and "authentication failed" in res[1]["message"], res[1]
+    assert "CX_AUTH_TOKEN" in res[1]["message"]
+    assert not res[0]["ok"] and "DistributedTimeoutError" in res[0]["bases"], res[0]
+    assert "handshake" in res[0]["message"], res[0]["message"]   # rank 0 says someone failed to prove it
 
 
 def test_training_across_hosts_gives_the_parameters_of_training_on_one_host(tmp_path):
