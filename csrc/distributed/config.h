@@ -45,6 +45,10 @@ struct Config {
   // pairs] in transport/shm/negotiate.cpp). CX_SHM=0 keeps every pair on TCP.
   bool shm = true;
   int64_t shm_ring_bytes = 1 << 20;  // ring per ordered pair; CX_SHM_RING_BYTES
+  // Every this many collectives the ranks compare their collective fingerprints
+  // (Note [Collective fingerprint] in process_group.h) in an extra check message
+  // round; 0: only at barrier() and finalize(). CX_CHECK_INTERVAL.
+  int64_t check_interval = 0;
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
   // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS, DISTRIBUTED_OPERATION_TIMEOUT_MS; under mpirun or srun also

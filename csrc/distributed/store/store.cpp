@@ -19,8 +19,8 @@ constexpr uint32_t kMaxKey = 1024;
 constexpr uint32_t kMaxValue = 1 << 20;
 constexpr size_t kHeader = 16;
 
-enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5 };
-enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2 };
+enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kTryGet = 6, kFail = 7 };
+enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2, kMissing = 3, kFailed = 4 };
 
 void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
 uint32_t get_u32(const char* p) {
@@ -100,6 +100,7 @@ struct StoreServer::Client {
   std::string in;              // bytes received, not yet parsed
   std::string waiting_key;     // non-empty: a GET parked until the key is set
   int rank = -1;
+  bool done = false;           // it said DONE: its end of stream is a normal exit
 };
 
 StoreServer::StoreServer(const std::string& host, int port, int world_size) : world_size_(world_size) {
@@ -125,6 +126,17 @@ void StoreServer::reply(Client& c, uint8_t status, const std::string& value) {
     net::send_exact(c.fd.get(), msg.data(), msg.size(), Deadline::after_ms(1000), "store client");
   } catch (const Error&) {
     c.fd.reset();
+  }
+}
+
+void StoreServer::fail(ErrorKind kind, const std::string& why) {
+  if (!failure_.empty()) return;  // the first cause is the one worth telling
+  failure_ = std::string(1, static_cast<char>(kind)) + why;
+  for (auto& c : clients_) {
+    if (c->fd.valid() && !c->waiting_key.empty()) {
+      c->waiting_key.clear();
+      reply(*c, kFailed, failure_);
+    }
   }
 }
 
@@ -159,9 +171,11 @@ bool StoreServer::handle(Client& c) {
           return false;
         }
         if (world != world_size_) {
-          reply(c, kRefused, detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
-                                            " but rank 0 has WORLD_SIZE=", world_size_,
-                                            ": every rank must be given the same WORLD_SIZE"));
+          const std::string why = detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
+                                                 " but rank 0 has WORLD_SIZE=", world_size_,
+                                                 ": every rank must be given the same WORLD_SIZE");
+          reply(c, kRefused, why);
+          fail(ErrorKind::kInvalidArgument, why);  // the others would wait for it in vain
           return false;
         }
         if (claimed_.count(rank)) {
@@ -184,12 +198,31 @@ bool StoreServer::handle(Client& c) {
         auto it = data_.find(key);
         if (it != data_.end()) {
           reply(c, kOk, it->second);
+        } else if (!failure_.empty()) {
+          reply(c, kFailed, failure_);
         } else {
           c.waiting_key = key;
         }
         break;
       }
+      case kTryGet: {  // never parks: the value, or kMissing; of the empty key: has the group failed?
+        auto it = data_.find(key);
+        if (it != data_.end()) {
+          reply(c, kOk, it->second);
+        } else if (key.empty() && !failure_.empty()) {
+          reply(c, kFailed, failure_);
+        } else {
+          reply(c, kMissing, "");
+        }
+        break;
+      }
+      case kFail:  // Note [Failures reach every rank through the store]
+        if (value.empty()) return false;
+        reply(c, kOk, "");
+        fail(static_cast<ErrorKind>(value[0]), value.substr(1));
+        break;
       case kDone:
+        c.done = true;
         closing_ = true;
         reply(c, kOk, "");
         break;
@@ -241,6 +274,11 @@ void StoreServer::serve() {
         if (c.in.size() > kHeader + kMaxKey + kMaxValue || !handle(c)) c.fd.reset();
       } else if (k == 0 || (errno != EAGAIN && errno != EINTR)) {
         c.fd.reset();
+        if (c.rank > 0 && !c.done) {
+          fail(ErrorKind::kConnection,
+               detail::concat("rank ", c.rank, " exited, crashed or was killed: its connection to the store (rank 0) "
+                              "closed before it finalized"));
+        }
       }
     }
     for (size_t i = clients_.size(); i-- > 0;) {
@@ -307,18 +345,49 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
   if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
   std::string out(vlen, '\0');
   net::recv_exact(fd_.get(), out.data(), vlen, dl, what);
+  const auto status = static_cast<uint8_t>(rep[4]);
+  if (status == kFailed && !out.empty()) {
+    auto kind = static_cast<ErrorKind>(out[0]);
+    if (static_cast<int>(kind) < 1 || kind > ErrorKind::kPeerFailed) kind = ErrorKind::kGeneric;
+    rethrow_as(kind,
+               detail::concat("rank ", rank_, ": the group cannot go on: ", printable(out.substr(1), 4096)));
+  }
+  missing_ = status == kMissing;
   return out;
 }
 
+std::optional<std::string> StoreClient::try_get(const std::string& key, const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::string v = request(kTryGet, key, "", dl, "timed out reading '" + key + "' from the store");
+  if (missing_) return std::nullopt;
+  return v;
+}
+
+void StoreClient::fail(ErrorKind kind, const std::string& why, const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  request(kFail, "", std::string(1, static_cast<char>(kind)) + why.substr(0, kMaxValue / 2), dl,
+          "timed out telling the store this rank failed");
+}
+
+void StoreClient::check_failed(const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  request(kTryGet, "", "", dl, "timed out asking the store whether the group failed");
+}
+
 void StoreClient::set(const std::string& key, const std::string& value, const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
   request(kSet, key, value, dl, "timed out setting '" + key + "' in the store");
 }
 
 std::string StoreClient::get(const std::string& key, const Deadline& dl, const std::string& waiting_for) {
+  std::lock_guard<std::mutex> lk(mu_);
   return request(kGet, key, "", dl, waiting_for);
 }
 
-void StoreClient::done(const Deadline& dl) { request(kDone, "", "", dl, "timed out leaving the store"); }
+void StoreClient::done(const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  request(kDone, "", "", dl, "timed out leaving the store");
+}
 
 std::string StoreClient::local_ip() const { return net::local_ip_of(fd_.get()); }
 

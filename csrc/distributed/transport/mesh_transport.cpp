@@ -60,7 +60,15 @@ MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t n
   // Higher ranks connect to us.
   int expected = world - 1 - rank;
   while (expected > 0) {
-    net::Fd fd = net::accept_until(listener.get(), dl);
+    // In slices: between them, ask the store whether a rank failed (Note
+    // [Failures reach every rank through the store] in store/store.h).
+    net::Fd fd;
+    while (!fd.valid() && !dl.expired()) {
+      Deadline slice = Deadline::after_ms(200);
+      if (dl.at < slice.at) slice = dl;
+      fd = net::accept_until(listener.get(), slice);
+      if (!fd.valid() && !dl.expired()) store.check_failed(dl);
+    }
     if (!fd.valid()) {
       std::ostringstream missing;
       for (int j = rank + 1; j < world; ++j)
