@@ -66,6 +66,10 @@ void bind_process_group(py::module_& m) {
     py::gil_scoped_release nogil;
     finalize_default_group();
   });
+  m.def("_finalize_at_exit", [] {
+    py::gil_scoped_release nogil;
+    finalize_default_group(true);
+  });
   m.def("is_initialized", [] { return default_group() != nullptr; });
   m.def("get_rank", [] { return require_default_group("get_rank()")->rank(); });
   m.def("get_world_size", [] { return require_default_group("get_world_size()")->size(); });

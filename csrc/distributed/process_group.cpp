@@ -236,7 +236,7 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
 
 ProcessGroup::~ProcessGroup() {
   try {
-    shutdown();
+    shutdown(Check::kNone);
   } catch (...) {
   }
 }
@@ -510,7 +510,7 @@ void ProcessGroup::comm_loop() {
   }
 }
 
-void ProcessGroup::shutdown() {
+void ProcessGroup::shutdown(Check check) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (shut_) return;
@@ -521,7 +521,7 @@ void ProcessGroup::shutdown() {
   if (comm_.joinable()) comm_.join();
   std::optional<Error> check_error;
   try {
-    final_check();
+    final_check(check);
   } catch (const Error& e) {
     check_error = e;
   }
@@ -546,24 +546,51 @@ void ProcessGroup::shutdown() {
   if (check_error) rethrow_as(check_error->kind(), check_error->what());
 }
 
-void ProcessGroup::final_check() {
-  if (!store_ || cfg_.world_size < 2) return;
+void ProcessGroup::final_check(Check check) {
+  if (!store_ || cfg_.world_size < 2 || check == Check::kNone) return;
   const int world = cfg_.world_size, me = cfg_.rank;
   FlightRecord mine = flight_record();
   publish_record("cx/fin/" + std::to_string(me));
   std::vector<std::optional<FlightRecord>> recs(static_cast<size_t>(world));
   recs[me] = mine;
   std::optional<Error> err;
+  const bool full = check == Check::kFull;
+  // Polls (never a parked GET, which a deadline would leave answered later on
+  // this connection) until every key of `prefix` is there or `dl` passes; the
+  // store's record of a failed rank ends the wait at once.
+  auto poll_all = [&](const std::string& prefix, int from, const Deadline& dl, auto&& got) {
+    std::vector<int> missing;
+    for (int j = from; j < world; ++j)
+      if (j != me) missing.push_back(j);
+    int pause_ms = 1;
+    while (!missing.empty()) {
+      std::vector<int> still;
+      for (int j : missing) {
+        auto v = store_->try_get(prefix + std::to_string(j), Deadline::after_ms(1000));
+        if (v) {
+          got(j, *v);
+        } else {
+          still.push_back(j);
+        }
+      }
+      missing.swap(still);
+      if (missing.empty() || dl.expired()) break;
+      store_->check_failed(Deadline::after_ms(1000));
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      pause_ms = std::min(pause_ms * 2, 50);
+    }
+    return missing;
+  };
   if (!mine.failed) {
-    // Wait (like a barrier, up to the operation deadline) for every rank to finalize too.
-    const Deadline dl = Deadline::after_ms(cfg_.operation_timeout_ms);
+    // kFull waits, like a barrier, up to the operation deadline for every rank to finalize too.
+    const Deadline dl = Deadline::after_ms(full ? cfg_.operation_timeout_ms : kAtExitWaitMs);
     try {
-      for (int j = 0; j < world; ++j) {
-        if (j == me) continue;
-        recs[j] = FlightRecord::decode(store_->get(
-            "cx/fin/" + std::to_string(j), dl,
-            detail::concat("finalize() timed out: rank ", me, " waited ", dl.timeout_ms, " ms for rank ", j,
-                           " to call finalize() too (it is stuck, or still calling collectives this rank does not)")));
+      auto missing = poll_all("cx/fin/", 0, dl, [&](int j, const std::string& v) { recs[j] = FlightRecord::decode(v); });
+      if (full && !missing.empty()) {
+        err = TimeoutError(detail::concat("finalize() timed out: rank ", me, " waited ", dl.timeout_ms,
+                                          " ms for rank(s) ", join_ranks(missing),
+                                          " to call finalize() too (stuck, or still calling collectives this rank "
+                                          "does not; raise DISTRIBUTED_OPERATION_TIMEOUT_MS if only slow)"));
       }
     } catch (const Error& e) {
       err = e;
@@ -573,8 +600,8 @@ void ProcessGroup::final_check() {
     store_->set("cx/fin-read/" + std::to_string(me), "", Deadline::after_ms(1000));
     if (me == 0) {
       // The store lives in this process: it stays until every rank has read what it needs.
-      const Deadline dl = Deadline::after_ms(mine.failed || err ? 2000 : cfg_.operation_timeout_ms);
-      for (int j = 1; j < world; ++j) store_->get("cx/fin-read/" + std::to_string(j), dl, "finalize");
+      const Deadline dl = Deadline::after_ms(mine.failed || err || !full ? 2000 : cfg_.operation_timeout_ms);
+      poll_all("cx/fin-read/", 1, dl, [](int, const std::string&) {});
     }
   } catch (const Error&) {
     // a rank that died: it has nothing left to read

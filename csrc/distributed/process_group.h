@@ -133,11 +133,20 @@ class ProcessGroup {
   WorkPtr send(const void* buf, size_t count, DataType dt, int dst, bool async, uintptr_t stream = 0);
   WorkPtr recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream = 0);
 
-  // Waits for queued work, compares the ranks' collectives (Note [Collective
-  // fingerprint]; raises MismatchError, or the error of a rank that failed),
-  // then closes every connection gracefully (peers see end-of-stream, never a
-  // reset). Idempotent; also run by the destructor, which swallows the error.
-  void shutdown();
+  // How much finalize() checks (Note [Collective fingerprint]). kFull: wait (up
+  // to the operation deadline, like a barrier) for every rank's record and
+  // compare. kAtExit: an interpreter that exits without finalize() may be
+  // leaving because of an error its peers do not know of, so it waits at most
+  // kAtExitWaitMs for their records and compares those that came. kNone: the
+  // destructor's.
+  enum class Check { kNone, kAtExit, kFull };
+  static constexpr int kAtExitWaitMs = 1000;
+
+  // Waits for queued work, compares the ranks' collectives (raises
+  // MismatchError, or the error of a rank that failed), then closes every
+  // connection gracefully (peers see end-of-stream, never a reset).
+  // Idempotent; also run by the destructor, which checks nothing.
+  void shutdown(Check check = Check::kFull);
 
   // The program on this rank failed (`why`: "ValueError: ..."): poisons the
   // group and tells every peer, through the transport (ABORT) and the store, so
@@ -168,7 +177,7 @@ class ProcessGroup {
   void fail(Work& w, ErrorKind kind, const std::string& msg);
   void publish_record(const std::string& key);
   std::pair<ErrorKind, std::string> explain(ErrorKind kind, const std::string& msg);
-  void final_check();
+  void final_check(Check check);
   Backend& backend();  // throws once the group has been finalized
   void execute(Work& w);
   void comm_loop();
