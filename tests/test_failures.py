@@ -108,9 +108,10 @@ def wrong_world_size_on_rank_2():
 
 
 def test_a_rank_with_another_world_size_fails_every_rank_at_once():
-    outs = ranks.run(wrong_world_size_on_rank_2, 3, env=LONG, per_rank_env={2: {"WORLD_SIZE": "4"}}, init=False,
-                     timeout=60)
-    for r, (name, bases, msg, elapsed) in enumerate(outs):
+    outs = ranks.spawn(wrong_world_size_on_rank_2, 3, env=LONG, per_rank_env={2: {"WORLD_SIZE": "4"}}, init=False,
+                       timeout=60)
+    assert all(o.ok for o in outs), outs
+    for r, (name, bases, msg, elapsed) in enumerate(o.value for o in outs):
         assert "ValueError" in bases, (r, name, msg)
         assert "rank 2 was started with WORLD_SIZE=4 but rank 0 has WORLD_SIZE=3" in msg, (r, msg)
         assert elapsed < 10, (r, elapsed)

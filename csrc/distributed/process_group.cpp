@@ -221,6 +221,8 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
         } catch (const Error&) {
         }
       }
+      // The store is in this process: keep it until the others have read why.
+      if (server_) server_->linger(1000);
       throw;
     }
   } catch (const TimeoutError& e) {
@@ -348,8 +350,12 @@ void ProcessGroup::fail(Work& w, ErrorKind kind, const std::string& msg) {
   }
   const bool explained = store_ && (kind == ErrorKind::kTimeout || kind == ErrorKind::kMismatch ||
                                     kind == ErrorKind::kConnection);
-  if (explained) publish_record("cx/fr/" + std::to_string(cfg_.rank));
-  backend_->abort(kind, msg);
+  // A peer's failure ("rank 2 failed: ValueError ...") is its cause already, and
+  // this rank says it at once; its record still helps the others explain theirs.
+  if (store_ && (explained || kind == ErrorKind::kPeerFailed)) publish_record("cx/fr/" + std::to_string(cfg_.rank));
+  // A peer's failure is relayed as what it is to the others: a lost peer, which
+  // this rank reports (only the failed rank itself says "rank R failed").
+  backend_->abort(kind == ErrorKind::kPeerFailed ? ErrorKind::kConnection : kind, msg);
   if (!explained) {
     w.finish(std::make_pair(kind, msg));
     return;
@@ -709,16 +715,18 @@ void ProcessGroup::monitored_barrier(int64_t timeout_ms) {
     }
     return;
   }
+  // Rank 0 answers once its own wait is over: allow it that, and some more.
+  const Deadline verdict = Deadline::after_ms(timeout_ms + std::max<int64_t>(2000, timeout_ms / 2));
   for (;;) {
     if (auto v = store_->try_get(base + "result", Deadline::after_ms(1000))) {
       if (v->empty()) return;
       CX_THROW(TimeoutError, "monitored_barrier: rank 0 reports that rank(s) ", *v, " did not arrive within ",
                timeout_ms, " ms (seen from rank ", me, ")");
     }
-    if (dl.expired()) break;
+    if (verdict.expired()) break;
     pause();
   }
-  CX_THROW(TimeoutError, "monitored_barrier: rank ", me, " had no answer from rank 0 within ", timeout_ms,
+  CX_THROW(TimeoutError, "monitored_barrier: rank ", me, " had no answer from rank 0 within ", verdict.timeout_ms,
            " ms: rank 0 did not arrive (stuck, slower, or not calling monitored_barrier)");
 }
 

@@ -111,6 +111,11 @@ StoreServer::StoreServer(const std::string& host, int port, int world_size) : wo
   thread_ = std::thread([this] { serve(); });
 }
 
+void StoreServer::linger(int ms) const {
+  const Deadline dl = Deadline::after_ms(ms);
+  while (others_.load() > 0 && !dl.expired()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
+
 StoreServer::~StoreServer() {
   char b = 1;
   (void)!::write(wake_[1], &b, 1);
@@ -186,6 +191,7 @@ bool StoreServer::handle(Client& c) {
         }
         claimed_.insert(rank);
         c.rank = rank;
+        if (rank > 0) others_.fetch_add(1);
         reply(c, kOk, "");
         break;
       }
@@ -282,7 +288,9 @@ void StoreServer::serve() {
       }
     }
     for (size_t i = clients_.size(); i-- > 0;) {
-      if (!clients_[i]->fd.valid()) clients_.erase(clients_.begin() + static_cast<long>(i));
+      if (clients_[i]->fd.valid()) continue;
+      if (clients_[i]->rank > 0) others_.fetch_sub(1);
+      clients_.erase(clients_.begin() + static_cast<long>(i));
     }
   }
 }

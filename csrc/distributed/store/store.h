@@ -65,6 +65,9 @@ class StoreServer {
   // How many processes with this WORLD_SIZE that could not bind MASTER_PORT asked
   // this store who holds it (Note [Who holds MASTER_PORT]): second RANK=0s.
   int turned_away() const { return turned_away_.load(); }
+  // Waits until no rank but 0 is connected, or `ms` passes: a rank 0 that fails
+  // in init() lets the others read the failure before its store goes.
+  void linger(int ms) const;
 
  private:
   struct Client;
@@ -79,6 +82,7 @@ class StoreServer {
   int world_size_;
   int port_ = 0;
   std::atomic<int> turned_away_{0};
+  std::atomic<int> others_{0};  // connected clients that claimed a rank other than 0
   net::Fd listen_;
   int wake_[2] = {-1, -1};
   std::thread thread_;
