@@ -367,3 +367,26 @@ def test_cx_debug_with_a_bad_value_names_it():
     env = dict(os.environ, CX_DEBUG="LOUD")
     r = subprocess.run([sys.executable, "-c", "import pycyxwiz"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "CX_DEBUG='LOUD' is not valid: expected INFO, DETAIL or OFF" in r.stderr, r.stderr
+
+
+EXITS_WITHOUT_FINALIZE = textwrap.dedent("""
+    import numpy as np
+    import pycyxwiz as cx
+    cx.distributed.init()
+    x = np.zeros(4, np.float32)
+    cx.distributed.broadcast(x, src=cx.distributed.get_rank())   # and no finalize(): the exit hook checks
+""")
+
+
+def test_a_divergence_is_reported_at_exit_without_finalize(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(EXITS_WITHOUT_FINALIZE)
+    port = ranks.free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OPENBLAS_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert any("pycyxwiz: finalize at exit: mismatched collectives" in e and "collective #1" in e for e in errs), errs

@@ -213,8 +213,9 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
     } catch (const Error& e) {
       // Note [Failures reach every rank through the store]: the others are told
       // at once (the store keeps the first cause, so an error that is itself the
-      // store's answer changes nothing).
-      if (store_) {
+      // store's answer changes nothing). NCCL's setup reports its ranks' errors
+      // through its own keys, each rank's own words (exchange_nccl_id).
+      if (store_ && cfg_.backend != BackendType::kNccl) {
         try {
           store_->fail(e.kind(), detail::concat("rank ", cfg_.rank, " failed in init(): ", e.what()),
                        Deadline::after_ms(200));

@@ -19,7 +19,7 @@ constexpr uint32_t kMaxKey = 1024;
 constexpr uint32_t kMaxValue = 1 << 20;
 constexpr size_t kHeader = 16;
 
-enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kTryGet = 6, kFail = 7 };
+enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kTryGet = 6, kFail = 7, kBye = 8 };
 enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2, kMissing = 3, kFailed = 4 };
 
 void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -227,6 +227,9 @@ bool StoreServer::handle(Client& c) {
         reply(c, kOk, "");
         fail(static_cast<ErrorKind>(value[0]), value.substr(1));
         break;
+      case kBye:  // the client is closing in order (no reply): its end of stream is no crash
+        c.done = true;
+        break;
       case kDone:
         c.done = true;
         closing_ = true;
@@ -362,6 +365,16 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
   }
   missing_ = status == kMissing;
   return out;
+}
+
+StoreClient::~StoreClient() {
+  if (!fd_.valid()) return;
+  try {
+    std::string req = header(kBye, 0, 0);
+    net::send_exact(fd_.get(), req.data(), req.size(), Deadline::after_ms(50), "the store");
+  } catch (const Error&) {
+    // rank 0 is gone already
+  }
 }
 
 std::optional<std::string> StoreClient::try_get(const std::string& key, const Deadline& dl) {

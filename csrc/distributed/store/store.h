@@ -9,6 +9,7 @@
 // Note [Failures reach every rank through the store]
 // A rank that cannot start (a WORLD_SIZE other than rank 0's, an error in init)
 // or whose store connection ends before it said DONE (it died, in init or later)
+// (a process that ends in order says BYE first, so only a crash or a kill counts)
 // is a failure of the whole group, and the store records its cause once: every
 // GET parked then or later is answered with it (status FAILED), and ranks that
 // wait on something else (their listener, for peers to connect) ask with
@@ -110,6 +111,11 @@ class StoreClient {
  public:
   // Connects (retrying until the deadline) and claims `rank`.
   StoreClient(const std::string& host, int port, int rank, int world_size, const Deadline& dl);
+  // Says BYE: the store then takes this rank's end of stream for an orderly exit,
+  // not a crash (Note [Failures reach every rank through the store]).
+  ~StoreClient();
+  StoreClient(const StoreClient&) = delete;
+  StoreClient& operator=(const StoreClient&) = delete;
 
   void set(const std::string& key, const std::string& value, const Deadline& dl);
   // Blocks until the key exists or the deadline passes (then TimeoutError
