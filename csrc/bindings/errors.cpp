@@ -40,7 +40,8 @@ void bind_errors(py::module_& m) {
     } catch (const cx::Error& e) {
       switch (e.kind()) {
         case ErrorKind::kTimeout: PyErr_SetString(g_timeout, e.what()); return;
-        case ErrorKind::kConnection: PyErr_SetString(g_connection, e.what()); return;
+        case ErrorKind::kConnection:
+        case ErrorKind::kPeerFailed: PyErr_SetString(g_connection, e.what()); return;
         case ErrorKind::kMismatch: PyErr_SetString(g_mismatch, e.what()); return;
         case ErrorKind::kInvalidArgument: PyErr_SetString(PyExc_ValueError, e.what()); return;
         case ErrorKind::kType: PyErr_SetString(PyExc_TypeError, e.what()); return;

@@ -29,6 +29,9 @@ void bind_config(py::module_& m) {
                      "Milliseconds init() waits for every rank to arrive (default 600000, 10 min)")
       .def_readwrite("operation_timeout_ms", &Config::operation_timeout_ms,
                      "Milliseconds one collective waits for its peers (default 1800000, 30 min)")
+      .def_readwrite("check_interval", &Config::check_interval,
+                     "Every this many collectives the ranks compare what they called (0: only at barrier() and "
+                     "finalize(); CX_CHECK_INTERVAL)")
       .def_readwrite("chunk_bytes", &Config::chunk_bytes)
       .def_readwrite("small_allreduce_bytes", &Config::small_allreduce_bytes)
       .def_readwrite("spin_us", &Config::spin_us)
@@ -63,6 +66,10 @@ void bind_process_group(py::module_& m) {
     py::gil_scoped_release nogil;
     finalize_default_group();
   });
+  m.def("_finalize_at_exit", [] {
+    py::gil_scoped_release nogil;
+    finalize_default_group(true);
+  });
   m.def("is_initialized", [] { return default_group() != nullptr; });
   m.def("get_rank", [] { return require_default_group("get_rank()")->rank(); });
   m.def("get_world_size", [] { return require_default_group("get_world_size()")->size(); });
@@ -70,6 +77,46 @@ void bind_process_group(py::module_& m) {
   m.def("get_config", [] { return require_default_group("get_config()")->config(); });
   // For the benchmarks: payload bytes this rank has sent over its transport (0 with NCCL).
   m.def("_bytes_sent", [] { return require_default_group("_bytes_sent()")->bytes_sent(); });
+  m.def(
+      "_abort",
+      [](const std::string& why) {
+        auto pg = default_group();
+        if (!pg) return false;
+        py::gil_scoped_release nogil;
+        pg->abort(why);
+        return true;
+      },
+      py::arg("why"), "The program on this rank failed: tell every peer why (rank R failed: <why>). Internal.");
+  m.def(
+      "monitored_barrier",
+      [](double timeout) {
+        if (!(timeout > 0)) throw py::value_error("monitored_barrier: timeout must be a positive number of seconds");
+        auto pg = require_default_group("monitored_barrier()");
+        py::gil_scoped_release nogil;
+        pg->monitored_barrier(static_cast<int64_t>(timeout * 1000.0));
+      },
+      py::arg("timeout") = 1800.0,
+      "Every rank waits until all have arrived; ranks that did not within `timeout` seconds are named "
+      "(DistributedTimeoutError on every rank that arrived).\n\n"
+      "    cx.distributed.monitored_barrier(timeout=30)   # 'rank(s) 2 did not arrive within 30000 ms'");
+  m.def(
+      "_flight_record",
+      [] {
+        auto pg = require_default_group("flight_record()");
+        FlightRecord f = pg->flight_record();
+        py::list out;
+        for (const auto& e : f.entries) {
+          static const char* states[] = {"queued", "running", "done", "failed"};
+          out.append(py::dict(py::arg("op") = kind_name(e.desc.kind), py::arg("seq") = e.desc.seq,
+                              py::arg("count") = e.desc.count, py::arg("dtype") = dtype_name(e.desc.dtype),
+                              py::arg("root") = e.desc.root, py::arg("state") = states[e.state],
+                              py::arg("start_us") = e.start_us, py::arg("end_us") = e.end_us,
+                              py::arg("describe") = e.desc.describe()));
+        }
+        return out;
+      },
+      "This rank's last operations, oldest first (the flight recorder). Internal.");
+  m.def("_describe_setup", [] { return require_default_group("describe_setup()")->describe_setup(); });
 }
 
 }  // namespace cx::bindings

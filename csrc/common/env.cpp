@@ -55,6 +55,12 @@ const std::vector<Variable>& variables() {
       {"CX_HD_MAX_BYTES", "at or below, on 4, 8, ... ranks: halving-doubling all_reduce", "2 MiB"},
       {"CX_SPIN_US", "busy-poll this long before sleeping (us)", "50 (30 with more ranks than cores)"},
       {"CX_SOCKET_BUFFER_BYTES", "SO_SNDBUF/SO_RCVBUF of the data sockets", "the kernel's"},
+      // Faults and debugging.
+      {"CX_CHECK_INTERVAL",
+       "every this many collectives the ranks compare what they called (CollectiveMismatchError if it differs)",
+       "0: only at barrier() and finalize()"},
+      {"CX_DEBUG", "INFO: log setup and each collective to Python's logger \"pycyxwiz\"; DETAIL: also their "
+       "arguments, timings and the flight record of a failure", "off"},
       // The GPU.
       {"CX_NCCL_LIBRARY", "the NCCL library to load (a path)", "the nvidia-nccl wheel's, else the system's"},
       {"CX_CUBLAS_LIBRARY", "the cuBLAS library to load (a path)", "the nvidia-cublas wheel's, else the system's"},

@@ -9,6 +9,7 @@
 //   InvalidArgument  -> ValueError
 //   TypeMismatch     -> TypeError
 //   IoError          -> OSError (files: model and checkpoint I/O)
+//   PeerFailed       -> DistributedConnectionError (a peer's program failed and said why)
 // Messages say what happened, on which rank, with which peer and operation,
 // and what to do about it.
 #pragma once
@@ -28,6 +29,10 @@ enum class ErrorKind : int {
   kInvalidArgument = 5,
   kType = 6,
   kIo = 7,
+  // Not a library error: the program on a rank failed (an exception escaped its
+  // script, fit or a collective) and aborted the group saying why; its peers
+  // raise PeerFailed naming that rank.
+  kPeerFailed = 8,
 };
 
 class Error : public std::runtime_error {
@@ -58,10 +63,19 @@ struct TypeMismatch : Error {
 struct IoError : Error {
   explicit IoError(const std::string& m) : Error(m, ErrorKind::kIo) {}
 };
+struct PeerFailed : Error {
+  explicit PeerFailed(const std::string& m) : Error(m, ErrorKind::kPeerFailed) {}
+};
 
 // Rebuilds an error of the right kind from (kind, message): used when an error
 // travels between ranks (abort frames) or threads (work handles).
 [[noreturn]] void rethrow_as(ErrorKind kind, const std::string& msg);
+
+// Text another process sent us (a peer's ABORT, the store's record of a failure),
+// made safe to show: valid UTF-8 without control characters (each replaced by a
+// space, or '?' for a byte that is not UTF-8), at most `max_bytes` bytes, with a
+// note of how much was cut.
+std::string printable(const std::string& text, size_t max_bytes);
 
 namespace detail {
 template <typename... Args>

@@ -126,6 +126,9 @@ Config Config::from_environment() {
     c.generation = static_cast<int>(*v);
   }
   if (auto v = env::integer("CX_SHM_RING_BYTES", 4096, 1LL << 30, "bytes (4096 .. 2^30)")) c.shm_ring_bytes = *v;
+  if (auto v = env::integer("CX_CHECK_INTERVAL", 0, 1LL << 40, "a number of collectives (0: off)")) {
+    c.check_interval = *v;
+  }
   return c;
 }
 
@@ -144,6 +147,7 @@ void Config::validate() const {
   if (operation_timeout_ms < 1) {
     CX_THROW(InvalidArgument, "operation_timeout_ms must be positive, got ", operation_timeout_ms);
   }
+  if (check_interval < 0) CX_THROW(InvalidArgument, "check_interval must be 0 (off) or positive, got ", check_interval);
   if (chunk_bytes == 0 || chunk_bytes < -1) {
     CX_THROW(InvalidArgument, "chunk_bytes must be positive (or -1 for automatic), got ", chunk_bytes);
   }

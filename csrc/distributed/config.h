@@ -50,6 +50,10 @@ struct Config {
   // Rank 0's store admits only ranks of its own generation, so a rank left over
   // from an earlier start cannot join a restarted group (nor the reverse).
   int generation = 0;
+  // Every this many collectives the ranks compare their collective fingerprints
+  // (Note [Collective fingerprint] in process_group.h) in an extra check message
+  // round; 0: only at barrier() and finalize(). CX_CHECK_INTERVAL.
+  int64_t check_interval = 0;
 
   // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
   // DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS, DISTRIBUTED_OPERATION_TIMEOUT_MS, RESTART_COUNT; under mpirun or srun also

@@ -31,13 +31,13 @@ void init_default_group(const Config& cfg) {
   }
 }
 
-void finalize_default_group() {
+void finalize_default_group(bool at_exit) {
   std::shared_ptr<ProcessGroup> pg;
   {
     std::lock_guard<std::mutex> lk(g_mu);
     pg = std::move(g_group);
   }
-  if (pg) pg->shutdown();
+  if (pg) pg->shutdown(at_exit ? ProcessGroup::Check::kAtExit : ProcessGroup::Check::kFull);
 }
 
 std::shared_ptr<ProcessGroup> default_group() {

@@ -17,8 +17,31 @@
 // NCCL's own collectives on device pointers, ordered after `stream`, the
 // caller's CUDA stream (ignored by the CPU backend). The queue, deadlines,
 // poisoning and shutdown above are the group's, whatever the backend.
+//
+// Note [Collective fingerprint]
+// Every rank folds the descriptor of each collective it submits (kind, root,
+// count, dtype, op, number) into a running 64-bit hash: O(1) per call, no
+// message. barrier() carries it in the signals it sends anyway (algo::barrier
+// compares), CX_CHECK_INTERVAL adds such a check every N collectives, and
+// finalize() compares every rank's through the store, together with how many
+// point-to-point messages each rank sent to and received from each other (an
+// unmatched send is an error on both sides). A difference is a MismatchError
+// naming the first call that differs on each rank, found in the ranks' flight
+// records; only a divergence older than the last kFlightEntries calls is named
+// by its number alone.
+//
+// Note [Flight recorder]
+// The last kFlightEntries operations of this rank (descriptor, submit, start and
+// end time, state) are kept in a ring. When a collective fails by a timeout, a
+// mismatch or a lost peer, the rank publishes its ring in the store, tells its
+// peers (ABORT), and waits briefly (kGatherMs) for theirs; its error then says
+// what each rank was last doing, and a timeout whose cause is that the ranks
+// called different collectives (reduce with a different dst on each rank) is
+// raised as the mismatch it is. A dead rank, or a rank 0 whose store is gone,
+// leaves "no record"; the local record is always there.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -57,6 +80,31 @@ class Work {
   std::optional<std::pair<ErrorKind, std::string>> error_;
   OpDesc desc_;
   Backend::Body body_;
+  uint64_t op_ = 0;  // number among all operations of the group (its flight-record slot)
+};
+
+// One operation in the flight recorder (Note [Flight recorder]).
+struct FlightEntry {
+  enum State : uint8_t { kQueued = 0, kRunning = 1, kDone = 2, kFailed = 3 };
+  uint64_t op = 0;           // number among all operations of this rank (0: empty slot)
+  OpDesc desc;
+  uint64_t fingerprint = 0;  // after this collective (send/recv: unchanged)
+  int64_t submit_us = 0, start_us = 0, end_us = 0;  // wall clock, microseconds
+  State state = kQueued;
+};
+
+// What one rank tells the others of itself (in the store, on failure and at finalize).
+struct FlightRecord {
+  int rank = -1;
+  bool failed = false;       // its group was poisoned
+  uint64_t fingerprint = 0;
+  uint64_t collectives = 0;  // how many it submitted
+  std::vector<uint64_t> sent, recvd;  // point-to-point messages per peer
+  std::vector<FlightEntry> entries;   // oldest first
+  std::string error;                  // its error, if failed
+
+  std::string encode() const;
+  static std::optional<FlightRecord> decode(const std::string& bytes);
 };
 
 class ProcessGroup {
@@ -87,12 +135,51 @@ class ProcessGroup {
   WorkPtr send(const void* buf, size_t count, DataType dt, int dst, bool async, uintptr_t stream = 0);
   WorkPtr recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream = 0);
 
-  // Waits for queued work, then closes every connection gracefully (peers see
-  // end-of-stream, never a reset). Idempotent; also run by the destructor.
-  void shutdown();
+  // How much finalize() checks (Note [Collective fingerprint]). kFull: wait (up
+  // to the operation deadline, like a barrier) for every rank's record and
+  // compare. kAtExit: an interpreter that exits without finalize() may be
+  // leaving because of an error its peers do not know of, so it waits at most
+  // kAtExitWaitMs for their records and compares those that came. kNone: the
+  // destructor's.
+  enum class Check { kNone, kAtExit, kFull };
+  static constexpr int kAtExitWaitMs = 1000;
+
+  // Waits for queued work, compares the ranks' collectives (raises
+  // MismatchError, or the error of a rank that failed), then closes every
+  // connection gracefully (peers see end-of-stream, never a reset).
+  // Idempotent; also run by the destructor, which checks nothing.
+  void shutdown(Check check = Check::kFull);
+
+  // The program on this rank failed (`why`: "ValueError: ..."): poisons the
+  // group and tells every peer, through the transport (ABORT) and the store, so
+  // they raise "rank R failed: ValueError: ..." at once. No-op if the group has
+  // failed already (its peers have been told).
+  void abort(const std::string& why);
+
+  // Every rank arrives or the ones that did not are named (rank 0 collects the
+  // arrivals through the store): TimeoutError "rank(s) 2, 3 did not arrive".
+  void monitored_barrier(int64_t timeout_ms);
+
+  // This rank's flight record (Note [Flight recorder]), and a readable summary.
+  FlightRecord flight_record();
+  std::string describe_setup() const;
+
+  static constexpr size_t kFlightEntries = 64;
+  static constexpr int kGatherMs = 500;
 
  private:
   WorkPtr submit(OpDesc desc, Backend::Body body, bool async);
+  // A barrier (or, for CX_CHECK_INTERVAL, a check) carrying the fingerprint.
+  WorkPtr submit_barrier(CollectiveKind kind, bool async);
+  WorkPtr enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk);
+  void record_locked(Work& w);  // under mu_: the flight entry and the fingerprint
+  void set_state(const Work& w, FlightEntry::State s);
+  FlightRecord record_locked_snapshot() const;
+  // Failure of `w` (Note [Flight recorder]): poison, publish, abort, explain.
+  void fail(Work& w, ErrorKind kind, const std::string& msg);
+  void publish_record(const std::string& key);
+  std::pair<ErrorKind, std::string> explain(ErrorKind kind, const std::string& msg);
+  void final_check(Check check);
   Backend& backend();  // throws once the group has been finalized
   void execute(Work& w);
   void comm_loop();
@@ -106,7 +193,11 @@ class ProcessGroup {
   std::unique_ptr<Backend> backend_;
 
   uint64_t seq_ = 0;                   // collectives submitted
+  uint64_t ops_ = 0;                   // operations submitted (collectives and point-to-point)
+  uint64_t fingerprint_ = 0;           // Note [Collective fingerprint]
+  uint64_t monitored_ = 0;             // monitored_barrier() calls
   std::vector<uint64_t> sent_, recvd_;  // point-to-point messages per peer
+  std::array<FlightEntry, kFlightEntries> ring_{};  // Note [Flight recorder]; guarded by mu_
 
   std::mutex exec_mu_;  // held while a collective runs on the backend
   std::mutex mu_;       // guards everything below

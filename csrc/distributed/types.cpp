@@ -59,6 +59,7 @@ const char* kind_name(CollectiveKind k) {
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kSendRecv: return "send/recv";
     case CollectiveKind::kInit: return "init";
+    case CollectiveKind::kCheck: return "collective check";
   }
   return "?";
 }

@@ -35,6 +35,7 @@ enum class CollectiveKind : uint8_t {
   kBarrier = 9,
   kSendRecv = 10,  // point-to-point: send on one side, recv on the other
   kInit = 11,      // the barrier that ends init()
+  kCheck = 12,     // the ranks compare their collective fingerprints (CX_CHECK_INTERVAL)
 };
 
 size_t dtype_size(DataType t);

@@ -10,11 +10,14 @@ from ._failure import install_from_environment as _record_failures_for_the_launc
 
 _apply_renamed_environment_variables()
 _preload_blas()
-_record_failures_for_the_launcher()
 
 from . import _core  # noqa: E402
 from ._nn import *  # noqa: E402,F401,F403
 from . import datasets, distributed  # noqa: E402
+
+# After distributed/ chained its hook (an escaping exception tells the peers), so
+# that this one, outermost, records the exception for the launcher first.
+_record_failures_for_the_launcher()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -12,7 +12,7 @@
 // | reduce         | binomial tree, chunked               | log2(p)    | n                    |
 // | scatter/gather | direct to/from root                  | 1          | n (root: (p-1) * n)  |
 // | all_to_all     | direct, all pairs at once            | 1          | (p-1) * n            |
-// | barrier        | dissemination, empty messages        | log2(p)    | 0                    |
+// | barrier        | dissemination, 8-byte fingerprints   | log2(p)    | 0                    |
 // (n = bytes per rank's block; p = world size.)
 //
 // Every rank must pass the same AlgoOptions: they decide message boundaries.
@@ -55,6 +55,6 @@ void reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, int
 void scatter(Transport& t, const void* const* ins, void* out, size_t bytes, int root);
 void gather(Transport& t, const void* in, void* const* outs, size_t bytes, int root);
 void all_to_all(Transport& t, const void* const* ins, void* const* outs, size_t bytes);
-void barrier(Transport& t);
+void barrier(Transport& t, uint64_t fingerprint);
 
 }  // namespace cx::distributed::algo

@@ -44,7 +44,9 @@ class Backend {
                       uintptr_t stream) = 0;
   virtual Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
                           uintptr_t stream) = 0;
-  virtual Body barrier() = 0;
+  // Every rank passes its collective fingerprint; the CPU backend compares them
+  // along the way (MismatchError), NCCL's ignores them (finalize() compares).
+  virtual Body barrier(uint64_t fingerprint) = 0;
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
 
@@ -58,6 +60,8 @@ class Backend {
   // Payload bytes this rank's transport has sent (Transport::bytes_sent); 0
   // where the backend cannot tell (NCCL).
   virtual uint64_t bytes_sent() const { return 0; }
+  // The algorithm choices, for CX_DEBUG logs.
+  virtual std::string describe() const { return ""; }
 };
 
 }  // namespace cx::distributed

@@ -131,12 +131,19 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store,
   OpDesc init;
   init.kind = CollectiveKind::kInit;
   backend->begin(init, dl);
-  backend->barrier()();
+  backend->barrier(0)();
   return backend;
 }
 
 CpuBackend::CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOptions& opt)
     : t_(std::move(transport)), opt_(opt) {}
+
+std::string CpuBackend::describe() const {
+  return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
+                        " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
+                        " bytes, else the ring; broadcast: binomial tree up to ", opt_.small_broadcast_bytes,
+                        " bytes, else a pipelined chain; chunk ", opt_.chunk_bytes, " bytes");
+}
 
 // Bodies capture the transport by pointer: the group runs them before it closes us.
 
@@ -188,8 +195,8 @@ Backend::Body CpuBackend::all_to_all(std::vector<const void*> ins, std::vector<v
   };
 }
 
-Backend::Body CpuBackend::barrier() {
-  return [t = t_.get()] { algo::barrier(*t); };
+Backend::Body CpuBackend::barrier(uint64_t fingerprint) {
+  return [t = t_.get(), fingerprint] { algo::barrier(*t, fingerprint); };
 }
 
 Backend::Body CpuBackend::send(const void* buf, size_t count, DataType dt, int dst, uintptr_t) {

@@ -28,7 +28,7 @@ class CpuBackend : public Backend {
               uintptr_t stream) override;
   Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
                   uintptr_t stream) override;
-  Body barrier() override;
+  Body barrier(uint64_t fingerprint) override;
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 
@@ -36,6 +36,7 @@ class CpuBackend : public Backend {
   void abort(ErrorKind kind, const std::string& msg) override { t_->abort(kind, msg); }
   void close(const Deadline& dl) override { t_->close(dl); }
   uint64_t bytes_sent() const override { return t_->bytes_sent(); }
+  std::string describe() const override;
 
  private:
   std::unique_ptr<Transport> t_;

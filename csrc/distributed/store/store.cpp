@@ -21,8 +21,10 @@ constexpr uint32_t kMaxKey = 1024;
 constexpr uint32_t kMaxValue = 1 << 20;
 constexpr size_t kHeader = 16;
 
-enum Cmd : uint8_t { kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kAuth1 = 6, kAuth2 = 7 };
-enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2 };
+enum Cmd : uint8_t {
+  kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kAuth1 = 6, kAuth2 = 7, kTryGet = 8, kFail = 9, kBye = 10
+};
+enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2, kMissing = 3, kFailed = 4 };
 
 // Note [A store strangers cannot stall] in store.h.
 constexpr uint32_t kMaxPreAuthValue = 64;
@@ -124,6 +126,7 @@ struct StoreServer::Client {
   std::string client_nonce, server_nonce;  // between AUTH1 and AUTH2
   Clock::time_point accepted, partial_since, write_stalled_since;
   size_t queued() const { return in.size() + out.size() - out_off; }
+  bool done = false;           // it said DONE or BYE: its end of stream is a normal exit
 };
 
 StoreServer::StoreServer(const std::string& host, int port, int world_size, const std::string& secret,
@@ -136,6 +139,11 @@ StoreServer::StoreServer(const std::string& host, int port, int world_size, cons
   net::set_nonblocking(listen_.get(), true);
   if (::pipe2(wake_, O_CLOEXEC) != 0) CX_THROW(Error, "pipe(): ", std::strerror(errno));
   thread_ = std::thread([this] { serve(); });
+}
+
+void StoreServer::linger(int ms) const {
+  const Deadline dl = Deadline::after_ms(ms);
+  while (others_.load() > 0 && !dl.expired()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
 
 StoreServer::~StoreServer() {
@@ -195,6 +203,17 @@ void StoreServer::flush(Client& c) {
   if (c.out_off == c.out.size()) {
     c.out.clear();
     c.out_off = 0;
+  }
+}
+
+void StoreServer::fail(ErrorKind kind, const std::string& why) {
+  if (!failure_.empty()) return;  // the first cause is the one worth telling
+  failure_ = std::string(1, static_cast<char>(kind)) + why;
+  for (auto& c : clients_) {
+    if (c->fd.valid() && !c->waiting_key.empty()) {
+      c->waiting_key.clear();
+      reply(*c, kFailed, failure_);
+    }
   }
 }
 
@@ -286,9 +305,11 @@ bool StoreServer::handle(Client& c) {
           return false;
         }
         if (world != world_size_) {
-          reply(c, kRefused, detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
-                                            " but rank 0 has WORLD_SIZE=", world_size_,
-                                            ": every rank must be given the same WORLD_SIZE"));
+          const std::string why = detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
+                                                 " but rank 0 has WORLD_SIZE=", world_size_,
+                                                 ": every rank must be given the same WORLD_SIZE");
+          reply(c, kRefused, why);
+          fail(ErrorKind::kInvalidArgument, why);  // the others would wait for it in vain
           flush(c);
           return false;
         }
@@ -297,13 +318,14 @@ bool StoreServer::handle(Client& c) {
           flush(c);
           return false;
         }
-        if (generation != generation_) {  // Config::generation
+        if (generation != generation_) {  // Config::generation; not a failure of this group: it stays open
           const bool stale = generation < generation_;
           reply(c, kRefused, detail::concat("rank ", rank, " (RESTART_COUNT=", generation, ") and rank 0 (RESTART_COUNT=",
                                             generation_, ") belong to different starts of this job: ",
                                             stale ? "this rank is left over from an earlier start"
                                                   : "rank 0 is left over from an earlier start",
                                             "; every rank of a restarted job must be started again by its launcher"));
+          flush(c);
           return false;
         }
         if (claimed_.count(rank)) {
@@ -315,6 +337,7 @@ bool StoreServer::handle(Client& c) {
         }
         claimed_.insert(rank);
         c.rank = rank;
+        if (rank > 0) others_.fetch_add(1);
         reply(c, kOk, "");
         break;
       }
@@ -347,12 +370,34 @@ bool StoreServer::handle(Client& c) {
         auto it = data_.find(key);
         if (it != data_.end()) {
           reply(c, kOk, it->second.second);
+        } else if (!failure_.empty()) {
+          reply(c, kFailed, failure_);
         } else {
           c.waiting_key = key;
         }
         break;
       }
+      case kTryGet: {  // never parks: the value, or kMissing; of the empty key: has the group failed?
+        auto it = data_.find(key);
+        if (it != data_.end()) {
+          reply(c, kOk, it->second.second);
+        } else if (key.empty() && !failure_.empty()) {
+          reply(c, kFailed, failure_);
+        } else {
+          reply(c, kMissing, "");
+        }
+        break;
+      }
+      case kFail:  // Note [Failures reach every rank through the store]
+        if (value.empty()) return false;
+        reply(c, kOk, "");
+        fail(static_cast<ErrorKind>(value[0]), value.substr(1));
+        break;
+      case kBye:  // the client is closing in order (no reply): its end of stream is no crash
+        c.done = true;
+        break;
       case kDone:
+        c.done = true;
         closing_ = true;
         reply(c, kOk, "");
         break;
@@ -470,12 +515,19 @@ void StoreServer::serve() {
           cut(c, "it left the job secret's handshake unfinished (a rank with a different CX_AUTH_TOKEN?)");
         }
         c.fd.reset();
+        if (c.rank > 0 && !c.done) {
+          fail(ErrorKind::kConnection,
+               detail::concat("rank ", c.rank, " exited, crashed or was killed: its connection to the store (rank 0) "
+                              "closed before it finalized"));
+        }
       }
     }
     if (fds[1].revents & POLLIN) accept_all();
     enforce_deadlines();
     for (size_t i = clients_.size(); i-- > 0;) {
-      if (!clients_[i]->fd.valid()) clients_.erase(clients_.begin() + static_cast<long>(i));
+      if (clients_[i]->fd.valid()) continue;
+      if (clients_[i]->rank > 0) others_.fetch_sub(1);
+      clients_.erase(clients_.begin() + static_cast<long>(i));
     }
   }
 }
@@ -581,19 +633,60 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
   if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
   std::string out(vlen, '\0');
   net::recv_exact(fd_.get(), out.data(), vlen, dl, what);
-  if (static_cast<uint8_t>(rep[4]) == kRefused) CX_THROW(InvalidArgument, "rank ", rank_, ": ", out);
+  const auto status = static_cast<uint8_t>(rep[4]);
+  if (status == kRefused) CX_THROW(InvalidArgument, "rank ", rank_, ": ", out);
+  if (status == kFailed && !out.empty()) {
+    auto kind = static_cast<ErrorKind>(out[0]);
+    if (static_cast<int>(kind) < 1 || kind > ErrorKind::kPeerFailed) kind = ErrorKind::kGeneric;
+    rethrow_as(kind,
+               detail::concat("rank ", rank_, ": the group cannot go on: ", printable(out.substr(1), 4096)));
+  }
+  missing_ = status == kMissing;
   return out;
 }
 
+StoreClient::~StoreClient() {
+  if (!fd_.valid()) return;
+  try {
+    std::string req = header(kBye, 0, 0);
+    net::send_exact(fd_.get(), req.data(), req.size(), Deadline::after_ms(50), "the store");
+  } catch (const Error&) {
+    // rank 0 is gone already
+  }
+}
+
+std::optional<std::string> StoreClient::try_get(const std::string& key, const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::string v = request(kTryGet, key, "", dl, "timed out reading '" + key + "' from the store");
+  if (missing_) return std::nullopt;
+  return v;
+}
+
+void StoreClient::fail(ErrorKind kind, const std::string& why, const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  request(kFail, "", std::string(1, static_cast<char>(kind)) + why.substr(0, kMaxValue / 2), dl,
+          "timed out telling the store this rank failed");
+}
+
+void StoreClient::check_failed(const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  request(kTryGet, "", "", dl, "timed out asking the store whether the group failed");
+}
+
 void StoreClient::set(const std::string& key, const std::string& value, const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
   request(kSet, key, value, dl, "timed out setting '" + key + "' in the store");
 }
 
 std::string StoreClient::get(const std::string& key, const Deadline& dl, const std::string& waiting_for) {
+  std::lock_guard<std::mutex> lk(mu_);
   return request(kGet, key, "", dl, waiting_for);
 }
 
-void StoreClient::done(const Deadline& dl) { request(kDone, "", "", dl, "timed out leaving the store"); }
+void StoreClient::done(const Deadline& dl) {
+  std::lock_guard<std::mutex> lk(mu_);
+  request(kDone, "", "", dl, "timed out leaving the store");
+}
 
 std::string StoreClient::local_ip() const { return net::local_ip_of(fd_.get()); }
 

@@ -2,7 +2,19 @@
 //
 // The store lives on MASTER_ADDR:MASTER_PORT for the life of a process group.
 // Ranks use it during init() to claim their rank, publish the address of their
-// listening socket and read each other's; nothing else goes through it.
+// listening socket and read each other's; afterwards only failures go through it
+// (the first cause, and each failing rank's flight record: Note [Flight recorder]
+// in process_group.h) and finalize()'s comparison of the ranks' collectives.
+//
+// Note [Failures reach every rank through the store]
+// A rank that cannot start (a WORLD_SIZE other than rank 0's, an error in init)
+// or whose store connection ends before it said DONE (it died, in init or later)
+// (a process that ends in order says BYE first, so only a crash or a kill counts)
+// is a failure of the whole group, and the store records its cause once: every
+// GET parked then or later is answered with it (status FAILED), and ranks that
+// wait on something else (their listener, for peers to connect) ask with
+// check_failed() between slices of their wait. So every rank fails within
+// milliseconds, naming the rank and the cause, instead of waiting the deadline.
 //
 // Wire format (all little-endian, our own frames; nothing is ever unpickled):
 //   request: u32 magic "CXS1" | u8 cmd | u8[3] 0 | u32 key_len | u32 val_len | key | value
@@ -63,6 +75,7 @@
 #include <vector>
 
 #include "distributed/net/socket.h"
+#include "common/error.h"
 #include "distributed/types.h"
 
 namespace cx::distributed {
@@ -83,6 +96,9 @@ class StoreServer {
   int turned_away() const { return turned_away_.load(); }
   // How many connections failed the job secret's handshake (Note [Job secret]).
   int auth_failures() const { return auth_failures_.load(); }
+  // Waits until no rank but 0 is connected, or `ms` passes: a rank 0 that fails
+  // in init() lets the others read the failure before its store goes.
+  void linger(int ms) const;
 
  private:
   struct Client;
@@ -95,6 +111,9 @@ class StoreServer {
   void cut(Client& c, const std::string& why);  // drop a misbehaving client, logging its address once
   void enforce_deadlines();
   size_t bytes_in_use() const;
+  // Note [Failures reach every rank through the store]: records `why` (the
+  // first cause only) and answers every parked and later GET with it.
+  void fail(ErrorKind kind, const std::string& why);
 
   int world_size_;
   int generation_;
@@ -103,6 +122,7 @@ class StoreServer {
   int port_ = 0;
   std::atomic<int> turned_away_{0};
   std::atomic<int> auth_failures_{0};
+  std::atomic<int> others_{0};  // connected clients that claimed a rank other than 0
   net::Fd listen_;
   int wake_[2] = {-1, -1};
   std::thread thread_;
@@ -114,6 +134,7 @@ class StoreServer {
   std::set<std::string> logged_;  // addresses already logged by cut()
   std::set<int> claimed_;
   bool closing_ = false;  // a rank has finalized: refuse new members
+  std::string failure_;   // u8 ErrorKind + why, once the group has failed
   std::vector<std::unique_ptr<Client>> clients_;
 };
 
@@ -134,11 +155,23 @@ class StoreClient {
   // and claims `rank` of `generation`.
   StoreClient(const std::string& host, int port, int rank, int world_size, const std::string& secret,
               const Deadline& dl, int generation = 0);
+  // Says BYE: the store then takes this rank's end of stream for an orderly exit,
+  // not a crash (Note [Failures reach every rank through the store]).
+  ~StoreClient();
+  StoreClient(const StoreClient&) = delete;
+  StoreClient& operator=(const StoreClient&) = delete;
 
   void set(const std::string& key, const std::string& value, const Deadline& dl);
   // Blocks until the key exists or the deadline passes (then TimeoutError
   // whose message is `waiting_for`).
   std::string get(const std::string& key, const Deadline& dl, const std::string& waiting_for);
+  // The value, or nullopt if the key is not set; never waits for it.
+  std::optional<std::string> try_get(const std::string& key, const Deadline& dl);
+  // Note [Failures reach every rank through the store]: tells every rank waiting
+  // in get() (now or later) that the group failed, and why.
+  void fail(ErrorKind kind, const std::string& why, const Deadline& dl);
+  // Throws the failure a rank reported (fail()), if any.
+  void check_failed(const Deadline& dl);
   // Tells the store this rank is leaving; the store then admits no new members.
   void done(const Deadline& dl);
 
@@ -152,6 +185,8 @@ class StoreClient {
   int port_;
   int rank_;
   net::Fd fd_;
+  std::mutex mu_;         // one request at a time (the group's thread and the caller's)
+  bool missing_ = false;  // the last reply said kMissing
 };
 
 }  // namespace cx::distributed

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 namespace cx::distributed {
@@ -21,16 +22,19 @@ void Channel::check_header(const char* early, size_t early_n) {
   uint64_t len = frame::payload_len(h);
   if (frame::type(h) == frame::kAbort) {
     // The peer failed and tells us why; read its message (bounded) and raise it.
-    if (len > frame::kMaxAbortMessage) CX_THROW(ConnectionError, "rank ", peer_, " aborted (message too long)");
+    if (len > frame::kMaxAbortMessage) {
+      frame::raise_abort(h, detail::concat("(a report of ", len, " bytes, longer than the ", frame::kMaxAbortMessage,
+                                           " allowed: not read)"), rank_, peer_, op_.desc);
+    }
     std::string msg(len, '\0');
     size_t have = std::min<size_t>(early_n, len);  // read together with the header
     std::memcpy(msg.data(), early, have);
     try {
       net::recv_exact(fd_.get(), msg.data() + have, len - have, Deadline::after_ms(1000), "an aborting peer");
     } catch (const Error&) {
-      msg = "rank " + std::to_string(peer_) + " aborted the group";
+      msg.clear();
     }
-    rethrow_as(frame::abort_kind(h), msg);
+    frame::raise_abort(h, msg, rank_, peer_, op_.desc);
   }
   if (frame::type(h) != frame::kData) unknown_frame(frame::type(h));
   OpDesc theirs = frame::desc(h);
@@ -54,6 +58,8 @@ void Channel::check_header(const char* early, size_t early_n) {
 // than a bare "connection lost".
 void Channel::salvage_abort(size_t skip_first) {
   auto dl = Deadline::after_ms(200);
+  char abort_hdr[frame::kHeaderBytes];
+  std::optional<std::string> abort_text;
   std::vector<char> sink(64 * 1024);
   size_t budget = 64u << 20;
   auto skip = [&](size_t n) {
@@ -75,7 +81,9 @@ void Channel::salvage_abort(size_t skip_first) {
         if (len > frame::kMaxAbortMessage) return;
         std::string msg(len, '\0');
         net::recv_exact(fd_.get(), msg.data(), len, dl, "peer");
-        rethrow_as(frame::abort_kind(h), msg);
+        std::memcpy(abort_hdr, h, frame::kHeaderBytes);
+        abort_text = std::move(msg);
+        break;
       }
       if (len > budget) return;
       budget -= len;
@@ -84,6 +92,8 @@ void Channel::salvage_abort(size_t skip_first) {
   } catch (const ConnectionError&) {
   } catch (const TimeoutError&) {
   }
+  // Raised outside the try: the peer's error may itself be a ConnectionError.
+  if (abort_text) frame::raise_abort(abort_hdr, *abort_text, rank_, peer_, op_.desc);
 }
 
 void Channel::unknown_frame(uint8_t type) {

@@ -1,5 +1,7 @@
 #include "distributed/transport/frame.h"
 
+#include <algorithm>
+
 namespace cx::distributed::frame {
 
 void fill(char* h, uint8_t type, const OpDesc& desc, uint64_t payload_len, uint32_t abort_kind) {
@@ -24,6 +26,25 @@ OpDesc desc(const char* h) {
   d.count = get<uint64_t>(h, 16);
   d.seq = get<uint64_t>(h, 24);
   return d;
+}
+
+void raise_abort(const char* h, const std::string& text, int me, int peer, const OpDesc& during) {
+  const auto code = get<uint32_t>(h, 12);
+  ErrorKind kind = code >= 1 && code <= static_cast<uint32_t>(ErrorKind::kPeerFailed) ? static_cast<ErrorKind>(code)
+                                                                                        : ErrorKind::kGeneric;
+  const std::string report = printable(text, kMaxAbortText);
+  if (kind == ErrorKind::kPeerFailed) {
+    rethrow_as(ErrorKind::kPeerFailed,
+               detail::concat("rank ", peer, " failed: ", report.empty() ? "(no reason given)" : report, " (rank ",
+                              me, " was in ", during.describe(), "; rank ", peer,
+                              " aborted the group: fix the error on that rank)"));
+  }
+  if (report.empty()) {
+    rethrow_as(kind, detail::concat("rank ", me, ": rank ", peer, " aborted the group during ", during.describe(),
+                                    " without saying why"));
+  }
+  rethrow_as(kind, detail::concat("rank ", me, ": rank ", peer, " aborted the group during ", during.describe(),
+                                  "; rank ", peer, " reports: ", report));
 }
 
 }  // namespace cx::distributed::frame

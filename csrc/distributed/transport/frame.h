@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "common/error.h"
 #include "distributed/transport/transport.h"
@@ -21,7 +22,16 @@ constexpr size_t kHeaderBytes = 40;
 constexpr uint32_t kMagic = 0x31465843;  // "CXF1"
 constexpr uint8_t kData = 1;
 constexpr uint8_t kAbort = 2;
-constexpr uint64_t kMaxAbortMessage = 64 * 1024;
+constexpr uint64_t kMaxAbortMessage = 64 * 1024;  // longer ABORT payloads are not read
+constexpr size_t kMaxAbortText = 2048;             // what of it is shown to the user
+
+// Note [ABORT frames are data]
+// An ABORT frame is a peer's report, not an order: its kind must be one of the
+// closed list of ErrorKind values (anything else is read as kGeneric), and its
+// text is the peer's words, shown as such ("rank 1 reports: ...") after the
+// rank we know we are talking to, cut to kMaxAbortText bytes, with control
+// characters and invalid UTF-8 replaced, so a peer can neither forge who failed
+// nor write escape sequences to our terminal or megabytes into our logs.
 
 // A field of type T at byte offset `off` of an unaligned buffer.
 template <typename T>
@@ -44,5 +54,9 @@ inline uint8_t type(const char* h) { return static_cast<uint8_t>(h[4]); }
 inline ErrorKind abort_kind(const char* h) { return static_cast<ErrorKind>(get<uint32_t>(h, 12)); }
 inline uint64_t payload_len(const char* h) { return get<uint64_t>(h, 32); }
 OpDesc desc(const char* h);
+
+// Raises the error a peer's ABORT frame (header `h`, payload `text`, empty if it
+// could not be read) stands for, as rank `me` sees it during `during`.
+[[noreturn]] void raise_abort(const char* h, const std::string& text, int me, int peer, const OpDesc& during);
 
 }  // namespace cx::distributed::frame

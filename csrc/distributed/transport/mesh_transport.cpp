@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -125,6 +126,7 @@ MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t n
   std::vector<Pending> pending;
   std::set<std::string> logged;
   net::set_nonblocking(listener.get(), true);
+  auto next_store_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
   while (expected > 0) {
     if (dl.expired()) {
       std::ostringstream missing;
@@ -141,6 +143,12 @@ MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t n
     for (auto& q : pending) wait_ms = std::min(wait_ms, q.dl.remaining_ms(100));
     int rc = ::poll(fds.data(), fds.size(), std::max(0, wait_ms));
     if (rc < 0 && errno != EINTR) CX_THROW(ConnectionError, "rank ", rank, ": poll(): ", std::strerror(errno));
+    // Between polls, ask the store now and then whether a rank failed (Note
+    // [Failures reach every rank through the store] in store/store.h).
+    if (std::chrono::steady_clock::now() >= next_store_check) {
+      store.check_failed(dl);
+      next_store_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    }
     for (size_t i = 0; i < pending.size(); ++i) {
       Pending& q = pending[i];
       if (!fds[i + 1].revents) {

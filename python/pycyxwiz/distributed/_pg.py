@@ -11,12 +11,19 @@ ordered after the array's stream), releases the GIL, and takes
 ``async_op=True`` to return a :class:`Work` handle instead of blocking.
 The implementation is C++ (``pycyxwiz._core.dist``); this module adds the
 Python-only conveniences: ``init()`` without arguments, ``is_master()``, cleanup
-at interpreter exit.
+at interpreter exit, telling the peers when this rank's program fails
+(:func:`abort_on_error`, and an exception that escapes the script), and the
+``CX_DEBUG`` logs (logger ``"pycyxwiz"``).
 """
 from __future__ import annotations
 
 import atexit
-from typing import Optional
+import functools
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Optional, TypeVar
 
 from .. import _core
 from . import _gpu
@@ -39,6 +46,38 @@ get_local_rank = _d.get_local_rank
 get_config = _d.get_config
 finalize = _d.finalize
 
+monitored_barrier = _d.monitored_barrier
+
+logger = logging.getLogger("pycyxwiz")
+_DEBUG = ""
+_DETAIL = False
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _logged(fn: _F) -> _F:
+    """With CX_DEBUG=INFO|DETAIL: one log line per call of the collective `fn`."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            if _DETAIL and is_initialized():
+                rec = _d._flight_record()
+                what = rec[-1]["describe"] if rec else name
+                logger.debug("rank %d: %s: %s, %.3f ms", get_rank(), name, what, ms)
+            else:
+                shapes = [getattr(a, "shape", None) for a in args]
+                logger.info("rank %s: %s %s %.3f ms", get_rank() if is_initialized() else "?", name,
+                            [s for s in shapes if s is not None], ms)
+
+    return call  # type: ignore[return-value]
+
+
 all_reduce = _d.all_reduce
 broadcast = _d.broadcast
 all_gather = _d.all_gather
@@ -50,6 +89,29 @@ all_to_all = _d.all_to_all
 barrier = _d.barrier
 send = _d.send
 recv = _d.recv
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
+                "all_to_all", "barrier", "send", "recv")
+
+
+def _configure_debug() -> None:
+    """Reads CX_DEBUG (at import and at every init()): with INFO or DETAIL, the collectives of
+    cx.distributed log each call (no wrapper, so no cost, when it is off)."""
+    global _DEBUG, _DETAIL
+    raw = os.environ.get("CX_DEBUG", "")
+    level = raw.strip().upper()
+    if level not in ("", "OFF", "INFO", "DETAIL"):
+        raise ValueError(f"environment variable CX_DEBUG='{raw}' is not valid: expected INFO, DETAIL or OFF")
+    _DEBUG, _DETAIL = level, level == "DETAIL"
+    on = level in ("INFO", "DETAIL")
+    package = sys.modules.get(__name__.rpartition(".")[0])
+    for name in _COLLECTIVES:
+        fn = _logged(getattr(_d, name)) if on else getattr(_d, name)
+        globals()[name] = fn
+        if package is not None and hasattr(package, name):
+            setattr(package, name, fn)
+
+
+_configure_debug()
 
 __all__ = [
     "ReduceOp", "BackendType", "DistributedConfig", "Work",
@@ -57,7 +119,7 @@ __all__ = [
     "init", "finalize", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_config",
     "is_master", "is_nccl_available",
     "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
-    "all_to_all", "barrier", "send", "recv",
+    "all_to_all", "barrier", "send", "recv", "monitored_barrier", "abort_on_error",
 ]
 
 
@@ -70,11 +132,16 @@ def init(config: Optional[DistributedConfig] = None) -> None:
     With no RANK/WORLD_SIZE in the environment this is a world of one process,
     so the same script runs under a launcher or as plain ``python train.py``.
     """
+    _configure_debug()
     if config is None:
         config = DistributedConfig.from_environment()
     if config.backend == BackendType.NCCL:
         _gpu.prepare()
+    if _DEBUG in ("INFO", "DETAIL"):
+        logger.info("rank %d: init: %r", config.rank, config)
     _d.init(config)
+    if _DEBUG in ("INFO", "DETAIL"):
+        logger.info("rank %d: group ready: %s", config.rank, _d._describe_setup())
 
 
 is_nccl_available = _gpu.is_nccl_available
@@ -85,12 +152,66 @@ def is_master() -> bool:
     return get_rank() == 0
 
 
+def _tell_peers(exc: BaseException) -> None:
+    """This rank's program failed with `exc`: every peer raises "rank R failed: <type>: <message>"."""
+    if not is_initialized():
+        return
+    why = f"{type(exc).__name__}: {exc}"
+    if _DEBUG in ("INFO", "DETAIL"):
+        logger.error("rank %d failed, aborting the group: %s", get_rank(), why)
+        if _DETAIL:
+            for e in _d._flight_record():
+                logger.debug("rank %d flight record: %s %s", get_rank(), e["describe"], e["state"])
+    try:
+        _d._abort(why)
+    except Exception:  # never hide the exception that is on its way out
+        pass
+
+
+def abort_on_error(fn: _F) -> _F:
+    """Decorate a function whose exception must fail the whole group at once, naming the cause.
+
+        @cx.distributed.abort_on_error
+        def train(): ...          # a ValueError here: every peer raises "rank 2 failed: ValueError: ..."
+
+    DistributedTrainer.fit is decorated so; an exception escaping the script does the same.
+    """
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            _tell_peers(e)
+            raise
+
+    return call  # type: ignore[return-value]
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_cx_tells_peers", False):
+        return
+
+    def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            _tell_peers(exc)
+        previous(exc_type, exc, tb)
+
+    hook._cx_tells_peers = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+_install_excepthook()
+
+
 def _finalize_at_exit() -> None:
     # Close connections gracefully so that peers still reading see end-of-stream,
     # not a reset that could discard data in flight.
     try:
         if is_initialized():
-            finalize()
+            _d._finalize_at_exit()  # compares with the peers, but waits at most a second for them
+    except DistributedError as e:  # a divergence found at exit: say so (the exit status is already set)
+        print(f"pycyxwiz: finalize at exit: {e}", file=sys.stderr, flush=True)
     except Exception:
         pass
 

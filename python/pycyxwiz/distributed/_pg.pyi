@@ -1,7 +1,8 @@
 # Type stub for the process group and collectives (C++: csrc/distributed/, bound in csrc/bindings/
 # process_group.cpp and collectives.cpp; re-exported by _pg.py). Every collective works in place on
 # C-contiguous NumPy arrays and returns None, or a Work handle with async_op=True.
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Sequence, Union, overload
+import logging
+from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Sequence, TypeVar, Union, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -15,8 +16,12 @@ __all__ = [
     "init", "finalize", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_config",
     "is_master", "is_nccl_available",
     "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
-    "all_to_all", "barrier", "send", "recv",
+    "all_to_all", "barrier", "send", "recv", "monitored_barrier", "abort_on_error",
 ]
+
+# The logger CX_DEBUG=INFO|DETAIL writes to ("pycyxwiz").
+logger: logging.Logger
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # A NumPy array, or anything NumPy views without a copy (memoryview, array.array, bytearray); with
 # BackendType.NCCL a CuPy array (untyped, so Any).
@@ -71,6 +76,7 @@ class DistributedConfig(metaclass=_pybind11_type):
     chunk_bytes: int              # ring pipeline chunk (tuning; every rank must agree)
     small_allreduce_bytes: int    # below this, the latency-optimised all-reduce
     spin_us: int                  # busy-poll before blocking; -1: chosen from ranks per core
+    check_interval: int           # compare the ranks' collectives every N calls (0: barrier/finalize only)
     def __init__(self) -> None: ...
     @staticmethod
     def from_environment() -> DistributedConfig: ...
@@ -97,6 +103,8 @@ def get_local_rank() -> int: ...
 def get_config() -> DistributedConfig: ...
 def is_master() -> bool: ...
 def is_nccl_available() -> bool: ...
+def monitored_barrier(timeout: float = 1800.0) -> None: ...
+def abort_on_error(fn: _F) -> _F: ...
 
 @overload
 def all_reduce(arr: _Array, op: ReduceOp = ..., async_op: Literal[False] = False, dtype: _DType = None) -> None: ...

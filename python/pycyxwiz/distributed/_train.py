@@ -52,6 +52,7 @@ import numpy as np
 
 from .. import _core
 from . import _ckpt_file, _pg
+from ._pg import abort_on_error
 
 _d = _core.dist
 
@@ -305,6 +306,7 @@ class DistributedTrainer:
                 f"loss_fn={self.loss_fn!r}, optimizer={self.optimizer!r})")
 
     # ---- training ------------------------------------------------------------------
+    @abort_on_error
     def fit(self, X, y, *args, resume_from: Optional[str] = None, scheduler: Any = None) -> DistributedTrainingHistory:
         """fit(X, y, config) or fit(X, y, X_val, y_val, config); returns a DistributedTrainingHistory.
 

@@ -330,7 +330,7 @@ Backend::Body NcclBackend::all_to_all(std::vector<const void*> ins, std::vector<
   return [=, bytes = count * dtype_size(dt)] { run_all_to_all(ins, outs, bytes, ready); };
 }
 
-Backend::Body NcclBackend::barrier() {
+Backend::Body NcclBackend::barrier(uint64_t) {
   return [this] { run_barrier(); };
 }
 

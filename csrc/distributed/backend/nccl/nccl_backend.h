@@ -61,7 +61,7 @@ class NcclBackend : public Backend {
               uintptr_t stream) override;
   Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
                   uintptr_t stream) override;
-  Body barrier() override;
+  Body barrier(uint64_t fingerprint) override;
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 

@@ -110,7 +110,7 @@ void ShmChannel::socket_event() {
   if (framed) {
     // The peer failed and says why (Channel::abort); raise its error here too.
     const uint64_t len = frame::payload_len(h);
-    std::string msg = "rank " + std::to_string(peer_) + " aborted the group";
+    std::string msg;
     if (len <= frame::kMaxAbortMessage) {
       std::string m(len, '\0');
       try {
@@ -119,7 +119,7 @@ void ShmChannel::socket_event() {
       } catch (const Error&) {
       }
     }
-    rethrow_as(frame::abort_kind(h), msg);
+    frame::raise_abort(h, msg, rank_, peer_, op_.desc);
   }
   // Its stream holds nothing but an ABORT frame, if anything.
   salvage_abort(0);
