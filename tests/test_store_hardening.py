@@ -223,6 +223,10 @@ def test_a_flood_of_sets_is_refused_within_the_budget_and_rank_0_stays_small():
     assert "the store only carries setup data" in box["texts"][0]
     budget = 64 << 20  # the whole store's
     assert max(box["rss"]) - box["rss_before"] < budget, (box["rss_before"], max(box["rss"]))
-    assert outs[0].is_a("DistributedTimeoutError"), outs[0]
+    # Rank 0 waits for a rank 1 that never starts its mesh: it fails with a named error, at the latest at
+    # its deadline, and as soon as the flooder closes its store connection (a rank gone before finalize).
+    assert outs[0].is_a("DistributedTimeoutError") or (
+        outs[0].is_a("DistributedConnectionError") and "rank 1 exited, crashed or was killed" in outs[0].message), \
+        outs[0]
     print(f"flood: {total} MiB in {box['seconds']:.1f} s; rank 0 RSS {box['rss_before'] >> 20} -> "
           f"{max(box['rss']) >> 20} MiB")
