@@ -356,3 +356,27 @@ def test_a_rank_of_another_start_is_refused_by_name():
     assert "rank 1 (RESTART_COUNT=0) and rank 0 (RESTART_COUNT=1) belong to different starts" in outs[1].message
     assert "this rank is left over from an earlier start" in outs[1].message
     assert not outs[0].ok   # rank 0 waits for a rank 1 that never joins, then says so
+
+
+def resume_other_architecture(directory, case):
+    Xtr, ytr, _, _ = digits_split()
+    hidden = 24 if case == "saved" else 40
+    trainer = D.DistributedTrainer(mlp_with_dropout(hidden=hidden), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
+    c = config(epochs=1, batch_size=64, checkpoint_every_n_epochs=1, checkpoint_dir=directory)
+    if case == "bad value":
+        c.auto_resume = "yes"
+    trainer.fit(Xtr, ytr, c)
+
+
+@pytest.mark.parametrize("case, exc, text", [
+    ("other model", "ValueError", "config.auto_resume found it in checkpoint_dir"),
+    ("bad value", "ValueError", "auto_resume must be None, True or False, got 'yes'"),
+])
+def test_auto_resume_errors_say_what_to_do(tmp_path, case, exc, text):
+    d = str(tmp_path / "c")
+    ranks.run(resume_other_architecture, 2, args=(d, "saved"))     # a checkpoint of a 24-wide model
+    for o in ranks.spawn(resume_other_architecture, 2, args=(d, case)):
+        assert not o.ok and o.exc_type == exc, o.trace
+        assert text in o.message
+        if case == "other model":
+            assert "set config.auto_resume = False, or empty that folder" in o.message

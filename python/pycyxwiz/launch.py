@@ -44,8 +44,8 @@ from . import _failure
 DEFAULT_PORT = 29500
 BAR_ENV = "CX_PROGRESS_BAR"  # the rank may draw a progress bar: Note [Redraws through the launcher]
 TAIL_LINES = 12  # lines of the failing rank's stderr shown in the launcher's report
-STOP_GRACE_S = 1.0
-RESTART_PAUSE_S = 1.0  # between a failed group's end and the next start: sockets and ports are released  # after a rank fails, how long the others may take to exit before they are stopped
+STOP_GRACE_S = 1.0  # after a rank fails, how long the others may take to exit before they are stopped
+RESTART_PAUSE_S = 1.0  # between a failed group's end and the next start: sockets and ports are released
 
 
 def _port_free(addr: str, port: int) -> bool:
@@ -361,9 +361,10 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         max_restarts = _max_restarts_from_env()
     if max_restarts < 0:
         raise SystemExit(f"launch: --max-restarts must be >= 0, got {max_restarts}")
+    secret_env = _job_secret(nnodes)  # one per job: every start of it shares it
     for restart in range(max_restarts + 1):
-        code, failed = _run_group(argv, nproc, nnodes, node_rank, addr, port, threads_env if restart == 0 else {},
-                                  dict(threads_env), show_ranks, prefix, log_dir, tee, restart)
+        code, failed = _run_group(argv, nproc, nnodes, node_rank, addr, port, threads_env, secret_env, show_ranks,
+                                  prefix, log_dir, tee, restart)
         if not failed or restart == max_restarts:
             if failed and max_restarts:
                 print(f"[launch] giving up after {max_restarts} restart(s)", file=sys.stderr, flush=True)
@@ -398,11 +399,10 @@ def _max_restarts_from_env() -> int:
 
 
 def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: str, port: int,
-               announce_threads: Dict[str, str], threads_env: Dict[str, str], show_ranks: Optional[set],
+               threads_env: Dict[str, str], secret_env: Dict[str, str], show_ranks: Optional[set],
                prefix: bool, log_dir: Optional[str], tee: bool, restart: int):
     """Starts this node's ranks and watches them; returns (exit code, whether a rank failed)."""
     world = nnodes * nproc
-    secret_env = _job_secret(nnodes)
     scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
     logs = Path(log_dir) if log_dir else None
     if logs is not None and restart:
@@ -445,7 +445,7 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
             raise SystemExit(f"launch: cannot start {argv[0]!r}: {e.strerror}"
                              + (" (not found on PATH)" if isinstance(e, FileNotFoundError) else ""))
         ranks.append(_Rank(rank, p, error_file))
-    if announce_threads:
+    if threads_env and restart == 0:
         print(f"[launch] OMP_NUM_THREADS={threads_env['OMP_NUM_THREADS']} for each rank ({_cpus()} CPUs, {nproc} "
               "ranks on this node); set OMP_NUM_THREADS to choose another value", file=sys.stderr, flush=True)
 

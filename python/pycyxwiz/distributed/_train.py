@@ -373,17 +373,15 @@ class DistributedTrainer:
         # ZeRO-1 on or off before a checkpoint is loaded, so its state lands sharded (collective).
         self._core.set_shard_optimizer_state(bool(config.shard_optimizer_state))
         resumed_by_itself = False
-        if not resume_from and self._auto_resumes(config):
-            resume_from = self._newest_checkpoint(config.checkpoint_dir)
-            resumed_by_itself = resume_from is not None
-        if resumed_by_itself:
+        if resume_from:
+            self.load_checkpoint(resume_from)
+        elif self._auto_resumes(config):
             try:
-                self.load_checkpoint(resume_from)
+                resume_from = self._resume_newest(config.checkpoint_dir)
             except (OSError, ValueError) as e:
                 raise type(e)(f"{e} (config.auto_resume found it in checkpoint_dir {config.checkpoint_dir!r}: set "
                               f"config.auto_resume = False, or empty that folder, to start over)") from None
-        elif resume_from:
-            self.load_checkpoint(resume_from)
+            resumed_by_itself = resume_from is not None
         if not self._resume_pending:
             # A new fit continues where the last one ended (epoch count, so the shuffle goes on).
             self._fit_start = self._epoch = self._epochs_done()
@@ -426,10 +424,11 @@ class DistributedTrainer:
         on = config.auto_resume if config.auto_resume is not None else config.checkpoint_every_n_epochs > 0
         return bool(on) and not self._resume_pending and self._steps == 0 and self._epochs_done() == 0
 
-    def _newest_checkpoint(self, directory: str) -> Optional[str]:
-        """Collective: the newest epoch_NNNN.ckpt in `directory` that loads cleanly, as rank 0 finds it;
-        None if there is none. A damaged newer one is skipped with a warning naming what is wrong."""
-        chosen = b""
+    def _resume_newest(self, directory: str) -> Optional[str]:
+        """Collective: restores the newest epoch_NNNN.ckpt in `directory` that loads cleanly, as rank 0
+        finds it (each file read and checked once), and returns its path; None if there is none. A
+        damaged newer one is skipped with a warning naming what is wrong."""
+        path, data = "", b""
         if self.is_master():
             try:
                 names = sorted((n for n in os.listdir(directory) if _CKPT_NAME.fullmatch(n)),
@@ -437,23 +436,37 @@ class DistributedTrainer:
             except OSError:
                 names = []
             for name in names:
-                path = os.path.join(directory, name)
+                candidate = os.path.join(directory, name)
                 try:
-                    with open(path, "rb") as f:
-                        _ckpt_file.unpack(f.read(), path)
+                    with open(candidate, "rb") as f:
+                        raw = f.read()
+                    _ckpt_file.unpack(raw, candidate)
                 except OSError as e:
-                    warnings.warn(f"auto_resume: skipping {path}: {e}", RuntimeWarning, stacklevel=3)
+                    warnings.warn(f"auto_resume: skipping {candidate}: {e}", RuntimeWarning, stacklevel=3)
                     continue
-                chosen = path.encode()
+                path, data = candidate, raw
                 break
-        if self.get_world_size() > 1:
-            head = np.array([len(chosen)], np.int64)
-            self._core.broadcast_host(head, 0)
-            buf = np.frombuffer(chosen, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
-            if buf.size:
-                self._core.broadcast_host(buf, 0)
-            chosen = buf.tobytes()
-        return chosen.decode() if chosen else None
+        path = self._from_master(path.encode()).decode()
+        if not path:
+            return None
+        self._restore(self._from_master(data), path)
+        return path
+
+    def _from_master(self, data: bytes, err: str = "", others_err: str = "") -> bytes:
+        """Collective: rank 0's `data` on every rank. If rank 0 failed to produce it (`err`), every rank
+        raises OSError: rank 0 with `err`, the others with `others_err`."""
+        if self.get_world_size() == 1:
+            if err:
+                raise OSError(err)
+            return data
+        head = np.array([-1 if err else len(data)], np.int64)
+        self._core.broadcast_host(head, 0)
+        if head[0] < 0:
+            raise OSError(err or others_err)
+        buf = np.frombuffer(data, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
+        if buf.size:
+            self._core.broadcast_host(buf, 0)
+        return buf.tobytes()
 
     def _epochs_done(self) -> int:
         """Epochs completed over every fit so far (the next fit starts there)."""
@@ -686,18 +699,8 @@ class DistributedTrainer:
                     data = f.read()
             except OSError as e:
                 err = f"load_checkpoint: cannot read {path!r} on rank 0: {e.strerror or e}"
-        if self.get_world_size() > 1:
-            head = np.array([len(data) if not err else -1], np.int64)
-            self._core.broadcast_host(head, 0)
-            if head[0] < 0:
-                raise OSError(err or f"load_checkpoint: cannot read {path!r} on rank 0 (rank 0 reads checkpoints "
-                              f"for every rank; see its error)")
-            buf = np.frombuffer(data, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
-            if buf.size:
-                self._core.broadcast_host(buf, 0)
-            data = buf.tobytes()
-        elif err:
-            raise OSError(err)
+        data = self._from_master(data, err, f"load_checkpoint: cannot read {path!r} on rank 0 (rank 0 reads "
+                                            f"checkpoints for every rank; see its error)")
         self._restore(data, path)
 
     def _restore(self, data: bytes, path: str) -> None:
