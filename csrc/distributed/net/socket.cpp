@@ -70,7 +70,12 @@ Fd try_listen_on(const std::string& host, int port) {
     }
     CX_THROW(ConnectionError, "cannot listen on ", host, ":", port, ": ", std::strerror(e));
   }
-  if (::listen(fd.get(), 128) != 0) CX_THROW(ConnectionError, "listen(): ", std::strerror(errno));
+  if (::listen(fd.get(), 128) != 0) {
+    // With SO_REUSEADDR two processes may both bind a port before either listens;
+    // the second listen() then finds it taken, as a bind would have.
+    if (errno == EADDRINUSE) return Fd();
+    CX_THROW(ConnectionError, "listen(): ", std::strerror(errno));
+  }
   return fd;
 }
 
