@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ranks
+import refs
 
 import pycyxwiz as cx
 
@@ -128,6 +129,118 @@ def test_half_precision_hooks_equal_the_float32_average_within_the_type_s_roundi
         # and it is not simply the float32 average: the rounding is visible
         assert np.max(np.abs(synced[0] - want)) > 0
     assert all(c == nb for r in res for (_, _, c) in r[0])         # one reduction per bucket per step
+
+
+def narrow16(x, hook):
+    """float32 -> the 16-bit type's bits (uint16), round to nearest even (NumPy's float16 cast;
+    refs.bf16_round)."""
+    return x.astype(np.float16).view(np.uint16) if hook == "fp16" else refs.bf16_round(x)
+
+
+def widen16(u, hook):
+    return u.view(np.float16).astype(np.float32) if hook == "fp16" else refs.bf16_to_f32(u)
+
+
+def by_three_passes(local, buckets, hook):
+    """What the hook must give, done by hand: this rank's gradient times 1/N narrowed here in NumPy, a
+    plain 16-bit all_reduce per bucket, widened here."""
+    scale = np.float32(1.0 / D.get_world_size())
+    out = np.empty_like(local)
+    for _, _, off, n in buckets:
+        wire = narrow16(local[off:off + n] * scale, hook)
+        if hook == "fp16":
+            D.all_reduce(wire.view(np.float16))
+        else:
+            D.all_reduce(wire, dtype="bfloat16")
+        out[off:off + n] = widen16(wire, hook)
+    return out
+
+
+def tricky_gradient(n, hook, seed):
+    """Finite float32 values of every exponent the type can carry (for float16 down to its subnormals),
+    a quarter of them exactly halfway between two 16-bit values or one float32 ulp either side."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-30, 14) if hook == "fp16" else (-120, 120)
+    g = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(lo, hi, n) * rng.choice([-1, 1], n)).astype(np.float32)
+    bits = g.view(np.uint32)
+    low = 0x8000 if hook == "bf16" else 0x1000  # the halfway point of the bits the cast drops (normal range)
+    k = rng.random(n) < 0.25
+    bits[k] = (bits[k] & ~np.uint32(0xFFFF if hook == "bf16" else 0x1FFF)) | (low + rng.integers(-1, 2, k.sum()))
+    return g
+
+
+def hook_and_three_passes(hook):
+    """The hook's result on the model's own gradients, and by_three_passes of them."""
+    res, _, _ = local_and_synced(hook, {}, 1, sizes=(IN, 96, 96, OUT), bucket_mb=0.02)
+    local, synced, _ = res[0]
+    cfg = D.DDPConfig()  # a DDP only for its buckets: the same sizes as the hook's
+    cfg.bucket_size_mb, cfg.first_bucket_mb = 0.02, 0.02
+    buckets = D.DistributedDataParallel(make_model(3, (IN, 96, 96, OUT)), cfg).buckets
+    return local, synced, by_three_passes(local, buckets, hook), len(buckets)
+
+
+def crafted_hook_and_three_passes(hook, n=3001):
+    """The same with gradients chosen here: a Linear(1, n) fed x = 1 and handed dL/dout = g has weight
+    and bias gradients g, so the hook carries tricky_gradient's values."""
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(1, n, seed=1))
+    cfg = D.DDPConfig()
+    cfg.comm_hook = hook
+    ddp = D.DistributedDataParallel(model, cfg)
+    g = tricky_gradient(n, hook, seed=D.get_rank())
+    ddp.forward(np.ones((1, 1), np.float32))
+    ddp.backward(g[None, :], input_grad=False)
+    synced = ddp.sync_gradients().copy()
+    local = np.concatenate([g, g])
+    return local, synced, by_three_passes(local, ddp.buckets, hook), len(ddp.buckets)
+
+
+SIZES_16 = (7, 1003, 65541)
+
+
+def sum_random_bits(hook):
+    out = []
+    for n in SIZES_16:
+        bits = np.random.default_rng([D.get_rank(), n]).integers(0, 1 << 16, n, dtype=np.uint16)
+        x = bits.copy()
+        if hook == "fp16":
+            D.all_reduce(x.view(np.float16))
+        else:
+            D.all_reduce(x, dtype="bfloat16")
+        out.append((bits, x))
+    return out
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_16_bit_sums_round_every_bit_pattern_like_numpy(hook):
+    # Every class of value (zeros, subnormals, normals, infinities, NaNs) from random bit patterns; sizes
+    # that leave tails after the 8-lane loops; two ranks, so each result is one float32 addition rounded.
+    r0, r1 = ranks.run(sum_random_bits, 2, args=(hook,))
+    for n, (a, got), (b, _) in zip(SIZES_16, r0, r1):
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = widen16(a, hook) + widen16(b, hook)
+            want = narrow16(total, hook)
+        nan = np.isnan(total)
+        assert n < 65536 or (nan.any() and np.isinf(widen16(want, hook)).any())
+        assert np.all(np.isnan(widen16(got, hook)[nan]))
+        assert np.array_equal(got[~nan], want[~nan]), np.flatnonzero(got[~nan] != want[~nan])[:5]
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+@pytest.mark.parametrize("world,shm", [(2, "0"), (3, "0"), (4, "1")])
+def test_the_casts_ride_in_the_ring_with_the_bits_of_three_passes(world, shm, hook):
+    # Every bucket through the ring (no small-message algorithm), cut into chunks of 1000 bytes: 500
+    # elements, not a multiple of the kernels' 8 lanes, so every vector loop has a tail.
+    env = {"CX_SMALL_ALLREDUCE_BYTES": 0, "CX_HD_MAX_BYTES": 0, "CX_CHUNK_BYTES": 1000, "CX_SHM": shm}
+    for fn in (hook_and_three_passes, crafted_hook_and_three_passes):
+        res = ranks.run(fn, world, args=(hook,), env=env)
+        locals_ = np.stack([r[0] for r in res])
+        want = np.mean(locals_.astype(np.float64), axis=0)
+        assert fn is crafted_hook_and_three_passes or res[0][3] >= 2
+        for _, synced, by_hand, _ in res:
+            assert np.array_equal(synced.view(np.uint32), by_hand.view(np.uint32))  # bit for bit
+            assert np.array_equal(synced.view(np.uint32), res[0][1].view(np.uint32))  # and on every rank
+            assert np.all(np.abs(synced - want) <= half_bound(hook, locals_))
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])

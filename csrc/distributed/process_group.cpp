@@ -790,6 +790,14 @@ ProcessGroup::WorkPtr ProcessGroup::all_reduce(void* buf, size_t count, DataType
                 backend().all_reduce(buf, count, dt, op, stream), async);
 }
 
+ProcessGroup::WorkPtr ProcessGroup::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt,
+                                                    float scale, bool async) {
+  CX_CHECK(wire_dt == DataType::kFloat16 || wire_dt == DataType::kBFloat16, InvalidArgument,
+           "all_reduce_cast carries float32 as float16 or bfloat16, not ", dtype_name(wire_dt));
+  return submit(make_desc(CollectiveKind::kAllReduce, wire_dt, ReduceOp::kSum, -1, count),
+                backend().all_reduce_cast(buf, wire, count, wire_dt, scale), async);
+}
+
 ProcessGroup::WorkPtr ProcessGroup::broadcast(void* buf, size_t count, DataType dt, int root, bool async,
                                               uintptr_t stream) {
   check_root(root, "src");

@@ -124,6 +124,10 @@ class ProcessGroup {
   // Each returns a Work that is complete for blocking calls. Counts are elements
   // per rank's block; buffers follow the algorithms' conventions (algorithms.h).
   WorkPtr all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);
+  // Float32 `buf` all-reduced as float16 / bfloat16 (Backend::all_reduce_cast):
+  // the communication hooks' collective. Its peers see an all_reduce of count
+  // wire_dt elements (SUM), which is what travels.
+  WorkPtr all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale, bool async);
   WorkPtr broadcast(void* buf, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
   WorkPtr all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
   WorkPtr reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);

@@ -6,13 +6,7 @@
 #include <cstring>
 #include <exception>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CX_HAVE_F16C_PATH 1
-#endif
-
 #include "common/error.h"
-#include "distributed/algorithms/reduction_kernels.h"
 #include "nn/blas.h"
 #include "nn/rng.h"
 
@@ -82,10 +76,11 @@ class FirstError {
 // ---- fp16 / bf16 -----------------------------------------------------------------------------
 
 // Note [Half-precision buckets]
-// launch(b) casts the bucket's float32 gradients, each multiplied by 1/world,
-// into a 16-bit scratch half the bucket's size and queues a SUM all-reduce of
-// the scratch; finish() widens the result back into the gradient slice. The
-// 1/world is applied before the all-reduce, in the same pass as the cast, for
+// launch(b) queues a SUM all-reduce of the bucket's float32 gradients, each
+// multiplied by 1/world and rounded to the 16-bit type, which travels in a
+// 16-bit scratch half the bucket's size and is widened back into the gradient
+// slice; finish() waits for the buckets. The 1/world is applied before the
+// all-reduce, in the same step as the cast, for
 // two reasons: float16 tops out at 65504, and a SUM of N gradients near that
 // would overflow to inf while their average would not (a SUM of values each at
 // most max/N cannot overflow; this is also what PyTorch's fp16 hook does); and
@@ -97,66 +92,11 @@ class FirstError {
 // the ring round to the 16-bit type after every addition (reduction_kernels.h),
 // so the result is the float32 average within about (N+1) units of the type's
 // rounding of the mean of |g| (tests/test_comm_hooks.py checks that bound).
-// Bytes on the wire are half of float32's; two passes over the bucket remain,
-// the cast in (reads 4, writes 2 bytes per element) and out (reads 2, writes 4).
-
-#if CX_HAVE_F16C_PATH
-__attribute__((target("avx,f16c"))) void to_half_f16c(const float* src, float scale, uint16_t* dst, size_t n) {
-  const __m256 s = _mm256_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + i), s);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (; i < n; ++i) dst[i] = distributed::float_to_half(src[i] * scale);
-}
-
-__attribute__((target("avx,f16c"))) void from_half_f16c(const uint16_t* src, float* dst, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = distributed::half_to_float(src[i]);
-}
-
-bool have_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  return yes;
-}
-#endif
-
-void to_half(const float* src, float scale, uint16_t* dst, size_t n) {
-#if CX_HAVE_F16C_PATH
-  if (have_f16c()) return to_half_f16c(src, scale, dst, n);
-#endif
-  for (size_t i = 0; i < n; ++i) dst[i] = distributed::float_to_half(src[i] * scale);
-}
-
-void from_half(const uint16_t* src, float* dst, size_t n) {
-#if CX_HAVE_F16C_PATH
-  if (have_f16c()) return from_half_f16c(src, dst, n);
-#endif
-  for (size_t i = 0; i < n; ++i) dst[i] = distributed::half_to_float(src[i]);
-}
-
-// Round to nearest even, NaN kept quiet: distributed::float_to_bf16, written
-// branch-free so that the loop vectorises.
-void to_bf16(const float* __restrict src, float scale, uint16_t* __restrict dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    float f = src[i] * scale;
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-    const uint32_t nan = (x >> 16) | 0x40u;
-    dst[i] = static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
-void from_bf16(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t x = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &x, 4);
-  }
-}
+// Bytes on the wire are half of float32's. The casts are not passes of their
+// own: they ride in the ring, chunk by chunk, where the ring touches the data
+// anyway (ProcessGroup::all_reduce_cast, Note [Cast on the wire] in
+// distributed/algorithms/allreduce.cpp), on the communication thread, so the
+// backward pass that launched the bucket does not wait for them either.
 
 class HalfHook : public CommHook {
  public:
@@ -170,29 +110,16 @@ class HalfHook : public CommHook {
     const Bucket& bk = buckets_[b];
     if (!bk.count) return;
     const float scale = 1.0f / static_cast<float>(group_.size());
-    uint16_t* s = scratch_.data() + bk.offset;
-    const float* g = model_->flat_grads() + bk.offset;
-    if (kind_ == CommHookKind::kFp16)
-      to_half(g, scale, s, bk.count);
-    else
-      to_bf16(g, scale, s, bk.count);
     const DataType dt = kind_ == CommHookKind::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
-    pending_.push_back({b, group_.all_reduce(s, bk.count, dt, ReduceOp::kSum, true)});
+    pending_.push_back(group_.all_reduce_cast(model_->flat_grads() + bk.offset, scratch_.data() + bk.offset,
+                                              bk.count, dt, scale, true));
   }
 
   void finish() override {
-    std::vector<Pending> todo;
+    std::vector<ProcessGroup::WorkPtr> todo;
     todo.swap(pending_);
     FirstError err;
-    for (auto& p : todo) {
-      if (!err.wait(p.work)) continue;
-      const Bucket& bk = buckets_[p.bucket];
-      float* g = model_->flat_grads() + bk.offset;
-      if (kind_ == CommHookKind::kFp16)
-        from_half(scratch_.data() + bk.offset, g, bk.count);
-      else
-        from_bf16(scratch_.data() + bk.offset, g, bk.count);
-    }
+    for (auto& w : todo) err.wait(w);
     err.rethrow();
   }
 
@@ -200,16 +127,12 @@ class HalfHook : public CommHook {
   CommHookKind kind() const override { return kind_; }
 
  private:
-  struct Pending {
-    size_t bucket;
-    ProcessGroup::WorkPtr work;
-  };
   CommHookKind kind_;
   std::shared_ptr<nn::SequentialModel> model_;
   std::vector<Bucket> buckets_;
   ProcessGroup& group_;
   std::vector<uint16_t> scratch_;  // one 16-bit slot per gradient element; bucket b uses its own range
-  std::vector<Pending> pending_;
+  std::vector<ProcessGroup::WorkPtr> pending_;
 };
 
 // ---- PowerSGD --------------------------------------------------------------------------------

@@ -38,6 +38,12 @@ void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceO
 void all_reduce_halving_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
                                  const AlgoOptions& o);
 void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op);
+// buf (float32) becomes the SUM over ranks of its values times `scale`, carried
+// as `wire_dt` (float16 or bfloat16): the result of narrowing into `wire`
+// (count 16-bit elements of scratch), all_reduce(wire, SUM) and widening back,
+// bit for bit, with the casts done inside the ring (Note [Cast on the wire]).
+void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
+                     const AlgoOptions& o);
 
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o);
 

@@ -89,11 +89,19 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
 // all-gather was last sent by us during the reduce-scatter, and its final value
 // can only reach us after our own contribution went round the ring, i.e. after
 // that send completed.
-void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
+//
+// `Data` says what the bytes on the wire are made of (PlainData: the caller's
+// buffer itself; CastData: Note [Cast on the wire]):
+//   wire(off)                   where element `off` travels from and lands
+//   own(off, n)                 before our own segment's first send
+//   reduce(off, n, in, last)    a reduce-scatter chunk arrived in `in`; `last`: it is now complete
+//   gathered(off, n)            an all-gather chunk arrived at wire(off)
+namespace {
+
+template <typename Data>
+void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& data) {
   const int p = t.size(), r = t.rank();
   const int left = (r - 1 + p) % p, right = (r + 1) % p;
-  const size_t es = dtype_size(dt);
-  char* buf = static_cast<char*>(buf_v);
   // No larger than a segment, so small messages ask for little scratch.
   const size_t chunk_elems = std::max<size_t>(1, std::min(count / p + 1, o.chunk_bytes / es));
 
@@ -134,7 +142,8 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
     for (size_t c = 0; c < seg_chunks(seg); ++c) {
       size_t off, n;
       chunk_range(seg, c, &off, &n);
-      t.isend(right, buf + off * es, n * es);
+      data.own(off, n);
+      t.isend(right, data.wire(off), n * es);
     }
   }
 
@@ -144,7 +153,8 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
     const Item& it = items[k];
     size_t off, n;
     chunk_range(mod(r - it.step - 1), it.chunk, &off, &n);
-    void* dst = it.step < p - 1 ? scratch + (k % depth) * chunk_elems * es : buf + off * es;
+    void* dst = it.step < p - 1 ? static_cast<void*>(scratch + (k % depth) * chunk_elems * es)
+                                 : static_cast<void*>(data.wire(off));
     inflight.emplace_back(t.irecv(left, dst, n * es), k);
   };
   while (next_post < items.size() && inflight.size() < static_cast<size_t>(depth)) post(next_post++);
@@ -157,14 +167,86 @@ void all_reduce_ring(Transport& t, void* buf_v, size_t count, DataType dt, Reduc
     const int seg = mod(r - it.step - 1);
     size_t off, n;
     chunk_range(seg, it.chunk, &off, &n);
-    if (it.step < p - 1) {
-      reduce_into(buf + off * es, scratch + (k % depth) * chunk_elems * es, n, dt, op);
-      if (it.step == p - 2) finish_avg(buf + off * es, n, dt, op, p);
-    }
+    if (it.step < p - 1)
+      data.reduce(off, n, scratch + (k % depth) * chunk_elems * es, it.step == p - 2);
+    else
+      data.gathered(off, n);
     if (next_post < items.size()) post(next_post++);  // its scratch slot (k % depth) is free again
-    if (it.step + 1 < 2 * (p - 1)) t.isend(right, buf + off * es, n * es);
+    if (it.step + 1 < 2 * (p - 1)) t.isend(right, data.wire(off), n * es);
   }
   t.wait_all();
+}
+
+struct PlainData {
+  char* buf;
+  size_t es;
+  DataType dt;
+  ReduceOp op;
+  int p;
+  char* wire(size_t off) const { return buf + off * es; }
+  void own(size_t, size_t) const {}
+  void reduce(size_t off, size_t n, const char* in, bool last) const {
+    reduce_into(wire(off), in, n, dt, op);
+    if (last) finish_avg(wire(off), n, dt, op, p);
+  }
+  void gathered(size_t, size_t) const {}
+};
+
+// Note [Cast on the wire]
+// The 16-bit communication hooks (train/comm_hooks.cpp) all-reduce float32
+// gradients as float16 or bfloat16: each rank's values times `scale` rounded to
+// the 16-bit type, summed in it (rounding after every addition), and the sum
+// widened back. Done as three passes (narrow the whole buffer, all-reduce the
+// 16-bit copy, widen it back) that is two extra trips through memory for every
+// element, which on a machine whose ranks share memory bandwidth costs about
+// what halving the bytes saves. Here the casts ride in the ring instead, each
+// on a chunk at the moment the ring touches it, while it is in cache: our own
+// segment is narrowed just before its first send; every other segment of ours
+// is narrowed inside the reduction with the chunk that arrives for it
+// (narrow_sum); and a chunk is widened into the float32 buffer the moment it is
+// complete (the last reduction, or its arrival in the all-gather). The float32
+// values are read once and written once, and the 16-bit copy is only ever
+// touched chunk by chunk. The bytes on the wire, the chunking and every
+// rounding are those of the three-pass form (narrow_sum rounds our value before
+// adding, as narrow then reduce_into would), so the results are bit for bit the
+// same, on every rank.
+struct CastData {
+  float* buf;
+  uint16_t* w;
+  DataType wire_dt;
+  float scale;
+  uint16_t* wire(size_t off) const { return w + off; }
+  void own(size_t off, size_t n) const { narrow(buf + off, scale, w + off, n, wire_dt); }
+  void reduce(size_t off, size_t n, const char* in, bool last) const {
+    narrow_sum(buf + off, scale, reinterpret_cast<const uint16_t*>(in), w + off, n, wire_dt);
+    if (last) widen(w + off, buf + off, n, wire_dt);
+  }
+  void gathered(size_t off, size_t n) const { widen(w + off, buf + off, n, wire_dt); }
+};
+
+}  // namespace
+
+void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
+  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, t.size()};
+  ring(t, count, data.es, o, data);
+}
+
+void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
+                     const AlgoOptions& o) {
+  if (!count) return;
+  const size_t bytes = count * 2;
+  const bool small = bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size());
+  if (t.size() == 1 || small ||
+      (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes)) {
+    // The whole-buffer algorithms (and one rank): three passes; the same
+    // algorithm all_reduce picks for these 16-bit bytes.
+    narrow(buf, scale, wire, count, wire_dt);
+    all_reduce(t, wire, count, wire_dt, ReduceOp::kSum, o);
+    widen(wire, buf, count, wire_dt);
+    return;
+  }
+  CastData data{buf, wire, wire_dt, scale};
+  ring(t, count, 2, o, data);
 }
 
 }  // namespace cx::distributed::algo

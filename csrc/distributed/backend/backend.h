@@ -47,6 +47,14 @@ class Backend {
   // Every rank passes its collective fingerprint; the CPU backend compares them
   // along the way (MismatchError), NCCL's ignores them (finalize() compares).
   virtual Body barrier(uint64_t fingerprint) = 0;
+  // float32 `buf` becomes the SUM over ranks of its values times `scale`,
+  // travelling as `wire_dt` (float16 / bfloat16) through `wire`, count 16-bit
+  // elements of scratch (algo::all_reduce_cast). Host memory: the CPU backend's.
+  virtual Body all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) {
+    (void)buf, (void)wire, (void)count, (void)scale;
+    CX_THROW(InvalidArgument, "an all-reduce of float32 carried as ", dtype_name(wire_dt),
+             " (the fp16/bf16 communication hooks) runs on the CPU backend only; this group's backend cannot");
+  }
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
 

@@ -151,6 +151,12 @@ Backend::Body CpuBackend::all_reduce(void* buf, size_t count, DataType dt, Reduc
   return [t = t_.get(), o = opt_, buf, count, dt, op] { algo::all_reduce(*t, buf, count, dt, op, o); };
 }
 
+Backend::Body CpuBackend::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) {
+  return [t = t_.get(), o = opt_, buf, wire, count, wire_dt, scale] {
+    algo::all_reduce_cast(*t, buf, wire, count, wire_dt, scale, o);
+  };
+}
+
 Backend::Body CpuBackend::broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t) {
   return [t = t_.get(), o = opt_, buf, bytes = count * dtype_size(dt), root] {
     algo::broadcast(*t, buf, bytes, root, o);
