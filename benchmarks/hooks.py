@@ -19,9 +19,10 @@ float32 step of this model on 4 ranks spends about a quarter of its CPU in GEMM 
 TCP copies, so the step is CPU-bound, and halving the bytes saves only part of the copying; it cannot
 make the step 1.5x faster. Real multi-node DDP sends over a NIC of fixed bandwidth, and there the
 step is communication-bound: float32 DDP on 4 ranks sends 2(p-1)/p x 23.3 MB = 35 MB per rank and step,
-about 0.28 s at 1 Gbit/s against some tens of ms of compute. `--link 1gbit` measures that case: each
+about 0.28 s at 1 Gbit/s, against about 0.1 s of compute (4 ranks sharing the 2 cores: the PowerSGD
+step, which sends almost nothing, took 0.12-0.14 s). `--link 1gbit` measures that case: each
 rank a process of a host of its own (a network namespace, tests/hosts.py), every host's link shaped
-to the rate both ways by `tc ... tbf`, so the bytes queue at the link's rate and the cores are free.
+to the rate both ways by `tc ... tbf`, so the bytes wait on the link, not on copies by the cores.
 Both libraries run over the same shaped links, side by side.
 """
 from __future__ import annotations

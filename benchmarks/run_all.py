@@ -175,7 +175,8 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
         f"{m.get('host_cpus')} CPUs ({m.get('cpu', '?')}), {m['platform']}, Python {m['python']}; "
         f"the suite took {seconds / 60:.1f} min.",
         "",
-        "Every library runs as real processes on 127.0.0.1, side by side in the same run. These machines are "
+        "Every library runs as real processes on 127.0.0.1 (the hooks' shaped-link run excepted: each rank "
+        "on a host of its own), side by side in the same run. These machines are "
         "shared and noisy (10-30% run to run): read the ratios, not the absolute numbers. "
         "cx/X = pycyxwiz's speed over TCP over X's, shm/X = pycyxwiz's through shared memory (its default with "
         "every rank on one host) over X's; above 1 = pycyxwiz faster. The targets are for TCP. busbw follows "
