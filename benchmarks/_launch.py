@@ -11,17 +11,33 @@ half way still yields the steps it finished. When one rank fails, the others get
 grace period and are then killed with their whole process group; a run that passes its
 timeout is killed the same way. The failure becomes `reason`, which the tables print as
 "n/a (reason)".
+
+    run = run_ranks("torch", "benchmarks._hooks_worker", [...], world=4, timeout_s=240, link="1gbit")
+
+With `link` (a tc rate), every rank runs as a process of a host of its own instead (tests/hosts.py:
+network namespaces joined by a bridge), each host's link shaped to that rate both ways, as on
+machines with a NIC of that speed: TCP between the ranks goes through the shaped links, not
+through 127.0.0.1. MASTER_ADDR is host 0's address, the job gets a fresh secret (CX_AUTH_TOKEN:
+pycyxwiz refuses a non-loopback MASTER_ADDR without one) and gloo the interface `eth0`. The
+namespaces are deleted however the run ends (finished, failed, timed out, Ctrl-C or SIGTERM).
+Where they cannot be made (not root, no `ip`), the column is n/a with the reason; Open MPI
+columns do not take a link.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +65,8 @@ MPI_MCA = {
     "mpi-tcp": ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-default": [],
 }
+# The port of the store with `link`: each run has hosts (namespaces) of its own, where every port is free.
+_LINK_PORT = 29500
 # Grace period for the surviving ranks after one rank failed: they usually fail on their own
 # with a better message (the peer that died), which we prefer to a bare "killed".
 _GRACE_S = 3.0
@@ -108,6 +126,43 @@ def _base_env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo otherwise resolves the hostname to pick an interface
     return env
+
+
+@functools.lru_cache(maxsize=None)
+def _hosts_module():
+    """tests/hosts.py, loaded by its path. The benchmarks and the tests use one implementation of the
+    "hosts" (network namespaces, a bridge, tc shaping); tests/ is no package, hence not an import."""
+    spec = importlib.util.spec_from_file_location("_cx_test_hosts", REPO / "tests" / "hosts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def link_available() -> str:
+    """"" where `run_ranks(..., link=...)` can make its hosts here, else why not."""
+    return _hosts_module().available() or ""
+
+
+@contextlib.contextmanager
+def _shaped_hosts(world: int, link: str):
+    """`world` hosts, every link shaped to `link`; deleted on the way out, however it is taken.
+    SIGTERM (a CI job cancelled, `timeout`) is turned into SystemExit for the while, so that it
+    too unwinds through Hosts.__exit__ instead of leaving the namespaces behind."""
+    hosts = _hosts_module()
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        with hosts.Hosts(world) as h:
+            for i in range(world):
+                h.shape(i, link)
+            yield h
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def _kill(procs: list) -> None:
@@ -195,18 +250,36 @@ def _collect(out_dir: Path, world: int) -> list:
 
 
 def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
-              extra_env: dict | None = None) -> RunResult:
+              extra_env: dict | None = None, link: str | None = None) -> RunResult:
     """Run `python -m module args --lib ... --out DIR` on `world` ranks of library column `lib`.
 
-    The worker must write DIR/rank<r>.json; see _worker_io.RankReport.
+    The worker must write DIR/rank<r>.json; see _worker_io.RankReport. With `link` (a tc rate such
+    as "1gbit"), each rank on a host of its own behind a link of that rate (the module docstring).
     """
     t0 = time.monotonic()
     if suite_deadline is not None:
         timeout_s = min(timeout_s, max(_MIN_TIMEOUT_S, suite_deadline - t0))
-    with tempfile.TemporaryDirectory(prefix=f"cxbench-{lib}-") as tmp:
-        out_dir = Path(tmp)
+    if link is not None:
+        if lib.startswith("mpi"):
+            return RunResult(lib, world, False, "link runs cover pycyxwiz and torch")
+        why = link_available()
+        if why:
+            return RunResult(lib, world, False, why)
+    with contextlib.ExitStack() as stack:
+        out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"cxbench-{lib}-")))
+        hosts = None
+        if link is not None:
+            try:
+                hosts = stack.enter_context(_shaped_hosts(world, link))
+            except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+                detail = (getattr(exc, "stderr", None) or "").strip()
+                return RunResult(lib, world, False, f"cannot make {world} hosts behind {link} links: {exc}"
+                                 + (f" ({detail})" if detail else ""))
         env = _base_env()
         env.update(LIB_ENV.get(lib, {}))
+        if hosts is not None:
+            env.pop("CX_AUTH_TOKEN_FILE", None)
+            env.update(CX_AUTH_TOKEN=secrets.token_hex(32), GLOO_SOCKET_IFNAME="eth0", LOCAL_WORLD_SIZE="1")
         env.update(extra_env or {})
         worker_lib = "mpi" if lib.startswith("mpi") else "pycyxwiz" if lib.startswith("pycyxwiz") else lib
         cmd = [sys.executable, "-m", module, "--lib", worker_lib, "--out", str(out_dir), *args]
@@ -227,15 +300,17 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
                 procs.append(subprocess.Popen(mpirun + cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                               stderr=fh, start_new_session=True))
         else:
-            port = free_port()
+            port = _LINK_PORT if hosts is not None else free_port()
+            master = hosts.addrs[0] if hosts is not None else "127.0.0.1"
             for r in range(world):
-                renv = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                renv = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(0 if hosts is not None else r),
+                            MASTER_ADDR=master, MASTER_PORT=str(port))
                 renv.setdefault("DISTRIBUTED_TIMEOUT_MS", str(int(min(timeout_s, 60) * 1000)))
                 log = out_dir / f"rank{r}.stderr"
                 logs.append(log)
+                argv = hosts.command(r, cmd) if hosts is not None else cmd
                 with open(log, "w") as fh:
-                    procs.append(subprocess.Popen(cmd, env=renv, cwd=REPO, stdout=subprocess.DEVNULL,
+                    procs.append(subprocess.Popen(argv, env=renv, cwd=REPO, stdout=subprocess.DEVNULL,
                                                   stderr=fh, start_new_session=True))
         try:
             reason, bad = _watch(procs, timeout_s)

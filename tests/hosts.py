@@ -12,11 +12,14 @@ share memory (the same host key, the same /dev/shm), and ranks of two hosts cann
 [Same-host pairs] in csrc/distributed/transport/shm/negotiate.cpp), as on real machines.
 
 `available()` says why not where this cannot be done (not root, no `ip`, no namespaces); tests
-skip with that reason. `netem()` adds delay or loss with `tc ... netem` where the kernel has it.
+skip with that reason. `netem()` adds delay or loss with `tc ... netem` where the kernel has it;
+`shape()` limits a host's link to a NIC's rate (`tc ... tbf`), both ways. Benchmarks use these
+hosts too (benchmarks/_launch.py, `link=`): one implementation of the namespaces for both.
 """
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -31,6 +34,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 _why: Optional[str] = None
+
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def _rate_bits(rate: str) -> int:
+    """A tc rate in bits per second: "1gbit" -> 10**9 (decimal units, as tc reads them)."""
+    m = re.fullmatch(r"([0-9.]+)([kmgt]?bit)", rate.strip().lower())
+    if not m:
+        raise ValueError(f"rate {rate!r}: expected a number and bit, kbit, mbit, gbit or tbit (e.g. 1gbit)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def available() -> Optional[str]:
@@ -113,6 +126,28 @@ class Hosts:
 
     def mend(self, i: int) -> None:
         _ip("-n", self.switch, "link", "set", self._switch_end(i), "up")
+
+    def shape(self, i: int, rate: str) -> None:
+        """Host i's link limited to `rate` (a tc rate: "1gbit", "10gbit", "500mbit") both ways, as a NIC
+        of that speed: upload on its `eth0`, download on the switch's end of its cable.
+
+        Note [Shaping with tbf]: a token bucket, not netem (this kernel has no netem). Its queue
+        (limit) decides whether TCP reaches the rate: measured at 1gbit, two hosts sending to each
+        other at once, a 64 KiB queue let each stream carry 0.016 Gbit/s, 256 KiB 0.96 Gbit/s; we
+        keep 10 ms of the rate, at least 1 MiB (a longer queue only adds delay). The burst holds 1 ms
+        of the rate, at least 128 KiB: with 10 kB one stream reached 0.93 Gbit/s instead of 0.96.
+        The goodput of a 1gbit link is 0.95-0.96 Gbit/s (Ethernet, IP and TCP headers count).
+        """
+        bits = _rate_bits(rate)
+        burst = max(bits // 8 // 1000, 128 << 10)
+        limit = max(bits // 8 // 100, 1 << 20)
+        spec = ["root", "tbf", "rate", rate, "burst", str(burst), "limit", str(limit)]
+        for ns, dev in ((self.names[i], "eth0"), (self.switch, self._switch_end(i))):
+            r = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, *spec],
+                               capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise RuntimeError(f"tc qdisc replace dev {dev} {' '.join(spec)} in {ns}: "
+                                   f"{r.stderr.strip() or r.returncode}")
 
     def netem(self, i: int, *spec: str) -> Optional[str]:
         """Adds `tc qdisc ... netem <spec>` on host i's interface; the reason where it cannot."""

@@ -1,7 +1,8 @@
 """Several hosts: each rank in a network namespace of its own "host" (tests/hosts.py), with its own
 address, hostname and /dev/shm. The collectives and training across hosts (TCP between hosts,
 shared memory only within one), and faults on the wire: a cable pulled in the middle of an
-all_reduce, the job restarted by its launchers once the cable is back, delay and loss.
+all_reduce, the job restarted by its launchers once the cable is back, delay and loss, a link
+shaped to a NIC's rate (checked by what tc lists; its speed is measured in benchmarks/, never here).
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
 import json
 import os
@@ -265,6 +266,26 @@ def test_the_launchers_restart_the_job_once_the_cable_is_back(tmp_path):
     for node in (0, 1):
         assert json.loads((tmp_path / f"node{node}.json").read_text()) == {"ok": True, "restart": 1}
         assert "iteration 2 of start 1" in texts[node]
+
+
+def tc_qdiscs(ns, dev):
+    return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True,
+                          check=True, timeout=30).stdout
+
+
+def test_shape_puts_a_token_bucket_of_the_rate_on_both_ends_of_a_hosts_link_and_no_other():
+    with hosts.Hosts(2) as h:
+        h.shape(1, "1gbit")
+        upload, download = tc_qdiscs(h.names[1], "eth0"), tc_qdiscs(h.switch, h._switch_end(1))
+        untouched = tc_qdiscs(h.names[0], "eth0") + tc_qdiscs(h.switch, h._switch_end(0))
+        h.shape(1, "250mbit")  # again: replaces the first, as a NIC has one speed
+        again = tc_qdiscs(h.names[1], "eth0")
+    for shown in (upload, download):
+        assert "qdisc tbf" in shown and "rate 1Gbit" in shown, shown
+    assert "tbf" not in untouched, untouched
+    assert again.count("qdisc tbf") == 1 and "rate 250Mbit" in again, again
+    with pytest.raises(ValueError, match="1gbit"):
+        hosts._rate_bits("fast")
 
 
 @pytest.mark.parametrize("spec", [("delay", "50ms"), ("loss", "1%")])
