@@ -119,12 +119,12 @@ void reduce_16(uint16_t* d, const uint16_t* s, size_t n, ReduceOp op) {
 
 // ---- 16-bit floats: the SUM of the hooks' all-reduces, and the casts around it ----
 //
-// bfloat16 is the top half of a float32, rounded to nearest even (NaN kept
-// quiet), as float_to_bf16; the scalar forms below are written branch-free so
-// that the compiler vectorises them, and the AVX2 forms do the same integer
-// arithmetic eight lanes at a time. float16 uses F16C's conversions, which
-// round to nearest even as float_to_half. Every form gives the same bits as
-// the scalar definition, so ranks with and without AVX2 agree.
+// One codec per type says how an element narrows and widens: bfloat16 is the
+// top half of a float32, rounded to nearest even (NaN kept quiet), as
+// float_to_bf16, written branch-free; float16 is float_to_half. The loops are
+// written once over a codec; their AVX2 forms (with F16C for float16) do the
+// same arithmetic eight lanes at a time and give the same bits as the scalar
+// definition, so ranks with and without AVX2 agree.
 
 inline uint32_t bits_of(float f) {
   uint32_t x;
@@ -138,205 +138,145 @@ inline float float_of(uint32_t x) {
   return f;
 }
 
-inline uint16_t bf16_round(uint32_t x) {
-  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? ((x >> 16) | 0x40u) : rounded);
+struct Bf16 {
+  static uint16_t narrow1(float f) {
+    const uint32_t x = bits_of(f);
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? ((x >> 16) | 0x40u) : rounded);
+  }
+  static float widen1(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+};
+
+struct Half {
+  static uint16_t narrow1(float f) { return float_to_half(f); }
+  static float widen1(uint16_t h) { return half_to_float(h); }
+};
+
+// The loops, from element `i` on; the vector forms call them for their tails.
+template <class C>
+void sum_from(size_t i, uint16_t* __restrict d, const uint16_t* __restrict s, size_t n) {
+  for (; i < n; ++i) d[i] = C::narrow1(C::widen1(d[i]) + C::widen1(s[i]));
 }
 
-inline float bf16_widen(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
-
-void sum_bf16_scalar(uint16_t* __restrict d, const uint16_t* __restrict s, size_t n) {
-  for (size_t i = 0; i < n; ++i) d[i] = bf16_round(bits_of(bf16_widen(d[i]) + bf16_widen(s[i])));
+template <class C>
+void narrow_from(size_t i, const float* __restrict src, float scale, uint16_t* __restrict dst, size_t n) {
+  for (; i < n; ++i) dst[i] = C::narrow1(src[i] * scale);
 }
 
-void narrow_bf16_scalar(const float* __restrict src, float scale, uint16_t* __restrict dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = bf16_round(bits_of(src[i] * scale));
+template <class C>
+void widen_from(size_t i, const uint16_t* __restrict src, float* __restrict dst, size_t n) {
+  for (; i < n; ++i) dst[i] = C::widen1(src[i]);
 }
 
-void widen_bf16_scalar(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = bf16_widen(src[i]);
-}
-
-void narrow_sum_bf16_scalar(const float* __restrict own, float scale, const uint16_t* __restrict recv,
-                            uint16_t* __restrict dst, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    dst[i] = bf16_round(bits_of(bf16_widen(bf16_round(bits_of(own[i] * scale))) + bf16_widen(recv[i])));
-}
-
-void narrow_half_scalar(const float* src, float scale, uint16_t* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = float_to_half(src[i] * scale);
-}
-
-void widen_half_scalar(const uint16_t* src, float* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
-}
-
-void narrow_sum_half_scalar(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    dst[i] = float_to_half(half_to_float(float_to_half(own[i] * scale)) + half_to_float(recv[i]));
+template <class C>
+void narrow_sum_from(size_t i, const float* __restrict own, float scale, const uint16_t* __restrict recv,
+                     uint16_t* __restrict dst, size_t n) {
+  for (; i < n; ++i) dst[i] = C::narrow1(C::widen1(C::narrow1(own[i] * scale)) + C::widen1(recv[i]));
 }
 
 #if CX_HAVE_F16C_PATH
-#define CX_F16C __attribute__((target("avx,f16c")))
-#define CX_AVX2 __attribute__((target("avx2")))
+#define CX_SIMD __attribute__((target("avx2,f16c")))
 
-CX_F16C inline __m256 load_half8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-CX_F16C inline void store_half8(uint16_t* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
-CX_F16C void sum_half_f16c(uint16_t* d, const uint16_t* s, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store_half8(d + i, _mm256_add_ps(load_half8(d + i), load_half8(s + i)));
-  for (; i < n; ++i) d[i] = float_to_half(half_to_float(d[i]) + half_to_float(s[i]));
-}
-
-CX_F16C void narrow_half_f16c(const float* src, float scale, uint16_t* dst, size_t n) {
-  const __m256 k = _mm256_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store_half8(dst + i, _mm256_mul_ps(_mm256_loadu_ps(src + i), k));
-  narrow_half_scalar(src + i, scale, dst + i, n - i);
-}
-
-CX_F16C void widen_half_f16c(const uint16_t* src, float* dst, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_half8(src + i));
-  widen_half_scalar(src + i, dst + i, n - i);
-}
-
-CX_F16C void narrow_sum_half_f16c(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n) {
-  const __m256 k = _mm256_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 a = _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(own + i), k),
-                                                     _MM_FROUND_TO_NEAREST_INT));
-    store_half8(dst + i, _mm256_add_ps(a, load_half8(recv + i)));
+// Eight lanes of a codec: load widens, store narrows, round narrows and widens back.
+struct Bf16x8 : Bf16 {
+  // narrow1 on each 32-bit lane: each ends holding its 16-bit result.
+  CX_SIMD static __m256i narrow_lanes(__m256 v) {
+    const __m256i x = _mm256_castps_si256(v);
+    const __m256i hi = _mm256_srli_epi32(x, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                              _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(rounded, quiet, is_nan);
   }
-  narrow_sum_half_scalar(own + i, scale, recv + i, dst + i, n - i);
-}
-
-// bf16_round on eight lanes: each 32-bit lane ends holding its 16-bit result.
-CX_AVX2 inline __m256i bf16_round8(__m256 v) {
-  const __m256i x = _mm256_castps_si256(v);
-  const __m256i hi = _mm256_srli_epi32(x, 16);
-  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
-  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
-                                            _mm256_set1_epi32(0x7f800000));
-  return _mm256_blendv_epi8(rounded, quiet, is_nan);
-}
-
-// Eight lanes below 2^16 into eight uint16: pack within each 128-bit half (no
-// saturation can happen), then bring the two halves' low quads together.
-CX_AVX2 inline void store_bf16x8(uint16_t* p, __m256i lanes) {
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lanes, lanes), _MM_SHUFFLE(3, 1, 2, 0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
-CX_AVX2 inline __m256 as_float8(__m256i lanes) { return _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16)); }
-
-CX_AVX2 inline __m256 load_bf16x8(const uint16_t* p) {
-  return as_float8(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-CX_AVX2 void sum_bf16_avx2(uint16_t* d, const uint16_t* s, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store_bf16x8(d + i, bf16_round8(_mm256_add_ps(load_bf16x8(d + i), load_bf16x8(s + i))));
-  sum_bf16_scalar(d + i, s + i, n - i);
-}
-
-CX_AVX2 void narrow_bf16_avx2(const float* src, float scale, uint16_t* dst, size_t n) {
-  const __m256 k = _mm256_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) store_bf16x8(dst + i, bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(src + i), k)));
-  narrow_bf16_scalar(src + i, scale, dst + i, n - i);
-}
-
-CX_AVX2 void widen_bf16_avx2(const uint16_t* src, float* dst, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
-  widen_bf16_scalar(src + i, dst + i, n - i);
-}
-
-CX_AVX2 void narrow_sum_bf16_avx2(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n) {
-  const __m256 k = _mm256_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 a = as_float8(bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(own + i), k)));
-    store_bf16x8(dst + i, bf16_round8(_mm256_add_ps(a, load_bf16x8(recv + i))));
+  CX_SIMD static __m256 as_float(__m256i lanes) { return _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16)); }
+  CX_SIMD static __m256 load(const uint16_t* p) {
+    return as_float(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  narrow_sum_bf16_scalar(own + i, scale, recv + i, dst + i, n - i);
+  // Lanes below 2^16 pack without saturating, within each 128-bit half; then the
+  // two halves' low quads are brought together.
+  CX_SIMD static void store(uint16_t* p, __m256 v) {
+    const __m256i l = narrow_lanes(v);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(l, l), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  CX_SIMD static __m256 round(__m256 v) { return as_float(narrow_lanes(v)); }
+};
+
+struct Halfx8 : Half {
+  CX_SIMD static __m256 load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  CX_SIMD static void store(uint16_t* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  CX_SIMD static __m256 round(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+};
+
+template <class L>
+CX_SIMD void sum_x8(uint16_t* d, const uint16_t* s, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) L::store(d + i, _mm256_add_ps(L::load(d + i), L::load(s + i)));
+  sum_from<L>(i, d, s, n);
 }
 
-bool have_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+template <class L>
+CX_SIMD void narrow_x8(const float* src, float scale, uint16_t* dst, size_t n) {
+  const __m256 k = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) L::store(dst + i, _mm256_mul_ps(_mm256_loadu_ps(src + i), k));
+  narrow_from<L>(i, src, scale, dst, n);
+}
+
+template <class L>
+CX_SIMD void widen_x8(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, L::load(src + i));
+  widen_from<L>(i, src, dst, n);
+}
+
+template <class L>
+CX_SIMD void narrow_sum_x8(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n) {
+  const __m256 k = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    L::store(dst + i, _mm256_add_ps(L::round(_mm256_mul_ps(_mm256_loadu_ps(own + i), k)), L::load(recv + i)));
+  narrow_sum_from<L>(i, own, scale, recv, dst, n);
+}
+
+bool have_simd() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return yes;
 }
 
-bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
+// Runs f<Vector codec> where the CPU has AVX2 and F16C, f<Scalar codec> otherwise.
+#define CX_DISPATCH16(wire, vec, scalar, ...)                                                            \
+  ((wire) == DataType::kBFloat16 ? (have_simd() ? vec<Bf16x8>(__VA_ARGS__) : scalar<Bf16>(0, __VA_ARGS__)) \
+                                 : (have_simd() ? vec<Halfx8>(__VA_ARGS__) : scalar<Half>(0, __VA_ARGS__)))
+#else
+#define CX_DISPATCH16(wire, vec, scalar, ...) \
+  ((wire) == DataType::kBFloat16 ? scalar<Bf16>(0, __VA_ARGS__) : scalar<Half>(0, __VA_ARGS__))
 #endif
-
-void sum_half(uint16_t* d, const uint16_t* s, size_t n) {
-#if CX_HAVE_F16C_PATH
-  if (have_f16c()) return sum_half_f16c(d, s, n);
-#endif
-  for (size_t i = 0; i < n; ++i) d[i] = float_to_half(half_to_float(d[i]) + half_to_float(s[i]));
-}
-
-void sum_bf16(uint16_t* d, const uint16_t* s, size_t n) {
-#if CX_HAVE_F16C_PATH
-  if (have_avx2()) return sum_bf16_avx2(d, s, n);
-#endif
-  sum_bf16_scalar(d, s, n);
-}
 
 }  // namespace
 
 void narrow(const float* src, float scale, uint16_t* dst, size_t n, DataType wire) {
-  if (wire == DataType::kBFloat16) {
-#if CX_HAVE_F16C_PATH
-    if (have_avx2()) return narrow_bf16_avx2(src, scale, dst, n);
-#endif
-    return narrow_bf16_scalar(src, scale, dst, n);
-  }
-#if CX_HAVE_F16C_PATH
-  if (have_f16c()) return narrow_half_f16c(src, scale, dst, n);
-#endif
-  narrow_half_scalar(src, scale, dst, n);
+  CX_DISPATCH16(wire, narrow_x8, narrow_from, src, scale, dst, n);
 }
 
 void widen(const uint16_t* src, float* dst, size_t n, DataType wire) {
-  if (wire == DataType::kBFloat16) {
-#if CX_HAVE_F16C_PATH
-    if (have_avx2()) return widen_bf16_avx2(src, dst, n);
-#endif
-    return widen_bf16_scalar(src, dst, n);
-  }
-#if CX_HAVE_F16C_PATH
-  if (have_f16c()) return widen_half_f16c(src, dst, n);
-#endif
-  widen_half_scalar(src, dst, n);
+  CX_DISPATCH16(wire, widen_x8, widen_from, src, dst, n);
 }
 
 void narrow_sum(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n, DataType wire) {
-  if (wire == DataType::kBFloat16) {
-#if CX_HAVE_F16C_PATH
-    if (have_avx2()) return narrow_sum_bf16_avx2(own, scale, recv, dst, n);
-#endif
-    return narrow_sum_bf16_scalar(own, scale, recv, dst, n);
-  }
-#if CX_HAVE_F16C_PATH
-  if (have_f16c()) return narrow_sum_half_f16c(own, scale, recv, dst, n);
-#endif
-  narrow_sum_half_scalar(own, scale, recv, dst, n);
+  CX_DISPATCH16(wire, narrow_sum_x8, narrow_sum_from, own, scale, recv, dst, n);
 }
+
+namespace {
+void sum_16(uint16_t* d, const uint16_t* s, size_t n, DataType wire) { CX_DISPATCH16(wire, sum_x8, sum_from, d, s, n); }
+}  // namespace
 
 void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp op) {
   switch (t) {
@@ -347,14 +287,14 @@ void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp 
     case DataType::kUInt8: reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op); break;
     case DataType::kFloat16:
       if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
-        sum_half(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count);
+        sum_16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, t);
         break;
       }
       reduce_16<half_to_float, float_to_half>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
       break;
     case DataType::kBFloat16:
       if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
-        sum_bf16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count);
+        sum_16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, t);
         break;
       }
       reduce_16<bf16_to_float, float_to_bf16>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
