@@ -7,7 +7,9 @@
 Both libraries over TCP (pycyxwiz with CX_SHM=0), one thread per rank, batch 32 per rank, SGD,
 the same loop (benchmarks/_hooks_worker.py). Per (world, hook, library): bytes sent per step and
 rank (pycyxwiz: measured by its transport; PyTorch: computed from the bytes its hooks hand to
-all_reduce, as a ring sends them), time per step (the slowest rank's timed steps / steps, and the
+all_reduce, as a ring sends them; pycyxwiz sends small all-reduces, such as PowerSGD's P and Q,
+by recursive doubling, log2(p) x their size, so on 4 ranks its PowerSGD column counts 2/1.5 of what
+a ring would), time per step (the slowest rank's timed steps / steps, and the
 median step) and global samples/s. Ratios: each hook against the same library without a hook (its
 bytes and its time per step), and pycyxwiz against PyTorch with the same hook. The targets (bf16:
 half the bytes and >= 1.5x faster per step than float32; PowerSGD rank 4: <= 1/20 of the bytes) are
