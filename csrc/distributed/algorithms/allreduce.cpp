@@ -8,15 +8,26 @@
 
 namespace cx::distributed::algo {
 
+namespace {
+enum class Algo { kRecursiveDoubling, kHalvingDoubling, kRing };
+
+// Which algorithm all_reduce runs for `count` elements of `es` bytes (every
+// rank decides alike: the choice depends only on sizes and options).
+Algo choose(const Transport& t, size_t count, size_t es, const AlgoOptions& o) {
+  const size_t bytes = count * es;
+  if (bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size())) return Algo::kRecursiveDoubling;
+  if (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes)
+    return Algo::kHalvingDoubling;
+  return Algo::kRing;
+}
+}  // namespace
+
 void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
   if (t.size() == 1) return;
-  const size_t bytes = count * dtype_size(dt);
-  if (bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size())) {
-    all_reduce_recursive_doubling(t, buf, count, dt, op);
-  } else if (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes) {
-    all_reduce_halving_doubling(t, buf, count, dt, op, o);
-  } else {
-    all_reduce_ring(t, buf, count, dt, op, o);
+  switch (choose(t, count, dtype_size(dt), o)) {
+    case Algo::kRecursiveDoubling: all_reduce_recursive_doubling(t, buf, count, dt, op); break;
+    case Algo::kHalvingDoubling: all_reduce_halving_doubling(t, buf, count, dt, op, o); break;
+    case Algo::kRing: all_reduce_ring(t, buf, count, dt, op, o); break;
   }
 }
 
@@ -234,10 +245,7 @@ void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceO
 void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
                      const AlgoOptions& o) {
   if (!count) return;
-  const size_t bytes = count * 2;
-  const bool small = bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size());
-  if (t.size() == 1 || small ||
-      (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes)) {
+  if (t.size() == 1 || choose(t, count, 2, o) != Algo::kRing) {
     // The whole-buffer algorithms (and one rank): three passes; the same
     // algorithm all_reduce picks for these 16-bit bytes.
     narrow(buf, scale, wire, count, wire_dt);

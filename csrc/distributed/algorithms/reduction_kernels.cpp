@@ -73,13 +73,12 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
+// Round to nearest even, NaN kept quiet; branch-free, so that loops over it vectorise.
 uint16_t float_to_bf16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet nan
-  uint32_t lsb = (x >> 16) & 1u;
-  x += 0x7fffu + lsb;
-  return static_cast<uint16_t>(x >> 16);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? ((x >> 16) | 0x40u) : rounded);
 }
 
 namespace {
@@ -119,32 +118,16 @@ void reduce_16(uint16_t* d, const uint16_t* s, size_t n, ReduceOp op) {
 
 // ---- 16-bit floats: the SUM of the hooks' all-reduces, and the casts around it ----
 //
-// One codec per type says how an element narrows and widens: bfloat16 is the
-// top half of a float32, rounded to nearest even (NaN kept quiet), as
-// float_to_bf16, written branch-free; float16 is float_to_half. The loops are
+// One codec per type says how an element narrows and widens: float_to_bf16
+// (the top half of a float32, rounded to nearest even, NaN kept quiet) and
+// float_to_half, and their inverses. The loops are
 // written once over a codec; their AVX2 forms (with F16C for float16) do the
 // same arithmetic eight lanes at a time and give the same bits as the scalar
 // definition, so ranks with and without AVX2 agree.
 
-inline uint32_t bits_of(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-
-inline float float_of(uint32_t x) {
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
 struct Bf16 {
-  static uint16_t narrow1(float f) {
-    const uint32_t x = bits_of(f);
-    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-    return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? ((x >> 16) | 0x40u) : rounded);
-  }
-  static float widen1(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+  static uint16_t narrow1(float f) { return float_to_bf16(f); }
+  static float widen1(uint16_t b) { return bf16_to_float(b); }
 };
 
 struct Half {
