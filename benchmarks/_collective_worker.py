@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from benchmarks._worker_io import RankReport, open_comm
+from benchmarks._worker_io import run_rank
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
 
@@ -144,12 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", required=True)
     ap.add_argument("--iters-scale", type=float, default=1.0)
     a = ap.parse_args(argv)
-    report = RankReport(a.out)
-    try:
-        comm = open_comm(a.lib)
-        report.set_rank(comm.rank)
-        report.data["info"] = {"version": comm.version, "world": comm.world}
-        report.save()
+
+    def body(comm, report):
         for nbytes in a.sizes:
             case = Case(comm, a.op, nbytes)
             correct = case.check()
@@ -166,11 +162,8 @@ def main(argv=None) -> int:
             report.add({"nominal": nbytes, "bytes": case.bytes, "correct": correct, "times": times})
             del case
         comm.barrier()
-        report.finish(comm)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
-        report.fail(exc)
-        return 1
-    return 0
+
+    return run_rank(a.out, a.lib, body)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from benchmarks._worker_io import RankReport, open_comm
+from benchmarks._worker_io import run_rank
 
 START_ITER = 2
 
@@ -170,20 +170,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
     a = ap.parse_args(argv)
-    report = RankReport(a.out)
-    try:
-        comm = open_comm(a.lib)
-        report.set_rank(comm.rank)
-        report.data["info"] = {"version": comm.version, "world": comm.world}
+
+    def body(comm, report):
         X, y = make_data(max(4096, a.batch * comm.world * 4), a.sizes[0], a.sizes[-1])
         step = (run_cx if a.lib == "pycyxwiz" else run_torch)(comm, a, X, y)
         step["samples"] = a.batch * a.steps  # this rank's
         report.add(step)
-        report.finish(comm)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
-        report.fail(exc)
-        return 1
-    return 0
+
+    return run_rank(a.out, a.lib, body)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from benchmarks._collective_worker import OPS, Case
-from benchmarks._worker_io import RankReport, open_comm, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks._worker_io import peak_rss_bytes, reset_peak_rss, rss_bytes, run_rank
 
 CALLS = 3
 
@@ -26,11 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--op", choices=OPS, default="all_reduce")
     ap.add_argument("--sizes", type=int, nargs="+", required=True)
     a = ap.parse_args(argv)
-    report = RankReport(a.out)
-    try:
-        comm = open_comm(a.lib)
-        report.set_rank(comm.rank)
-        report.data["info"] = {"version": comm.version, "world": comm.world, "rss_after_init": rss_bytes()}
+
+    def body(comm, report):
+        report.data["info"]["rss_after_init"] = rss_bytes()
         report.save()
         comm.barrier()
         for nbytes in sorted(a.sizes):
@@ -51,11 +49,8 @@ def main(argv=None) -> int:
                         "rss_before": before, "rss_with_arrays": with_arrays, "peak": peak,
                         "growth": peak - with_arrays if reset_ok else None, "peak_reset": reset_ok})
             del case
-        report.finish(comm)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
-        report.fail(exc)
-        return 1
-    return 0
+
+    return run_rank(a.out, a.lib, body)
 
 
 if __name__ == "__main__":

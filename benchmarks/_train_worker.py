@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from benchmarks._worker_io import RankReport, open_comm, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks._worker_io import peak_rss_bytes, reset_peak_rss, rss_bytes, run_rank
 
 IN, HIDDEN, OUT = 784, 256, 10
 BATCH = 64
@@ -117,11 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples-per-rank", type=int, default=8192)
     ap.add_argument("--epochs", type=int, default=3)
     a = ap.parse_args(argv)
-    report = RankReport(a.out)
-    try:
-        comm = open_comm(a.lib)
-        report.set_rank(comm.rank)
-        report.data["info"] = {"version": comm.version, "world": comm.world}
+
+    def body(comm, report):
         X, y = make_data(a.samples_per_rank * comm.world)
         base = rss_bytes()
         reset_peak_rss()
@@ -130,11 +127,8 @@ def main(argv=None) -> int:
         step["data_bytes"] = X.nbytes + y.nbytes
         step["rss_base"], step["peak_rss"] = base, peak_rss_bytes()
         report.add(step)
-        report.finish(comm)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
-        report.fail(exc)
-        return 1
-    return 0
+
+    return run_rank(a.out, a.lib, body)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
     report = RankReport(out_dir)          # DIR/rank<r>.json, rewritten atomically by save()
     comm = open_comm("gloo")              # .rank .world .barrier() .close() .version
+    sys.exit(run_rank(out_dir, lib, body))  # a worker's main: body(comm, report) in that frame
     rss_bytes(), peak_rss_bytes(), reset_peak_rss()
 
-A worker catches everything, records it as report.fail(exc) and exits non-zero: the parent
+A worker (run_rank) catches everything, records it as report.fail(exc) and exits non-zero: the parent
 prints that line as the column's "n/a (reason)".
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import traceback
 from pathlib import Path
+from typing import Callable
 
 
 class RankReport:
@@ -166,3 +168,21 @@ class MpiComm(Comm):
 
 def open_comm(lib: str) -> Comm:
     return {"pycyxwiz": CxComm, "gloo": GlooComm, "torch": GlooComm, "mpi": MpiComm}[lib]()
+
+
+def run_rank(out_dir: str, lib: str, body: Callable[[Comm, RankReport], None]) -> int:
+    """A worker's main, around its own part: opens `lib`, records rank and version, runs
+    body(comm, report), then marks the report done and closes. Any failure is recorded with
+    report.fail (the column's "n/a (reason)"); returns the process's exit status."""
+    report = RankReport(out_dir)
+    try:
+        comm = open_comm(lib)
+        report.set_rank(comm.rank)
+        report.data["info"] = {"version": comm.version, "world": comm.world}
+        report.save()
+        body(comm, report)
+        report.finish(comm)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
+        report.fail(exc)
+        return 1
+    return 0

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from benchmarks._worker_io import RankReport, open_comm, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks._worker_io import peak_rss_bytes, reset_peak_rss, rss_bytes, run_rank
 
 IN, OUT, BATCH, LR = 784, 10, 64, 1e-3
 
@@ -94,20 +94,14 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args(argv)
-    report = RankReport(a.out)
-    try:
-        comm = open_comm(a.lib)
-        report.set_rank(comm.rank)
-        report.data["info"] = {"version": comm.version, "world": comm.world}
+
+    def body(comm, report):
         run = _cx if a.lib == "pycyxwiz" else _torch
         step = run(comm, a.hidden, bool(a.zero), a.steps)
         step["zero"] = bool(a.zero)
         report.add(step)
-        report.finish(comm)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes the column's reason
-        report.fail(exc)
-        return 1
-    return 0
+
+    return run_rank(a.out, a.lib, body)
 
 
 if __name__ == "__main__":

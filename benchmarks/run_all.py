@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _launch
