@@ -7,6 +7,7 @@ within 1%), its error-feedback state survives a checkpoint, and misuse is named.
 import numpy as np
 import pytest
 
+import digits
 import ranks
 import refs
 
@@ -330,11 +331,7 @@ def test_powersgd_full_rank_under_no_sync_equals_the_accumulated_average():
 
 def digits_accuracies(configs, epochs):
     """Held-out accuracy of the digits MLP (as examples/train_digits.py) for each (hook, options)."""
-    from pycyxwiz.datasets import load_digits
-
-    X, y = load_digits()
-    perm = np.random.default_rng(0).permutation(len(X))
-    test, train = perm[:360], perm[360:]
+    Xtr, ytr, Xte, yte = digits.split()
     out = []
     for hook, opts in configs:
         cx.manual_seed(0)
@@ -351,8 +348,8 @@ def digits_accuracies(configs, epochs):
             setattr(cfg.powersgd, k, v)
         trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3), cfg)
         config = D.DistributedTrainingConfig(epochs=epochs, batch_size=32, seed=42, verbose=False)
-        trainer.fit(X[train], y[train], config)
-        out.append(trainer.evaluate(X[test], y[test])[1])
+        trainer.fit(Xtr, ytr, config)
+        out.append(trainer.evaluate(Xte, yte)[1])
     return out
 
 

@@ -12,19 +12,13 @@ import zipfile
 import numpy as np
 import pytest
 
+import digits
 import ranks
 
 import pycyxwiz as cx
 from pycyxwiz.distributed import _ckpt_file
 
 D = cx.distributed
-
-
-def digits_split():
-    X, y = cx.datasets.load_digits()
-    perm = np.random.default_rng(0).permutation(len(X))
-    te, tr = perm[:360], perm[360:]
-    return X[tr], y[tr], X[te], y[te]
 
 
 def mlp_with_dropout(seed=3, hidden=24):
@@ -43,7 +37,7 @@ def config(**kw):
 # ---- checkpoints you can trust ---------------------------------------------------------
 
 def small_checkpoint(path):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     trainer = D.DistributedTrainer(mlp_with_dropout(hidden=8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     trainer.fit(Xtr[:64], ytr[:64], config(epochs=1, batch_size=32))
     trainer.save_checkpoint(path)
@@ -202,7 +196,7 @@ def test_a_save_killed_mid_write_leaves_a_file_the_next_save_removes(tmp_path):
 # ---- the trainer resumes by itself ------------------------------------------------------
 
 def fit_in(directory, epochs, auto_resume=None):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     trainer = D.DistributedTrainer(mlp_with_dropout(), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     c = config(epochs=epochs, batch_size=16, checkpoint_every_n_epochs=1, checkpoint_dir=directory,
                auto_resume=auto_resume)
@@ -359,7 +353,7 @@ def test_a_rank_of_another_start_is_refused_by_name():
 
 
 def resume_other_architecture(directory, case):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     hidden = 24 if case == "saved" else 40
     trainer = D.DistributedTrainer(mlp_with_dropout(hidden=hidden), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     c = config(epochs=1, batch_size=64, checkpoint_every_n_epochs=1, checkpoint_dir=directory)

@@ -11,18 +11,12 @@ import time
 import numpy as np
 import pytest
 
+import digits
 import ranks
 
 import pycyxwiz as cx
 
 D = cx.distributed
-
-
-def digits_split():
-    X, y = cx.datasets.load_digits()
-    perm = np.random.default_rng(0).permutation(len(X))
-    te, tr = perm[:360], perm[360:]
-    return X[tr], y[tr], X[te], y[te]
 
 
 def mlp(seed=0, hidden=64):
@@ -41,7 +35,7 @@ def config(**kw):
 # ---- accuracy ----------------------------------------------------------------------
 
 def fit_digits(epochs, batch):
-    Xtr, ytr, Xte, yte = digits_split()
+    Xtr, ytr, Xte, yte = digits.split()
     model = mlp()
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(3e-3))
     h = trainer.fit(Xtr, ytr, Xte, yte, config(epochs=epochs, batch_size=batch))
@@ -89,7 +83,7 @@ def test_evaluate_matches_numpy(world):
 # ---- checkpoints -------------------------------------------------------------------
 
 def fit_with_checkpoints(ckpt_dir, epochs, resume_from):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     model = mlp(seed=9)
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     c = config(epochs=epochs, batch_size=16, checkpoint_every_n_epochs=1, checkpoint_dir=ckpt_dir,
@@ -118,7 +112,7 @@ def mlp_with_dropout(seed=0, hidden=64):
 
 
 def fit_dropout_with_checkpoints(ckpt_dir, epochs, resume_from):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     model = mlp_with_dropout(seed=9)
     initial_rng = model.get_rng_state().copy()
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
@@ -166,7 +160,7 @@ def die_after_first_checkpoint(ckpt_dir):
                 time.sleep(0.005)
             os._exit(3)
         threading.Thread(target=killer, daemon=True).start()
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     trainer.fit(Xtr, ytr, config(epochs=500, batch_size=8, checkpoint_every_n_epochs=1, checkpoint_dir=ckpt_dir))
 
@@ -174,7 +168,7 @@ def die_after_first_checkpoint(ckpt_dir):
 def load_last(path):
     trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     trainer.load_checkpoint(path)
-    _, _, Xte, yte = digits_split()
+    _, _, Xte, yte = digits.split()
     return trainer._epoch, trainer.evaluate(Xte, yte)[1]
 
 
@@ -201,7 +195,7 @@ class FakeTTY(io.StringIO):
 
 
 def fit_printing(tty):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     buf = FakeTTY() if tty else io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -236,7 +230,7 @@ def test_trainer_before_init_says_to_call_init():
 
 
 def misuse(case, path=""):
-    Xtr, ytr, _, _ = digits_split()
+    Xtr, ytr, _, _ = digits.split()
     trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer())
     if case == "batch":
         trainer.fit(Xtr, ytr, config(batch_size=0))
