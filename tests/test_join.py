@@ -55,16 +55,16 @@ def joined_loop(base, extra, use_function, batchnorm):
     return model.flat_parameters().copy(), bufs, ddp.joining
 
 
-def reference(world, base, extra):
-    """One process: each step averages the gradients of the ranks that still have a batch."""
+def reference_for(counts):
+    """One process: each step averages the gradients of the ranks that still have a batch (rank r has
+    counts[r] batches)."""
     model = make_model(1)
     opt = cx.SGDOptimizer(0.1, momentum=0.9)
     loss_fn = cx.CrossEntropyLoss()
-    counts = counts_for(world, base, extra)
-    data = [batches_of(r, counts[r]) for r in range(world)]
+    data = [batches_of(r, n) for r, n in enumerate(counts)]
     for s in range(max(counts)):
         grads = []
-        for r in range(world):
+        for r in range(len(counts)):
             if s < counts[r]:
                 model.zero_grad()
                 X, y = data[r][s]
@@ -74,6 +74,10 @@ def reference(world, base, extra):
         model.flat_gradients()[:] = (np.sum(grads, axis=0) / len(grads)).astype(np.float32)
         opt.step(model)
     return model.flat_parameters().copy()
+
+
+def reference(world, base, extra):
+    return reference_for(counts_for(world, base, extra))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -120,22 +124,7 @@ def joined_loop_reversed():
 
 
 def reference_reversed():
-    model = make_model(1)
-    opt = cx.SGDOptimizer(0.1, momentum=0.9)
-    loss_fn = cx.CrossEntropyLoss()
-    data = [batches_of(r, REV_COUNTS[r]) for r in range(3)]
-    for s in range(max(REV_COUNTS)):
-        grads = []
-        for r in range(3):
-            if s < REV_COUNTS[r]:
-                model.zero_grad()
-                X, y = data[r][s]
-                loss_fn.forward(model.forward(X), y)
-                model.backward(loss_fn.backward())
-                grads.append(model.flat_gradients().astype(np.float64).copy())
-        model.flat_gradients()[:] = (np.sum(grads, axis=0) / len(grads)).astype(np.float32)
-        opt.step(model)
-    return model.flat_parameters().copy()
+    return reference_for(REV_COUNTS)
 
 
 ACC_COUNTS = [5, 3]   # optimizer steps per rank, two micro-batches each
