@@ -42,6 +42,25 @@ def batches(comm, X, y, batch, steps):
         yield X[lo:lo + batch], y[lo:lo + batch]
 
 
+def timed_steps(comm, a, X, y, step, counter):
+    """--warmup untimed steps, then --steps timed ones between two barriers: (seconds in all, each
+    step's seconds, how much counter() grew over the timed steps)."""
+    for x, t in batches(comm, X, y, a.batch, a.warmup):
+        step(x, t)
+    comm.barrier()
+    c0 = counter()
+    times = []
+    t_all = time.perf_counter()
+    for x, t in batches(comm, X, y, a.batch, a.steps):
+        t0 = time.perf_counter()
+        step(x, t)
+        times.append(time.perf_counter() - t0)
+    seconds = time.perf_counter() - t_all
+    grown = counter() - c0
+    comm.barrier()
+    return seconds, times, grown
+
+
 def run_cx(comm, a, X, y) -> dict:
     cx, d = comm.cx, comm.d
     cx.manual_seed(0)
@@ -63,19 +82,7 @@ def run_cx(comm, a, X, y) -> dict:
         ddp.backward(loss_fn.backward(), input_grad=False)
         ddp.update_parameters(opt)
 
-    for x, t in batches(comm, X, y, a.batch, a.warmup):
-        step(x, t)
-    comm.barrier()
-    b0 = cx._core.dist._bytes_sent()
-    times = []
-    t_all = time.perf_counter()
-    for x, t in batches(comm, X, y, a.batch, a.steps):
-        t0 = time.perf_counter()
-        step(x, t)
-        times.append(time.perf_counter() - t0)
-    seconds = time.perf_counter() - t_all
-    sent = cx._core.dist._bytes_sent() - b0
-    comm.barrier()
+    seconds, times, sent = timed_steps(comm, a, X, y, step, cx._core.dist._bytes_sent)
     return {"seconds": seconds, "step_times": times, "bytes_per_step": sent / a.steps, "bytes_how": "measured"}
 
 
@@ -138,22 +145,11 @@ def run_torch(comm, a, X, y) -> dict:
         loss_fn(ddp(torch.from_numpy(x)), torch.from_numpy(t)).backward()
         opt.step()
 
-    for x, t in batches(comm, X, y, a.batch, a.warmup):
-        step(x, t)
-    comm.barrier()
-    handed[0] = 0
-    times = []
-    t_all = time.perf_counter()
-    for x, t in batches(comm, X, y, a.batch, a.steps):
-        t0 = time.perf_counter()
-        step(x, t)
-        times.append(time.perf_counter() - t0)
-    seconds = time.perf_counter() - t_all
+    seconds, times, handed_total = timed_steps(comm, a, X, y, step, lambda: handed[0])
     dist.all_reduce = real_all_reduce
-    per_step = handed[0] / a.steps
+    per_step = handed_total / a.steps
     if a.hook == "none":
         per_step = sum(p.numel() * 4 for p in model.parameters())
-    comm.barrier()
     ring = 2 * (comm.world - 1) / comm.world
     return {"seconds": seconds, "step_times": times, "bytes_per_step": per_step * ring,
             "bytes_how": "computed: bytes handed to all_reduce x 2(p-1)/p"}
