@@ -120,10 +120,10 @@ void reduce_16(uint16_t* d, const uint16_t* s, size_t n, ReduceOp op) {
 //
 // One codec per type says how an element narrows and widens: float_to_bf16
 // (the top half of a float32, rounded to nearest even, NaN kept quiet) and
-// float_to_half, and their inverses. The loops are
-// written once over a codec; their AVX2 forms (with F16C for float16) do the
-// same arithmetic eight lanes at a time and give the same bits as the scalar
-// definition, so ranks with and without AVX2 agree.
+// float_to_half, and their inverses. The loops are written once over a codec;
+// their AVX2 forms (with F16C for float16) do the same arithmetic eight lanes
+// at a time and give the same bits as the scalar definition, so ranks with and
+// without AVX2 agree.
 
 struct Bf16 {
   static uint16_t narrow1(float f) { return float_to_bf16(f); }
@@ -269,19 +269,17 @@ void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp 
     case DataType::kInt64: reduce_typed(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count, op); break;
     case DataType::kUInt8: reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op); break;
     case DataType::kFloat16:
-      if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
-        sum_16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, t);
-        break;
-      }
-      reduce_16<half_to_float, float_to_half>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
+    case DataType::kBFloat16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      auto* s = static_cast<const uint16_t*>(src);
+      if (op == ReduceOp::kSum || op == ReduceOp::kAvg)
+        sum_16(d, s, count, t);
+      else if (t == DataType::kFloat16)
+        reduce_16<half_to_float, float_to_half>(d, s, count, op);
+      else
+        reduce_16<bf16_to_float, float_to_bf16>(d, s, count, op);
       break;
-    case DataType::kBFloat16:
-      if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
-        sum_16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, t);
-        break;
-      }
-      reduce_16<bf16_to_float, float_to_bf16>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
-      break;
+    }
     case DataType::kBytes: break;
   }
 }
