@@ -27,10 +27,12 @@ std::optional<DataType> reducible_dtype(const py::dtype& d) {
     case 'i':
       if (size == 4) return DataType::kInt32;
       if (size == 8) return DataType::kInt64;
+      if (size == 1) return DataType::kInt8;
       break;
     case 'u':
       if (size == 1) return DataType::kUInt8;
       break;
+    case 'b': return DataType::kBool;
     case 'V':
       if (size == 2 && std::string(py::str(d.attr("name"))) == "bfloat16") return DataType::kBFloat16;
       break;
@@ -40,6 +42,9 @@ std::optional<DataType> reducible_dtype(const py::dtype& d) {
 }
 
 bool is_gpu_array(const py::handle& obj) { return py::hasattr(obj, "__cuda_array_interface__"); }
+bool is_dlpack(const py::handle& obj) {
+  return PyCapsule_CheckExact(obj.ptr()) || py::hasattr(obj, "__dlpack__");
+}
 // What NumPy can view without a copy: an ndarray, anything with the buffer protocol
 // (memoryview, array.array, bytearray, ...) or the array interface. Objects that only
 // have __array__ (a torch.Tensor, say) may hand NumPy a copy, and a collective that
@@ -85,9 +90,10 @@ void check_transferable(const py::dtype& d, const char* what) {
   }
 }
 
-// Fills dt/count from the dtype name (or the bfloat16 override).
+// Fills dt/count from the dtype (or the bfloat16 override); `natural`: the array's own reducible type, where the
+// caller knows it (DLPack), else read from v.dtype.
 void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
-               const std::optional<std::string>& dtype_override) {
+               const std::optional<std::string>& dtype_override, std::optional<DataType> natural = std::nullopt) {
   std::optional<DataType> dt;
   if (dtype_override) {
     if (*dtype_override != "bfloat16") {
@@ -98,7 +104,9 @@ void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
       CX_THROW(TypeMismatch, "dtype='bfloat16' needs a 2-byte array (uint16 storage), got itemsize ", itemsize);
     }
     dt = DataType::kBFloat16;
-  } else {
+  } else if (natural) {
+    dt = natural;
+  } else if (v.name.empty()) {
     dt = reducible_dtype(py::reinterpret_borrow<py::dtype>(v.dtype));
   }
   if (dt) {
@@ -106,7 +114,7 @@ void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
     v.count = v.size;
   } else if (reduce) {
     CX_THROW(TypeMismatch, what, " has dtype ", v.dtype_name(), ", which cannot be reduced: use float32, float64, "
-             "float16, bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64 or uint8");
+             "float16, bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64, int8, uint8 or bool");
   } else {
     v.dt = DataType::kBytes;  // moved, never combined: any dtype works
     v.count = v.nbytes;
@@ -185,6 +193,171 @@ View gpu_view(const py::handle& obj, const char* what, bool writable, bool reduc
   return v;
 }
 
+// ---- DLPack ---------------------------------------------------------------------------------------------------
+//
+// The structs of the DLPack ABI (dlpack.h, v0.8 and v1.x; only what we read): a producer's __dlpack__() returns a
+// capsule named "dltensor" (DLManagedTensor) or, when asked with max_version=(1, 0), "dltensor_versioned"
+// (DLManagedTensorVersioned, whose flags say read-only). The consumer renames the capsule "used_..." and owns the
+// tensor from then on: it calls the deleter when done, which here is when the View's `obj` (a capsule of ours)
+// goes, so the producer's memory lives as long as the collective needs it.
+namespace dl {
+struct Device { int32_t type; int32_t id; };
+struct DType { uint8_t code; uint8_t bits; uint16_t lanes; };
+struct Tensor { void* data; Device device; int32_t ndim; DType dtype; int64_t* shape; int64_t* strides; uint64_t byte_offset; };
+struct Managed { Tensor t; void* ctx; void (*deleter)(Managed*); };
+struct Version { uint32_t major; uint32_t minor; };
+struct ManagedVersioned { Version version; void* ctx; void (*deleter)(ManagedVersioned*); uint64_t flags; Tensor t; };
+constexpr int32_t kCpu = 1, kCuda = 2, kCudaHost = 3;
+constexpr uint8_t kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kBool = 6;
+constexpr uint64_t kReadOnly = 1;
+}  // namespace dl
+
+const char* device_name(int32_t type) {
+  switch (type) {
+    case dl::kCpu: return "the CPU";
+    case dl::kCuda: return "a CUDA GPU";
+    case dl::kCudaHost: return "pinned host memory";
+    case 4: return "an OpenCL device";
+    case 7: return "a Vulkan device";
+    case 8: return "a Metal device";
+    case 10: return "a ROCm GPU";
+    case 14: return "a oneAPI device";
+    default: return "a device of DLPack type";
+  }
+}
+
+// The array's elements as NumPy names them (bfloat16: "" as NumPy has none), and its reducible type.
+std::pair<std::string, std::optional<DataType>> dl_dtype(const dl::DType& t, const char* what) {
+  if (t.lanes != 1) CX_THROW(TypeMismatch, what, " has vector elements (DLPack lanes=", t.lanes, "): not supported");
+  const int b = t.bits;
+  switch (t.code) {
+    case dl::kFloat:
+      if (b == 16) return {"float16", DataType::kFloat16};
+      if (b == 32) return {"float32", DataType::kFloat32};
+      if (b == 64) return {"float64", DataType::kFloat64};
+      break;
+    case dl::kBfloat:
+      if (b == 16) return {"", DataType::kBFloat16};
+      break;
+    case dl::kInt:
+      if (b == 8) return {"int8", DataType::kInt8};
+      if (b == 16) return {"int16", std::nullopt};
+      if (b == 32) return {"int32", DataType::kInt32};
+      if (b == 64) return {"int64", DataType::kInt64};
+      break;
+    case dl::kUInt:
+      if (b == 8) return {"uint8", DataType::kUInt8};
+      if (b == 16 || b == 32 || b == 64) return {"uint" + std::to_string(b), std::nullopt};
+      break;
+    case dl::kBool:
+      if (b == 8) return {"bool", DataType::kBool};
+      break;
+    default: break;
+  }
+  CX_THROW(TypeMismatch, what, " has a DLPack element type (code ", int(t.code), ", ", b,
+           " bits) that cannot be sent: convert it to a standard dtype first");
+}
+
+View dlpack_view(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
+                 const std::optional<std::string>& dtype_override) {
+  py::object cap;
+  if (PyCapsule_CheckExact(obj.ptr())) {
+    cap = py::reinterpret_borrow<py::object>(obj);
+  } else {
+    if (py::hasattr(obj, "__dlpack_device__")) {
+      const int32_t type = py::tuple(obj.attr("__dlpack_device__")())[0].cast<int32_t>();
+      if (gpu && type != dl::kCuda) {
+        CX_THROW(TypeMismatch, what, " is on ", device_name(type), ", but the process group uses BackendType.NCCL, "
+                 "which works on CUDA arrays: move it to the GPU (t.cuda()), or use the CPU backend for host arrays");
+      }
+      if (!gpu && type != dl::kCpu && type != dl::kCudaHost) {
+        CX_THROW(TypeMismatch, what, " is on ", device_name(type), ", but the process group uses BackendType.CPU, "
+                 "which works on host memory: pass t.cpu() (and copy the result back), or initialize with "
+                 "BackendType.NCCL (DISTRIBUTED_BACKEND=nccl) for CUDA arrays");
+      }
+    }
+    py::object export_ = obj.attr("__dlpack__");
+    try {
+      // CUDA: stream 1 is the legacy default stream, which the NCCL backend orders the collective after.
+      cap = gpu ? export_(py::arg("stream") = 1, py::arg("max_version") = py::make_tuple(1, 0))
+                : export_(py::arg("max_version") = py::make_tuple(1, 0));
+    } catch (const py::error_already_set& e) {
+      if (!e.matches(PyExc_TypeError)) {
+        CX_THROW(TypeMismatch, what, " cannot be shared through DLPack: ", e.what(),
+                 " (a torch tensor that requires grad: pass t.detach(), which shares its memory)");
+      }
+      try {  // a producer older than DLPack 1.0 takes no max_version
+        cap = gpu ? export_(py::arg("stream") = 1) : export_();
+      } catch (const py::error_already_set& e2) {
+        CX_THROW(TypeMismatch, what, " cannot be shared through DLPack: ", e2.what());
+      }
+    }
+  }
+  const char* cname = PyCapsule_GetName(cap.ptr());
+  const bool versioned = cname && std::strcmp(cname, "dltensor_versioned") == 0;
+  if (!cname || (!versioned && std::strcmp(cname, "dltensor") != 0)) {
+    CX_THROW(TypeMismatch, what, " is a DLPack capsule that was consumed already (named '", cname ? cname : "",
+             "'): pass the tensor itself, or a fresh capsule");
+  }
+  void* raw = PyCapsule_GetPointer(cap.ptr(), cname);
+  if (!raw) throw py::error_already_set();
+  // Ours from here on: the producer's capsule must not free it too.
+  PyCapsule_SetName(cap.ptr(), versioned ? "used_dltensor_versioned" : "used_dltensor");
+  View v;
+  const dl::Tensor* t;
+  uint64_t flags = 0;
+  if (versioned) {
+    auto* m = static_cast<dl::ManagedVersioned*>(raw);
+    v.obj = py::capsule(m, [](void* p) {
+      auto* mt = static_cast<dl::ManagedVersioned*>(p);
+      if (mt->deleter) mt->deleter(mt);
+    });
+    t = &m->t;
+    flags = m->flags;
+  } else {
+    auto* m = static_cast<dl::Managed*>(raw);
+    v.obj = py::capsule(m, [](void* p) {
+      auto* mt = static_cast<dl::Managed*>(p);
+      if (mt->deleter) mt->deleter(mt);
+    });
+    t = &m->t;
+  }
+  if (gpu ? t->device.type != dl::kCuda : (t->device.type != dl::kCpu && t->device.type != dl::kCudaHost)) {
+    CX_THROW(TypeMismatch, what, " is on ", device_name(t->device.type), ", which the process group's backend (",
+             gpu ? "NCCL" : "CPU", ") cannot reach: ", gpu ? "move it to the GPU" : "pass t.cpu()");
+  }
+  if (writable && (flags & dl::kReadOnly)) {
+    CX_THROW(InvalidArgument, what, " is read-only, but the collective writes its result into it in place");
+  }
+  auto [name, natural] = dl_dtype(t->dtype, what);
+  const size_t itemsize = (t->dtype.bits + 7) / 8;
+  v.size = 1;
+  for (int32_t i = 0; i < t->ndim; ++i) {
+    v.shape.push_back(t->shape[i]);
+    v.size *= static_cast<size_t>(t->shape[i]);
+  }
+  if (t->strides && v.size > 1) {
+    int64_t expect = 1;
+    for (int32_t i = t->ndim; i-- > 0;) {
+      if (t->shape[i] != 1 && t->strides[i] != expect) {
+        CX_THROW(InvalidArgument, what, kContiguous, "pass t.contiguous() (torch) and use that tensor afterwards");
+      }
+      expect *= t->shape[i];
+    }
+  }
+  v.ptr = static_cast<char*>(t->data) + t->byte_offset;
+  v.nbytes = v.size * itemsize;
+  auto np_dtype = py::module_::import("numpy").attr("dtype");
+  if (name.empty()) {  // bfloat16: NumPy has no such dtype; its bits travel and reduce as bfloat16
+    v.dtype = np_dtype("uint16");
+    v.name = "bfloat16";
+  } else {
+    v.dtype = np_dtype(name);
+  }
+  set_dtype(v, itemsize, what, reduce, dtype_override, natural);
+  return v;
+}
+
 void same_layout(const View& ref, const View& v, const std::string& what) {
   if (v.dt != ref.dt || v.count != ref.count || !v.dtype.equal(ref.dtype)) {
     CX_THROW(InvalidArgument, what, " has ", v.size, " elements of ", v.dtype_name(), " but ", ref.size,
@@ -196,7 +369,10 @@ void same_layout(const View& ref, const View& v, const std::string& what) {
 
 // ---- collectives --------------------------------------------------------------------------------------------
 
-bool is_array(const py::handle& obj, bool gpu) { return gpu ? is_gpu_array(obj) : is_host_array(obj); }
+bool is_array(const py::handle& obj, bool gpu) {
+  if (gpu) return is_gpu_array(obj) || (is_dlpack(obj) && !py::isinstance<py::array>(obj));
+  return !is_gpu_array(obj) && (is_host_array(obj) || is_dlpack(obj));
+}
 
 [[noreturn]] void not_an_array(const char* what, const py::handle& obj, bool gpu) {
   std::string tname = type_name(obj);
@@ -214,19 +390,23 @@ bool is_array(const py::handle& obj, bool gpu) { return gpu ? is_gpu_array(obj) 
              "works on NumPy arrays: initialize with BackendType.NCCL (DISTRIBUTED_BACKEND=nccl) for GPU arrays, "
              "or copy it to the host with cupy.asnumpy(a)");
   }
-  if (module_name(obj).rfind("torch", 0) == 0 && tname == "Tensor") {
-    CX_THROW(TypeMismatch, what, " is a torch.Tensor: pass t.numpy(), which shares the tensor's memory, so the "
-             "result lands in the tensor (t.detach().numpy() if it requires grad)");
-  }
-  CX_THROW(TypeMismatch, what, " must be a NumPy array (or an object NumPy can view without a copy: a "
-           "memoryview, array.array, bytearray, anything with the buffer protocol), got ", tname);
+  CX_THROW(TypeMismatch, what, " must be a NumPy array, a tensor with __dlpack__ (torch, JAX), or an object NumPy "
+           "can view without a copy (a memoryview, array.array, bytearray, anything with the buffer protocol), got ",
+           tname);
 }
 
 View view_of(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
              const std::optional<std::string>& dtype_override) {
   if (!is_array(obj, gpu)) not_an_array(what, obj, gpu);
-  return gpu ? gpu_view(obj, what, writable, reduce, dtype_override)
-             : numpy_view(obj, what, writable, reduce, dtype_override);
+  if (gpu) {
+    return is_gpu_array(obj) ? gpu_view(obj, what, writable, reduce, dtype_override)
+                             : dlpack_view(obj, what, writable, reduce, true, dtype_override);
+  }
+  // NumPy's own view is the cheaper one where both exist (an ndarray has __dlpack__ too).
+  if (py::isinstance<py::array>(obj) || !is_dlpack(obj) || PyObject_CheckBuffer(obj.ptr())) {
+    return numpy_view(obj, what, writable, reduce, dtype_override);
+  }
+  return dlpack_view(obj, what, writable, reduce, false, dtype_override);
 }
 
 View one_block(const View& whole, int p) {
@@ -239,7 +419,8 @@ View one_block(const View& whole, int p) {
   return b;
 }
 
-std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu) {
+std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu,
+                            const View* viewed) {
   std::vector<View> out;
   if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
     auto seq = py::reinterpret_borrow<py::sequence>(obj);
@@ -249,7 +430,7 @@ std::vector<View> blocks_of(const py::handle& obj, const char* what, const View&
     }
     for (size_t i = 0; i < seq.size(); ++i) {
       std::string item = std::string(what) + "[" + std::to_string(i) + "]";
-      View v = view_of(seq[i], item.c_str(), writable, false, gpu);
+      View v = i == 0 && viewed ? *viewed : view_of(seq[i], item.c_str(), writable, false, gpu);
       if (ref.dt != DataType::kBytes && v.dt == DataType::kBytes) same_layout(ref, v, item);
       v.dt = ref.dt;
       if (ref.dt != DataType::kBytes) v.count = v.size;
@@ -258,7 +439,7 @@ std::vector<View> blocks_of(const py::handle& obj, const char* what, const View&
     }
     return out;
   }
-  View whole = view_of(obj, what, writable, false, gpu);
+  View whole = viewed ? *viewed : view_of(obj, what, writable, false, gpu);
   if (!whole.dtype.equal(ref.dtype) || whole.nbytes != p * ref.nbytes) {
     CX_THROW(InvalidArgument, what, " must hold world_size x ", ref.size, " elements of ", ref.dtype_name(), " (", p,
              " x ", ref.nbytes, " bytes); got ", whole.size, " elements of ", whole.dtype_name());

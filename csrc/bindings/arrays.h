@@ -1,7 +1,8 @@
 // defines: every conversion between a Python array and what the C++ core takes (pointer, count, dtype, shape),
 // with the checks at that boundary, for all the binding files:
-//   - View / view_of / blocks_of: the arrays of a collective, a NumPy array (or anything NumPy views without a
-//     copy) with the CPU backend, a __cuda_array_interface__ array (CuPy) with NCCL;
+//   - View / view_of / blocks_of: the arrays of a collective: with the CPU backend a NumPy array, anything NumPy
+//     views without a copy (buffer protocol, __array_interface__) or a host DLPack tensor (torch, JAX: __dlpack__,
+//     or a DLPack capsule); with NCCL a __cuda_array_interface__ array (CuPy) or a CUDA DLPack tensor;
 //   - float_array / shape_of / to_numpy / storage_view: the float32 arrays of the model stack;
 //   - targets_of: the targets of a data set for the trainer;
 //   - describe: "float64 array of shape (2, 3)" or "a list", for messages.
@@ -37,8 +38,9 @@ struct View {
   distributed::DataType dt = distributed::DataType::kBytes;
   size_t size = 0;  // elements of the array's own dtype
   size_t nbytes = 0;
-  py::object dtype;  // the NumPy dtype (also for GPU arrays); its name only for messages
-  std::string dtype_name() const { return py::str(dtype.attr("name")); }
+  py::object dtype;  // the NumPy dtype (also for GPU arrays; uint16 for a DLPack bfloat16)
+  std::string name;  // the dtype's name where NumPy has none (a DLPack bfloat16)
+  std::string dtype_name() const { return name.empty() ? std::string(py::str(dtype.attr("name"))) : name; }
   std::vector<int64_t> shape;
   uintptr_t stream = 0;  // GPU arrays: the stream to order the collective after (0: legacy default)
 };
@@ -53,8 +55,11 @@ View view_of(const py::handle& obj, const char* what, bool writable, bool reduce
 // block must have.
 View one_block(const View& whole, int p);
 
-// p blocks like `ref`: a list (or tuple) of p arrays, or one array holding p blocks of ref's size.
-std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu);
+// p blocks like `ref`: a list (or tuple) of p arrays, or one array holding p blocks of ref's size. `whole`: obj's
+// view where the caller made it already (an array can be viewed only once when it is a DLPack capsule), or for a
+// list, the view of its first entry.
+std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu,
+                            const View* viewed = nullptr);
 
 // Whether view_of can view obj without a copy (a GPU array when `gpu`, else a host array).
 bool is_array(const py::handle& obj, bool gpu);

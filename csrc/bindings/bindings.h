@@ -7,9 +7,13 @@
 #include <pybind11/pybind11.h>
 
 #include <memory>
+#include <string>
 
 namespace cx::nn {
 struct StateDict;
+}
+namespace cx::distributed {
+class Store;
 }
 
 namespace cx::bindings {
@@ -19,6 +23,10 @@ namespace py = pybind11;
 py::dict optimizer_state_to_py(const nn::StateDict& sd);
 nn::StateDict optimizer_state_from_py(const py::dict& d);
 
+// external_store.cpp: a Python store (torch.distributed's Store: set, check, get) as the core's Store; `ip` is
+// the address this rank's peers reach it at.
+std::unique_ptr<distributed::Store> external_store(py::object store, const std::string& ip, int rank);
+
 // A class held by shared_ptr (what the core's objects share between Python and C++).
 template <typename T, typename... Bases>
 using shared_class = py::class_<T, Bases..., std::shared_ptr<T>>;
@@ -27,7 +35,7 @@ void bind_errors(py::module_& m);  // errors.cpp: the exception types and the C+
 
 // m is _core.dist
 void bind_process_group(py::module_& m);  // process_group.cpp: BackendType, DistributedConfig, init, get_*
-void bind_collectives(py::module_& m);    // collectives.cpp: ReduceOp, Work and the 11 collectives
+void bind_collectives(py::module_& m);    // collectives.cpp: ReduceOp, Work, the 11 collectives and Group
 void bind_gpu(py::module_& m);            // gpu.cpp: GPU/NCCL library discovery and probes
 
 // m is _core

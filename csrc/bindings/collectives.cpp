@@ -12,6 +12,7 @@
 #include "bindings/collective_docs.h"
 #include "common/error.h"
 #include "distributed/default_group.h"
+#include "distributed/store/store_interface.h"
 
 namespace cx::bindings {
 
@@ -79,24 +80,21 @@ void bind_work(py::module_& m) {
 
 // ---- the collectives, in the order the module defines them
 
-py::object all_reduce(py::object arr, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
-  auto pg = require_default_group("all_reduce()");
+py::object all_reduce(const std::shared_ptr<ProcessGroup>& pg, py::object arr, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, true, gpu, dtype);
   auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object broadcast(py::object arr, int src, bool async_op) {
-  auto pg = require_default_group("broadcast()");
+py::object broadcast(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, false, gpu);
   auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object all_gather(py::object out, py::object arr, bool async_op) {
-  auto pg = require_default_group("all_gather()");
+py::object all_gather(const std::shared_ptr<ProcessGroup>& pg, py::object out, py::object arr, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View in = view_of(arr, "the input array", false, false, gpu);
   auto blocks = blocks_of(out, "the output", in, pg->size(), true, gpu);
@@ -106,9 +104,8 @@ py::object all_gather(py::object out, py::object arr, bool async_op) {
   return finish(w, async_op, out, in.obj);
 }
 
-py::object reduce_scatter(py::object out, py::object inputs, ReduceOp op, bool async_op,
+py::object reduce_scatter(const std::shared_ptr<ProcessGroup>& pg, py::object out, py::object inputs, ReduceOp op, bool async_op,
                           std::optional<std::string> dtype) {
-  auto pg = require_default_group("reduce_scatter()");
   const bool gpu = on_gpu(*pg);
   View o = view_of(out, "the output array", true, true, gpu, dtype);
   auto blocks = blocks_of(inputs, "the input", o, pg->size(), false, gpu);
@@ -118,16 +115,14 @@ py::object reduce_scatter(py::object out, py::object inputs, ReduceOp op, bool a
   return finish(w, async_op, out, inputs);
 }
 
-py::object reduce(py::object arr, int dst, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
-  auto pg = require_default_group("reduce()");
+py::object reduce(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int dst, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, true, gpu, dtype);
   auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object scatter(py::object arr, py::object scatter_list, int src, bool async_op) {
-  auto pg = require_default_group("scatter()");
+py::object scatter(const std::shared_ptr<ProcessGroup>& pg, py::object arr, py::object scatter_list, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View o = view_of(arr, "the output array", true, false, gpu);
   std::vector<const void*> ins;
@@ -141,8 +136,7 @@ py::object scatter(py::object arr, py::object scatter_list, int src, bool async_
   return finish(w, async_op, o.obj, scatter_list);
 }
 
-py::object gather(py::object arr, py::object gather_list, int dst, bool async_op) {
-  auto pg = require_default_group("gather()");
+py::object gather(const std::shared_ptr<ProcessGroup>& pg, py::object arr, py::object gather_list, int dst, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View in = view_of(arr, "the input array", false, false, gpu);
   std::vector<void*> outs;
@@ -156,28 +150,27 @@ py::object gather(py::object arr, py::object gather_list, int dst, bool async_op
   return finish(w, async_op, in.obj, gather_list);
 }
 
-py::object all_to_all(py::object out, py::object inputs, bool async_op) {
-  auto pg = require_default_group("all_to_all()");
+py::object all_to_all(const std::shared_ptr<ProcessGroup>& pg, py::object out, py::object inputs, bool async_op) {
   const bool gpu = on_gpu(*pg);
   if (!(py::isinstance<py::list>(inputs) || py::isinstance<py::tuple>(inputs)) && !is_array(inputs, gpu)) {
     not_an_array("the input", inputs, gpu);
   }
   // The reference block: one row of an input array (a 1-D array of world_size elements has
   // one-element blocks), or the first array of an input list.
-  View ref;
+  View first, ref;
   if (is_array(inputs, gpu)) {
-    View a = view_of(inputs, "the input", false, false, gpu);
-    if (a.shape.empty() || a.shape[0] != pg->size()) {
+    first = view_of(inputs, "the input", false, false, gpu);
+    if (first.shape.empty() || first.shape[0] != pg->size()) {
       CX_THROW(InvalidArgument, "all_to_all(): an input array must have world_size (", pg->size(),
                ") rows, one block per destination rank");
     }
-    ref = one_block(a, pg->size());
+    ref = one_block(first, pg->size());
   } else {
     auto seq = py::reinterpret_borrow<py::sequence>(inputs);
     if (seq.size() == 0) CX_THROW(InvalidArgument, "all_to_all(): the input list is empty");
-    ref = view_of(seq[0], "the input[0]", false, false, gpu);
+    first = ref = view_of(seq[0], "the input[0]", false, false, gpu);
   }
-  auto ib = blocks_of(inputs, "the input", ref, pg->size(), false, gpu);
+  auto ib = blocks_of(inputs, "the input", ref, pg->size(), false, gpu, &first);
   auto ob = blocks_of(out, "the output", ref, pg->size(), true, gpu);
   std::vector<const void*> ins;
   std::vector<void*> outs;
@@ -187,26 +180,107 @@ py::object all_to_all(py::object out, py::object inputs, bool async_op) {
   return finish(w, async_op, out, inputs);
 }
 
-py::object barrier(bool async_op) {
-  auto pg = require_default_group("barrier()");
+py::object barrier(const std::shared_ptr<ProcessGroup>& pg, bool async_op) {
   auto w = call([&] { return pg->barrier(async_op); });
   return finish(w, async_op);
 }
 
-py::object send(py::object arr, int dst, bool async_op) {
-  auto pg = require_default_group("send()");
+py::object send(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int dst, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", false, false, gpu);
   auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object recv(py::object arr, int src, bool async_op) {
-  auto pg = require_default_group("recv()");
+py::object recv(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, false, gpu);
   auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream); });
   return finish(w, async_op, v.obj);
+}
+
+
+// A process group of its own (not the default one), made over a Python store: pycyxwiz.torch makes one per torch
+// process group. Dropping it closes its connections, without the GIL (its store may need it).
+struct Group {
+  std::shared_ptr<ProcessGroup> pg;
+  ~Group() {
+    if (!pg) return;
+    py::gil_scoped_release nogil;
+    pg.reset();
+  }
+};
+
+// A collective of the default group's form as a method of Group.
+template <typename... A>
+auto on(py::object (*f)(const std::shared_ptr<ProcessGroup>&, A...)) {
+  return [f](Group& g, A... a) { return f(g.pg, std::move(a)...); };
+}
+
+void bind_group(py::module_& m) {
+  py::class_<Group>(m, "Group",
+                    "A process group of its own, meeting its peers through a torch.distributed Store (set, check, "
+                    "get) instead of MASTER_PORT: pycyxwiz.torch makes one per torch process group. Its methods are "
+                    "the collectives of cx.distributed, on this group.")
+      .def(py::init([](const Config& cfg, py::object store, const std::string& ip, const std::string& secret) {
+             auto st = external_store(std::move(store), ip, cfg.rank);
+             auto g = std::make_unique<Group>();
+             py::gil_scoped_release nogil;
+             g->pg = std::make_shared<ProcessGroup>(cfg, std::move(st), secret);
+             return g;
+           }),
+           py::arg("config"), py::arg("store"), py::arg("ip"), py::arg("secret"),
+           "Meets config.world_size ranks through `store` (blocks until all have, or config.timeout_ms). `ip`: "
+           "this host's address for its peers; `secret`: proves the group's connections (the same on every rank).")
+      .def("rank", [](Group& g) { return g.pg->rank(); })
+      .def("size", [](Group& g) { return g.pg->size(); })
+      .def_property_readonly("config", [](Group& g) { return g.pg->config(); })
+      .def("poisoned", [](Group& g) { return g.pg->poisoned(); })
+      .def("_bytes_sent", [](Group& g) { return g.pg->bytes_sent(); })
+      .def(
+          "abort",
+          [](Group& g, const std::string& why) {
+            py::gil_scoped_release nogil;
+            g.pg->abort(why);
+          },
+          py::arg("why"), "The program on this rank failed: every peer raises 'rank R failed: <why>'.")
+      .def(
+          "shutdown",
+          [](Group& g, bool check) {
+            py::gil_scoped_release nogil;
+            g.pg->shutdown(check ? ProcessGroup::Check::kFull : ProcessGroup::Check::kAtExit);
+          },
+          py::arg("check") = true,
+          "Waits for queued work, compares the ranks' collectives (check=False: waits at most a second for the "
+          "others) and closes the connections. Idempotent.")
+      .def(
+          "monitored_barrier",
+          [](Group& g, double timeout) {
+            if (!(timeout > 0)) throw py::value_error("monitored_barrier: timeout must be a positive number of seconds");
+            py::gil_scoped_release nogil;
+            g.pg->monitored_barrier(static_cast<int64_t>(timeout * 1000.0));
+          },
+          py::arg("timeout") = 1800.0)
+      .def("all_reduce", on(&all_reduce), py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
+           py::arg("dtype") = py::none())
+      .def("broadcast", on(&broadcast), py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false)
+      .def("all_gather", on(&all_gather), py::arg("out"), py::arg("arr"), py::arg("async_op") = false)
+      .def("reduce_scatter", on(&reduce_scatter), py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum,
+           py::arg("async_op") = false, py::arg("dtype") = py::none())
+      .def("reduce", on(&reduce), py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum,
+           py::arg("async_op") = false, py::arg("dtype") = py::none())
+      .def("scatter", on(&scatter), py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0,
+           py::arg("async_op") = false)
+      .def("gather", on(&gather), py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0,
+           py::arg("async_op") = false)
+      .def("all_to_all", on(&all_to_all), py::arg("out"), py::arg("inputs"), py::arg("async_op") = false)
+      .def("barrier", on(&barrier), py::arg("async_op") = false)
+      .def("send", on(&send), py::arg("arr"), py::arg("dst"), py::arg("async_op") = false)
+      .def("recv", on(&recv), py::arg("arr"), py::arg("src"), py::arg("async_op") = false)
+      .def("__repr__", [](Group& g) {
+        return "<cx.distributed.Group rank " + std::to_string(g.pg->rank()) + " of " + std::to_string(g.pg->size()) +
+               (g.pg->poisoned() ? ", failed>" : ">");
+      });
 }
 
 }  // namespace
@@ -220,22 +294,41 @@ void bind_collectives(py::module_& m) {
       .value("MAX", ReduceOp::kMax);
   bind_work(m);
 
-  m.def("all_reduce", &all_reduce, py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
-        py::arg("dtype") = py::none(), docs::kAllReduce);
-  m.def("broadcast", &broadcast, py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false, docs::kBroadcast);
-  m.def("all_gather", &all_gather, py::arg("out"), py::arg("arr"), py::arg("async_op") = false, docs::kAllGather);
-  m.def("reduce_scatter", &reduce_scatter, py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum,
-        py::arg("async_op") = false, py::arg("dtype") = py::none(), docs::kReduceScatter);
-  m.def("reduce", &reduce, py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum,
-        py::arg("async_op") = false, py::arg("dtype") = py::none(), docs::kReduce);
-  m.def("scatter", &scatter, py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0,
-        py::arg("async_op") = false, docs::kScatter);
-  m.def("gather", &gather, py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0,
-        py::arg("async_op") = false, docs::kGather);
-  m.def("all_to_all", &all_to_all, py::arg("out"), py::arg("inputs"), py::arg("async_op") = false, docs::kAllToAll);
-  m.def("barrier", &barrier, py::arg("async_op") = false, docs::kBarrier);
-  m.def("send", &send, py::arg("arr"), py::arg("dst"), py::arg("async_op") = false, docs::kSend);
-  m.def("recv", &recv, py::arg("arr"), py::arg("src"), py::arg("async_op") = false, docs::kRecv);
+  // Each collective twice: on the default group (cx.distributed.all_reduce, ...) and as a method of a Group
+  // (several groups in one process: pycyxwiz.torch makes one per torch process group).
+  using PG = std::shared_ptr<ProcessGroup>;
+  auto dflt = [](const char* caller) { return require_default_group(caller); };
+  m.def("all_reduce", [=](py::object a, ReduceOp op, bool as, std::optional<std::string> dt) {
+        return all_reduce(dflt("all_reduce()"), a, op, as, dt); },
+        py::arg("arr"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false, py::arg("dtype") = py::none(),
+        docs::kAllReduce);
+  m.def("broadcast", [=](py::object a, int src, bool as) { return broadcast(dflt("broadcast()"), a, src, as); },
+        py::arg("arr"), py::arg("src") = 0, py::arg("async_op") = false, docs::kBroadcast);
+  m.def("all_gather", [=](py::object o, py::object a, bool as) { return all_gather(dflt("all_gather()"), o, a, as); },
+        py::arg("out"), py::arg("arr"), py::arg("async_op") = false, docs::kAllGather);
+  m.def("reduce_scatter", [=](py::object o, py::object i, ReduceOp op, bool as, std::optional<std::string> dt) {
+        return reduce_scatter(dflt("reduce_scatter()"), o, i, op, as, dt); },
+        py::arg("out"), py::arg("inputs"), py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
+        py::arg("dtype") = py::none(), docs::kReduceScatter);
+  m.def("reduce", [=](py::object a, int dst, ReduceOp op, bool as, std::optional<std::string> dt) {
+        return reduce(dflt("reduce()"), a, dst, op, as, dt); },
+        py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
+        py::arg("dtype") = py::none(), docs::kReduce);
+  m.def("scatter", [=](py::object a, py::object l, int src, bool as) { return scatter(dflt("scatter()"), a, l, src, as); },
+        py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0, py::arg("async_op") = false,
+        docs::kScatter);
+  m.def("gather", [=](py::object a, py::object l, int dst, bool as) { return gather(dflt("gather()"), a, l, dst, as); },
+        py::arg("arr"), py::arg("gather_list") = py::none(), py::arg("dst") = 0, py::arg("async_op") = false,
+        docs::kGather);
+  m.def("all_to_all", [=](py::object o, py::object i, bool as) { return all_to_all(dflt("all_to_all()"), o, i, as); },
+        py::arg("out"), py::arg("inputs"), py::arg("async_op") = false, docs::kAllToAll);
+  m.def("barrier", [=](bool as) { return barrier(dflt("barrier()"), as); }, py::arg("async_op") = false,
+        docs::kBarrier);
+  m.def("send", [=](py::object a, int dst, bool as) { return send(dflt("send()"), a, dst, as); }, py::arg("arr"),
+        py::arg("dst"), py::arg("async_op") = false, docs::kSend);
+  m.def("recv", [=](py::object a, int src, bool as) { return recv(dflt("recv()"), a, src, as); }, py::arg("arr"),
+        py::arg("src"), py::arg("async_op") = false, docs::kRecv);
+  bind_group(m);
 }
 
 }  // namespace cx::bindings

@@ -196,8 +196,6 @@ std::optional<FlightRecord> FlightRecord::decode(const std::string& bytes) {
 
 ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   cfg_.validate();
-  sent_.assign(static_cast<size_t>(cfg_.world_size), 0);
-  recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
   const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);  // setup; Note [Two deadlines] in config.h
   std::string secret;  // Note [Job secret] in net/auth.h
   if (cfg_.world_size > 1) {
@@ -209,6 +207,19 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
     store_ = std::make_unique<StoreClient>(cfg_.master_addr, cfg_.master_port, cfg_.rank, cfg_.world_size, secret, dl,
                                            cfg_.generation);
   }
+  connect(secret, dl);
+}
+
+ProcessGroup::ProcessGroup(const Config& cfg, std::unique_ptr<Store> store, const std::string& secret) : cfg_(cfg) {
+  cfg_.validate();
+  const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);
+  if (cfg_.world_size > 1) store_ = std::move(store);
+  connect(secret, dl);
+}
+
+void ProcessGroup::connect(const std::string& secret, const Deadline& dl) {
+  sent_.assign(static_cast<size_t>(cfg_.world_size), 0);
+  recvd_.assign(static_cast<size_t>(cfg_.world_size), 0);
   try {
     try {
       if (cfg_.backend == BackendType::kNccl) {
@@ -759,6 +770,14 @@ Backend& ProcessGroup::backend() {
   return *backend_;
 }
 
+void ProcessGroup::check_reduction(DataType dt, ReduceOp op) const {
+  check_reducible(dt, op);
+  if (dt == DataType::kBool && cfg_.backend == BackendType::kNccl) {
+    CX_THROW(TypeMismatch, "bool arrays are reduced by the CPU backend only: reduce a uint8 array with ReduceOp.MAX "
+                           "(or) or ReduceOp.MIN (and) on NCCL");
+  }
+}
+
 void ProcessGroup::check_root(int root, const char* what) const {
   if (root < 0 || root >= cfg_.world_size) {
     CX_THROW(InvalidArgument, what, "=", root, " is not a rank of this group (ranks are 0 .. ", cfg_.world_size - 1,
@@ -785,7 +804,7 @@ OpDesc make_desc(CollectiveKind k, DataType dt, ReduceOp op, int root, size_t co
 
 ProcessGroup::WorkPtr ProcessGroup::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async,
                                                uintptr_t stream) {
-  check_reducible(dt, op);
+  check_reduction(dt, op);
   return submit(make_desc(CollectiveKind::kAllReduce, dt, op, -1, count),
                 backend().all_reduce(buf, count, dt, op, stream), async);
 }
@@ -817,7 +836,7 @@ ProcessGroup::WorkPtr ProcessGroup::all_gather(const void* in, std::vector<void*
 
 ProcessGroup::WorkPtr ProcessGroup::reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt,
                                                    ReduceOp op, bool async, uintptr_t stream) {
-  check_reducible(dt, op);
+  check_reduction(dt, op);
   if (ins.size() != static_cast<size_t>(cfg_.world_size)) {
     CX_THROW(InvalidArgument, "reduce_scatter needs one input block per rank: got ", ins.size(), " for world size ",
              cfg_.world_size);
@@ -828,7 +847,7 @@ ProcessGroup::WorkPtr ProcessGroup::reduce_scatter(std::vector<const void*> ins,
 
 ProcessGroup::WorkPtr ProcessGroup::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async,
                                            uintptr_t stream) {
-  check_reducible(dt, op);
+  check_reduction(dt, op);
   check_root(root, "dst");
   return submit(make_desc(CollectiveKind::kReduce, dt, op, root, count),
                 backend().reduce(buf, count, dt, op, root, stream), async);

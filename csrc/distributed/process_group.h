@@ -60,7 +60,7 @@
 namespace cx::distributed {
 
 class StoreServer;
-class StoreClient;
+class Store;
 
 class Work {
  public:
@@ -111,6 +111,12 @@ class ProcessGroup {
  public:
   // Rendezvous through rank 0's store, connect the mesh, and meet in a barrier.
   explicit ProcessGroup(const Config& cfg);
+  // The same through a store that lives elsewhere (Note [Rendezvous through a
+  // framework's store] in store/external_store.h): cfg's master_addr and
+  // master_port are not used; `secret` proves the mesh's handshakes (Note [Job
+  // secret]). Several such groups may live in one process, each with its own
+  // connections, as long as each has its own key space in the store.
+  ProcessGroup(const Config& cfg, std::unique_ptr<Store> store, const std::string& secret);
   ~ProcessGroup();
 
   int rank() const { return cfg_.rank; }
@@ -172,6 +178,9 @@ class ProcessGroup {
   static constexpr int kGatherMs = 500;
 
  private:
+  // Both constructors: start the backend through store_, or name why not.
+  void connect(const std::string& secret, const Deadline& dl);
+  void check_reduction(DataType dt, ReduceOp op) const;  // check_reducible, and what the backend cannot reduce
   WorkPtr submit(OpDesc desc, Backend::Body body, bool async);
   // A barrier (or, for CX_CHECK_INTERVAL, a check) carrying the fingerprint.
   WorkPtr submit_barrier(CollectiveKind kind, bool async);
@@ -193,7 +202,7 @@ class ProcessGroup {
 
   Config cfg_;
   std::unique_ptr<StoreServer> server_;
-  std::unique_ptr<StoreClient> store_;
+  std::unique_ptr<Store> store_;
   std::unique_ptr<Backend> backend_;
 
   uint64_t seq_ = 0;                   // collectives submitted

@@ -16,6 +16,8 @@ size_t dtype_size(DataType t) {
     case DataType::kInt64: return 8;
     case DataType::kUInt8: return 1;
     case DataType::kBytes: return 1;
+    case DataType::kInt8: return 1;
+    case DataType::kBool: return 1;
   }
   return 1;
 }
@@ -30,6 +32,8 @@ const char* dtype_name(DataType t) {
     case DataType::kInt64: return "int64";
     case DataType::kUInt8: return "uint8";
     case DataType::kBytes: return "bytes";
+    case DataType::kInt8: return "int8";
+    case DataType::kBool: return "bool";
   }
   return "?";
 }
@@ -67,9 +71,10 @@ const char* kind_name(CollectiveKind k) {
 void check_reducible(DataType t, ReduceOp op) {
   if (t == DataType::kBytes) {
     CX_THROW(TypeMismatch, "cannot reduce an array of this dtype: reductions support float32, float64, "
-                           "float16, bfloat16, int32, int64 and uint8");
+                           "float16, bfloat16, int32, int64, int8, uint8 and bool");
   }
-  if (op == ReduceOp::kAvg && (t == DataType::kInt32 || t == DataType::kInt64 || t == DataType::kUInt8)) {
+  if (op == ReduceOp::kAvg && (t == DataType::kInt32 || t == DataType::kInt64 || t == DataType::kUInt8 ||
+                               t == DataType::kInt8 || t == DataType::kBool)) {
     CX_THROW(InvalidArgument, "ReduceOp.AVG is not defined for ", dtype_name(t),
              " arrays (the mean of integers is not an integer): use ReduceOp.SUM and divide, "
              "or reduce a floating-point array");

@@ -19,6 +19,8 @@ enum class DataType : uint8_t {
   kInt64 = 5,
   kUInt8 = 6,
   kBytes = 7,
+  kInt8 = 8,
+  kBool = 9,  // one byte, 0 or 1: SUM and MAX are "or", PRODUCT and MIN "and" (as NumPy's and PyTorch's)
 };
 
 enum class ReduceOp : uint8_t { kSum = 0, kAvg = 1, kProduct = 2, kMin = 3, kMax = 4, kNone = 255 };

@@ -268,6 +268,13 @@ void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp 
     case DataType::kInt32: reduce_typed(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count, op); break;
     case DataType::kInt64: reduce_typed(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count, op); break;
     case DataType::kUInt8: reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op); break;
+    case DataType::kInt8: reduce_typed(static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), count, op); break;
+    case DataType::kBool: {
+      // 0/1 bytes: "or" is MAX, "and" is MIN.
+      const ReduceOp as = op == ReduceOp::kSum || op == ReduceOp::kMax ? ReduceOp::kMax : ReduceOp::kMin;
+      reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, as);
+      break;
+    }
     case DataType::kFloat16:
     case DataType::kBFloat16: {
       auto* d = static_cast<uint16_t*>(dst);

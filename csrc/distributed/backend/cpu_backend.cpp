@@ -106,7 +106,7 @@ struct GroupId {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const std::string& secret,
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const std::string& secret,
                                           const Deadline& dl) {
   algo::AlgoOptions opt = default_options(cfg);
   if (!store) return std::make_unique<CpuBackend>(std::make_unique<LocalTransport>(), opt);

@@ -10,7 +10,7 @@
 
 namespace cx::distributed {
 
-class StoreClient;
+class Store;
 
 class CpuBackend : public Backend {
  public:
@@ -48,7 +48,7 @@ class CpuBackend : public Backend {
 // automatic tuning, through `store`), connects the transport and meets in a
 // barrier. A world of one (store null) talks to no one.
 // `secret` is the job's (Note [Job secret] in net/auth.h): every mesh link proves it.
-std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, StoreClient* store, const std::string& secret,
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const std::string& secret,
                                           const Deadline& dl);
 
 }  // namespace cx::distributed

@@ -76,6 +76,7 @@
 
 #include "distributed/net/socket.h"
 #include "common/error.h"
+#include "distributed/store/store_interface.h"
 #include "distributed/types.h"
 
 namespace cx::distributed {
@@ -149,7 +150,7 @@ struct StoreInfo {
 // Never throws.
 std::optional<StoreInfo> probe_store(const std::string& host, int port, int world_size, const Deadline& dl);
 
-class StoreClient {
+class StoreClient : public Store {
  public:
   // Connects (retrying until the deadline), proves `secret` (Note [Job secret])
   // and claims `rank` of `generation`.
@@ -157,26 +158,21 @@ class StoreClient {
               const Deadline& dl, int generation = 0);
   // Says BYE: the store then takes this rank's end of stream for an orderly exit,
   // not a crash (Note [Failures reach every rank through the store]).
-  ~StoreClient();
+  ~StoreClient() override;
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;
 
-  void set(const std::string& key, const std::string& value, const Deadline& dl);
-  // Blocks until the key exists or the deadline passes (then TimeoutError
-  // whose message is `waiting_for`).
-  std::string get(const std::string& key, const Deadline& dl, const std::string& waiting_for);
-  // The value, or nullopt if the key is not set; never waits for it.
-  std::optional<std::string> try_get(const std::string& key, const Deadline& dl);
-  // Note [Failures reach every rank through the store]: tells every rank waiting
-  // in get() (now or later) that the group failed, and why.
-  void fail(ErrorKind kind, const std::string& why, const Deadline& dl);
-  // Throws the failure a rank reported (fail()), if any.
-  void check_failed(const Deadline& dl);
-  // Tells the store this rank is leaving; the store then admits no new members.
-  void done(const Deadline& dl);
+  // Store (store_interface.h); failures as Note [Failures reach every rank
+  // through the store] says; done() makes the store admit no new members.
+  void set(const std::string& key, const std::string& value, const Deadline& dl) override;
+  std::string get(const std::string& key, const Deadline& dl, const std::string& waiting_for) override;
+  std::optional<std::string> try_get(const std::string& key, const Deadline& dl) override;
+  void fail(ErrorKind kind, const std::string& why, const Deadline& dl) override;
+  void check_failed(const Deadline& dl) override;
+  void done(const Deadline& dl) override;
+  std::string local_ip() const override;
 
   int fd() const { return fd_.get(); }
-  std::string local_ip() const;
 
  private:
   std::string request(uint8_t cmd, const std::string& key, const std::string& value, const Deadline& dl,

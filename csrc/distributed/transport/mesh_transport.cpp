@@ -66,7 +66,7 @@ void log_refused(std::set<std::string>& logged, int rank, const std::string& add
 
 }  // namespace
 
-MeshTransport::MeshTransport(StoreClient& store, int rank, int world, uint64_t nonce, const std::string& secret,
+MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, const std::string& secret,
                              const Deadline& dl, MeshOptions opt)
     : rank_(rank), world_(world), opt_(opt), channels_(static_cast<size_t>(world)) {
   using frame::get;

@@ -20,7 +20,7 @@
 
 namespace cx::distributed {
 
-class StoreClient;
+class Store;
 
 struct MeshOptions {
   int spin_us = 50;  // busy-poll this long before sleeping
@@ -35,7 +35,7 @@ class MeshTransport : public Transport {
   // pairs share memory.
   // Every link proves `secret` (Note [Job secret] in net/auth.h) before it is taken
   // for a peer; connections that do not are dropped and logged (Note [Mesh handshake]).
-  MeshTransport(StoreClient& store, int rank, int world, uint64_t nonce, const std::string& secret,
+  MeshTransport(Store& store, int rank, int world, uint64_t nonce, const std::string& secret,
                 const Deadline& dl, MeshOptions opt);
   ~MeshTransport() override;
   MeshTransport(const MeshTransport&) = delete;

@@ -25,7 +25,7 @@ const char kIdMark = 'I';         // the unique id follows
 
 // ---- the unique id ------------------------------------------------------------------
 
-std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Deadline& dl,
+std::string exchange_nccl_id(Store& store, int rank, int world, const Deadline& dl,
                              const std::function<void()>& prepare, const std::function<std::string()>& make_id) {
   std::exception_ptr err;  // this rank's own failure, rethrown as it was
   std::string mine;
@@ -100,7 +100,7 @@ std::string nccl_id_exchange_selftest(const Config& cfg, int fail_rank, int firs
 
 // ---- NcclBackend ---------------------------------------------------------------------
 
-NcclBackend::NcclBackend(StoreClient* store, const Config& cfg, const Deadline& dl)
+NcclBackend::NcclBackend(Store* store, const Config& cfg, const Deadline& dl)
     : rank_(cfg.rank), size_(cfg.world_size), device_(cfg.local_rank) {
   try {
     setup(store, dl);
@@ -113,7 +113,7 @@ NcclBackend::NcclBackend(StoreClient* store, const Config& cfg, const Deadline& 
   }
 }
 
-void NcclBackend::setup(StoreClient* store, const Deadline& dl) {
+void NcclBackend::setup(Store* store, const Deadline& dl) {
   // The local checks, in the order a user fixes them: a GPU, then NCCL.
   auto prepare = [&] {
     const CudaDriver& d = cuda_driver();

@@ -34,7 +34,7 @@
 
 namespace cx::distributed {
 
-class StoreClient;
+class Store;
 
 // A CUDA event recorded on the caller's stream when a collective is submitted.
 using Ready = std::shared_ptr<cuda::Event>;
@@ -43,7 +43,7 @@ class NcclBackend : public Backend {
  public:
   // Checks the GPU and NCCL, exchanges the unique id through `store` (null for
   // a world of one) and creates the communicator on GPU cfg.local_rank.
-  NcclBackend(StoreClient* store, const Config& cfg, const Deadline& dl);
+  NcclBackend(Store* store, const Config& cfg, const Deadline& dl);
   ~NcclBackend() override;
 
   // Each checks, on the submitting thread, that every buffer is memory of this
@@ -88,7 +88,7 @@ class NcclBackend : public Backend {
   // x[i] *= f for n elements of a floating-point dtype, on our stream.
   void scale(void* x, size_t n, DataType dt, double f);
 
-  void setup(StoreClient* store, const Deadline& dl);
+  void setup(Store* store, const Deadline& dl);
   void make_current() const;
   void start(const Ready& ready);     // our stream waits for the caller's event
   void check(nccl::ncclResult_t r);  // throws for a failed NCCL call
@@ -112,7 +112,7 @@ class NcclBackend : public Backend {
 // publishes the id (or its error) in the store, and every rank publishes
 // whether it is ready. Returns the id on every rank, or throws: this rank's
 // own error first, else the first other rank's ("rank 2 could not join ...").
-std::string exchange_nccl_id(StoreClient& store, int rank, int world, const Deadline& dl,
+std::string exchange_nccl_id(Store& store, int rank, int world, const Deadline& dl,
                              const std::function<void()>& prepare, const std::function<std::string()>& make_id);
 
 // For tests: runs exchange_nccl_id through a real store on cfg's address with

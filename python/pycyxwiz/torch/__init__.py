@@ -1,0 +1,452 @@
+"""pycyxwiz as a backend of PyTorch's distributed package: ``import pycyxwiz.torch`` registers ``"cyxwiz"``.
+
+    import torch.distributed as dist
+    import pycyxwiz.torch                       # registers the backend
+    dist.init_process_group("cyxwiz")           # was: "gloo"; or "cpu:cyxwiz,cuda:nccl"
+
+Every torch.distributed call on CPU tensors then runs pycyxwiz's collectives on the tensors' own memory (DLPack,
+no copies), with the GIL released: ``all_reduce`` (every ReduceOp but the bitwise ones and PREMUL_SUM),
+``broadcast``, ``all_gather`` (and ``all_gather_into_tensor``), ``reduce_scatter`` (and ``reduce_scatter_tensor``),
+``all_to_all`` (and ``all_to_all_single``), ``reduce``, ``gather``, ``scatter``, ``send``/``recv``, ``barrier``,
+``monitored_barrier``; so do DistributedDataParallel and FSDP's ``fully_shard``. ``dist.new_group(ranks)`` makes
+a group of ours with its own connections.
+
+Rendezvous goes through the store torch hands each process group (its TCPStore on MASTER_PORT, a FileStore, ...):
+Note [Rendezvous through a framework's store] in csrc/distributed/store/external_store.h. CUDA tensors go to
+PyTorch's own NCCL backend, made for the group the first time one arrives. This module is the only one of
+pycyxwiz that imports torch (the ``pycyxwiz[torch]`` extra).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import secrets
+import socket
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from .. import _core
+
+__all__ = ["ProcessGroupCyxwiz", "BACKEND", "monitored_barrier"]
+
+BACKEND = "cyxwiz"
+
+_d = _core.dist
+_to_dlpack = torch.utils.dlpack.to_dlpack
+# torch's ReduceOp.RedOpType numbers SUM, AVG, PRODUCT, MIN, MAX as ours do.
+_OPS = (_d.ReduceOp.SUM, _d.ReduceOp.AVG, _d.ReduceOp.PRODUCT, _d.ReduceOp.MIN, _d.ReduceOp.MAX)
+
+
+def _op(opts: Any) -> Any:
+    n = int(opts.reduceOp.op)
+    if n < len(_OPS):
+        return _OPS[n]
+    raise ValueError(f"ReduceOp.{opts.reduceOp.op.name} is not supported by the cyxwiz backend: it reduces with "
+                     "SUM, AVG, PRODUCT, MIN and MAX (for BAND/BOR on bool tensors, MIN/MAX do the same)")
+
+
+def _arr(t: torch.Tensor) -> Any:
+    """The tensor's memory as a DLPack capsule (no copy); the collective checks device, layout and dtype."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.layout is not torch.strided:
+        raise TypeError(f"the cyxwiz backend takes dense tensors, got a {t.layout} one: pass t.to_dense()")
+    return _to_dlpack(t)
+
+
+class _Work(dist._Work):
+    """What a cyxwiz collective returns: done already (blocking calls), or running on the group's thread."""
+
+    def __init__(self, pg: "ProcessGroupCyxwiz", work: Any, result: Any) -> None:
+        super().__init__()
+        self._pg = pg
+        self._work = work        # the core's Work, None when the collective is complete
+        self._result = result    # what the future holds: the output tensors
+        self._fut: Optional[Future] = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._work is not None:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+            self._work.wait(seconds if seconds else None)  # raises the collective's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> Future:
+        if self._fut is None:
+            fut: Future = Future()
+            if self._work is None:
+                fut.set_result(self._result)
+            else:
+                self._pg._complete_later(self._work, fut, self._result)
+            self._fut = fut
+        return self._fut
+
+
+def _complete(q: "queue.SimpleQueue[Any]") -> None:
+    # Completes the futures of a group's async collectives, in submission order (the order they run in). A
+    # thread of its own: the group's communication thread never waits for the GIL.
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        work, fut, result = item
+        try:
+            work.wait()
+            fut.set_result(result)
+        except BaseException as e:  # the collective's error, raised to whoever waits on the future
+            fut.set_exception(e)
+
+
+def _peer_address(store: Any) -> str:
+    """This host's address as its peers reach it: the interface that routes to MASTER_ADDR (or to the
+    TCPStore's host), 127.0.0.1 when that is a loopback address."""
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    host = os.environ.get("MASTER_ADDR") or getattr(base, "host", None)
+    if host:
+        try:
+            infos = socket.getaddrinfo(host, 1, socket.AF_INET, socket.SOCK_DGRAM)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(infos[0][4])  # no packet: it only picks the route
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _secret(store: Any, rank: int, timeout: timedelta) -> str:
+    """The secret the group's connections prove (Note [Job secret]): CX_AUTH_TOKEN where the job sets one,
+    else a random one that rank 0 puts in the store, which keeps out whoever cannot read the store."""
+    token = os.environ.get("CX_AUTH_TOKEN", "").strip()
+    if token:
+        return token
+    if rank == 0:
+        store.set("cx/secret", secrets.token_hex(32))
+    store.wait(["cx/secret"], timeout)
+    return store.get("cx/secret").decode()
+
+
+_live: "weakref.WeakSet[ProcessGroupCyxwiz]" = weakref.WeakSet()
+
+
+class ProcessGroupCyxwiz(dist.ProcessGroup):
+    """A torch process group whose CPU collectives are pycyxwiz's. Made by ``dist.init_process_group("cyxwiz")``
+    and ``dist.new_group(...)``, not by hand."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        cfg = _d.DistributedConfig()
+        try:  # the tuning knobs (CX_SHM, CX_CHUNK_BYTES, ...) as for cx.distributed.init()
+            cfg = _d.DistributedConfig.from_environment()
+        except Exception:
+            pass
+        cfg.rank, cfg.world_size, cfg.local_rank = rank, size, cfg.local_rank
+        cfg.backend = _d.BackendType.CPU
+        ms = max(1, int(timeout.total_seconds() * 1000))
+        cfg.timeout_ms = ms
+        cfg.operation_timeout_ms = ms
+        self._store = store
+        self._timeout = timeout
+        secret = _secret(store, rank, timeout) if size > 1 else ""
+        self._g = _d.Group(cfg, store, _peer_address(store) if size > 1 else "127.0.0.1", secret)
+        self._q: Optional["queue.SimpleQueue[Any]"] = None
+        self._lock = threading.Lock()
+        self._nccl: Any = None
+        _live.add(self)
+
+    # ---- plumbing
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def _complete_later(self, work: Any, fut: Future, result: Any) -> None:
+        with self._lock:
+            if self._q is None:
+                self._q = queue.SimpleQueue()
+                threading.Thread(target=_complete, args=(self._q,), daemon=True,
+                                 name=f"cyxwiz-futures-{self.rank()}").start()
+            self._q.put((work, fut, result))
+
+    def _done(self, work: Any, result: Any) -> _Work:
+        return _Work(self, work, result)
+
+    def _cuda(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """PyTorch's NCCL backend for this group, for CUDA tensors (made the first time one arrives), or None
+        for CPU tensors."""
+        if not tensors or not tensors[0].is_cuda:
+            return None
+        if self._nccl is None:
+            if not dist.is_nccl_available():
+                raise RuntimeError("a CUDA tensor reached the cyxwiz backend, which moves host memory, and this "
+                                   "PyTorch has no NCCL: pass t.cpu() (and copy the result back)")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._timeout
+            self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", self._store), self.rank(), self.size(),
+                                               opts)
+        return self._nccl
+
+    def shutdown(self) -> None:
+        _live.discard(self)
+        self._g.shutdown(False)
+        if self._q is not None:
+            self._q.put(None)
+
+    def abort(self) -> None:
+        self._g.abort("the process group was aborted (ProcessGroup.abort)")
+        self.shutdown()
+
+    # ---- the collectives
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        nccl = self._cuda(tensors)
+        if nccl is not None:
+            return nccl.allreduce(tensors, opts)
+        op, a = _op(opts), opts.asyncOp
+        if len(tensors) == 1:
+            return _Work(self, self._g.all_reduce(_arr(tensors[0]), op, a), tensors)
+        works = [self._g.all_reduce(_arr(t), op, True) for t in tensors]
+        return self._last(works, a, tensors)
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        nccl = self._cuda(tensors)
+        if nccl is not None:
+            return nccl.broadcast(tensors, opts)
+        return _Work(self, self._g.broadcast(_arr(tensors[opts.rootTensor]), opts.rootRank, opts.asyncOp), tensors)
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+                  opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        nccl = self._cuda(input_tensors)
+        if nccl is not None:
+            return nccl.allgather(output_tensors, input_tensors, opts)
+        outs = output_tensors[0]
+        w = self._g.all_gather([_arr(o) for o in outs], _arr(input_tensors[0]), opts.asyncOp)
+        return _Work(self, w, output_tensors)
+
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], input_list: List[torch.Tensor],
+                            opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        works = [self._g.all_gather([_arr(o) for o in outs], _arr(i), True)
+                 for outs, i in zip(output_lists, input_list)]
+        return self._last(works, opts.asyncOp, output_lists)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        nccl = self._cuda([input])
+        if nccl is not None:
+            return nccl._allgather_base(output, input, opts)
+        self._check_multiple(output, input, "all_gather_into_tensor", "output")
+        return _Work(self, self._g.all_gather(_arr(output), _arr(input), opts.asyncOp), [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        for o, i in zip(outputs, inputs):
+            self._check_multiple(o, i, "all_gather_into_tensor", "output")
+        works = [self._g.all_gather(_arr(o), _arr(i), True) for o, i in zip(outputs, inputs)]
+        return self._last(works, opts.asyncOp, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                       opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        nccl = self._cuda(output_tensors)
+        if nccl is not None:
+            return nccl.reduce_scatter(output_tensors, input_tensors, opts)
+        w = self._g.reduce_scatter(_arr(output_tensors[0]), [_arr(i) for i in input_tensors[0]], _op(opts),
+                                   opts.asyncOp)
+        return _Work(self, w, output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        nccl = self._cuda([input])
+        if nccl is not None:
+            return nccl._reduce_scatter_base(output, input, opts)
+        self._check_multiple(input, output, "reduce_scatter_tensor", "input")
+        return _Work(self, self._g.reduce_scatter(_arr(output), _arr(input), _op(opts), opts.asyncOp), [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        for o, i in zip(outputs, inputs):
+            self._check_multiple(i, o, "reduce_scatter_tensor", "input")
+        works = [self._g.reduce_scatter(_arr(o), _arr(i), _op(opts), True) for o, i in zip(outputs, inputs)]
+        return self._last(works, opts.asyncOp, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                          input_split_sizes: List[int], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        nccl = self._cuda([input])
+        if nccl is not None:
+            return nccl.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        p = self.size()
+        if output_split_sizes or input_split_sizes:
+            even_in = input.shape[0] // p if input.dim() else 0
+            even_out = output.shape[0] // p if output.dim() else 0
+            if any(s != even_in for s in input_split_sizes) or any(s != even_out for s in output_split_sizes):
+                raise ValueError("all_to_all_single with uneven split sizes is not supported by the cyxwiz backend: "
+                                 "pad every rank's block to one size, or use all_to_all with a list of tensors")
+        if input.dim() == 0 or input.shape[0] % p or input.shape != output.shape:
+            raise ValueError(f"all_to_all_single: input and output must have the same shape, with a first dimension "
+                             f"divisible by the group size {p}; got {tuple(input.shape)} and {tuple(output.shape)}")
+        w = self._g.all_to_all(_arr(output.view(p, -1)), _arr(input.view(p, -1)), opts.asyncOp)
+        return _Work(self, w, [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
+                 opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        nccl = self._cuda(input_tensors)
+        if nccl is not None:
+            return nccl.alltoall(output_tensors, input_tensors, opts)
+        w = self._g.all_to_all([_arr(o) for o in output_tensors], [_arr(i) for i in input_tensors], opts.asyncOp)
+        return _Work(self, w, output_tensors)
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        nccl = self._cuda(tensors)
+        if nccl is not None:
+            return nccl.reduce(tensors, opts)
+        w = self._g.reduce(_arr(tensors[opts.rootTensor]), opts.rootRank, _op(opts), opts.asyncOp)
+        return _Work(self, w, tensors)
+
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+               opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.GatherOptions()
+        nccl = self._cuda(input_tensors)
+        if nccl is not None:
+            return nccl.gather(output_tensors, input_tensors, opts)
+        outs = [_arr(o) for o in output_tensors[0]] if self.rank() == opts.rootRank else None
+        w = self._g.gather(_arr(input_tensors[0]), outs, opts.rootRank, opts.asyncOp)
+        return _Work(self, w, output_tensors)
+
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        nccl = self._cuda(output_tensors)
+        if nccl is not None:
+            return nccl.scatter(output_tensors, input_tensors, opts)
+        ins = [_arr(i) for i in input_tensors[0]] if self.rank() == opts.rootRank else None
+        w = self._g.scatter(_arr(output_tensors[0]), ins, opts.rootRank, opts.asyncOp)
+        return _Work(self, w, output_tensors)
+
+    def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int = 0) -> Any:
+        nccl = self._cuda(tensors)
+        if nccl is not None:
+            return nccl.send(tensors, dstRank, tag)
+        # Point-to-point calls are async in torch (isend) and blocking sends are waited at once: queue it.
+        return _Work(self, self._g.send(_arr(tensors[0]), dstRank, True), tensors)
+
+    def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int = 0) -> Any:
+        nccl = self._cuda(tensors)
+        if nccl is not None:
+            return nccl.recv(tensors, srcRank, tag)
+        return _Work(self, self._g.recv(_arr(tensors[0]), srcRank, True), tensors)
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
+        raise ValueError("recv from any source is not supported by the cyxwiz backend: name the source rank "
+                         "(dist.recv(t, src=...))")
+
+    def barrier(self, opts: Any = None) -> Any:
+        a = opts.asyncOp if opts is not None else False
+        return _Work(self, self._g.barrier(a), [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800.0)
+        self._g.monitored_barrier(seconds)
+
+    # ---- helpers
+
+    def _last(self, works: List[Any], async_op: bool, result: Any) -> _Work:
+        """Several async collectives as one Work: they run in order, so the last one done means all are."""
+        if not async_op:
+            for w in works:
+                w.wait()
+            return _Work(self, None, result)
+        return _CoalescedWork(self, works, result)
+
+    def _check_multiple(self, big: torch.Tensor, small: torch.Tensor, what: str, name: str) -> None:
+        if big.numel() != small.numel() * self.size():
+            raise ValueError(f"{what}: the {name} tensor must hold group size ({self.size()}) x {small.numel()} "
+                             f"elements, got {big.numel()}")
+
+
+class _CoalescedWork(_Work):
+    def __init__(self, pg: ProcessGroupCyxwiz, works: List[Any], result: Any) -> None:
+        super().__init__(pg, works[-1] if works else None, result)
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self._works[:-1]:
+            w.wait()
+        return super().wait(timeout)
+
+
+def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
+    """``dist.monitored_barrier`` for cyxwiz groups (torch's own accepts only gloo's): every rank waits for the
+    others, and ranks that did not arrive within `timeout` are named on every rank that did.
+
+        pycyxwiz.torch.monitored_barrier(timeout=timedelta(seconds=30))   # 'rank(s) 2 did not arrive ...'
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupCyxwiz):
+        dist.monitored_barrier(pg, timeout, wait_all_ranks)
+        return
+    pg.monitored_barrier(timeout if timeout is not None else pg._timeout, wait_all_ranks)
+
+
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupCyxwiz:
+    return ProcessGroupCyxwiz(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+def _close_all() -> None:
+    # At exit: close every group's connections gracefully (peers see end-of-stream, not a reset).
+    for pg in list(_live):
+        try:
+            pg.shutdown()
+        except Exception:
+            pass
+
+
+def _register() -> None:
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    atexit.register(_close_all)
+
+
+_register()
