@@ -123,6 +123,7 @@ class CxComm(Comm):
 
 class GlooComm(Comm):
     name = "gloo"
+    backend = "gloo"  # torch.distributed's backend
 
     def __init__(self):
         from datetime import timedelta
@@ -133,7 +134,7 @@ class GlooComm(Comm):
         torch.set_num_threads(1)
         self.torch, self.dist = torch, dist
         timeout = timedelta(milliseconds=int(os.environ.get("DISTRIBUTED_TIMEOUT_MS", "60000")))
-        dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
+        dist.init_process_group(self.backend, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -144,6 +145,20 @@ class GlooComm(Comm):
 
     def close(self):
         self.dist.destroy_process_group()
+
+
+class TorchCyxwizComm(GlooComm):
+    """torch.distributed over pycyxwiz: the "cyxwiz" backend that `import pycyxwiz.torch` registers."""
+
+    name = "cyxwiz"
+    backend = "cyxwiz"
+
+    def __init__(self):
+        import pycyxwiz
+        import pycyxwiz.torch  # noqa: F401 - registers the backend
+
+        super().__init__()
+        self.version = f"torch {self.torch.__version__}, pycyxwiz {getattr(pycyxwiz, '__version__', '')}"
 
 
 class MpiComm(Comm):
@@ -167,7 +182,8 @@ class MpiComm(Comm):
 
 
 def open_comm(lib: str) -> Comm:
-    return {"pycyxwiz": CxComm, "gloo": GlooComm, "torch": GlooComm, "mpi": MpiComm}[lib]()
+    return {"pycyxwiz": CxComm, "gloo": GlooComm, "torch": GlooComm, "cyxwiz": TorchCyxwizComm,
+            "mpi": MpiComm}[lib]()
 
 
 def run_rank(out_dir: str, lib: str, body: Callable[[Comm, RankReport], None]) -> int:

@@ -178,6 +178,22 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch keeps a group's name and description in its backends, and this group has none of torch's: keep them
+    # here (DeviceMesh, and so fully_shard, read group_name).
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_desc", "")
+
     def name(self) -> str:
         return BACKEND
 

@@ -1,0 +1,432 @@
+"""PyTorch's distributed package over pycyxwiz: ``import pycyxwiz.torch``, ``dist.init_process_group("cyxwiz")``.
+
+Every rank is a real process; torch's env:// rendezvous (its TCPStore on MASTER_PORT) hands each group its store,
+and the collectives run on pycyxwiz over TCP or shared memory. Results are checked against NumPy references
+computed here, from the same inputs.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch backend needs torch (pip install '.[torch]')")
+
+import ranks  # noqa: E402
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+FLOATS = {"float16", "bfloat16", "float32", "float64"}
+N = 37  # elements per rank: odd, so no algorithm's chunking divides it evenly
+
+
+def _init(backend: str = "cyxwiz") -> None:
+    import torch.distributed as dist
+
+    import pycyxwiz.torch  # noqa: F401  registers "cyxwiz"
+
+    dist.init_process_group(backend)
+
+
+def _input(rank: int, dtype: str, n: int = N) -> np.ndarray:
+    """Rank `rank`'s input for `dtype`, as float64 values that every dtype holds exactly."""
+    i = np.arange(n)
+    if dtype == "bool":
+        return ((i + rank) % 3 == 0).astype(np.float64)
+    return ((i * 7 + rank * 3) % 5 + 1).astype(np.float64)  # 1..5: products of a few ranks stay exact
+
+
+def _tensor(values: np.ndarray, dtype: str) -> "torch.Tensor":
+    return torch.tensor(values, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def _out(t: "torch.Tensor") -> np.ndarray:
+    return t.to(torch.float64).numpy()
+
+
+def _reduce_ref(values: list, op: str, dtype: str) -> np.ndarray:
+    a = np.stack(values)
+    if dtype == "bool":  # or / and, as NumPy's and PyTorch's bool arithmetic
+        return (a.max(0) if op in ("SUM", "MAX") else a.min(0)).astype(np.float64)
+    ref = {"SUM": a.sum(0), "AVG": a.mean(0), "PRODUCT": a.prod(0), "MIN": a.min(0), "MAX": a.max(0)}[op]
+    if dtype == "int8":
+        ref = ref.astype(np.int64).astype(np.int8).astype(np.float64)  # wraps as int8 arithmetic does
+    if dtype == "uint8":
+        ref = ref.astype(np.int64).astype(np.uint8).astype(np.float64)
+    return ref
+
+
+def _close(got: np.ndarray, ref: np.ndarray, dtype: str, what: str) -> None:
+    tol = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-6}.get(dtype, 1e-12)
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol, err_msg=what)
+
+
+def every_collective(subgroup: bool) -> dict:
+    import torch.distributed as dist
+
+    _init()
+    r, w = dist.get_rank(), dist.get_world_size()
+    R = dist.ReduceOp
+    out: dict = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "AVG" and dtype not in FLOATS:
+                continue
+            t = _tensor(_input(r, dtype), dtype)
+            dist.all_reduce(t, op=getattr(R, op))
+            out[("all_reduce", dtype, op)] = _out(t)
+        t = _tensor(_input(r, dtype), dtype)
+        dist.broadcast(t, src=w - 1)
+        out[("broadcast", dtype)] = _out(t)
+        parts = [torch.empty(N, dtype=getattr(torch, dtype)) for _ in range(w)]
+        dist.all_gather(parts, _tensor(_input(r, dtype), dtype))
+        out[("all_gather", dtype)] = np.stack([_out(p) for p in parts])
+        whole = torch.empty(w * N, dtype=getattr(torch, dtype))
+        dist.all_gather_into_tensor(whole, _tensor(_input(r, dtype), dtype))
+        out[("all_gather_into_tensor", dtype)] = _out(whole).reshape(w, N)
+        op = "SUM" if dtype != "bool" else "MAX"
+        blocks = [_tensor(_input(r + 10 * k, dtype), dtype) for k in range(w)]
+        mine = torch.empty(N, dtype=getattr(torch, dtype))
+        dist.reduce_scatter(mine, blocks, op=getattr(R, op))
+        out[("reduce_scatter", dtype)] = _out(mine)
+        mine2 = torch.empty(N, dtype=getattr(torch, dtype))
+        dist.reduce_scatter_tensor(mine2, torch.cat(blocks), op=getattr(R, op))
+        out[("reduce_scatter_tensor", dtype)] = _out(mine2)
+        recv = [torch.empty(N, dtype=getattr(torch, dtype)) for _ in range(w)]
+        dist.all_to_all(recv, [_tensor(_input(r + 10 * k, dtype), dtype) for k in range(w)])
+        out[("all_to_all", dtype)] = np.stack([_out(x) for x in recv])
+        single = torch.empty(w * N, dtype=getattr(torch, dtype))
+        dist.all_to_all_single(single, torch.cat([_tensor(_input(r + 10 * k, dtype), dtype) for k in range(w)]))
+        out[("all_to_all_single", dtype)] = _out(single).reshape(w, N)
+        t = _tensor(_input(r, dtype), dtype)
+        dist.reduce(t, dst=1, op=getattr(R, op))
+        if r == 1:
+            out[("reduce", dtype)] = _out(t)
+        g = [torch.empty(N, dtype=getattr(torch, dtype)) for _ in range(w)] if r == 0 else None
+        dist.gather(_tensor(_input(r, dtype), dtype), gather_list=g, dst=0)
+        if r == 0:
+            out[("gather", dtype)] = np.stack([_out(x) for x in g])
+        s = torch.empty(N, dtype=getattr(torch, dtype))
+        sl = [_tensor(_input(10 * k, dtype), dtype) for k in range(w)] if r == 1 else None
+        dist.scatter(s, scatter_list=sl, src=1)
+        out[("scatter", dtype)] = _out(s)
+        # A ring of sends: each rank sends to the next and receives from the previous one.
+        got = torch.empty(N, dtype=getattr(torch, dtype))
+        ops = [dist.P2POp(dist.isend, _tensor(_input(r, dtype), dtype), (r + 1) % w),
+               dist.P2POp(dist.irecv, got, (r - 1) % w)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        out[("send_recv", dtype)] = _out(got)
+    # Async, with its future (what DDP's comm hooks use).
+    t = _tensor(_input(r, "float32"), "float32")
+    work = dist.all_reduce(t, async_op=True)
+    fut_value = work.get_future().wait()
+    out[("async_future",)] = _out(fut_value[0])
+    work.wait()
+    dist.barrier()
+    if subgroup:
+        # A group of the first and last rank, with its own connections.
+        members = [0, w - 1]
+        sub = dist.new_group(members)
+        if r in members:
+            t = _tensor(_input(r, "float32"), "float32")
+            dist.all_reduce(t, group=sub)
+            out[("subgroup",)] = _out(t)
+        dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,shm", [(2, "0"), (3, "0"), (2, "1"), (3, "1")],
+                         ids=["2-ranks-tcp", "3-ranks-tcp", "2-ranks-shm", "3-ranks-shm"])
+def test_every_collective_dtype_and_op_through_torch_distributed_matches_numpy(world, shm):
+    results = ranks.run(every_collective, world, args=(True,), init=False, env={"CX_SHM": shm}, timeout=240)
+    inputs = {d: [_input(k, d) for k in range(world)] for d in DTYPES}
+    for r, out in enumerate(results):
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "AVG" and dtype not in FLOATS:
+                    continue
+                _close(out[("all_reduce", dtype, op)], _reduce_ref(inputs[dtype], op, dtype), dtype,
+                       f"all_reduce {dtype} {op} on rank {r}")
+            op = "SUM" if dtype != "bool" else "MAX"
+            np.testing.assert_array_equal(out[("broadcast", dtype)], inputs[dtype][world - 1])
+            np.testing.assert_array_equal(out[("all_gather", dtype)], np.stack(inputs[dtype]))
+            np.testing.assert_array_equal(out[("all_gather_into_tensor", dtype)], np.stack(inputs[dtype]))
+            # Block r of every rank k's input (rank k's block r is _input(k + 10 r)).
+            ref = _reduce_ref([_input(k + 10 * r, dtype) for k in range(world)], op, dtype)
+            _close(out[("reduce_scatter", dtype)], ref, dtype, f"reduce_scatter {dtype} on rank {r}")
+            _close(out[("reduce_scatter_tensor", dtype)], ref, dtype, f"reduce_scatter_tensor {dtype} on rank {r}")
+            a2a = np.stack([_input(k + 10 * r, dtype) for k in range(world)])
+            np.testing.assert_array_equal(out[("all_to_all", dtype)], a2a)
+            np.testing.assert_array_equal(out[("all_to_all_single", dtype)], a2a)
+            if r == 1:
+                _close(out[("reduce", dtype)], _reduce_ref(inputs[dtype], op, dtype), dtype, f"reduce {dtype}")
+            if r == 0:
+                np.testing.assert_array_equal(out[("gather", dtype)], np.stack(inputs[dtype]))
+            np.testing.assert_array_equal(out[("scatter", dtype)], _input(10 * r, dtype))
+            np.testing.assert_array_equal(out[("send_recv", dtype)], inputs[dtype][(r - 1) % world])
+        np.testing.assert_array_equal(out[("async_future",)], _reduce_ref(inputs["float32"], "SUM", "float32"))
+        if r in (0, world - 1):
+            np.testing.assert_array_equal(out[("subgroup",)],
+                                          _input(0, "float32") + _input(world - 1, "float32"))
+        else:
+            assert ("subgroup",) not in out
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+
+STEPS, BATCH, MICRO = 4, 12, 2
+
+
+def _model() -> "torch.nn.Module":
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 3))
+
+
+def _batches() -> list:
+    g = torch.Generator().manual_seed(99)
+    return [(torch.randn(BATCH, 10, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(STEPS * MICRO)]
+
+
+def _reference(micro: int) -> list:
+    """One process trains on the whole batch: per step, the sum over `micro` micro-batches of the mean loss."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _batches()
+    for s in range(STEPS):
+        opt.zero_grad()
+        for k in range(micro):
+            x, y = data[s * MICRO + k]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def ddp_training(micro: int) -> list:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init()
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model = DDP(_model(), bucket_cap_mb=0.002)  # several buckets: the overlap path
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _batches()
+    share = BATCH // w
+    for s in range(STEPS):
+        opt.zero_grad()
+        for k in range(micro):
+            x, y = data[s * MICRO + k]
+            x, y = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
+            if k < micro - 1:
+                with model.no_sync():  # accumulate locally; the last micro-batch all-reduces the sum
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+            else:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    dist.destroy_process_group()
+    return [p.detach().numpy().copy() for p in model.module.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro", [1, MICRO], ids=["every-step", "no_sync-accumulation"])
+def test_pytorch_ddp_over_cyxwiz_equals_one_process_on_the_whole_batch(micro):
+    results = ranks.run(ddp_training, 2, args=(micro,), init=False, timeout=180)
+    ref = _reference(micro)
+    for got, want in zip(results[0], ref):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0], results[1]):
+        assert np.array_equal(a, b), "the ranks' parameters differ"
+
+
+def fsdp_training() -> list:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    _init()
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _batches()
+    share = BATCH // w
+    for s in range(STEPS):
+        opt.zero_grad()
+        x, y = data[s * MICRO]
+        torch.nn.functional.cross_entropy(model(x[r * share:(r + 1) * share]), y[r * share:(r + 1) * share]).backward()
+        opt.step()
+    full = [p.full_tensor().detach().numpy().copy() for p in model.parameters()]
+    dist.destroy_process_group()
+    return full
+
+
+@pytest.mark.slow
+def test_fsdp_fully_shard_over_cyxwiz_equals_one_process_on_the_whole_batch():
+    results = ranks.run(fsdp_training, 2, init=False, timeout=180)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _batches()
+    for s in range(STEPS):
+        opt.zero_grad()
+        x, y = data[s * MICRO]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    for got, want in zip(results[0], model.parameters()):
+        np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0], results[1]):
+        assert np.array_equal(a, b)
+
+
+# ---- failures ---------------------------------------------------------------------------------------------------
+
+def dies_mid_training() -> float:
+    import torch.distributed as dist
+
+    _init()
+    r = dist.get_rank()
+    t = torch.ones(1 << 16)
+    for i in range(50):
+        if r == 1 and i == 5:
+            os._exit(3)
+        start = time.monotonic()
+        dist.all_reduce(t)
+    return time.monotonic() - start
+
+
+def test_a_killed_rank_is_named_on_every_other_rank_in_seconds():
+    t0 = time.monotonic()
+    outs = ranks.spawn(dies_mid_training, 3, init=False, timeout=60,
+                       env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 60000})
+    elapsed = time.monotonic() - t0
+    assert outs[1].exitcode == 3
+    for o in (outs[0], outs[2]):
+        assert not o.ok and o.is_a("DistributedError"), (o.exc_type, o.message)
+        assert "rank 1" in o.message, o.message
+    assert elapsed < 30, f"the survivors took {elapsed:.1f} s to fail"
+
+
+def mismatched_call() -> None:
+    import torch.distributed as dist
+
+    _init()
+    r = dist.get_rank()
+    dist.all_reduce(torch.ones(10 if r == 0 else 20))
+
+
+def test_a_mismatched_call_raises_a_named_error_on_every_rank():
+    outs = ranks.spawn(mismatched_call, 2, init=False, timeout=60)
+    for o in outs:
+        assert not o.ok and o.is_a("DistributedError"), (o.exc_type, o.message)
+        assert "all_reduce" in o.message and ("10" in o.message and "20" in o.message), o.message
+
+
+def unsupported_op() -> str:
+    import torch.distributed as dist
+
+    _init()
+    try:
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BXOR)
+    except ValueError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
+def test_a_reduce_op_we_lack_is_refused_by_name():
+    for msg in ranks.run(unsupported_op, 2, init=False, timeout=60):
+        assert "BXOR" in msg and "cyxwiz" in msg, msg
+
+
+def cpu_and_cuda_backends() -> list:
+    import torch.distributed as dist
+
+    _init("cpu:cyxwiz,cuda:nccl")
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    name = dist.get_backend()
+    dist.destroy_process_group()
+    return [name, t.tolist()]
+
+
+def test_init_process_group_with_a_cpu_cyxwiz_cuda_nccl_string_runs_cpu_collectives_on_cyxwiz():
+    for name, values in ranks.run(cpu_and_cuda_backends, 2, init=False, timeout=60):
+        assert "cyxwiz" in name and values == [3.0, 3.0, 3.0]
+
+
+# ---- tensors given to cx.distributed directly (DLPack, zero-copy) ----------------------------------------------
+
+class _OnlyDLPack:
+    """An array that offers DLPack only (as a JAX array does): what the collectives see of such producers."""
+
+    def __init__(self, a, device=(1, 0)):
+        self._a, self._device = a, device
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def tensors_in_place() -> dict:
+    import pycyxwiz as cx
+
+    D = cx.distributed
+    r = D.get_rank()
+    out = {}
+    t = torch.full((5,), float(r + 1))
+    D.all_reduce(t)  # in place, in the tensor's own memory
+    out["tensor"] = t.tolist()
+    b = torch.full((4,), r + 1.5, dtype=torch.bfloat16)
+    D.all_reduce(b)
+    out["bfloat16"] = b.float().tolist()
+    flags = torch.tensor([r == 0, False, True])
+    D.all_reduce(flags)  # bool SUM: or
+    out["bool"] = flags.tolist()
+    x = np.full(3, float(r))
+    D.all_reduce(_OnlyDLPack(x))
+    out["dlpack_only"] = x.tolist()
+    errs = {}
+    for name, call in [
+        ("strided", lambda: D.all_reduce(torch.ones(4, 4)[:, ::2])),
+        ("read_only", lambda: D.all_reduce(_OnlyDLPack(_readonly(np.ones(3))))),
+        ("device", lambda: D.all_reduce(_OnlyDLPack(np.ones(3), device=(2, 0)))),
+        ("requires_grad", lambda: D.broadcast(torch.ones(3, requires_grad=True), src=0)),
+    ]:
+        try:
+            call()
+            errs[name] = "no error"
+        except Exception as e:  # noqa: BLE001  the message is what is tested
+            errs[name] = f"{type(e).__name__}: {e}"
+    out["errors"] = errs
+    D.barrier()  # nothing was sent by the refused calls: the ranks still agree
+    return out
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def test_torch_tensors_and_dlpack_arrays_work_in_place_and_bad_ones_are_refused_on_every_rank():
+    for r, out in enumerate(ranks.run(tensors_in_place, 2)):
+        assert out["tensor"] == [3.0] * 5
+        assert out["bfloat16"] == [4.0] * 4
+        assert out["bool"] == [True, False, True]
+        assert out["dlpack_only"] == [1.0] * 3
+        e = out["errors"]
+        assert e["strided"].startswith("ValueError") and "contiguous" in e["strided"], e
+        assert e["read_only"].startswith("ValueError") and "read-only" in e["read_only"], e
+        assert e["device"].startswith("TypeError") and "CUDA" in e["device"] and "t.cpu()" in e["device"], e
+        assert e["requires_grad"].startswith("TypeError") and "t.detach()" in e["requires_grad"], e
