@@ -208,7 +208,7 @@ def _reference(micro: int) -> list:
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def ddp_training(micro: int) -> list:
+def ddp_training(micro: int, hook: bool = False) -> list:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -216,6 +216,10 @@ def ddp_training(micro: int) -> list:
     r, w = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model = DDP(_model(), bucket_cap_mb=0.002)  # several buckets: the overlap path
+    if hook:  # a Python comm hook: dist.all_reduce(async_op=True).get_future(), as users write them
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = _batches()
     share = BATCH // w
@@ -235,9 +239,10 @@ def ddp_training(micro: int) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro", [1, MICRO], ids=["every-step", "no_sync-accumulation"])
-def test_pytorch_ddp_over_cyxwiz_equals_one_process_on_the_whole_batch(micro):
-    results = ranks.run(ddp_training, 2, args=(micro,), init=False, timeout=180)
+@pytest.mark.parametrize("micro,hook", [(1, False), (MICRO, False), (1, True)],
+                         ids=["every-step", "no_sync-accumulation", "allreduce_hook"])
+def test_pytorch_ddp_over_cyxwiz_equals_one_process_on_the_whole_batch(micro, hook):
+    results = ranks.run(ddp_training, 2, args=(micro, hook), init=False, timeout=180)
     ref = _reference(micro)
     for got, want in zip(results[0], ref):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -364,6 +369,24 @@ def test_init_process_group_with_a_cpu_cyxwiz_cuda_nccl_string_runs_cpu_collecti
         assert "cyxwiz" in name and values == [3.0, 3.0, 3.0]
 
 
+def through_a_file_store(path: str) -> list:
+    import torch.distributed as dist
+
+    import pycyxwiz.torch  # noqa: F401
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("cyxwiz", store=dist.FileStore(path, w), rank=r, world_size=w)
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist()
+
+
+def test_init_process_group_with_a_store_the_user_passes(tmp_path):
+    for values in ranks.run(through_a_file_store, 3, args=(str(tmp_path / "store"),), init=False, timeout=60):
+        assert values == [6.0, 6.0, 6.0]
+
+
 # ---- tensors given to cx.distributed directly (DLPack, zero-copy) ----------------------------------------------
 
 class _OnlyDLPack:
@@ -430,3 +453,22 @@ def test_torch_tensors_and_dlpack_arrays_work_in_place_and_bad_ones_are_refused_
         assert e["read_only"].startswith("ValueError") and "read-only" in e["read_only"], e
         assert e["device"].startswith("TypeError") and "CUDA" in e["device"] and "t.cpu()" in e["device"], e
         assert e["requires_grad"].startswith("TypeError") and "t.detach()" in e["requires_grad"], e
+
+
+# ---- CUDA tensors (only where a GPU is lent) ---------------------------------------------------------------------
+
+def cuda_tensor_through_nccl() -> list:
+    import pycyxwiz as cx
+
+    t = torch.full((4,), 2.0, device="cuda")
+    cx.distributed.all_reduce(t)  # a CUDA DLPack tensor, in place, ordered after the default stream
+    torch.cuda.synchronize()
+    return t.cpu().tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+def test_a_cuda_torch_tensor_is_all_reduced_in_place_by_the_nccl_backend():
+    # One GPU: one rank (NCCL cannot run two ranks on one device); the DLPack path is what is checked.
+    (values,) = ranks.run(cuda_tensor_through_nccl, 1, env={"DISTRIBUTED_BACKEND": "nccl"}, timeout=120)
+    assert values == [2.0] * 4

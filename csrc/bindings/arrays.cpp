@@ -2,6 +2,7 @@
 #include "bindings/arrays.h"
 
 #include <cstring>
+#include <map>
 
 #include "common/error.h"
 #include "train/trainer.h"
@@ -258,6 +259,14 @@ std::pair<std::string, std::optional<DataType>> dl_dtype(const dl::DType& t, con
            " bits) that cannot be sent: convert it to a standard dtype first");
 }
 
+// NumPy's dtype object for `name`, made once per name (this runs on every call of a collective on a tensor).
+py::object numpy_dtype(const std::string& name) {
+  static auto* cache = new std::map<std::string, py::object>();  // never freed: the interpreter outlives it
+  auto it = cache->find(name);
+  if (it == cache->end()) it = cache->emplace(name, py::dtype(name)).first;
+  return it->second;
+}
+
 View dlpack_view(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
                  const std::optional<std::string>& dtype_override) {
   py::object cap;
@@ -347,12 +356,11 @@ View dlpack_view(const py::handle& obj, const char* what, bool writable, bool re
   }
   v.ptr = static_cast<char*>(t->data) + t->byte_offset;
   v.nbytes = v.size * itemsize;
-  auto np_dtype = py::module_::import("numpy").attr("dtype");
   if (name.empty()) {  // bfloat16: NumPy has no such dtype; its bits travel and reduce as bfloat16
-    v.dtype = np_dtype("uint16");
+    v.dtype = numpy_dtype("uint16");
     v.name = "bfloat16";
   } else {
-    v.dtype = np_dtype(name);
+    v.dtype = numpy_dtype(name);
   }
   set_dtype(v, itemsize, what, reduce, dtype_override, natural);
   return v;
@@ -397,6 +405,10 @@ bool is_array(const py::handle& obj, bool gpu) {
 
 View view_of(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
              const std::optional<std::string>& dtype_override) {
+  // Cheapest tests first: an ndarray, a capsule (what pycyxwiz.torch passes); a torch.Tensor's
+  // hasattr(__cuda_array_interface__) raises inside, which costs microseconds.
+  if (!gpu && py::isinstance<py::array>(obj)) return numpy_view(obj, what, writable, reduce, dtype_override);
+  if (PyCapsule_CheckExact(obj.ptr())) return dlpack_view(obj, what, writable, reduce, gpu, dtype_override);
   if (!is_array(obj, gpu)) not_an_array(what, obj, gpu);
   if (gpu) {
     return is_gpu_array(obj) ? gpu_view(obj, what, writable, reduce, dtype_override)

@@ -6,10 +6,11 @@ namespace cx::bindings::docs {
 
 // The paragraphs every collective shares, appended to each docstring below.
 #define CX_DOC_ARRAYS                                                                                          \
-  "\n\nArrays: with BackendType.CPU, NumPy arrays or anything NumPy can view without a copy (memoryview,\n"   \
-  "array.array, bytearray); with BackendType.NCCL, CuPy arrays or anything with __cuda_array_interface__\n"   \
-  "(ordered after the array's stream). They must be C-contiguous, native byte order, and writable where\n"    \
-  "the collective writes. Object arrays are refused: send bytes (pickle on your side) instead."
+  "\n\nArrays: with BackendType.CPU, NumPy arrays, anything NumPy can view without a copy (memoryview,\n"    \
+  "array.array, bytearray) or host tensors with __dlpack__ (torch, JAX); with BackendType.NCCL, CuPy arrays,\n" \
+  "anything with __cuda_array_interface__ (ordered after the array's stream) or CUDA DLPack tensors. They\n"  \
+  "must be C-contiguous, native byte order, and writable where the collective writes. Object arrays are\n"   \
+  "refused: send bytes (pickle on your side) instead."
 #define CX_DOC_ASYNC                                                                                       \
   "\n\nasync_op=True returns a Work at once (wait(timeout=None), is_completed()); the arrays must not be\n" \
   "touched until it completes. Work runs in submission order on the group's communication thread."
@@ -21,7 +22,8 @@ namespace cx::bindings::docs {
 #define CX_DOC_TAIL CX_DOC_ARRAYS CX_DOC_ASYNC CX_DOC_ERRORS
 #define CX_DOC_REDUCIBLE                                                                              \
   "\n\nReduces float32, float64, float16, bfloat16 (ml_dtypes', or uint16 storage with\n"                 \
-  "dtype='bfloat16'), int32, int64 and uint8; ReduceOp.AVG of integers is refused."
+  "dtype='bfloat16'), int32, int64, int8, uint8 and bool (SUM/MAX: or, PRODUCT/MIN: and); ReduceOp.AVG of\n" \
+  "integers is refused."
 
 constexpr const char* kAllReduce =
     "Reduce `arr` across every rank, in place: afterwards every rank holds the result.\n\n"
