@@ -1,7 +1,7 @@
 """One rank of the torch-backend benchmark: torch.distributed over "cyxwiz" against "gloo" and pycyxwiz itself.
 
     python -m benchmarks._torch_worker --lib cyxwiz --out DIR allreduce --sizes 8 65536
-    python -m benchmarks._torch_worker --lib gloo --out DIR ddp --model mlp --steps 20
+    python -m benchmarks._torch_worker --lib gloo --out DIR ddp --models mlp cnn --steps 30
 
 Started by benchmarks.torch_backend through benchmarks._launch (never by hand). --lib names what runs the
 collectives: "cyxwiz" = torch.distributed.init_process_group("cyxwiz") (pycyxwiz.torch), "gloo" = PyTorch's
@@ -11,12 +11,15 @@ torch tensors, through DLPack); CX_SHM in the environment picks TCP or shared me
 allreduce: per size, one correctness check (inputs rank+1, outputs compared with the closed form), warm-up
 calls, then timed calls of dist.all_reduce (or cx.distributed.all_reduce) on one float32 torch tensor, each
 preceded by the library's barrier. Raw per-call times go to the report; the parent takes the max over ranks
-per call, then the median.
+per call, then the median. With --paired (--lib cyxwiz), the same processes also join pycyxwiz's own group
+(cx.distributed.init on MASTER_PORT + 1) and every timed dist.all_reduce is followed by a timed
+cx.distributed.all_reduce on the same tensor: the backend's cost measured under the same load, call by call.
 
-ddp: PyTorch DistributedDataParallel (defaults: 25 MiB buckets, overlapped with backward) around an MLP or a
-small CNN, built after torch.manual_seed(0) (the same initial weights in every column), cross-entropy, SGD;
-random data (benchmarks._hooks_worker.make_data, the same on every rank), batch --batch per rank; --warmup
-untimed steps, then --steps timed ones between two barriers (benchmarks._hooks_worker.timed_steps).
+ddp: PyTorch DistributedDataParallel (defaults: 25 MiB buckets, overlapped with backward) around each of
+--models in turn, in the same processes: built after torch.manual_seed(0) (the same initial weights in every
+column), cross-entropy, SGD; random data (benchmarks._hooks_worker.make_data, the same on every rank), batch
+--batch per rank; --warmup untimed steps, then --steps timed ones between two barriers
+(benchmarks._hooks_worker.timed_steps).
 One compute thread per rank, as in every benchmark here.
 """
 from __future__ import annotations
@@ -51,33 +54,57 @@ def _all_reduce_call(comm, t):
     return lambda: dist.all_reduce(t)
 
 
+def _direct_group(comm):
+    """pycyxwiz's own default group next to torch's "cyxwiz" one in the same processes (--paired): its store on
+    MASTER_PORT + 1, since torch's TCPStore holds MASTER_PORT."""
+    import pycyxwiz as cx
+
+    cfg = cx.distributed.DistributedConfig.from_environment()
+    cfg.master_port = cfg.master_port + 1
+    cx.distributed.init(cfg)
+    return cx.distributed
+
+
 def run_allreduce(comm, report, a) -> None:
     import torch
 
     torch.set_num_threads(1)
+    d = _direct_group(comm) if a.paired else None
     for nbytes in a.sizes:
         t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        call = _all_reduce_call(comm, t)
+        calls = [(_all_reduce_call(comm, t), comm.barrier)]
+        if d is not None:  # alternate: torch.distributed over cyxwiz, then pycyxwiz directly, call by call
+            calls.append((lambda: d.all_reduce(t, d.ReduceOp.SUM), d.barrier))
         # Correctness: rank+1 everywhere, the sum is n(n+1)/2.
-        t.fill_(comm.rank + 1)
-        call()
+        correct = True
         n = comm.world
         idx = torch.tensor(sorted({0, t.numel() // 2, t.numel() - 1}))
-        correct = bool(torch.all(t[idx] == n * (n + 1) / 2))
+        for call, _ in calls:
+            t.fill_(comm.rank + 1)
+            call()
+            correct = correct and bool(torch.all(t[idx] == n * (n + 1) / 2))
         t.zero_()  # timed calls run on zeros: sums never overflow
         warm, timed = iterations(t.numel() * 4, a.iters_scale)
         for _ in range(warm):
-            comm.barrier()
-            call()
-        times = []
+            for call, barrier in calls:
+                barrier()
+                call()
+        times = [[] for _ in calls]
         for _ in range(timed):
-            comm.barrier()
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        report.add({"nominal": nbytes, "bytes": t.numel() * 4, "correct": correct, "times": times})
-        del call, t
+            for (call, barrier), ts in zip(calls, times):
+                barrier()
+                t0 = time.perf_counter()
+                call()
+                ts.append(time.perf_counter() - t0)
+        step = {"nominal": nbytes, "bytes": t.numel() * 4, "correct": correct, "times": times[0]}
+        if d is not None:
+            step["direct_times"] = times[1]
+        report.add(step)
+        del calls, t
     comm.barrier()
+    if d is not None:
+        d.barrier()
+        d.finalize()
 
 
 def build_model(torch, name: str):
@@ -108,15 +135,23 @@ def model_shape(name: str) -> tuple:
 
 def run_ddp(comm, report, a) -> None:
     torch = comm.torch
+    torch.set_num_threads(1)
+    for name in a.models:
+        report.add(ddp_model(comm, a, name))
+        comm.barrier()
+
+
+def ddp_model(comm, a, name: str) -> dict:
+    """Train one model with DDP: warm-up, then the timed steps; this rank's figures."""
+    torch = comm.torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    shape = model_shape(a.model)
+    shape = model_shape(name)
     features = 1
     for s in shape:
         features *= s
     X, y = make_data(max(4096, a.batch * comm.world * 4), features, 10)
-    model = build_model(torch, a.model)
+    model = build_model(torch, name)
     params = sum(p.numel() for p in model.parameters())
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -136,9 +171,9 @@ def run_ddp(comm, report, a) -> None:
     probe = flat[:: max(1, flat.numel() // 4096)].clone()
     ref = probe.clone()
     comm.dist.broadcast(ref, 0)
-    report.add({"seconds": seconds, "step_times": times, "samples": a.batch * a.steps, "params": params,
-                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-                "in_sync": bool(torch.equal(probe, ref))})
+    return {"model": name, "seconds": seconds, "step_times": times, "samples": a.batch * a.steps, "params": params,
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "in_sync": bool(torch.equal(probe, ref))}
 
 
 def main(argv=None) -> int:
@@ -150,8 +185,10 @@ def main(argv=None) -> int:
     ar = sub.add_parser("allreduce")
     ar.add_argument("--sizes", type=int, nargs="+", required=True)
     ar.add_argument("--iters-scale", type=float, default=1.0)
+    ar.add_argument("--paired", action="store_true", help="with --lib cyxwiz: also pycyxwiz directly on a group of "
+                    "its own in the same processes, calls alternated (the backend's cost, under the same load)")
     dp = sub.add_parser("ddp")
-    dp.add_argument("--model", choices=["mlp", "cnn"], required=True)
+    dp.add_argument("--models", nargs="+", choices=["mlp", "cnn"], required=True)
     dp.add_argument("--batch", type=int, default=32)
     dp.add_argument("--steps", type=int, default=20)
     dp.add_argument("--warmup", type=int, default=4)

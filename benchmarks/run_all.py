@@ -7,7 +7,9 @@
 Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
 reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
 (1, 2, 4 ranks), communication hooks (2, 4 ranks; over 127.0.0.1, and again with each rank on a host
-of its own behind a 1 Gbit/s link where network namespaces can be made), memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
+of its own behind a 1 Gbit/s link where network namespaces can be made), the torch.distributed backend
+"cyxwiz" against gloo and against pycyxwiz called directly (all_reduce and DDP; benchmarks/torch_backend.py),
+memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
 tables that go into the README. A complete run with the defaults replaces benchmarks/results/
 when it ends; any other run (--quick, --skip, other worlds or libraries, interrupted) writes
 benchmarks/results/partial/ and leaves the committed results alone. Each column has a timeout,
@@ -28,12 +30,12 @@ if __package__ in (None, ""):
 
 from benchmarks import _launch
 from benchmarks import allreduce as coll
-from benchmarks import hooks, loopback, memory, train
+from benchmarks import hooks, loopback, memory, torch_backend, train
 from benchmarks._launch import LIBRARIES, PARTIAL, RESULTS, mpi_available
 from benchmarks._report import format_table, human_size, machine_info, output_dir, set_output_dir, write_json
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
-STEPS = ("loopback", *COLLECTIVES, "train", "hooks", "memory")
+STEPS = ("loopback", *COLLECTIVES, "train", "hooks", "torch_backend", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
 HOOKS_LINK = "1gbit"  # the hooks' second run: each rank its own host behind a link of this rate
 
@@ -227,6 +229,9 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
                   hooks.table(parts["hooks_link"], markdown=True)]
     elif parts.get("hooks") and parts.get("hooks_link_skipped"):
         lines += ["", f"Shaped-link hooks run: n/a ({parts['hooks_link_skipped']})."]
+    if parts.get("torch_backend"):
+        lines += ["", "## torch.distributed backend (\"cyxwiz\" vs gloo, and vs pycyxwiz called directly)", "",
+                  torch_backend.tables(parts["torch_backend"], markdown=True)]
     if parts.get("memory"):
         lines += ["", "## memory", "", memory.tables(parts["memory"], markdown=True)]
     return "\n".join(lines) + "\n"
@@ -332,6 +337,12 @@ def _run(a, argv) -> float:
             write_json(hooks.json_name(HOOKS_LINK), p)
             print(hooks.table(p) + "\n", flush=True)
             parts["hooks_link"] = p
+    if "torch_backend" not in a.skip:
+        print("torch.distributed backend: cyxwiz vs gloo vs pycyxwiz directly ...", flush=True)
+        p = torch_backend.run(a.worlds, quick=a.quick, link=HOOKS_LINK)
+        write_json("torch_backend", p)
+        print(torch_backend.tables(p) + "\n", flush=True)
+        parts["torch_backend"] = p
     if "memory" not in a.skip:
         print("memory ...", flush=True)
         sizes = [1 << 20, 64 << 20] if a.quick else memory.DEFAULT_SIZES

@@ -353,6 +353,18 @@ def test_a_reduce_op_we_lack_is_refused_by_name():
         assert "BXOR" in msg and "cyxwiz" in msg, msg
 
 
+def init_only() -> None:
+    _init()
+
+
+def test_a_bad_pycyxwiz_setting_fails_init_process_group_at_once_by_name():
+    t0 = time.monotonic()
+    outs = ranks.spawn(init_only, 2, init=False, env={"CX_SHM": "maybe"}, timeout=60)
+    for o in outs:
+        assert not o.ok and o.exc_type == "ValueError" and "CX_SHM='maybe'" in o.message, (o.exc_type, o.message)
+    assert time.monotonic() - t0 < 40
+
+
 def cpu_and_cuda_backends() -> list:
     import torch.distributed as dist
 
@@ -389,17 +401,39 @@ def test_init_process_group_with_a_store_the_user_passes(tmp_path):
 
 # ---- tensors given to cx.distributed directly (DLPack, zero-copy) ----------------------------------------------
 
+def _dlpack_capsule(a: np.ndarray, device_type: int) -> object:
+    """A DLPack capsule (the legacy "dltensor" ABI) describing float64 array `a` as living on `device_type`
+    (2: CUDA): what a GPU framework hands over, made here without one. `a` must outlive the capsule."""
+    import ctypes
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                    ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64)]
+
+    class Managed(ctypes.Structure):
+        _fields_ = [("t", Tensor), ("ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    shape = (ctypes.c_int64 * 1)(a.size)
+    m = Managed(Tensor(a.ctypes.data, device_type, 0, 1, 2, 64, 1, shape, None, 0), None, None)
+    _dlpack_capsule.keep = (a, m, shape)  # type: ignore[attr-defined]  # no deleter: we own the memory
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(m), b"dltensor", None)
+
+
 class _OnlyDLPack:
     """An array that offers DLPack only (as a JAX array does): what the collectives see of such producers."""
 
-    def __init__(self, a, device=(1, 0)):
-        self._a, self._device = a, device
+    def __init__(self, a):
+        self._a = a
 
     def __dlpack__(self, **kw):
         return self._a.__dlpack__(**kw)
 
     def __dlpack_device__(self):
-        return self._device
+        return self._a.__dlpack_device__()
 
 
 def tensors_in_place() -> dict:
@@ -424,7 +458,7 @@ def tensors_in_place() -> dict:
     for name, call in [
         ("strided", lambda: D.all_reduce(torch.ones(4, 4)[:, ::2])),
         ("read_only", lambda: D.all_reduce(_OnlyDLPack(_readonly(np.ones(3))))),
-        ("device", lambda: D.all_reduce(_OnlyDLPack(np.ones(3), device=(2, 0)))),
+        ("device", lambda: D.all_reduce(_dlpack_capsule(np.ones(3), device_type=2))),
         ("requires_grad", lambda: D.broadcast(torch.ones(3, requires_grad=True), src=0)),
     ]:
         try:

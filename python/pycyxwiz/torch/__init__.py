@@ -158,12 +158,10 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
-        cfg = _d.DistributedConfig()
-        try:  # the tuning knobs (CX_SHM, CX_CHUNK_BYTES, ...) as for cx.distributed.init()
-            cfg = _d.DistributedConfig.from_environment()
-        except Exception:
-            pass
-        cfg.rank, cfg.world_size, cfg.local_rank = rank, size, cfg.local_rank
+        # The tuning knobs (CX_SHM, CX_CHUNK_BYTES, ...) as cx.distributed.init() reads them (a bad value fails
+        # here, by name); where the group sits comes from torch.
+        cfg = _d.DistributedConfig.from_environment()
+        cfg.rank, cfg.world_size = rank, size
         cfg.backend = _d.BackendType.CPU
         ms = max(1, int(timeout.total_seconds() * 1000))
         cfg.timeout_ms = ms
@@ -229,9 +227,13 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         _live.discard(self)
-        self._g.shutdown(False)
-        if self._q is not None:
-            self._q.put(None)
+        try:
+            self._g.shutdown(False)  # compares the ranks' collectives with those already here (1 s at most)
+        except _core.DistributedConnectionError:
+            pass  # torch's store went with rank 0, which has finished: nothing is left to compare
+        finally:
+            if self._q is not None:
+                self._q.put(None)
 
     def abort(self) -> None:
         self._g.abort("the process group was aborted (ProcessGroup.abort)")
