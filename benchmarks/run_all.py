@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", choices=STEPS, default=[])
     ap.add_argument("--rounds", type=int, help="rounds per collective column, best kept "
                     "(default 3 for all_reduce, 2 for the others; 1 with --quick)")
-    ap.add_argument("--budget", type=float, default=14.0, help="minutes the whole suite may take")
+    ap.add_argument("--budget", type=float, default=22.0, help="minutes the whole suite may take")
     a = ap.parse_args(argv)
     # Note [Where results go] in _launch.py: only a complete run with the defaults is committed.
     complete = not (a.quick or a.skip or a.rounds or a.worlds != [2, 4] or a.libs != list(LIBRARIES))
