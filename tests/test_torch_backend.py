@@ -371,14 +371,17 @@ def cpu_and_cuda_backends() -> list:
     _init("cpu:cyxwiz,cuda:nccl")
     t = torch.full((3,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, {"rank": dist.get_rank()})  # pickled objects over uint8 tensors
     name = dist.get_backend()
     dist.destroy_process_group()
-    return [name, t.tolist()]
+    return [name, t.tolist(), objs]
 
 
 def test_init_process_group_with_a_cpu_cyxwiz_cuda_nccl_string_runs_cpu_collectives_on_cyxwiz():
-    for name, values in ranks.run(cpu_and_cuda_backends, 2, init=False, timeout=60):
+    for name, values, objs in ranks.run(cpu_and_cuda_backends, 2, init=False, timeout=60):
         assert "cyxwiz" in name and values == [3.0, 3.0, 3.0]
+        assert objs == [{"rank": 0}, {"rank": 1}]
 
 
 def through_a_file_store(path: str) -> list:
