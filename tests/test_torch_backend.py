@@ -335,6 +335,33 @@ def test_a_mismatched_call_raises_a_named_error_on_every_rank():
         assert "all_reduce" in o.message and ("10" in o.message and "20" in o.message), o.message
 
 
+def one_rank_late() -> int:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import pycyxwiz.torch  # noqa: F401
+
+    dist.init_process_group("cyxwiz", timeout=timedelta(seconds=3))
+    if dist.get_rank() == 1:
+        time.sleep(8)
+    calls = 0
+    for _ in range(3):
+        calls += 1
+        dist.all_reduce(torch.ones(4))
+    return calls
+
+
+def test_a_collective_past_the_groups_timeout_raises_on_every_rank():
+    outs = ranks.spawn(one_rank_late, 2, init=False, timeout=60)
+    assert not outs[0].ok and outs[0].is_a("DistributedTimeoutError"), (outs[0].exc_type, outs[0].message)
+    assert "all_reduce" in outs[0].message, outs[0].message
+    # The late rank may complete the call whose data rank 0 had sent before giving up; the next one fails,
+    # naming rank 0's failure.
+    assert not outs[1].ok and outs[1].is_a("DistributedError"), (outs[1].exc_type, outs[1].message)
+    assert "rank 0" in outs[1].message, outs[1].message
+
+
 def unsupported_op() -> str:
     import torch.distributed as dist
 
