@@ -177,6 +177,30 @@ def test_every_collective_dtype_and_op_through_torch_distributed_matches_numpy(w
             assert ("subgroup",) not in out
 
 
+def uneven_all_to_all() -> list:
+    import torch.distributed as dist
+
+    _init()
+    r, w = dist.get_rank(), dist.get_world_size()
+    # Rank r sends rank k a block of r + k + 1 elements, each 100 r + k (MoE's token counts, say).
+    ins = [torch.full((r + k + 1,), 100.0 * r + k) for k in range(w)]
+    outs = [torch.empty(k + r + 1) for k in range(w)]
+    dist.all_to_all(outs, ins)
+    single = torch.empty(sum(k + r + 1 for k in range(w)))
+    dist.all_to_all_single(single, torch.cat(ins), output_split_sizes=[k + r + 1 for k in range(w)],
+                           input_split_sizes=[r + k + 1 for k in range(w)])
+    dist.destroy_process_group()
+    return [[o.tolist() for o in outs], single.tolist()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_with_blocks_of_different_sizes_matches_numpy(world):
+    for r, (outs, single) in enumerate(ranks.run(uneven_all_to_all, world, init=False, timeout=120)):
+        want = [[100.0 * k + r] * (k + r + 1) for k in range(world)]  # block r of every rank k
+        assert outs == want
+        assert single == [x for block in want for x in block]
+
+
 # ---- training -------------------------------------------------------------------------------------------------
 
 STEPS, BATCH, MICRO = 4, 12, 2

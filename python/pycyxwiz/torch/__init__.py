@@ -337,11 +337,9 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
             return nccl.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         p = self.size()
         if output_split_sizes or input_split_sizes:
-            even_in = input.shape[0] // p if input.dim() else 0
-            even_out = output.shape[0] // p if output.dim() else 0
-            if any(s != even_in for s in input_split_sizes) or any(s != even_out for s in output_split_sizes):
-                raise ValueError("all_to_all_single with uneven split sizes is not supported by the cyxwiz backend: "
-                                 "pad every rank's block to one size, or use all_to_all with a list of tensors")
+            ins = list(input.split(input_split_sizes if input_split_sizes else input.shape[0] // p))
+            outs = list(output.split(output_split_sizes if output_split_sizes else output.shape[0] // p))
+            return self._all_to_all_lists(outs, ins, [output])
         if input.dim() == 0 or input.shape[0] % p or input.shape != output.shape:
             raise ValueError(f"all_to_all_single: input and output must have the same shape, with a first dimension "
                              f"divisible by the group size {p}; got {tuple(input.shape)} and {tuple(output.shape)}")
@@ -356,8 +354,35 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         nccl = self._cuda(input_tensors)
         if nccl is not None:
             return nccl.alltoall(output_tensors, input_tensors, opts)
-        w = self._g.all_to_all([_arr(o) for o in output_tensors], [_arr(i) for i in input_tensors], opts.asyncOp)
-        return _Work(self, w, output_tensors)
+        return self._all_to_all_lists(list(output_tensors), list(input_tensors), output_tensors)
+
+    def _all_to_all_lists(self, outs: List[torch.Tensor], ins: List[torch.Tensor], result: Any) -> _Work:
+        """all_to_all of one tensor per peer. Blocks of one size everywhere move in place; blocks of different
+        sizes (all_to_all_single's uneven splits, MoE's token counts) move padded to the largest, through two
+        scratch tensors. Which of the two it is, and the largest block, the ranks agree on first (one small
+        all_reduce), so every rank calls the same collective."""
+        p = self.size()
+        if len(ins) != p or len(outs) != p:
+            raise ValueError(f"all_to_all needs one input and one output tensor per rank of the group ({p}), got "
+                             f"{len(ins)} and {len(outs)}")
+        dtypes = {t.dtype for t in ins + outs}
+        if len(dtypes) != 1:
+            raise TypeError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes))}")
+        sizes = [t.numel() for t in ins + outs]
+        agreed = torch.tensor([max(sizes), -min(sizes)], dtype=torch.int64)
+        self._g.all_reduce(_arr(agreed), _d.ReduceOp.MAX, False)
+        largest, smallest = int(agreed[0]), -int(agreed[1])
+        if largest == smallest:
+            self._g.all_to_all([_arr(o) for o in outs], [_arr(i) for i in ins], False)
+            return _Work(self, None, result)
+        send = torch.zeros(p, largest, dtype=ins[0].dtype)
+        for k, t in enumerate(ins):
+            send[k, :t.numel()] = t.reshape(-1)
+        recv = torch.empty(p, largest, dtype=ins[0].dtype)
+        self._g.all_to_all(_arr(recv), _arr(send), False)
+        for k, t in enumerate(outs):
+            t.copy_(recv[k, :t.numel()].view(t.shape))
+        return _Work(self, None, result)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ReduceOptions()
