@@ -386,22 +386,36 @@ def test_a_collective_past_the_groups_timeout_raises_on_every_rank():
     assert "rank 0" in outs[1].message, outs[1].message
 
 
-def unsupported_op() -> str:
+def refused_calls() -> dict:
     import torch.distributed as dist
 
     _init()
-    try:
-        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BXOR)
-    except ValueError as e:
-        return str(e)
-    finally:
-        dist.destroy_process_group()
-    return "no error"
+    errs = {}
+    for name, call in [
+        ("op", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BXOR)),
+        ("strided", lambda: dist.all_reduce(torch.ones(4, 4).t())),
+        ("sparse", lambda: dist.all_reduce(torch.ones(4).to_sparse())),
+        ("meta", lambda: dist.all_reduce(torch.ones(4, device="meta"))),
+    ]:
+        try:
+            call()
+            errs[name] = "no error"
+        except Exception as e:  # noqa: BLE001  the message is what is tested
+            errs[name] = f"{type(e).__name__}: {e}"
+    t = torch.ones(3)
+    dist.all_reduce(t)  # nothing was sent by the refused calls: the ranks still agree
+    dist.destroy_process_group()
+    errs["after"] = t.tolist()
+    return errs
 
 
-def test_a_reduce_op_we_lack_is_refused_by_name():
-    for msg in ranks.run(unsupported_op, 2, init=False, timeout=60):
-        assert "BXOR" in msg and "cyxwiz" in msg, msg
+def test_a_tensor_or_op_the_backend_cannot_take_is_refused_by_name_before_anything_is_sent():
+    for e in ranks.run(refused_calls, 2, init=False, timeout=60):
+        assert e["op"].startswith("ValueError") and "BXOR" in e["op"] and "cyxwiz" in e["op"], e
+        assert e["strided"].startswith("ValueError") and "t.contiguous()" in e["strided"], e
+        assert e["sparse"].startswith("TypeError") and "t.to_dense()" in e["sparse"], e
+        assert e["meta"].startswith("TypeError") and "meta" in e["meta"] and "t.cpu()" in e["meta"], e
+        assert e["after"] == [2.0, 2.0, 2.0]
 
 
 def init_only() -> None:

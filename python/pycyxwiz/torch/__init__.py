@@ -60,6 +60,9 @@ def _arr(t: torch.Tensor) -> Any:
     """The tensor's memory as a DLPack capsule (no copy); the collective checks device, layout and dtype."""
     if t.requires_grad:
         t = t.detach()
+    if not t.is_cpu:  # CUDA tensors went to NCCL before this (ProcessGroupCyxwiz._cuda)
+        raise TypeError(f"a tensor on {t.device} reached the cyxwiz backend, which works on host memory: pass "
+                        "t.cpu() (and copy the result back)")
     if t.layout is not torch.strided:
         raise TypeError(f"the cyxwiz backend takes dense tensors, got a {t.layout} one: pass t.to_dense()")
     return _to_dlpack(t)
