@@ -115,7 +115,8 @@ void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
     v.count = v.size;
   } else if (reduce) {
     CX_THROW(TypeMismatch, what, " has dtype ", v.dtype_name(), ", which cannot be reduced: use float32, float64, "
-             "float16, bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64, int8, uint8 or bool");
+             "float16, bfloat16 (ml_dtypes, or uint16 storage with dtype='bfloat16'), int32, int64, int8, uint8 or "
+             "bool");
   } else {
     v.dt = DataType::kBytes;  // moved, never combined: any dtype works
     v.count = v.nbytes;
@@ -204,7 +205,15 @@ View gpu_view(const py::handle& obj, const char* what, bool writable, bool reduc
 namespace dl {
 struct Device { int32_t type; int32_t id; };
 struct DType { uint8_t code; uint8_t bits; uint16_t lanes; };
-struct Tensor { void* data; Device device; int32_t ndim; DType dtype; int64_t* shape; int64_t* strides; uint64_t byte_offset; };
+struct Tensor {
+  void* data;
+  Device device;
+  int32_t ndim;
+  DType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; null: C-contiguous
+  uint64_t byte_offset;
+};
 struct Managed { Tensor t; void* ctx; void (*deleter)(Managed*); };
 struct Version { uint32_t major; uint32_t minor; };
 struct ManagedVersioned { Version version; void* ctx; void (*deleter)(ManagedVersioned*); uint64_t flags; Tensor t; };

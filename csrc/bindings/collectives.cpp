@@ -45,6 +45,8 @@ py::object finish(ProcessGroup::WorkPtr w, bool async, const Keep&... keep) {
   return py::cast(std::move(pw));
 }
 
+using GroupPtr = std::shared_ptr<ProcessGroup>;
+
 bool on_gpu(const ProcessGroup& pg) { return pg.config().backend == BackendType::kNccl; }
 
 template <typename F>
@@ -80,21 +82,22 @@ void bind_work(py::module_& m) {
 
 // ---- the collectives, in the order the module defines them
 
-py::object all_reduce(const std::shared_ptr<ProcessGroup>& pg, py::object arr, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
+py::object all_reduce(const GroupPtr& pg, py::object arr, ReduceOp op, bool async_op,
+                      std::optional<std::string> dtype) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, true, gpu, dtype);
   auto w = call([&] { return pg->all_reduce(v.ptr, v.count, v.dt, op, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object broadcast(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int src, bool async_op) {
+py::object broadcast(const GroupPtr& pg, py::object arr, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, false, gpu);
   auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object all_gather(const std::shared_ptr<ProcessGroup>& pg, py::object out, py::object arr, bool async_op) {
+py::object all_gather(const GroupPtr& pg, py::object out, py::object arr, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View in = view_of(arr, "the input array", false, false, gpu);
   auto blocks = blocks_of(out, "the output", in, pg->size(), true, gpu);
@@ -104,7 +107,7 @@ py::object all_gather(const std::shared_ptr<ProcessGroup>& pg, py::object out, p
   return finish(w, async_op, out, in.obj);
 }
 
-py::object reduce_scatter(const std::shared_ptr<ProcessGroup>& pg, py::object out, py::object inputs, ReduceOp op, bool async_op,
+py::object reduce_scatter(const GroupPtr& pg, py::object out, py::object inputs, ReduceOp op, bool async_op,
                           std::optional<std::string> dtype) {
   const bool gpu = on_gpu(*pg);
   View o = view_of(out, "the output array", true, true, gpu, dtype);
@@ -115,14 +118,15 @@ py::object reduce_scatter(const std::shared_ptr<ProcessGroup>& pg, py::object ou
   return finish(w, async_op, out, inputs);
 }
 
-py::object reduce(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int dst, ReduceOp op, bool async_op, std::optional<std::string> dtype) {
+py::object reduce(const GroupPtr& pg, py::object arr, int dst, ReduceOp op, bool async_op,
+                  std::optional<std::string> dtype) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, true, gpu, dtype);
   auto w = call([&] { return pg->reduce(v.ptr, v.count, v.dt, op, dst, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object scatter(const std::shared_ptr<ProcessGroup>& pg, py::object arr, py::object scatter_list, int src, bool async_op) {
+py::object scatter(const GroupPtr& pg, py::object arr, py::object scatter_list, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View o = view_of(arr, "the output array", true, false, gpu);
   std::vector<const void*> ins;
@@ -136,7 +140,7 @@ py::object scatter(const std::shared_ptr<ProcessGroup>& pg, py::object arr, py::
   return finish(w, async_op, o.obj, scatter_list);
 }
 
-py::object gather(const std::shared_ptr<ProcessGroup>& pg, py::object arr, py::object gather_list, int dst, bool async_op) {
+py::object gather(const GroupPtr& pg, py::object arr, py::object gather_list, int dst, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View in = view_of(arr, "the input array", false, false, gpu);
   std::vector<void*> outs;
@@ -150,7 +154,7 @@ py::object gather(const std::shared_ptr<ProcessGroup>& pg, py::object arr, py::o
   return finish(w, async_op, in.obj, gather_list);
 }
 
-py::object all_to_all(const std::shared_ptr<ProcessGroup>& pg, py::object out, py::object inputs, bool async_op) {
+py::object all_to_all(const GroupPtr& pg, py::object out, py::object inputs, bool async_op) {
   const bool gpu = on_gpu(*pg);
   if (!(py::isinstance<py::list>(inputs) || py::isinstance<py::tuple>(inputs)) && !is_array(inputs, gpu)) {
     not_an_array("the input", inputs, gpu);
@@ -180,25 +184,24 @@ py::object all_to_all(const std::shared_ptr<ProcessGroup>& pg, py::object out, p
   return finish(w, async_op, out, inputs);
 }
 
-py::object barrier(const std::shared_ptr<ProcessGroup>& pg, bool async_op) {
+py::object barrier(const GroupPtr& pg, bool async_op) {
   auto w = call([&] { return pg->barrier(async_op); });
   return finish(w, async_op);
 }
 
-py::object send(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int dst, bool async_op) {
+py::object send(const GroupPtr& pg, py::object arr, int dst, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", false, false, gpu);
   auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
 
-py::object recv(const std::shared_ptr<ProcessGroup>& pg, py::object arr, int src, bool async_op) {
+py::object recv(const GroupPtr& pg, py::object arr, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, false, gpu);
   auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }
-
 
 // A process group of its own (not the default one), made over a Python store: pycyxwiz.torch makes one per torch
 // process group. Dropping it closes its connections, without the GIL (its store may need it).
@@ -213,7 +216,7 @@ struct Group {
 
 // A collective of the default group's form as a method of Group.
 template <typename... A>
-auto on(py::object (*f)(const std::shared_ptr<ProcessGroup>&, A...)) {
+auto on(py::object (*f)(const GroupPtr&, A...)) {
   return [f](Group& g, A... a) { return f(g.pg, std::move(a)...); };
 }
 
@@ -256,7 +259,9 @@ void bind_group(py::module_& m) {
       .def(
           "monitored_barrier",
           [](Group& g, double timeout) {
-            if (!(timeout > 0)) throw py::value_error("monitored_barrier: timeout must be a positive number of seconds");
+            if (!(timeout > 0)) {
+              throw py::value_error("monitored_barrier: timeout must be a positive number of seconds");
+            }
             py::gil_scoped_release nogil;
             g.pg->monitored_barrier(static_cast<int64_t>(timeout * 1000.0));
           },
@@ -296,7 +301,6 @@ void bind_collectives(py::module_& m) {
 
   // Each collective twice: on the default group (cx.distributed.all_reduce, ...) and as a method of a Group
   // (several groups in one process: pycyxwiz.torch makes one per torch process group).
-  using PG = std::shared_ptr<ProcessGroup>;
   auto dflt = [](const char* caller) { return require_default_group(caller); };
   m.def("all_reduce", [=](py::object a, ReduceOp op, bool as, std::optional<std::string> dt) {
         return all_reduce(dflt("all_reduce()"), a, op, as, dt); },
@@ -314,7 +318,8 @@ void bind_collectives(py::module_& m) {
         return reduce(dflt("reduce()"), a, dst, op, as, dt); },
         py::arg("arr"), py::arg("dst") = 0, py::arg("op") = ReduceOp::kSum, py::arg("async_op") = false,
         py::arg("dtype") = py::none(), docs::kReduce);
-  m.def("scatter", [=](py::object a, py::object l, int src, bool as) { return scatter(dflt("scatter()"), a, l, src, as); },
+  m.def("scatter",
+        [=](py::object a, py::object l, int src, bool as) { return scatter(dflt("scatter()"), a, l, src, as); },
         py::arg("arr"), py::arg("scatter_list") = py::none(), py::arg("src") = 0, py::arg("async_op") = false,
         docs::kScatter);
   m.def("gather", [=](py::object a, py::object l, int dst, bool as) { return gather(dflt("gather()"), a, l, dst, as); },
