@@ -119,19 +119,26 @@ def run(op: str, worlds: list, libs: list, sizes: list, iters_scale: float = 1.0
     With rounds > 1 every column runs again (libraries in reverse order on odd rounds) and
     each size keeps its best round: see merge_rounds.
     """
+    columns = run_rounds(op, worlds, libs, rounds,
+                         lambda lib, world: run_column(lib, op, world, sizes, iters_scale, timeout_s), log)
+    return {"benchmark": "collective", "op": op, "dtype": "float32", "reduce_op": "SUM",
+            "sizes": sizes, "worlds": worlds, "libs": libs, "loopback": loopback or {}, "rounds": rounds,
+            "latency_below_bytes": LATENCY_BELOW, "columns": columns}
+
+
+def run_rounds(label: str, worlds: list, libs: list, rounds: int, column, log=print) -> list:
+    """column(lib, world) for every world and library, `rounds` times (libraries in reverse order on odd
+    rounds), logging each; returns one column per (world, lib), each size's best round kept (merge_rounds)."""
     raw: dict = {}
     for rnd in range(rounds):
         for world in worlds:
             for lib in (libs if rnd % 2 == 0 else libs[::-1]):
                 tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
-                log(f"  {op} world {world}: {lib}{tag} ...", end="", flush=True)
-                col = run_column(lib, op, world, sizes, iters_scale, timeout_s)
+                log(f"  {label} world {world}: {lib}{tag} ...", end="", flush=True)
+                col = column(lib, world)
                 log(f" {col['wall_s']:.0f}s" + ("" if col["ok"] else f"  n/a ({col['reason']})"))
                 raw.setdefault((world, lib), []).append(col)
-    columns = [merge_rounds(raw[(world, lib)]) for world in worlds for lib in libs]
-    return {"benchmark": "collective", "op": op, "dtype": "float32", "reduce_op": "SUM",
-            "sizes": sizes, "worlds": worlds, "libs": libs, "loopback": loopback or {}, "rounds": rounds,
-            "latency_below_bytes": LATENCY_BELOW, "columns": columns}
+    return [merge_rounds(raw[(world, lib)]) for world in worlds for lib in libs]
 
 
 def _cell(col: dict | None, nominal: int):

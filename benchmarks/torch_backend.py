@@ -51,7 +51,7 @@ if __package__ in (None, ""):
 from benchmarks import _launch
 from benchmarks._launch import run_ranks
 from benchmarks._report import format_table, human_size, median, parse_size, write_json
-from benchmarks.allreduce import bus_factor, merge_rounds
+from benchmarks.allreduce import bus_factor, run_rounds
 
 WORKER = "benchmarks._torch_worker"
 SIZES = [8, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -155,16 +155,8 @@ def ar_column(col: str, world: int, sizes: list, scale: float, timeout_s: float)
 
 def run_allreduce(worlds: list, cols: list, sizes: list, scale: float, rounds: int, timeout_s: float = 180,
                   log=print) -> dict:
-    raw: dict = {}
-    for rnd in range(rounds):
-        for world in worlds:
-            for col in (cols if rnd % 2 == 0 else cols[::-1]):
-                tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
-                log(f"  all_reduce world {world}: {col}{tag} ...", end="", flush=True)
-                c = ar_column(col, world, sizes, scale, timeout_s)
-                log(f" {c['wall_s']:.0f}s" + ("" if c["ok"] else f"  n/a ({c['reason']})"))
-                raw.setdefault((world, col), []).append(c)
-    columns = [merge_rounds(raw[(w, c)]) for w in worlds for c in cols]
+    columns = run_rounds("all_reduce", worlds, cols, rounds,
+                         lambda col, world: ar_column(col, world, sizes, scale, timeout_s), log)
     return {"op": "all_reduce", "dtype": "float32", "reduce_op": "SUM", "sizes": sizes, "worlds": worlds,
             "libs": cols, "rounds": rounds, "iters_scale": scale, "columns": columns}
 

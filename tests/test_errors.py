@@ -308,6 +308,47 @@ def test_buffer_protocol_objects_are_used_in_place():
 
 # ---- misuse of the API, in this process ----------------------------------------------------
 
+def _two_rank_config(rank: int) -> "D.DistributedConfig":
+    cfg = D.DistributedConfig()
+    cfg.rank, cfg.world_size, cfg.timeout_ms = rank, 2, 5000
+    return cfg
+
+
+def test_a_group_over_an_object_that_is_no_store_is_refused_by_name():
+    class NotAStore:
+        def set(self, key, value): ...
+
+    with pytest.raises(TypeError, match=r"set\(key, value\), check\(keys\) and get\(key\).*NotAStore has no check"):
+        cx._core.dist.Group(_two_rank_config(1), NotAStore(), "127.0.0.1", "")
+
+
+def test_a_store_that_fails_fails_the_group_naming_the_store_in_seconds():
+    class DeadStore:  # what torch's TCPStore does once the rank that held it is gone
+        def set(self, key, value): raise RuntimeError("Connection reset by peer")
+        def check(self, keys): raise RuntimeError("Connection reset by peer")
+        def get(self, key): raise RuntimeError("Connection reset by peer")
+
+    t0 = time.monotonic()
+    with pytest.raises(D.DistributedConnectionError,
+                       match=r"the process group's store failed in get\(\): .*Connection reset by peer"):
+        cx._core.dist.Group(_two_rank_config(1), DeadStore(), "127.0.0.1", "")
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_store_where_rank_0_never_comes_times_out_at_the_groups_deadline():
+    class EmptyStore:  # a live store that rank 0 never writes to
+        def set(self, key, value): ...
+        def check(self, keys): return False
+        def get(self, key): raise KeyError(key)
+
+    cfg = _two_rank_config(1)
+    cfg.timeout_ms = 500
+    t0 = time.monotonic()
+    with pytest.raises(D.DistributedTimeoutError, match="rank 0 did not start the group"):
+        cx._core.dist.Group(cfg, EmptyStore(), "127.0.0.1", "")
+    assert 0.4 < time.monotonic() - t0 < 5
+
+
 def test_collective_before_init_says_to_call_init():
     assert not D.is_initialized()
     with pytest.raises(D.DistributedError, match=r"call cx.distributed.init\(\) first"):

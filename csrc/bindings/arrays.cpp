@@ -107,7 +107,7 @@ void set_dtype(View& v, size_t itemsize, const char* what, bool reduce,
     dt = DataType::kBFloat16;
   } else if (natural) {
     dt = natural;
-  } else if (v.name.empty()) {
+  } else {
     dt = reducible_dtype(py::reinterpret_borrow<py::dtype>(v.dtype));
   }
   if (dt) {
@@ -276,24 +276,30 @@ py::object numpy_dtype(const std::string& name) {
   return it->second;
 }
 
+// Makes v.obj own the managed tensor `m` (its deleter runs when v.obj goes); returns its DLTensor.
+template <typename M>
+const dl::Tensor* own(M* m, View& v) {
+  v.obj = py::capsule(m, [](void* p) {
+    auto* mt = static_cast<M*>(p);
+    if (mt->deleter) mt->deleter(mt);
+  });
+  return &m->t;
+}
+
 View dlpack_view(const py::handle& obj, const char* what, bool writable, bool reduce, bool gpu,
                  const std::optional<std::string>& dtype_override) {
   py::object cap;
   if (PyCapsule_CheckExact(obj.ptr())) {
     cap = py::reinterpret_borrow<py::object>(obj);
   } else {
-    // With NCCL, the device decides the stream argument: ask first. On the host, the exported tensor says
-    // where it lives (checked below), which saves a call per collective (microseconds on a torch.Tensor).
+    // With NCCL, refuse a host tensor before exporting it with a CUDA stream argument. On the host, the
+    // exported tensor says where it lives (checked below), which saves a call per collective (microseconds on
+    // a torch.Tensor).
     if (gpu && py::hasattr(obj, "__dlpack_device__")) {
       const int32_t type = py::tuple(obj.attr("__dlpack_device__")())[0].cast<int32_t>();
-      if (gpu && type != dl::kCuda) {
+      if (type != dl::kCuda) {
         CX_THROW(TypeMismatch, what, " is on ", device_name(type), ", but the process group uses BackendType.NCCL, "
                  "which works on CUDA arrays: move it to the GPU (t.cuda()), or use the CPU backend for host arrays");
-      }
-      if (!gpu && type != dl::kCpu && type != dl::kCudaHost) {
-        CX_THROW(TypeMismatch, what, " is on ", device_name(type), ", but the process group uses BackendType.CPU, "
-                 "which works on host memory: pass t.cpu() (and copy the result back), or initialize with "
-                 "BackendType.NCCL (DISTRIBUTED_BACKEND=nccl) for CUDA arrays");
       }
     }
     py::object export_ = obj.attr("__dlpack__");
@@ -324,24 +330,9 @@ View dlpack_view(const py::handle& obj, const char* what, bool writable, bool re
   // Ours from here on: the producer's capsule must not free it too.
   PyCapsule_SetName(cap.ptr(), versioned ? "used_dltensor_versioned" : "used_dltensor");
   View v;
-  const dl::Tensor* t;
-  uint64_t flags = 0;
-  if (versioned) {
-    auto* m = static_cast<dl::ManagedVersioned*>(raw);
-    v.obj = py::capsule(m, [](void* p) {
-      auto* mt = static_cast<dl::ManagedVersioned*>(p);
-      if (mt->deleter) mt->deleter(mt);
-    });
-    t = &m->t;
-    flags = m->flags;
-  } else {
-    auto* m = static_cast<dl::Managed*>(raw);
-    v.obj = py::capsule(m, [](void* p) {
-      auto* mt = static_cast<dl::Managed*>(p);
-      if (mt->deleter) mt->deleter(mt);
-    });
-    t = &m->t;
-  }
+  const dl::Tensor* t = versioned ? own(static_cast<dl::ManagedVersioned*>(raw), v)
+                                  : own(static_cast<dl::Managed*>(raw), v);
+  const uint64_t flags = versioned ? static_cast<dl::ManagedVersioned*>(raw)->flags : 0;
   if (gpu ? t->device.type != dl::kCuda : (t->device.type != dl::kCpu && t->device.type != dl::kCudaHost)) {
     CX_THROW(TypeMismatch, what, " is on ", device_name(t->device.type), ", which the process group's backend (",
              gpu ? "NCCL" : "CPU", ") cannot reach: ", gpu ? "move it to the GPU" : "pass t.cpu()");
@@ -429,11 +420,7 @@ View view_of(const py::handle& obj, const char* what, bool writable, bool reduce
     return is_gpu_array(obj) ? gpu_view(obj, what, writable, reduce, dtype_override)
                              : dlpack_view(obj, what, writable, reduce, true, dtype_override);
   }
-  // NumPy's own view is the cheaper one where both exist (an ndarray has __dlpack__ too).
-  if (py::isinstance<py::array>(obj) || !is_dlpack(obj) || PyObject_CheckBuffer(obj.ptr())) {
-    return numpy_view(obj, what, writable, reduce, dtype_override);
-  }
-  return dlpack_view(obj, what, writable, reduce, false, dtype_override);
+  return numpy_view(obj, what, writable, reduce, dtype_override);  // buffer protocol or __array_interface__
 }
 
 View one_block(const View& whole, int p) {

@@ -55,7 +55,7 @@ View view_of(const py::handle& obj, const char* what, bool writable, bool reduce
 // block must have.
 View one_block(const View& whole, int p);
 
-// p blocks like `ref`: a list (or tuple) of p arrays, or one array holding p blocks of ref's size. `whole`: obj's
+// p blocks like `ref`: a list (or tuple) of p arrays, or one array holding p blocks of ref's size. `viewed`: obj's
 // view where the caller made it already (an array can be viewed only once when it is a DLPack capsule), or for a
 // list, the view of its first entry.
 std::vector<View> blocks_of(const py::handle& obj, const char* what, const View& ref, int p, bool writable, bool gpu,

@@ -772,9 +772,10 @@ Backend& ProcessGroup::backend() {
 
 void ProcessGroup::check_reduction(DataType dt, ReduceOp op) const {
   check_reducible(dt, op);
-  if (dt == DataType::kBool && cfg_.backend == BackendType::kNccl) {
-    CX_THROW(TypeMismatch, "bool arrays are reduced by the CPU backend only: reduce a uint8 array with ReduceOp.MAX "
-                           "(or) or ReduceOp.MIN (and) on NCCL");
+  // Note: int8 and bool reductions are new and have not run on a GPU (GPU code lands verified or refused).
+  if ((dt == DataType::kBool || dt == DataType::kInt8) && cfg_.backend == BackendType::kNccl) {
+    CX_THROW(TypeMismatch, dtype_name(dt), " arrays are reduced by the CPU backend only (not yet run on a GPU): "
+             "reduce an int32 array on NCCL (for bool, uint8 with ReduceOp.MAX for or, ReduceOp.MIN for and)");
   }
 }
 

@@ -116,7 +116,7 @@ ncclDataType_t to_nccl(DataType t) {
     case DataType::kInt64: return ncclInt64;
     case DataType::kUInt8: return ncclUint8;
     case DataType::kBytes: return ncclUint8;
-    case DataType::kInt8: return ncclInt8;
+    case DataType::kInt8: return ncclInt8;  // moved only: ProcessGroup refuses int8 reductions on NCCL
     case DataType::kBool: return ncclUint8;  // moved only: ProcessGroup refuses bool reductions on NCCL
   }
   return ncclUint8;
