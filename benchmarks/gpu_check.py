@@ -236,6 +236,67 @@ def median_us(fn, iters: int, warmup: int = 5) -> float:
     return statistics.median(ts)
 
 
+def call_overhead() -> dict:
+    """What one small all-reduce (1 KiB) costs the caller, world size 1: blocking (returns once the
+    result is in the array; CuPy: allReduce + stream synchronize) and async enqueue (the time for the
+    call to return; the wait is outside the timing; CuPy: allReduce alone). Medians of 2000 calls,
+    alternating the two libraries in rounds."""
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    import pycyxwiz as cx
+
+    D = cx.distributed
+    cfg = D.DistributedConfig()
+    cfg.backend = D.BackendType.NCCL
+    D.init(cfg)
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    stream = cp.cuda.get_current_stream()
+    x = cp.ones(256, cp.float32)
+    n = x.size
+
+    def cx_block():
+        D.all_reduce(x)
+
+    def cupy_block():
+        comm.allReduce(x.data.ptr, x.data.ptr, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+        stream.synchronize()
+
+    def enqueue_us(launch, wait, iters=2000):
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            h = launch()
+            ts.append((time.perf_counter_ns() - t0) / 1e3)
+            wait(h)
+        return statistics.median(ts)
+
+    def cx_async():
+        return D.all_reduce(x, async_op=True)
+
+    def cupy_async():
+        comm.allReduce(x.data.ptr, x.data.ptr, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+
+    rows = {}
+    for r in range(2):
+        for name, fn in (("cx blocking", lambda: median_us(cx_block, 2000)),
+                         ("cupy blocking", lambda: median_us(cupy_block, 2000)),
+                         ("cx async enqueue", lambda: enqueue_us(cx_async, lambda h: h.wait())),
+                         ("cupy async enqueue", lambda: enqueue_us(cupy_async, lambda h: stream.synchronize()))):
+            rows[name] = min(rows.get(name, float("inf")), fn())
+    t0 = time.perf_counter_ns()
+    for _ in range(2000):
+        x.__cuda_array_interface__
+    rows["cupy __cuda_array_interface__ read"] = (time.perf_counter_ns() - t0) / 2000 / 1e3
+    D.finalize()
+    print("== one 1 KiB all-reduce, world size 1, median us (target: blocking <= 1.2x CuPy, enqueue <= 1.5x)")
+    for k, v in rows.items():
+        print(f"  {k:>36} {v:8.2f}")
+    print(f"  {'blocking cx/cupy':>36} {rows['cx blocking'] / rows['cupy blocking']:8.2f}")
+    print(f"  {'async enqueue cx/cupy':>36} {rows['cx async enqueue'] / rows['cupy async enqueue']:8.2f}", flush=True)
+    return rows
+
+
 def bandwidth(max_mib: int) -> list:
     import cupy as cp
     from cupy.cuda import nccl
@@ -309,6 +370,12 @@ def main() -> int:
     correctness_world1()
     correctness_multi_gpu()
     rows = []
+    overhead = {}
+    try:
+        overhead = call_overhead()
+    except Exception as e:
+        RESULTS.append(("call overhead", "FAIL", f"{type(e).__name__}: {e}"))
+        traceback.print_exc()
     try:
         rows = bandwidth(args.max_mib)
     except Exception as e:
@@ -316,7 +383,7 @@ def main() -> int:
         traceback.print_exc()
     failed = [r for r in RESULTS if r[1] != "ok"]
     print(f"== {len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed")
-    out = dict(machine=platform.node(), gpu=dev["name"].decode(), checks=RESULTS, allreduce=rows,
+    out = dict(machine=platform.node(), gpu=dev["name"].decode(), checks=RESULTS, allreduce=rows, call_overhead_us=overhead,
                note="world size 1: busbw is 0 by definition, algbw compared")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "gpu_check.json"), "w") as f:

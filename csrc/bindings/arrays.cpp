@@ -43,6 +43,17 @@ std::optional<DataType> reducible_dtype(const py::dtype& d) {
 }
 
 bool is_gpu_array(const py::handle& obj) { return py::hasattr(obj, "__cuda_array_interface__"); }
+// The object's __cuda_array_interface__, or None where it has none. Read once per call: CuPy
+// builds the dict anew on every read, which costs a microsecond.
+py::object cuda_interface(const py::handle& obj) {
+  PyObject* r = PyObject_GetAttrString(obj.ptr(), "__cuda_array_interface__");
+  if (!r) {
+    PyErr_Clear();
+    return py::none();
+  }
+  return py::reinterpret_steal<py::object>(r);
+}
+py::object numpy_dtype(const std::string& name);
 bool is_dlpack(const py::handle& obj) {
   return PyCapsule_CheckExact(obj.ptr()) || py::hasattr(obj, "__dlpack__");
 }
@@ -148,11 +159,14 @@ View numpy_view(const py::handle& obj, const char* what, bool writable, bool red
 
 // __cuda_array_interface__ (versions 0..3): shape, typestr, data=(ptr, readonly),
 // strides (None: C-contiguous), mask (must be None), stream (v3; None: no sync).
-View gpu_view(const py::handle& obj, const char* what, bool writable, bool reduce,
+View gpu_view(const py::handle& obj, const py::object& interface, const char* what, bool writable, bool reduce,
               const std::optional<std::string>& dtype_override) {
   View v;
   v.obj = py::reinterpret_borrow<py::object>(obj);
-  py::dict cai = obj.attr("__cuda_array_interface__");
+  if (!py::isinstance<py::dict>(interface)) {
+    CX_THROW(TypeMismatch, what, " has an invalid __cuda_array_interface__ (a dict is required)");
+  }
+  auto cai = py::reinterpret_borrow<py::dict>(interface);
   auto bad = [&](const std::string& why) {
     CX_THROW(TypeMismatch, what, " has an invalid __cuda_array_interface__ (", why, ")");
   };
@@ -164,7 +178,7 @@ View gpu_view(const py::handle& obj, const char* what, bool writable, bool reduc
   }
   for (auto d : py::reinterpret_borrow<py::tuple>(cai["shape"])) v.shape.push_back(d.cast<int64_t>());
   std::string typestr = py::str(cai["typestr"]);
-  py::object np_dtype = py::module_::import("numpy").attr("dtype")(typestr);
+  py::object np_dtype = numpy_dtype(typestr);
   size_t itemsize = np_dtype.attr("itemsize").cast<size_t>();
   if (typestr.size() < 3 || (typestr[0] == '>' && itemsize > 1)) {
     CX_THROW(TypeMismatch, what, " has typestr '", typestr, "': only little-endian GPU arrays are supported");
@@ -415,11 +429,15 @@ View view_of(const py::handle& obj, const char* what, bool writable, bool reduce
       !py::hasattr(obj, "__array_interface__")) {
     return dlpack_view(obj, what, writable, reduce, false, dtype_override);  // a torch.Tensor, a JAX array
   }
-  if (!is_array(obj, gpu)) not_an_array(what, obj, gpu);
   if (gpu) {
-    return is_gpu_array(obj) ? gpu_view(obj, what, writable, reduce, dtype_override)
-                             : dlpack_view(obj, what, writable, reduce, true, dtype_override);
+    py::object cai = cuda_interface(obj);
+    if (!cai.is_none()) return gpu_view(obj, cai, what, writable, reduce, dtype_override);
+    if (is_dlpack(obj) && !py::isinstance<py::array>(obj)) {
+      return dlpack_view(obj, what, writable, reduce, true, dtype_override);
+    }
+    not_an_array(what, obj, gpu);
   }
+  if (!is_array(obj, gpu)) not_an_array(what, obj, gpu);
   return numpy_view(obj, what, writable, reduce, dtype_override);  // buffer protocol or __array_interface__
 }
 

@@ -63,7 +63,10 @@ Loaded load() {
     bind(lib, d.cuEventQuery, "cuEventQuery", d.path);
     bind(lib, d.cuMemAlloc, "cuMemAlloc_v2", d.path);
     bind(lib, d.cuMemFree, "cuMemFree_v2", d.path);
+    bind(lib, d.cuMemHostAlloc, "cuMemHostAlloc", d.path);
+    bind(lib, d.cuMemFreeHost, "cuMemFreeHost", d.path);
     bind(lib, d.cuPointerGetAttribute, "cuPointerGetAttribute", d.path);
+    bind(lib, d.cuPointerGetAttributes, "cuPointerGetAttributes", d.path);
     bind(lib, d.cuModuleLoadData, "cuModuleLoadData", d.path);
     bind(lib, d.cuModuleUnload, "cuModuleUnload", d.path);
     bind(lib, d.cuModuleGetFunction, "cuModuleGetFunction", d.path);

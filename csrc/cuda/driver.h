@@ -65,7 +65,11 @@ struct CudaDriver {
   CUresult (*cuEventQuery)(CUevent);
   CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
   CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
+  CUresult (*cuMemFreeHost)(void*);
   CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
+  // Several attributes in one call; memory CUDA does not know reads as type 0 (no error).
+  CUresult (*cuPointerGetAttributes)(unsigned, int*, void**, CUdeviceptr);
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);
   CUresult (*cuModuleUnload)(CUmodule);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);

@@ -339,12 +339,12 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
   }
   cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
   lk.unlock();
-  execute(*w);
+  execute(*w, true);
   w->wait();  // rethrows the collective's error
   return w;
 }
 
-void ProcessGroup::execute(Work& w) {
+void ProcessGroup::execute(Work& w, bool on_submitter) {
   std::lock_guard<std::mutex> ex(exec_mu_);
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -356,7 +356,7 @@ void ProcessGroup::execute(Work& w) {
   }
   set_state(w, FlightEntry::kRunning);
   try {
-    backend_->begin(w.desc_, Deadline::after_ms(cfg_.operation_timeout_ms));
+    backend_->begin(w.desc_, Deadline::after_ms(cfg_.operation_timeout_ms), on_submitter);
     w.body_();
     set_state(w, FlightEntry::kDone);
     w.finish(std::nullopt);
@@ -533,7 +533,7 @@ void ProcessGroup::comm_loop() {
     queue_.pop_front();
     busy_ = true;
     lk.unlock();
-    execute(*w);
+    execute(*w, false);
     w.reset();
     lk.lock();
     busy_ = false;

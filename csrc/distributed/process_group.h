@@ -194,7 +194,7 @@ class ProcessGroup {
   std::pair<ErrorKind, std::string> explain(ErrorKind kind, const std::string& msg);
   void final_check(Check check);
   Backend& backend();  // throws once the group has been finalized
-  void execute(Work& w);
+  void execute(Work& w, bool on_submitter);
   void comm_loop();
   void check_root(int root, const char* what) const;
   void check_peer(int peer, const char* what) const;

@@ -59,7 +59,10 @@ class Backend {
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
 
   // The next body to run belongs to `desc`; its waits give up at `dl`.
-  virtual void begin(const OpDesc& desc, const Deadline& dl) = 0;
+  // `on_submitter`: it runs on the submitting thread right after its submission
+  // (a blocking call), so nothing can have been queued on the caller's stream
+  // since: NCCL then launches on that stream itself.
+  virtual void begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) = 0;
   // Fails the group: peers are told why where the backend can tell them (CPU),
   // the communicator is torn down where it cannot (NCCL: ncclCommAbort).
   virtual void abort(ErrorKind kind, const std::string& msg) = 0;

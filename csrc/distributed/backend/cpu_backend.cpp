@@ -130,7 +130,7 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const
       std::make_unique<MeshTransport>(*store, cfg.rank, cfg.world_size, id.nonce, secret, dl, topt), opt);
   OpDesc init;
   init.kind = CollectiveKind::kInit;
-  backend->begin(init, dl);
+  backend->begin(init, dl, true);
   backend->barrier(0)();
   return backend;
 }

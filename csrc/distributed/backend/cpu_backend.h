@@ -33,7 +33,7 @@ class CpuBackend : public Backend {
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 
-  void begin(const OpDesc& desc, const Deadline& dl) override { t_->begin(desc, dl); }
+  void begin(const OpDesc& desc, const Deadline& dl, bool) override { t_->begin(desc, dl); }
   void abort(ErrorKind kind, const std::string& msg) override { t_->abort(kind, msg); }
   void close(const Deadline& dl) override { t_->close(dl); }
   uint64_t bytes_sent() const override { return t_->bytes_sent(); }

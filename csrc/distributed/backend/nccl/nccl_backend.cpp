@@ -153,7 +153,7 @@ void NcclBackend::setup(Store* store, const Deadline& dl) {
   }
   OpDesc init;
   init.kind = CollectiveKind::kInit;
-  begin(init, dl);
+  begin(init, dl, false);
   run_barrier();
 }
 
@@ -166,9 +166,27 @@ NcclBackend::~NcclBackend() {
 
 void NcclBackend::make_current() const { check_cu(cuda_driver().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
 
-void NcclBackend::begin(const OpDesc& desc, const Deadline& dl) {
+void NcclBackend::begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) {
   desc_ = desc;
   dl_ = dl;
+  on_submitter_ = on_submitter;
+}
+
+std::shared_ptr<cuda::Event> EventPool::take() {
+  std::unique_ptr<cuda::Event> e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!free_.empty()) {
+      e = std::move(free_.back());
+      free_.pop_back();
+    }
+  }
+  if (!e) e = std::make_unique<cuda::Event>();
+  // A wait already enqueued on an event is unaffected by recording it again.
+  return std::shared_ptr<cuda::Event>(e.release(), [pool = shared_from_this()](cuda::Event* ev) {
+    std::lock_guard<std::mutex> lk(pool->mu_);
+    pool->free_.emplace_back(ev);
+  });
 }
 
 void NcclBackend::abort(ErrorKind, const std::string&) {
@@ -188,6 +206,7 @@ void NcclBackend::close(const Deadline&) {
     comm_ = nullptr;
   }
   scale_.reset();
+  events_ = std::make_shared<EventPool>();  // the pooled events go while the context is current
   if (scratch_) d.cuMemFree(scratch_);
   if (done_) d.cuEventDestroy(done_);
   if (stream_) d.cuStreamDestroy(stream_);
@@ -204,31 +223,35 @@ Ready NcclBackend::mark(uintptr_t stream, const std::vector<const void*>& bufs, 
   make_current();
   for (const void* p : bufs) {
     if (!p) continue;  // an empty array
+    // One driver call for both attributes; memory the driver does not know reads as type 0.
+    int attrs[2] = {kPointerAttributeMemoryType, kPointerAttributeDeviceOrdinal};
     unsigned type = 0;
-    CUresult r = d.cuPointerGetAttribute(&type, kPointerAttributeMemoryType, reinterpret_cast<CUdeviceptr>(p));
-    if (r != kSuccess || type == kMemoryTypeHost) {
+    int ordinal = -1;
+    void* data[2] = {&type, &ordinal};
+    CUresult r = d.cuPointerGetAttributes(2, attrs, data, reinterpret_cast<CUdeviceptr>(p));
+    if (r != kSuccess || type == 0 || type == kMemoryTypeHost) {
       CX_THROW(TypeMismatch, what, " is in host memory, but BackendType.NCCL works on GPU memory: pass a CuPy "
                                "array (cupy.asarray(a)) or use BackendType.CPU for NumPy arrays");
     }
-    if (type == kMemoryTypeDevice) {
-      int ordinal = -1;
-      if (d.cuPointerGetAttribute(&ordinal, kPointerAttributeDeviceOrdinal, reinterpret_cast<CUdeviceptr>(p)) ==
-              kSuccess &&
-          ordinal != device_) {
-        CX_THROW(TypeMismatch, what, " is on GPU ", ordinal, ", but rank ", rank_, "'s communicator is on GPU ",
-                 device_, " (LOCAL_RANK): allocate it under cupy.cuda.Device(", device_, ")");
-      }
+    if (type == kMemoryTypeDevice && ordinal >= 0 && ordinal != device_) {
+      CX_THROW(TypeMismatch, what, " is on GPU ", ordinal, ", but rank ", rank_, "'s communicator is on GPU ",
+               device_, " (LOCAL_RANK): allocate it under cupy.cuda.Device(", device_, ")");
     }
   }
-  auto ev = std::make_shared<cuda::Event>();
-  check_cu(d.cuEventRecord(ev->get(), stream_of(stream)), "cuEventRecord on the array's stream");
-  return ev;
+  Ready ready{stream_of(stream), events_->take()};
+  check_cu(d.cuEventRecord(ready.event->get(), ready.stream), "cuEventRecord on the array's stream");
+  return ready;
 }
 
 void NcclBackend::start(const Ready& ready) {
   if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
   make_current();
-  if (ready) check_cu(cuda_driver().cuStreamWaitEvent(stream_, ready->get(), 0), "cuStreamWaitEvent");
+  if (on_submitter_ && ready.event) {
+    run_ = ready.stream;  // nothing was queued there since the event: run after it by running there
+    return;
+  }
+  run_ = stream_;
+  if (ready.event) check_cu(cuda_driver().cuStreamWaitEvent(stream_, ready.event->get(), 0), "cuStreamWaitEvent");
 }
 
 void NcclBackend::check(ncclResult_t r) {
@@ -247,7 +270,7 @@ void NcclBackend::fail_async(ncclResult_t r) {
 
 void NcclBackend::finish() {
   const CudaDriver& d = cuda_driver();
-  check_cu(d.cuEventRecord(done_, stream_), "cuEventRecord");
+  check_cu(d.cuEventRecord(done_, run_), "cuEventRecord");
   int polls = 0;
   for (;;) {
     CUresult q = d.cuEventQuery(done_);
@@ -256,7 +279,8 @@ void NcclBackend::finish() {
       CX_THROW(Error, "rank ", rank_, ": ", desc_.describe(), " failed on GPU ", device_, ": ", d.error_text(q));
     }
     ncclResult_t async = ncclSuccess;
-    if (api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+    if (polls % 16 == 15 && api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress) {
       fail_async(async);
     }
     if (dl_.expired()) {
@@ -264,8 +288,10 @@ void NcclBackend::finish() {
                dl_.timeout_ms, " ms (operation_timeout_ms, DISTRIBUTED_OPERATION_TIMEOUT_MS): a peer rank is late, "
                "stuck or dead. The NCCL communicator has been aborted");
     }
-    // Spin briefly (a small collective finishes in microseconds), then sleep.
-    if (++polls < 200) {
+    // Spin briefly (a small collective finishes in microseconds), then yield, then sleep.
+    if (++polls < 64) {
+      continue;
+    } else if (polls < 200) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(polls < 2000 ? 20 : 200));
@@ -363,7 +389,7 @@ void NcclBackend::scale(void* x, size_t n, DataType dt, double f) {
   }
   const unsigned block = 256;
   const unsigned grid = static_cast<unsigned>(std::min<size_t>((n + block - 1) / block, 4096));
-  check_cu(cuda_driver().cuLaunchKernel(scale_->fn(kernel), grid, 1, 1, block, 1, 1, 0, stream_, args, nullptr),
+  check_cu(cuda_driver().cuLaunchKernel(scale_->fn(kernel), grid, 1, 1, block, 1, 1, 0, run_, args, nullptr),
            "launching cx_scale");
 }
 
@@ -371,7 +397,7 @@ void NcclBackend::run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp 
   start(ready);
   bool avg_by_hand = op == ReduceOp::kAvg && !api_->has_avg();
   ncclRedOp_t nop = to_nccl(avg_by_hand ? ReduceOp::kSum : op);
-  check(api_->ncclAllReduce(buf, buf, count, to_nccl(dt), nop, comm_, stream_));
+  check(api_->ncclAllReduce(buf, buf, count, to_nccl(dt), nop, comm_, run_));
   if (avg_by_hand) {
     scale(buf, count, dt, 1.0 / size_);
   }
@@ -380,7 +406,7 @@ void NcclBackend::run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp 
 
 void NcclBackend::run_broadcast(void* buf, size_t bytes, int root, const Ready& ready) {
   start(ready);
-  check(api_->ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
+  check(api_->ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, run_));
   finish();
 }
 
@@ -391,11 +417,11 @@ void NcclBackend::run_all_gather(const void* in, const std::vector<void*>& outs,
     contiguous = contiguous && static_cast<char*>(outs[r]) == static_cast<char*>(outs[0]) + r * bytes;
   }
   if (contiguous) {
-    check(api_->ncclAllGather(in, outs[0], bytes, ncclUint8, comm_, stream_));
+    check(api_->ncclAllGather(in, outs[0], bytes, ncclUint8, comm_, run_));
   } else {
     // Separate output arrays: one broadcast from each rank, fused into one launch.
     check(api_->ncclGroupStart());
-    for (int r = 0; r < size_; ++r) check(api_->ncclBroadcast(in, outs[r], bytes, ncclUint8, r, comm_, stream_));
+    for (int r = 0; r < size_; ++r) check(api_->ncclBroadcast(in, outs[r], bytes, ncclUint8, r, comm_, run_));
     check(api_->ncclGroupEnd());
   }
   finish();
@@ -414,12 +440,12 @@ void NcclBackend::run_reduce_scatter(const std::vector<const void*>& ins, void* 
     contiguous = contiguous && static_cast<const char*>(ins[r]) == static_cast<const char*>(ins[0]) + r * bytes;
   }
   if (contiguous) {
-    check(api_->ncclReduceScatter(ins[0], out, count, to_nccl(dt), to_nccl(op), comm_, stream_));
+    check(api_->ncclReduceScatter(ins[0], out, count, to_nccl(dt), to_nccl(op), comm_, run_));
   } else {
     // Separate input arrays: block r is reduced onto rank r.
     check(api_->ncclGroupStart());
     for (int r = 0; r < size_; ++r) {
-      check(api_->ncclReduce(ins[r], out, count, to_nccl(dt), to_nccl(op), r, comm_, stream_));
+      check(api_->ncclReduce(ins[r], out, count, to_nccl(dt), to_nccl(op), r, comm_, run_));
     }
     check(api_->ncclGroupEnd());
   }
@@ -432,7 +458,7 @@ void NcclBackend::run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, 
              "): use SUM and divide");
   }
   start(ready);
-  check(api_->ncclReduce(buf, buf, count, to_nccl(dt), to_nccl(op), root, comm_, stream_));
+  check(api_->ncclReduce(buf, buf, count, to_nccl(dt), to_nccl(op), root, comm_, run_));
   finish();
 }
 
@@ -441,9 +467,9 @@ void NcclBackend::run_scatter(const std::vector<const void*>& ins, void* out, si
   start(ready);
   check(api_->ncclGroupStart());
   if (rank_ == root) {
-    for (int r = 0; r < size_; ++r) check(api_->ncclSend(ins[r], bytes, ncclUint8, r, comm_, stream_));
+    for (int r = 0; r < size_; ++r) check(api_->ncclSend(ins[r], bytes, ncclUint8, r, comm_, run_));
   }
-  check(api_->ncclRecv(out, bytes, ncclUint8, root, comm_, stream_));
+  check(api_->ncclRecv(out, bytes, ncclUint8, root, comm_, run_));
   check(api_->ncclGroupEnd());
   finish();
 }
@@ -452,9 +478,9 @@ void NcclBackend::run_gather(const void* in, const std::vector<void*>& outs, siz
                            const Ready& ready) {
   start(ready);
   check(api_->ncclGroupStart());
-  check(api_->ncclSend(in, bytes, ncclUint8, root, comm_, stream_));
+  check(api_->ncclSend(in, bytes, ncclUint8, root, comm_, run_));
   if (rank_ == root) {
-    for (int r = 0; r < size_; ++r) check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, stream_));
+    for (int r = 0; r < size_; ++r) check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, run_));
   }
   check(api_->ncclGroupEnd());
   finish();
@@ -465,8 +491,8 @@ void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std:
   start(ready);
   check(api_->ncclGroupStart());
   for (int r = 0; r < size_; ++r) {
-    check(api_->ncclSend(ins[r], bytes, ncclUint8, r, comm_, stream_));
-    check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, stream_));
+    check(api_->ncclSend(ins[r], bytes, ncclUint8, r, comm_, run_));
+    check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, run_));
   }
   check(api_->ncclGroupEnd());
   finish();
@@ -474,20 +500,20 @@ void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std:
 
 void NcclBackend::run_send(const void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
-  check(api_->ncclSend(buf, bytes, ncclUint8, peer, comm_, stream_));
+  check(api_->ncclSend(buf, bytes, ncclUint8, peer, comm_, run_));
   finish();
 }
 
 void NcclBackend::run_recv(void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
-  check(api_->ncclRecv(buf, bytes, ncclUint8, peer, comm_, stream_));
+  check(api_->ncclRecv(buf, bytes, ncclUint8, peer, comm_, run_));
   finish();
 }
 
 void NcclBackend::run_barrier() {
-  start(nullptr);
+  start(Ready{});
   check(api_->ncclAllReduce(reinterpret_cast<void*>(scratch_), reinterpret_cast<void*>(scratch_), 1, ncclFloat32,
-                            ncclSum, comm_, stream_));
+                            ncclSum, comm_, run_));
   finish();
 }
 

@@ -4,9 +4,12 @@
 // Streams and completion. A collective is submitted with the caller's CUDA
 // stream (the array's __cuda_array_interface__ 'stream', or the legacy default
 // stream). At submission an event is recorded on that stream (mark()); when the
-// work runs, the backend's own stream waits for that event, NCCL runs there,
-// and the running thread then polls a completion event together with
-// ncclCommGetAsyncError until done or until the group's deadline. So a
+// work runs later (async), the backend's own stream waits for that event and
+// NCCL runs there. A blocking call runs right after its submission, so NCCL
+// runs on the caller's stream itself, as a hand-written NCCL call would: no
+// cross-stream wait, which costs microseconds on a small collective. Either
+// way the running thread then polls a completion event (and, every few polls,
+// ncclCommGetAsyncError) until done or until the group's deadline. So a
 // blocking collective returns, and Work::wait() of an async one returns, only
 // once the result is in the array: the caller's stream is ordered after it
 // with no further synchronisation, and a hung or failed collective surfaces as
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,8 +40,24 @@ namespace cx::distributed {
 
 class Store;
 
-// A CUDA event recorded on the caller's stream when a collective is submitted.
-using Ready = std::shared_ptr<cuda::Event>;
+// A CUDA event recorded on the caller's stream when a collective is submitted
+// (from the backend's pool, to which it returns), and that stream. No event:
+// nothing to wait for (the barrier).
+struct Ready {
+  cuda::CUstream stream = nullptr;
+  std::shared_ptr<cuda::Event> event;
+};
+
+// Events to reuse: creating and destroying one per collective costs more than
+// a small collective's launch.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  std::shared_ptr<cuda::Event> take();
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<cuda::Event>> free_;
+};
 
 class NcclBackend : public Backend {
  public:
@@ -65,7 +85,7 @@ class NcclBackend : public Backend {
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 
-  void begin(const OpDesc& desc, const Deadline& dl) override;
+  void begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) override;
   void abort(ErrorKind kind, const std::string& msg) override;  // ncclCommAbort
   void close(const Deadline& dl) override;                       // ncclCommDestroy
 
@@ -90,7 +110,7 @@ class NcclBackend : public Backend {
 
   void setup(Store* store, const Deadline& dl);
   void make_current() const;
-  void start(const Ready& ready);     // our stream waits for the caller's event
+  void start(const Ready& ready);     // picks the stream to run on (run_), ordered after `ready`
   void check(nccl::ncclResult_t r);  // throws for a failed NCCL call
   void finish();                     // records, then polls to completion
   [[noreturn]] void fail_async(nccl::ncclResult_t r);
@@ -98,7 +118,10 @@ class NcclBackend : public Backend {
   int rank_, size_, device_;
   const nccl::NcclApi* api_ = nullptr;
   cuda::CUcontext ctx_ = nullptr;
-  cuda::CUstream stream_ = nullptr;
+  cuda::CUstream stream_ = nullptr;  // our own, for work that runs after its submission
+  cuda::CUstream run_ = nullptr;     // the stream the running body launches on
+  bool on_submitter_ = false;
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   cuda::CUevent done_ = nullptr;
   cuda::CUdeviceptr scratch_ = 0;  // 4 bytes: the barrier's all-reduce
   nccl::ncclComm_t comm_ = nullptr;
