@@ -9,7 +9,7 @@
 
 namespace cx::cuda {
 
-// ---- Buffer ------------------------------------------------------------------------
+// ---- Buffer, HostBuffer --------------------------------------------------------------
 
 namespace {
 // Frees after the queued work that may still read or write the memory (kernels
@@ -33,6 +33,32 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     o.p_ = 0, o.bytes_ = 0;
   }
   return *this;
+}
+
+HostBuffer::~HostBuffer() {
+  if (p_) {
+    cuda_driver().cuCtxSynchronize();
+    cuda_driver().cuMemFreeHost(p_);
+  }
+}
+
+void HostBuffer::reserve(size_t bytes) {
+  if (bytes <= bytes_ && p_) return;
+  const auto& d = cuda_driver();
+  if (p_) {
+    d.cuCtxSynchronize();
+    d.cuMemFreeHost(p_);
+  }
+  p_ = nullptr;
+  bytes_ = 0;
+  size_t want = std::max<size_t>(bytes, 4096);
+  CUresult r = d.cuMemHostAlloc(&p_, want, 0);
+  if (r != kSuccess) {
+    p_ = nullptr;
+    CX_THROW(Error, "cuMemHostAlloc of ", want, " bytes of page-locked host memory failed: ", d.error_text(r),
+             " (lower batch_size)");
+  }
+  bytes_ = want;
 }
 
 void Buffer::reserve(size_t bytes) {

@@ -1,5 +1,6 @@
 // defines: Device (one GPU's primary context, a stream, the model's kernels of
-// nn.cu and a GEMM), Buffer (a grow-only device allocation), Event.
+// nn.cu and a GEMM), Buffer (a grow-only device allocation), HostBuffer (its
+// page-locked host twin), Event.
 //
 // All work is queued on the Device's stream in order; the host waits only where
 // it reads a result back. The GEMM is cuBLAS (blas.h) or, where none loads, our
@@ -35,6 +36,26 @@ class Buffer {
 
  private:
   CUdeviceptr p_ = 0;
+  size_t bytes_ = 0;
+};
+
+// Grow-only page-locked host memory: a copy from it to the device is a DMA the
+// host does not wait for (from pageable memory the driver first copies it into
+// a staging buffer of its own, on the host's time).
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  // At least `bytes` (growing drops the old contents and waits for the work
+  // queued in the context, which may still be reading the old memory).
+  void reserve(size_t bytes);
+  float* f() const { return static_cast<float*>(p_); }
+
+ private:
+  void* p_ = nullptr;
   size_t bytes_ = 0;
 };
 

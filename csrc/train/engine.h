@@ -24,6 +24,13 @@ struct BatchStats {
 class Engine {
  public:
   virtual ~Engine() = default;
+  // Where the trainer gathers the next batch's input rows (`floats` of them):
+  // host memory the engine copies from best (the GPU engine: page-locked), or
+  // null for the trainer's own. Valid until the next call.
+  virtual float* input_buffer(size_t floats) {
+    (void)floats;
+    return nullptr;
+  }
   // One optimizer step on a batch of host rows x (x_shape) and their targets.
   virtual BatchStats train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) = 0;
   // The batch's loss in eval mode (the model is in eval mode already).

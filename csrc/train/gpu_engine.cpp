@@ -74,6 +74,13 @@ void GpuEngine::from_host() {
 
 // ---- one step ----------------------------------------------------------------------
 
+float* GpuEngine::input_buffer(size_t floats) {
+  // The last step's copy from here has completed: each step ends waiting for its loss.
+  dev_->make_current();
+  host_x_.reserve(floats * sizeof(float));
+  return host_x_.f();
+}
+
 nn::BatchTargets GpuEngine::upload_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
   const size_t nx = nn::numel(x_shape);
   x_.reserve(nx * sizeof(float));

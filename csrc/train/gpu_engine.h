@@ -44,6 +44,7 @@ class GpuEngine : public Engine {
              const DDPConfig& cfg, const DistributedDataParallel& host_ddp);
   ~GpuEngine() override;
 
+  float* input_buffer(size_t floats) override;  // page-locked: the batch's copy is a DMA
   BatchStats train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) override;
   BatchStats eval_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) override;
   BatchStats reduce_stats(const BatchStats& s) override;
@@ -83,6 +84,7 @@ class GpuEngine : public Engine {
   // Device batch and loss.
   cuda::Buffer x_, labels_, dense_, gout_, stats_, staging_;
   cuda::Buffer buffer_pack_;  // broadcast_buffers' message
+  cuda::HostBuffer host_x_;   // the trainer gathers each batch's rows here (input_buffer)
 
   BucketScheduler sched_;  // the host DDP's buckets, so both devices cut the gradients the same way
   std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;

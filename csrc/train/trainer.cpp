@@ -2,12 +2,31 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include "common/error.h"
 #include "train/cpu_engine.h"
 #include "train/gpu_engine.h"
 
 namespace cx::train {
+
+namespace {
+// dst row i = X row idx[i], rows of `row` floats, on `threads` threads.
+void copy_rows(float* dst, const float* X, const int64_t* idx, size_t n, size_t row, unsigned threads) {
+  auto part = [=](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      std::memcpy(dst + i * row, X + static_cast<size_t>(idx[i]) * row, row * sizeof(float));
+    }
+  };
+  if (threads <= 1) return part(0, n);
+  std::vector<std::thread> pool;
+  const size_t per = (n + threads - 1) / threads;
+  for (unsigned t = 1; t < threads && t * per < n; ++t) pool.emplace_back(part, t * per, std::min(n, (t + 1) * per));
+  part(0, std::min(n, per));
+  for (auto& th : pool) th.join();
+}
+}  // namespace
 
 TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
                          std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
@@ -85,12 +104,22 @@ void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets
   size_t rows = std::min(x_shape[0], y.rows);
   xb_shape_ = x_shape;
   xb_shape_[0] = n;
-  x_.resize(n * row);
   for (size_t i = 0; i < n; ++i) {
     CX_CHECK(idx[i] >= 0 && static_cast<size_t>(idx[i]) < rows, InvalidArgument, "DistributedTrainer: sample index ",
              idx[i], " is out of range for ", rows, " rows; was the sampler built for another data set?");
-    std::memcpy(x_.data() + i * row, X + static_cast<size_t>(idx[i]) * row, row * sizeof(float));
   }
+  float* dst = engine_->input_buffer(n * row);
+  // The GPU engine's host is idle while the device computes, so a large batch is
+  // gathered by several threads; ranks training on the CPU keep their cores.
+  const unsigned threads = dst && n * row * sizeof(float) >= (4u << 20)
+                               ? std::min(8u, std::max(1u, std::thread::hardware_concurrency()))
+                               : 1u;
+  if (!dst) {
+    x_.resize(n * row);
+    dst = x_.data();
+  }
+  xb_ = dst;
+  copy_rows(dst, X, idx, n, row, threads);
   y_kind_ = y.kind;
   if (y.kind == Targets::Kind::kFloat32) {
     size_t yr = nn::numel(y.row_shape);
@@ -131,7 +160,7 @@ BatchStats TrainerCore::train_batch(const float* X, const nn::Shape& x_shape, co
   BatchStats s;
   if (n == 0) return s;
   gather(X, x_shape, y, idx, n);
-  return engine_->train_batch(x_.data(), xb_shape_, batch_targets(n));
+  return engine_->train_batch(xb_, xb_shape_, batch_targets(n));
 }
 
 BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin,
@@ -143,7 +172,7 @@ BatchStats TrainerCore::evaluate(const float* X, const nn::Shape& x_shape, const
     for (size_t b = begin; b < end; b += batch) {
       size_t n = std::min(batch, end - b);
       slice(X, x_shape, y, b, n);
-      BatchStats e = engine_->eval_batch(x_.data(), xb_shape_, batch_targets(n));
+      BatchStats e = engine_->eval_batch(xb_, xb_shape_, batch_targets(n));
       s.loss_sum += e.loss_sum, s.correct += e.correct, s.count += e.count;
     }
   } catch (...) {

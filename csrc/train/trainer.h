@@ -101,7 +101,8 @@ class TrainerCore {
   std::unique_ptr<Engine> engine_;  // CpuEngine, or GpuEngine with the NCCL backend
   CpuEngine* cpu_engine_ = nullptr;  // engine_ when it is a CpuEngine
   std::shared_ptr<ZeroRedundancyOptimizer> zero_;
-  std::vector<float> x_;          // gathered input rows
+  std::vector<float> x_;          // gathered input rows, where the engine has no buffer for them
+  const float* xb_ = nullptr;     // the gathered rows: x_ or the engine's input_buffer
   std::vector<int64_t> y_labels_;  // gathered labels (int32 labels widened)
   std::vector<float> y_dense_;    // gathered dense targets
   nn::Shape xb_shape_, yb_shape_;
