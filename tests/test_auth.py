@@ -344,22 +344,62 @@ def test_loopback_without_a_secret_runs_as_before():
     check_correct(ranks.run(sum_of_ranks, world=2, env={"CX_AUTH_TOKEN": ""}), 2)
 
 
-@pytest.mark.parametrize("case", ["both", "empty_file", "missing_file", "bad_mode"])
+@pytest.mark.parametrize("case", ["both", "empty_file", "missing_file", "bad_mode", "blank_token", "fifo",
+                                  "directory", "device", "oversized"])
 def test_a_misconfigured_secret_is_refused_with_what_to_do(case, tmp_path):
+    """Each fails init at once on every rank, by name: a FIFO used to block init forever, /dev/zero to be read
+    until memory ran out, a directory to read as empty and a blank CX_AUTH_TOKEN to be taken as the secret."""
     empty = tmp_path / "empty"
     empty.write_text("  \n")
-    env = {"both": {"CX_AUTH_TOKEN": SECRET, "CX_AUTH_TOKEN_FILE": str(empty)},
-           "empty_file": {"CX_AUTH_TOKEN": "", "CX_AUTH_TOKEN_FILE": str(empty)},
-           "missing_file": {"CX_AUTH_TOKEN": "", "CX_AUTH_TOKEN_FILE": str(tmp_path / "nope")},
-           "bad_mode": {"CX_AUTH": "maybe"}}[case]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 4097)
+    file_env = {"both": str(empty), "empty_file": str(empty), "missing_file": str(tmp_path / "nope"),
+                "fifo": str(fifo), "directory": str(tmp_path), "device": "/dev/zero", "oversized": str(big)}
+    env = {"CX_AUTH_TOKEN": SECRET if case == "both" else "   " if case == "blank_token" else ""}
+    if case in file_env:
+        env["CX_AUTH_TOKEN_FILE"] = file_env[case]
+    if case == "bad_mode":
+        env = {"CX_AUTH": "maybe"}
     want = {"both": "both CX_AUTH_TOKEN and CX_AUTH_TOKEN_FILE are set: set only one of them",
-            "empty_file": f"CX_AUTH_TOKEN_FILE={empty} is empty: write the job's secret into it",
-            "missing_file": "cannot read the job secret from CX_AUTH_TOKEN_FILE=",
-            "bad_mode": "CX_AUTH='maybe' is not valid: expected on (the default) or off"}[case]
+            "empty_file": f"CX_AUTH_TOKEN_FILE={empty} is empty or only whitespace: write the job's secret into it",
+            "missing_file": f"CX_AUTH_TOKEN_FILE={tmp_path / 'nope'}: cannot open it (No such file or directory)",
+            "bad_mode": "CX_AUTH='maybe' is not valid: expected on (the default) or off",
+            "blank_token": "CX_AUTH_TOKEN is only whitespace: set it to the job's secret",
+            "fifo": f"CX_AUTH_TOKEN_FILE={fifo} is a FIFO (named pipe): it must name a regular file",
+            "directory": f"CX_AUTH_TOKEN_FILE={tmp_path} is a directory: it must name a regular file",
+            "device": "CX_AUTH_TOKEN_FILE=/dev/zero is a character device: it must name a regular file",
+            "oversized": f"CX_AUTH_TOKEN_FILE={big} is 4097 bytes: a secret file holds at most 4096 bytes"}[case]
+    t0 = time.monotonic()
     outs = ranks.spawn(sum_of_ranks, world=2, env=env, timeout=60)
     for o in outs:
         assert o.is_a("ValueError"), o
         assert want in o.message
+    assert time.monotonic() - t0 < 30  # at once, not at the init deadline
+
+
+def test_a_secret_file_others_can_read_gets_a_warning_naming_chmod(tmp_path, capfd):
+    f = tmp_path / "secret"
+    f.write_text("  " + SECRET + "\n")
+    f.chmod(0o644)
+    check_correct(ranks.run(sum_of_ranks, world=2, env={"CX_AUTH_TOKEN": "", "CX_AUTH_TOKEN_FILE": str(f)}), 2)
+    err = capfd.readouterr().err
+    assert f"CX_AUTH_TOKEN_FILE={f} can be read by other users (mode 644)" in err and f"chmod 600 {f}" in err
+    f.chmod(0o600)
+    check_correct(ranks.run(sum_of_ranks, world=2, env={"CX_AUTH_TOKEN": "", "CX_AUTH_TOKEN_FILE": str(f)}), 2)
+    assert "can be read by other users" not in capfd.readouterr().err
+
+
+def test_the_variable_and_the_file_are_stripped_alike(tmp_path):
+    """Rank 0 has the secret in the variable, rank 1 in a file, each with surrounding whitespace: both strip
+    it, so they hold the same secret and meet."""
+    f = tmp_path / "secret"
+    f.write_text("\t" + SECRET + "  \n")
+    f.chmod(0o600)
+    check_correct(ranks.run(sum_of_ranks, world=2, per_rank_env={
+        0: {"CX_AUTH_TOKEN": " " + SECRET + "\n"},
+        1: {"CX_AUTH_TOKEN": "", "CX_AUTH_TOKEN_FILE": str(f)}}), 2)
 
 
 # ---- the launchers make a secret ----------------------------------------------------------------------

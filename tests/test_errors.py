@@ -279,7 +279,7 @@ def buffer_protocol_objects():
     w = D.all_reduce(array.array("f", [1.0, 2.0]), async_op=True)
     w.wait()
     errs = []
-    for fn, args in [(D.broadcast, (b"read-only",)), (D.all_reduce, (np.arange(3.0).tolist(),))]:
+    for fn, args in [(D.all_reduce, (b"read-only",)), (D.all_reduce, (np.arange(3.0).tolist(),))]:
         try:
             fn(*args)
         except (TypeError, ValueError) as e:
@@ -293,6 +293,36 @@ def buffer_protocol_objects():
     except TypeError as e:
         errs.append(f"TypeError: {e}")
     return list(a), list(m), bytes(b), bytes(out), errs
+
+
+def root_broadcasts_a_read_only_array():
+    r = D.get_rank()
+    a = np.arange(5, dtype=np.float64) * (r + 1)
+    if r == 1:
+        a.flags.writeable = False  # the root only reads it
+    D.broadcast(a, src=1)
+    b = bytes(range(4)) if r == 0 else bytearray(4)  # bytes are read-only: fine at the root
+    D.broadcast(b, src=0)
+    errs = []
+    try:
+        D.broadcast(_read_only(3), src=(r + 1) % 2)  # each rank a receiver: refused on both, nothing sent
+    except ValueError as e:
+        errs.append(str(e))
+    return a.tolist(), bytes(b), errs
+
+
+def _read_only(n):
+    a = np.zeros(n)
+    a.flags.writeable = False
+    return a
+
+
+def test_the_root_of_a_broadcast_may_pass_a_read_only_array():
+    """The root only reads its array; a receiving rank's array must be writable, and is refused by name."""
+    for r, (a, b, errs) in enumerate(ranks.run(root_broadcasts_a_read_only_array, 2)):
+        assert a == [0.0, 2.0, 4.0, 6.0, 8.0]
+        assert b == bytes(range(4))
+        assert len(errs) == 1 and "read-only" in errs[0], errs  # each rank receives from the other: refused
 
 
 def test_buffer_protocol_objects_are_used_in_place():
@@ -403,11 +433,15 @@ def test_init_twice_is_refused(monkeypatch):
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SPIN_US": "fast"}, "CX_SPIN_US='fast'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM": "yes"}, "CX_SHM='yes' is not valid: expected 0 (TCP only) or 1"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM_RING_BYTES": "100"}, "CX_SHM_RING_BYTES='100'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_SOCKET_BUFFER_BYTES": "4096"},
+     "CX_SOCKET_BUFFER_BYTES='4096' is not valid: expected bytes, 65536 (64 KiB) .. 1073741824 (1 GiB)"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0' is not valid: expected a positive"),
 ])
 def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
               "DISTRIBUTED_OPERATION_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
-              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES"]:
+              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES", "CX_SOCKET_BUFFER_BYTES",
+              "LOCAL_WORLD_SIZE"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -714,3 +748,48 @@ def test_store_listens_only_on_master_addr(tmp_path):
     assert ranks.run(wait_for_peer, 2, args=(port_file,), timeout=60) == [True, True]
     th.join()
     assert probe == {"127.0.0.1": "accepted", "127.0.0.2": "ConnectionRefusedError"}
+
+
+# ---- a group used from a forked child -------------------------------------------------------------
+
+def fork_after_init():
+    x = np.ones(4, np.float32)
+    D.all_reduce(x)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its parent's group must not be used, nor closed
+        try:
+            os.close(r)
+            try:
+                D.all_reduce(np.ones(4, np.float32))
+                msg = "no error"
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}"
+            D.finalize()  # forgets the parent's group; closing it would end the parent's job
+            os.environ.update(RANK="0", WORLD_SIZE="1")
+            D.init()  # a group of its own
+            y = np.full(3, 5.0, np.float32)
+            D.all_reduce(y)
+            D.finalize()
+            os.write(w, f"{msg}|{float(y[0])}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    z = np.full(4, D.get_rank() + 1.0, np.float32)
+    D.all_reduce(z)  # the parent's group still works
+    return os.getpid(), pid, data.decode(), z.tolist()
+
+
+def test_a_forked_child_cannot_use_its_parents_group_and_may_init_its_own():
+    for parent, child, msg, z in ranks.run(fork_after_init, 2):
+        err, child_sum = msg.split("|")
+        assert err.startswith("DistributedError: "), err
+        assert f"this process (pid {child}) was made by fork() from process {parent}" in err, err
+        assert "Call cx.distributed.init() in the child" in err, err
+        assert float(child_sum) == 5.0
+        assert z == [3.0] * 4

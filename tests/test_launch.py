@@ -274,6 +274,24 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert not any(alive(int((tmp_path / f"pid{k}").read_text())) for k in (0, 1))
 
 
+def test_sigterm_stops_every_rank_and_exits_143(tmp_path):
+    job = script(tmp_path, ONE_FAILS.replace("== 1", "== 99"))  # nobody fails: all sleep
+    p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2", job, str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env_without_rendezvous(MASTER_PORT=ranks.free_port()))
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"pid{k}").exists() for k in (0, 1)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 143, (p.returncode, err)
+    assert "terminated (SIGTERM)" in err
+    assert time.monotonic() - t0 < 10  # the ranks' grace period (5 s) and no more
+    assert not any(alive(int((tmp_path / f"pid{k}").read_text())) for k in (0, 1))
+
+
 def test_busy_default_port_makes_the_launcher_pick_a_free_one(tmp_path):
     job = script(tmp_path, ALLREDUCE)
     blocker = socket.socket()

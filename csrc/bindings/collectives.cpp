@@ -92,7 +92,7 @@ py::object all_reduce(const GroupPtr& pg, py::object arr, ReduceOp op, bool asyn
 
 py::object broadcast(const GroupPtr& pg, py::object arr, int src, bool async_op) {
   const bool gpu = on_gpu(*pg);
-  View v = view_of(arr, "the array", true, false, gpu);
+  View v = view_of(arr, "the array", pg->rank() != src, false, gpu);  // the root only reads its array
   auto w = call([&] { return pg->broadcast(v.ptr, v.count, v.dt, src, async_op, v.stream); });
   return finish(w, async_op, v.obj);
 }

@@ -7,6 +7,7 @@
 
 #include "common/env.h"
 #include "common/error.h"
+#include "distributed/net/socket.h"
 #include "distributed/slurm.h"
 
 namespace cx::distributed {
@@ -49,6 +50,15 @@ void refuse_slurm_batch_without_srun(const char* rank_var, const char* world_var
            "RANK and WORLD_SIZE yourself (explicit RANK/WORLD_SIZE always win)");
 }
 
+}  // namespace
+
+namespace {
+// Variables read where they are used (the sockets, the CPU backend): read here
+// too, so that a bad value fails init at once, before any connection.
+void check_read_where_used() {
+  net::socket_buffer_bytes();
+  local_world_size_from_environment();
+}
 }  // namespace
 
 Config Config::from_environment() {
@@ -129,10 +139,17 @@ Config Config::from_environment() {
   if (auto v = env::integer("CX_CHECK_INTERVAL", 0, 1LL << 40, "a number of collectives (0: off)")) {
     c.check_interval = *v;
   }
+  check_read_where_used();
   return c;
 }
 
+std::optional<int> local_world_size_from_environment() {
+  auto v = env::integer("LOCAL_WORLD_SIZE", 1, 1 << 20, "a positive integer (ranks on this machine)");
+  return v ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
+}
+
 void Config::validate() const {
+  check_read_where_used();  // a config made by hand meets the environment's checks too
   if (world_size < 1) CX_THROW(InvalidArgument, "world_size must be at least 1, got ", world_size);
   if (rank < 0 || rank >= world_size) {
     CX_THROW(InvalidArgument, "rank ", rank, " is out of range for world_size ", world_size, ": ranks are 0 .. ",

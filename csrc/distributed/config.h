@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace cx::distributed {
@@ -67,5 +68,9 @@ struct Config {
   // Throws InvalidArgument for an impossible configuration.
   void validate() const;
 };
+
+// LOCAL_WORLD_SIZE (ranks on this machine, as the launchers set it), or nullopt
+// when unset; InvalidArgument for a value that is not a positive integer.
+std::optional<int> local_world_size_from_environment();
 
 }  // namespace cx::distributed

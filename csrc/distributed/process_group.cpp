@@ -1,6 +1,10 @@
 #include "distributed/process_group.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -194,7 +198,32 @@ std::optional<FlightRecord> FlightRecord::decode(const std::string& bytes) {
 
 // ---- ProcessGroup -------------------------------------------------------------
 
-ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
+namespace {
+// Counts the fork()s that made this process (pthread_atfork's child handler):
+// a group compares it with the count at its construction, at no cost per call.
+std::atomic<uint64_t> g_forks{0};
+uint64_t current_fork_generation() {
+  static const bool registered = [] {
+    ::pthread_atfork(nullptr, nullptr, [] { g_forks.fetch_add(1, std::memory_order_relaxed); });
+    return true;
+  }();
+  (void)registered;
+  return g_forks.load(std::memory_order_relaxed);
+}
+}  // namespace
+
+bool ProcessGroup::inherited() const { return current_fork_generation() != fork_generation_; }
+
+void ProcessGroup::refuse_if_inherited() const {
+  if (inherited()) {
+    CX_THROW(Error, "this process (pid ", ::getpid(), ") was made by fork() from process ", creator_pid_,
+             " after it initialized rank ", cfg_.rank, "'s process group: a child cannot use its parent's connections. "
+             "Call cx.distributed.init() in the child to make a group of its own, or fork before init()");
+  }
+}
+
+ProcessGroup::ProcessGroup(const Config& cfg)
+    : fork_generation_(current_fork_generation()), creator_pid_(::getpid()), cfg_(cfg) {
   cfg_.validate();
   const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);  // setup; Note [Two deadlines] in config.h
   std::string secret;  // Note [Job secret] in net/auth.h
@@ -210,7 +239,8 @@ ProcessGroup::ProcessGroup(const Config& cfg) : cfg_(cfg) {
   connect(secret, dl);
 }
 
-ProcessGroup::ProcessGroup(const Config& cfg, std::unique_ptr<Store> store, const std::string& secret) : cfg_(cfg) {
+ProcessGroup::ProcessGroup(const Config& cfg, std::unique_ptr<Store> store, const std::string& secret)
+    : fork_generation_(current_fork_generation()), creator_pid_(::getpid()), cfg_(cfg) {
   cfg_.validate();
   const Deadline dl = Deadline::after_ms(cfg_.timeout_ms);
   if (cfg_.world_size > 1) store_ = std::move(store);
@@ -279,6 +309,7 @@ void ProcessGroup::rethrow_poison() {
 }
 
 ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool async) {
+  refuse_if_inherited();
   auto w = std::make_shared<Work>();
   w->body_ = std::move(body);
   std::unique_lock<std::mutex> lk(mu_);
@@ -298,6 +329,7 @@ ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool
 }
 
 ProcessGroup::WorkPtr ProcessGroup::submit_barrier(CollectiveKind kind, bool async) {
+  refuse_if_inherited();
   auto w = std::make_shared<Work>();
   std::unique_lock<std::mutex> lk(mu_);
   if (shut_) CX_THROW(Error, "the process group has been finalized");

@@ -123,6 +123,10 @@ class ProcessGroup {
   int size() const { return cfg_.world_size; }
   const Config& config() const { return cfg_; }
   bool poisoned();
+  // This process is a child made by fork() after the group was created: the
+  // connections, shared memory and threads are its parent's, and using (or
+  // closing) them would corrupt the parent's job. Every collective raises.
+  bool inherited() const;
   // Payload bytes this rank has handed to its transport (Backend::bytes_sent).
   uint64_t bytes_sent() const { return backend_ ? backend_->bytes_sent() : 0; }
 
@@ -178,6 +182,9 @@ class ProcessGroup {
   static constexpr int kGatherMs = 500;
 
  private:
+  void refuse_if_inherited() const;
+  uint64_t fork_generation_;  // current_fork_generation() at construction
+  int creator_pid_;
   // Both constructors: start the backend through store_, or name why not.
   void connect(const std::string& secret, const Deadline& dl);
   void check_reduction(DataType dt, ReduceOp op) const;  // check_reducible, and what the backend cannot reduce

@@ -491,8 +491,11 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
                     pass
                 r.proc.wait()
 
+    class Terminated(Exception):
+        pass
+
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     old = signal.signal(signal.SIGTERM, on_signal)
     code = 0
@@ -522,8 +525,15 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
     except KeyboardInterrupt:
         screen.line(sys.stderr, "[launch] interrupted; stopping all ranks\n")
         stop_all(signal.SIGINT)
-        code = 130
+        code = 130  # 128 + SIGINT, as a shell reports Ctrl-C
         interrupted = True  # the user's stop: never restarted
+    except Terminated:
+        # A scheduler or `kill` stopping the job: the ranks get SIGTERM too (a grace period, then
+        # SIGKILL), and the launcher exits as a process killed by SIGTERM would be reported.
+        screen.line(sys.stderr, "[launch] terminated (SIGTERM); stopping all ranks\n")
+        stop_all(signal.SIGTERM)
+        code = 128 + signal.SIGTERM
+        interrupted = True
     finally:
         signal.signal(signal.SIGTERM, old)
     drained = time.monotonic() + 2  # a rank's child may hold its pipes open: do not wait for it long

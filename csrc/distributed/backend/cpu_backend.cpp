@@ -38,8 +38,7 @@ uint64_t make_nonce() {
 
 // Ranks on this machine: LOCAL_WORLD_SIZE if the launcher set it, else all of them.
 int local_ranks(const Config& c) {
-  const char* l = env::get("LOCAL_WORLD_SIZE");
-  return l ? std::max(1, std::atoi(l)) : c.world_size;
+  return local_world_size_from_environment().value_or(c.world_size);
 }
 
 // More ranks on this machine than cores?

@@ -1,10 +1,13 @@
 #include "distributed/net/auth.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
+#include <cstring>
 
 #include "common/env.h"
 #include "common/error.h"
@@ -26,6 +29,60 @@ constexpr const char* kHowToSet =
     "give every rank of the job the same secret: CX_AUTH_TOKEN=<secret> (e.g. from `python -c \"import secrets; "
     "print(secrets.token_hex(32))\"`), or CX_AUTH_TOKEN_FILE=<a file only you can read>; pycyxwiz.launch and "
     "launch_distributed.sh make one themselves for a single node";
+
+constexpr size_t kMaxSecretFileBytes = 4096;
+
+// The secret file's bytes. A regular file only, of at most 4 KiB, opened
+// without blocking: a FIFO would block init forever, /dev/zero would be read
+// until memory runs out, and a directory reads as empty.
+std::string read_secret_file(const char* file, int rank) {
+  const std::string where = "rank " + std::to_string(rank) + ": CX_AUTH_TOKEN_FILE=" + file;
+  int fd = ::open(file, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    CX_THROW(InvalidArgument, where, ": cannot open it (", std::strerror(errno),
+             "): check that the file exists on this machine and this user may read it");
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) CX_THROW(InvalidArgument, where, ": cannot stat it (", std::strerror(errno), ")");
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
+    CX_THROW(InvalidArgument, where, " is ", kind, ": it must name a regular file holding the job's secret");
+  }
+  if (static_cast<size_t>(st.st_size) > kMaxSecretFileBytes) {
+    CX_THROW(InvalidArgument, where, " is ", st.st_size, " bytes: a secret file holds at most ", kMaxSecretFileBytes,
+             " bytes (is it the right file?)");
+  }
+  if (st.st_mode & (S_IRGRP | S_IROTH)) {
+    std::fprintf(stderr,
+                 "pycyxwiz: warning: %s can be read by other users (mode %03o): anyone who reads it can join the "
+                 "job; run chmod 600 %s\n",
+                 where.c_str(), static_cast<unsigned>(st.st_mode & 0777), file);
+    std::fflush(stderr);
+  }
+  std::string out(kMaxSecretFileBytes + 1, '\0');
+  size_t got = 0;
+  while (got < out.size()) {
+    ssize_t r = ::read(fd, &out[got], out.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) CX_THROW(InvalidArgument, where, ": cannot read it (", std::strerror(errno), ")");
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  if (got > kMaxSecretFileBytes) {
+    CX_THROW(InvalidArgument, where, " grew beyond ", kMaxSecretFileBytes, " bytes while it was read");
+  }
+  out.resize(got);
+  return out;
+}
 
 }  // namespace
 
@@ -62,19 +119,19 @@ std::string job_secret(const std::string& master_addr, int rank) {
     CX_THROW(InvalidArgument, "rank ", rank,
              ": both CX_AUTH_TOKEN and CX_AUTH_TOKEN_FILE are set: set only one of them (the same on every rank)");
   }
-  if (token) return token;
-  if (file) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) {
-      CX_THROW(InvalidArgument, "rank ", rank, ": cannot read the job secret from CX_AUTH_TOKEN_FILE=", file,
-               ": check that the file exists on this machine and this user may read it");
+  if (token) {
+    std::string secret = strip(token);
+    if (secret.empty()) {
+      CX_THROW(InvalidArgument, "rank ", rank, ": CX_AUTH_TOKEN is only whitespace: set it to the job's secret (the "
+               "same on every rank), e.g. from `python -c \"import secrets; print(secrets.token_hex(32))\"`");
     }
-    std::ostringstream s;
-    s << in.rdbuf();
-    std::string secret = strip(s.str());
+    return secret;
+  }
+  if (file) {
+    std::string secret = strip(read_secret_file(file, rank));
     if (secret.empty()) {
       CX_THROW(InvalidArgument, "rank ", rank, ": CX_AUTH_TOKEN_FILE=", file,
-               " is empty: write the job's secret into it (the same on every rank)");
+               " is empty or only whitespace: write the job's secret into it (the same on every rank)");
     }
     return secret;
   }

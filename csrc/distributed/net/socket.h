@@ -60,6 +60,9 @@ Fd accept_until(int listen_fd, const Deadline& dl);
 
 void set_nonblocking(int fd, bool on);
 void tune_socket(int fd);  // TCP_NODELAY, large buffers, keepalive
+// CX_SOCKET_BUFFER_BYTES (0: unset, the kernel's autotuning); throws InvalidArgument
+// naming its range for a value outside it.
+int socket_buffer_bytes();
 
 // Blocking exact-length I/O bounded by a deadline (socket may be blocking or not).
 // Throw TimeoutError / ConnectionError with `what` in the message.
