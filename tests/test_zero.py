@@ -176,16 +176,43 @@ def test_a_sharded_checkpoint_of_2_ranks_resumes_on_another_world_size(tmp_path,
 
 # ---- errors -----------------------------------------------------------------------------------
 
-def tiny_model_on_three_ranks():
-    m = cx.SequentialModel()
-    m.add(cx.LinearModule(1, 1, seed=0))          # 2 parameters, 3 ranks
-    D.ZeroRedundancyOptimizer(D.DistributedDataParallel(m), cx.SGDOptimizer(0.1))
+def tiny_model_zero_vs_plain(opt_name):
+    """2 parameters on 3 ranks: ranks 0 and 1 own empty shards, rank 2 owns both."""
+    r, p = D.get_rank(), D.get_world_size()
+
+    def tiny(seed):
+        m = cx.SequentialModel()
+        m.add(cx.LinearModule(1, 1, seed=seed))
+        return m
+    plain_model, zero_model = tiny(1 + r), tiny(1 + r)
+    plain, sharded = D.DistributedDataParallel(plain_model), D.DistributedDataParallel(zero_model)
+    opt, zero = make_opt(opt_name), D.ZeroRedundancyOptimizer(sharded, make_opt(opt_name))
+    loss_fn = cx.MSELoss()
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        X = rng.standard_normal((p * 4, 1)).astype(np.float32)
+        y = (2 * X + 1).astype(np.float32)
+        mine = slice(r * 4, (r + 1) * 4)
+        for ddp in (plain, sharded):
+            loss_fn.forward(ddp.forward(X[mine]), y[mine])
+            ddp.backward(loss_fn.backward(), input_grad=False)
+        plain.update_parameters(opt)
+        zero.step()
+    whole = {k: np.array(v, copy=True) for k, v in zero.state_dict().items() if isinstance(v, np.ndarray)}
+    full = {k: np.array(v, copy=True) for k, v in opt.state_dict().items() if isinstance(v, np.ndarray)}
+    return plain_model.flat_parameters().copy(), zero_model.flat_parameters().copy(), zero.shard, whole, full
 
 
-def test_a_model_with_fewer_parameters_than_ranks_is_refused():
-    for o in ranks.spawn(tiny_model_on_three_ranks, 3):
-        assert not o.ok and o.exc_type == "ValueError"
-        assert "2 parameters, fewer than the 3 ranks" in o.message and f"rank {o.rank}" in o.message
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_a_model_with_fewer_parameters_than_ranks_trains_with_empty_shards(opt_name):
+    res = ranks.run(tiny_model_zero_vs_plain, 3, args=(opt_name,))
+    for r, (plain, zero, shard, whole, full) in enumerate(res):
+        np.testing.assert_allclose(zero, plain, rtol=2e-6, atol=1e-7)
+        assert np.array_equal(zero, res[0][1])
+        assert tuple(shard) == ((0, 0) if r < 2 else (0, 2))
+        assert whole.keys() == full.keys() and whole
+        for k in full:
+            np.testing.assert_allclose(whole[k], full[k], rtol=2e-6, atol=1e-7)
 
 
 def step_inner_optimizer():

@@ -47,6 +47,13 @@ size_t Optimizer::state_numel() const {
   return n;
 }
 
+std::vector<std::string> Optimizer::state_array_names() const {
+  std::vector<std::string> names;
+  for (auto& [name, arr] : const_cast<Optimizer*>(this)->state_arrays())
+    if (needs_array(name)) names.push_back(name);
+  return names;
+}
+
 StateDict Optimizer::state_dict() const {
   StateDict sd;
   sd.type = type_name();

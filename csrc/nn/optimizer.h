@@ -59,6 +59,10 @@ class Optimizer {
   size_t state_numel() const;
 
   StateDict state_dict() const;
+  // The arrays state_dict() holds once the state is built for n > 0
+  // parameters (the same on every rank with these hyper-parameters): ZeRO-1
+  // gathers these by name, and a rank with an empty shard holds none.
+  std::vector<std::string> state_array_names() const;
   // Restores hyper-parameters, step count and state; checks type and sizes.
   void load_state_dict(const StateDict& sd);
 

@@ -27,9 +27,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<DistributedData
   group_ = ddp_->group().get();
   const int world = group_->size(), rank = group_->rank();
   n_ = ddp_->model()->num_parameters();
-  CX_CHECK(n_ >= static_cast<size_t>(world), InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
-           "): the model has ", n_, " parameters, fewer than the ", world,
-           " ranks, so some rank would own no shard; use the optimizer without ZeRO-1");
   CX_CHECK(!ddp_->shard_gradients(), InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
            "): this DistributedDataParallel is already sharded by another ZeroRedundancyOptimizer; use that one");
   CX_CHECK(!ddp_->joining(), InvalidArgument, "ZeroRedundancyOptimizer (rank ", rank,
@@ -113,7 +110,11 @@ void ZeroRedundancyOptimizer::step() {
 
 nn::StateDict ZeroRedundancyOptimizer::state_dict() {
   nn::StateDict sd = opt_->state_dict();
-  // Every rank has the same arrays (the same steps and hyper-parameters, no empty shard).
+  // The same arrays on every rank (the same steps and hyper-parameters), by name: a rank whose shard
+  // is empty (fewer parameters than ranks) holds them empty, and state_dict() leaves empty ones out.
+  if (opt_->steps() > 0) {
+    for (const std::string& name : opt_->state_array_names()) sd.arrays.try_emplace(name);
+  }
   for (auto& [name, arr] : sd.arrays) {
     CX_CHECK(arr.size() == shard_.count, InvalidArgument, "ZeroRedundancyOptimizer.state_dict (rank ",
              group_->rank(), "): state '", name, "' holds ", arr.size(), " floats, not this rank's shard of ",
