@@ -5,6 +5,9 @@ divisor. BatchNorm's buffer broadcast does not deadlock; misuse is refused with 
 The DistributedTrainer cannot meet uneven inputs: its DistributedSampler pads every rank's share
 to the same length (test_sampler.py), so every rank has the same number of batches.
 """
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -241,3 +244,34 @@ def test_ranks_that_reach_different_collectives_under_join_fail_with_a_clear_err
     for o in ranks.spawn(mismatched_steps, 2, timeout=60):
         assert not o.ok and o.is_a("CollectiveMismatchError"), (o.exc_type, o.message)
         assert f"join (rank {o.rank})" in o.message and "reached different collectives" in o.message
+
+
+def raises_inside_join():
+    r = D.get_rank()
+    ddp = D.DistributedDataParallel(make_model(0))
+    opt = cx.SGDOptimizer(0.1)
+    loss_fn = cx.CrossEntropyLoss()
+    t0 = time.monotonic()
+    try:
+        with ddp.join():
+            for i, (X, y) in enumerate(batches_of(r, 5)):
+                if r == 1 and i == 2:
+                    raise ValueError("bad batch 2 on rank 1")
+                loss_fn.forward(ddp.forward(X), y)
+                ddp.backward(loss_fn.backward(), input_grad=False)
+                ddp.update_parameters(opt)
+    finally:
+        elapsed = time.monotonic() - t0
+        open(f"{os.environ['CX_TEST_DIR']}/elapsed{r}", "w").write(str(elapsed))
+
+
+def test_an_exception_inside_join_fails_every_rank_at_once_naming_it(tmp_path):
+    """The raising rank's exception propagates; its peer, shadowing or waiting in a collective, raises
+    "rank 1 failed: ValueError: ..." within a second instead of waiting for the operation deadline."""
+    outs = ranks.spawn(raises_inside_join, 2, timeout=60,
+                       env={"CX_TEST_DIR": str(tmp_path), "DISTRIBUTED_OPERATION_TIMEOUT_MS": "60000"})
+    by_rank = {o.rank: o for o in outs}
+    assert by_rank[1].is_a("ValueError") and "bad batch 2 on rank 1" in by_rank[1].message
+    assert by_rank[0].is_a("DistributedConnectionError"), (by_rank[0].exc_type, by_rank[0].message)
+    assert "rank 1 failed: ValueError: bad batch 2 on rank 1" in by_rank[0].message
+    assert float((tmp_path / "elapsed0").read_text()) < 5.0

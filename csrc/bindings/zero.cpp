@@ -31,9 +31,19 @@ void def_join(py::module_& m) {
              j.ddp->join_begin();
              return j.ddp;
            })
-      .def("__exit__", [](JoinContext& j, py::handle exc_type, py::handle, py::handle) {
+      .def("__exit__", [](JoinContext& j, py::handle exc_type, py::handle exc, py::handle) {
         if (!exc_type.is_none()) {
-          j.ddp->join_abort();  // peers may be anywhere: leave without communicating
+          // Peers may be anywhere (shadowing this rank's collectives, or waiting in their own): leave
+          // without communicating, and fail the group so that each of them raises at once "rank R
+          // failed: <the exception>", as when an exception leaves DistributedTrainer.fit.
+          j.ddp->join_abort();
+          std::string why = py::str(exc_type.attr("__name__")).cast<std::string>() + ": " +
+                            py::str(exc).cast<std::string>();
+          py::gil_scoped_release nogil;
+          try {
+            j.ddp->group()->abort(why);
+          } catch (...) {  // never hide the exception on its way out
+          }
           return false;
         }
         py::gil_scoped_release nogil;
