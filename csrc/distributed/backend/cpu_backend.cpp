@@ -146,6 +146,34 @@ std::string CpuBackend::describe() const {
 
 // Bodies capture the transport by pointer: the group runs them before it closes us.
 
+namespace {
+
+// Note [Rooted collectives agree on their root]
+// Ranks that disagree on the root of a broadcast or scatter would each, thinking
+// itself the root, only send and return: no frame would ever be compared, and
+// the disagreement would surface at some later collective. Of a gather or
+// reduce, they would wait for each other until the operation deadline. So a
+// rooted collective also sends an empty frame, which carries its descriptor
+// (root and op included), to the next rank of the ring and receives the
+// previous rank's: where ranks disagree, some neighbours do, and the receiver
+// raises MismatchError naming both calls; its abort reaches every rank at once.
+// Posted before the algorithm's own messages and awaited after them: one small
+// frame per rank, not a round trip.
+template <typename F>
+void agreeing_on_the_root(Transport& t, F&& run) {
+  const int p = t.size();
+  if (p == 1) return run();
+  static const char none = 0;
+  char got = 0;
+  auto s = t.isend((t.rank() + 1) % p, &none, 0);
+  auto r = t.irecv((t.rank() + p - 1) % p, &got, 0);
+  run();
+  t.wait(r);
+  t.wait(s);
+}
+
+}  // namespace
+
 Backend::Body CpuBackend::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t) {
   return [t = t_.get(), o = opt_, buf, count, dt, op] { algo::all_reduce(*t, buf, count, dt, op, o); };
 }
@@ -158,7 +186,7 @@ Backend::Body CpuBackend::all_reduce_cast(float* buf, uint16_t* wire, size_t cou
 
 Backend::Body CpuBackend::broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t) {
   return [t = t_.get(), o = opt_, buf, bytes = count * dtype_size(dt), root] {
-    algo::broadcast(*t, buf, bytes, root, o);
+    agreeing_on_the_root(*t, [&] { algo::broadcast(*t, buf, bytes, root, o); });
   };
 }
 
@@ -176,20 +204,22 @@ Backend::Body CpuBackend::reduce_scatter(std::vector<const void*> ins, void* out
 }
 
 Backend::Body CpuBackend::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t) {
-  return [t = t_.get(), o = opt_, buf, count, dt, op, root] { algo::reduce(*t, buf, count, dt, op, root, o); };
+  return [t = t_.get(), o = opt_, buf, count, dt, op, root] {
+    agreeing_on_the_root(*t, [&] { algo::reduce(*t, buf, count, dt, op, root, o); });
+  };
 }
 
 Backend::Body CpuBackend::scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root,
                                   uintptr_t) {
   return [t = t_.get(), ins = std::move(ins), out, bytes = count * dtype_size(dt), root] {
-    algo::scatter(*t, ins.data(), out, bytes, root);
+    agreeing_on_the_root(*t, [&] { algo::scatter(*t, ins.data(), out, bytes, root); });
   };
 }
 
 Backend::Body CpuBackend::gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root,
                                  uintptr_t) {
   return [t = t_.get(), in, outs = std::move(outs), bytes = count * dtype_size(dt), root] {
-    algo::gather(*t, in, outs.data(), bytes, root);
+    agreeing_on_the_root(*t, [&] { algo::gather(*t, in, outs.data(), bytes, root); });
   };
 }
 
