@@ -117,7 +117,7 @@ def test_a_job_with_a_secret_runs_and_its_store_proves_the_secret():
 
 
 @pytest.mark.parametrize("theirs", ["wrong", None])
-def test_a_rank_with_another_secret_is_refused_by_name_on_every_rank(theirs):
+def test_a_rank_with_another_secret_is_refused_by_name_on_every_rank(theirs, capfd):
     rank2 = {"CX_AUTH_TOKEN": theirs} if theirs else {"CX_AUTH_TOKEN": ""}
     outs = ranks.spawn(sum_of_ranks, world=3, env={"CX_AUTH_TOKEN": SECRET, "DISTRIBUTED_TIMEOUT_MS": 4000},
                        per_rank_env={2: rank2}, timeout=60)
@@ -131,6 +131,9 @@ def test_a_rank_with_another_secret_is_refused_by_name_on_every_rank(theirs):
     assert "another CX_AUTH_TOKEN" in outs[0].message
     assert outs[1].is_a("DistributedTimeoutError"), outs[1]
     assert "rank(s) 2" in outs[1].message
+    if theirs:  # rank 0 said so at once, long before its deadline, without ending the job
+        err = capfd.readouterr().err
+        assert "cut off a connection from 127.0.0.1" in err and "failed authentication: wrong secret?" in err, err
 
 
 # ---- strangers at the store --------------------------------------------------------------------------

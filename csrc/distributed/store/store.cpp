@@ -285,7 +285,8 @@ bool StoreServer::handle(Client& c) {
                              "(every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE)");
           flush(c);
           auth_failures_.fetch_add(1);
-          cut(c, "it does not know the job's secret");
+          cut(c, "it failed authentication: wrong secret? (a rank of this job with another CX_AUTH_TOKEN or "
+                 "CX_AUTH_TOKEN_FILE, or a stranger; the job goes on)");
           return false;
         }
         c.authed = true;
@@ -512,7 +513,8 @@ void StoreServer::serve() {
       } else if (k == 0 || (errno != EAGAIN && errno != EINTR)) {
         if (c.rank < 0 && !c.server_nonce.empty() && !c.authed) {
           auth_failures_.fetch_add(1);
-          cut(c, "it left the job secret's handshake unfinished (a rank with a different CX_AUTH_TOKEN?)");
+          cut(c, "it failed authentication: wrong secret? It left the job secret's handshake unfinished (a rank "
+                 "with another CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE, or a stranger; the job goes on)");
         }
         c.fd.reset();
         if (c.rank > 0 && !c.done) {
