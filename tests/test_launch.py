@@ -138,8 +138,9 @@ def test_the_rank_that_failed_first_is_named_not_a_bystander(tmp_path, how, runs
             assert r.returncode == 1, r.stderr
             assert report.startswith("[launch] rank 3 failed first: it exited with code 1: ValueError: bad batch 17 "
                                      "on rank three"), r.stderr
-            assert "[launch] the last lines of rank 3's stderr:" in report
-            assert "[launch]   ValueError: bad batch 17 on rank three" in report  # its stderr, not ours
+            # Rank 3's traceback was shown as it came: the report names the error once and repeats nothing.
+            assert "[rank 3] ValueError: bad batch 17 on rank three" in r.stderr
+            assert "last lines of rank 3's stderr" not in report and report.count("bad batch 17") == 1, report
         else:
             assert r.returncode == 128 + signal.SIGKILL, r.stderr
             assert report.startswith("[launch] rank 3 failed first: it was killed by SIGKILL"), r.stderr
@@ -521,3 +522,32 @@ def test_mpirun_sets_rank_and_world_size_without_extra_variables(tmp_path):
     # Open MPI forwards each rank's output through its own I/O channel and may glue two ranks'
     # lines together ("sum 6.0 world 3sum 6.0 world 3"), so count the reports, not the lines.
     assert re.findall(r"sum \S+ world \S+?(?=sum|\s|$)", r.stdout) == ["sum 6.0 world 3"] * 3, r.stdout
+
+
+LONG_ERROR = textwrap.dedent("""
+    import pycyxwiz as cx
+    cx.distributed.init()
+    if cx.distributed.get_rank() == 1:
+        raise ValueError("bad input: " + "x" * 900)
+    import time
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("where", ["console", "log_dir"])
+def test_a_failed_ranks_long_error_is_reported_once(tmp_path, where):
+    """Shown on the console as it came, the traceback is not repeated and the report's line is cut; written
+    to a log file, the report shows its last lines, without repeating the error line it already gave."""
+    job = script(tmp_path, LONG_ERROR)
+    extra = ["--log-dir", tmp_path / "logs"] if where == "log_dir" else []
+    r = launch(tmp_path, "--nproc-per-node", 2, *extra, job)
+    assert r.returncode == 1, r.stderr
+    report = r.stderr[r.stderr.index("[launch] rank 1 failed first"):]
+    assert report.startswith("[launch] rank 1 failed first: it exited with code 1: ValueError: bad input: xxx")
+    if where == "console":
+        assert r.stderr.count("x" * 900) == 1, r.stderr  # the rank's own traceback, above the report
+        assert "more characters in rank 1's traceback above" in report and "last lines" not in report, report
+    else:
+        assert r.stderr.count("x" * 900) == 1, r.stderr  # the report's line: the log file has the rest
+        assert "[launch] the last lines of rank 1's stderr:" in report and "Traceback" in report, report
+    assert "the other ranks stopped because of it: rank 0 " in report, report

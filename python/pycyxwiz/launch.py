@@ -44,6 +44,7 @@ from . import _failure
 DEFAULT_PORT = 29500
 BAR_ENV = "CX_PROGRESS_BAR"  # the rank may draw a progress bar: Note [Redraws through the launcher]
 TAIL_LINES = 12  # lines of the failing rank's stderr shown in the launcher's report
+REPORT_CHARS = 300  # of an error the console has shown in full already
 STOP_GRACE_S = 1.0  # after a rank fails, how long the others may take to exit before they are stopped
 RESTART_PAUSE_S = 1.0  # between a failed group's end and the next start: sockets and ports are released
 
@@ -158,6 +159,7 @@ class _Rank:
     exit_time: float = 0.0
     signalled: bool = False  # the launcher sent it a signal (it was still running after another rank failed)
     report: Optional[dict] = None  # its uncaught exception (pycyxwiz._failure), read once it has exited
+    shown: bool = False  # its stderr was passed to the console as it came
 
     @property
     def stopped(self) -> bool:
@@ -304,10 +306,13 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
     how = _how(cause.rc)
     if cause.stopped:
         how = f"raised and was then stopped by the launcher ({_how(cause.rc)})" if rep else how
+    if cause.shown and len(what) > REPORT_CHARS:  # in full just above, in the rank's own traceback
+        what = what[:REPORT_CHARS] + f"... ({len(what) - REPORT_CHARS} more characters in rank {cause.rank}'s " \
+                                     "traceback above)"
     lines = [f"[launch] rank {cause.rank} failed first: it {how}" + (f": {what}" if what else "")]
-    if cause.tail:
+    if cause.tail and not cause.shown:  # its stderr went to a log file or was hidden (--show-ranks)
         lines.append(f"[launch] the last lines of rank {cause.rank}'s stderr:")
-        lines += [f"[launch]   {t}" for t in cause.tail]
+        lines += [f"[launch]   {t}" for t in cause.tail if t.strip() != what]  # the error line is given above
     if others:
         def fate(r: _Rank) -> str:
             if r.report:
@@ -453,6 +458,7 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
     exits: "queue.Queue[_Rank]" = queue.Queue()
     for r in ranks:
         show = console and (show_ranks is None or r.rank in show_ranks)
+        r.shown = bool(show)
         pre = f"[rank {r.rank}] " if prefix else ""
         for stream, out, name, tail in ((r.proc.stdout, sys.stdout, "stdout", None),
                                         (r.proc.stderr, sys.stderr, "stderr", r.tail)):
