@@ -1,4 +1,5 @@
 """The launchers: launch_distributed.sh, python -m pycyxwiz.launch, cx.distributed.spawn, mpirun."""
+import contextlib
 import io
 import os
 import re
@@ -32,7 +33,10 @@ ALLREDUCE = textwrap.dedent("""
 ONE_FAILS = textwrap.dedent("""
     import os, sys, time, pycyxwiz as cx
     cx.distributed.init()
-    open(os.path.join(sys.argv[1], f"pid{cx.distributed.get_rank()}"), "w").write(str(os.getpid()))
+    pid_file = os.path.join(sys.argv[1], f"pid{cx.distributed.get_rank()}")
+    with open(pid_file + ".tmp", "w") as f:  # whole or absent: the test reads it as soon as it exists
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)
     if cx.distributed.get_rank() == 1:
         print("rank one fails now", flush=True)
         sys.exit(7)
@@ -225,17 +229,10 @@ def test_omp_num_threads_is_set_for_the_ranks_unless_the_user_set_it(tmp_path):
 
 
 def test_ranks_die_with_the_launcher_even_when_it_is_killed(tmp_path):
-    job = script(tmp_path, ONE_FAILS.replace("== 1", "== 99"))  # nobody fails: all sleep
-    p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2", job, str(tmp_path)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env=env_without_rendezvous(MASTER_PORT=ranks.free_port()))
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / f"pid{k}").exists() for k in (0, 1)):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    pids = [int((tmp_path / f"pid{k}").read_text()) for k in (0, 1)]
-    p.kill()
-    p.wait()
+    with sleeping_job(tmp_path) as p:
+        pids = [int((tmp_path / f"pid{k}").read_text()) for k in (0, 1)]
+        p.kill()
+        p.wait()
     deadline = time.monotonic() + 10
     while any(alive(q) for q in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -260,33 +257,41 @@ def test_a_missing_program_or_script_is_one_clear_line(tmp_path):
     assert r.returncode != 0 and r.stderr.strip() == f"launch: {tmp_path / 'nothere.py'}: no such file", r.stderr
 
 
-def test_ctrl_c_stops_every_rank(tmp_path):
+@contextlib.contextmanager
+def sleeping_job(tmp_path):
+    """A launcher of 2 ranks that sleep, yielded once both have written their pid. Whatever the test
+    does, the launcher is gone and its pipes closed at the end (a failed wait must not leave it running)."""
     job = script(tmp_path, ONE_FAILS.replace("== 1", "== 99"))  # nobody fails: all sleep
     p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2", job, str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env_without_rendezvous(MASTER_PORT=ranks.free_port()))
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / f"pid{k}").exists() for k in (0, 1)):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 90  # two ranks' imports and init on a loaded 2-core machine
+        while not all((tmp_path / f"pid{k}").exists() for k in (0, 1)):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the ranks did not start within 90 s"
+            time.sleep(0.1)
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if not p.stdout.closed:  # the test's own communicate() closed them where it got that far
+            p.communicate()
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    with sleeping_job(tmp_path) as p:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
     assert p.returncode == 130 and "interrupted" in err
     assert not any(alive(int((tmp_path / f"pid{k}").read_text())) for k in (0, 1))
 
 
 def test_sigterm_stops_every_rank_and_exits_143(tmp_path):
-    job = script(tmp_path, ONE_FAILS.replace("== 1", "== 99"))  # nobody fails: all sleep
-    p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2", job, str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env_without_rendezvous(MASTER_PORT=ranks.free_port()))
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / f"pid{k}").exists() for k in (0, 1)):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=30)
+    with sleeping_job(tmp_path) as p:
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
     assert p.returncode == 143, (p.returncode, err)
     assert "terminated (SIGTERM)" in err
     assert time.monotonic() - t0 < 10  # the ranks' grace period (5 s) and no more
