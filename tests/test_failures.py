@@ -324,7 +324,7 @@ def logged_collective():
     log.setLevel(logging.DEBUG)
     D.init()
     x = np.ones(6, np.float32)
-    D.all_reduce(x)
+    D.all_reduce(x)  # LOGGED-CALL
     D.finalize()
     return seen
 
@@ -334,7 +334,8 @@ def test_cx_debug_logs_setup_and_each_collective(level):
     for seen in ranks.run(logged_collective, 2, env={"CX_DEBUG": level}, init=False, timeout=60):
         assert any("init: DistributedConfig(" in m for m in seen), seen
         assert any("group ready" in m and "recursive doubling" in m for m in seen), seen
-        want = "all_reduce(count=6, dtype=float32, op=SUM) as collective #1" if level == "DETAIL" else "all_reduce [(6,)]"
+        want = (f"all_reduce(count=6, dtype=float32, op=SUM) at test_failures.py:{_line_of('LOGGED-CALL')} as "
+                "collective #1") if level == "DETAIL" else "all_reduce [(6,)]"
         assert any(want in m for m in seen), seen
 
 
@@ -366,3 +367,39 @@ def test_a_divergence_is_reported_at_exit_without_finalize(tmp_path):
     errs = [p.communicate(timeout=60)[1] for p in procs]
     assert all("pycyxwiz: finalize at exit: " in e and "rank 0 sent 1 message(s) to rank 1 that rank 1 never received"
                in e for e in errs), errs
+
+
+def same_shapes_in_another_order():
+    a, b = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    try:
+        if D.get_rank() == 0:
+            D.all_reduce(a)  # SITE-A
+            D.all_reduce(b)
+        else:
+            D.all_reduce(b)  # SITE-B: the same shape, so every message matches
+            D.all_reduce(a)
+        return "no error", a.tolist(), b.tolist()
+    except D.DistributedError as e:
+        return type(e).__name__, str(e), None
+
+
+def _line_of(marker):
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+
+
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_cx_debug_detail_names_two_same_shape_collectives_called_in_another_order(debug):
+    """Note [Call sites in CX_DEBUG=DETAIL]: by default the ranks pair rank 0's `a` with rank 1's `b` (the same
+    shape: nothing to tell them apart); with DETAIL the first call raises on both ranks, naming both lines."""
+    outs = ranks.run(same_shapes_in_another_order, 2, env={"CX_DEBUG": debug}, init=True, timeout=60)
+    here = os.path.basename(__file__)
+    site_a, site_b = f"{here}:{_line_of('SITE-A')}", f"{here}:{_line_of('SITE-B')}"
+    if debug == "OFF":
+        assert all(o[0] == "no error" for o in outs), outs  # silently mixed: a and b are both 3s
+        assert outs[0][1] == [3.0] * 4 and outs[0][2] == [3.0] * 4
+        return
+    for name, msg, _ in outs:
+        assert name == "CollectiveMismatchError", msg
+        assert f"all_reduce(count=4, dtype=float32, op=SUM) at {site_a} as collective #1" in msg, msg
+        assert f"all_reduce(count=4, dtype=float32, op=SUM) at {site_b} as collective #1" in msg, msg

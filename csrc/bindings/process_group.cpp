@@ -77,6 +77,9 @@ void bind_process_group(py::module_& m) {
   m.def("get_config", [] { return require_default_group("get_config()")->config(); });
   // For the benchmarks: payload bytes this rank has sent over its transport (0 with NCCL).
   m.def("_bytes_sent", [] { return require_default_group("_bytes_sent()")->bytes_sent(); });
+  m.def("_set_call_site", &set_call_site, py::arg("site"),
+        "CX_DEBUG=DETAIL: the Python call site (file:line) of the next collective on this thread; \"\" clears it. "
+        "Internal (Note [Call sites in CX_DEBUG=DETAIL]).");
   m.def(
       "_abort",
       [](const std::string& why) {

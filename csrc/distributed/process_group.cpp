@@ -48,7 +48,7 @@ void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
 
 namespace {
 
-constexpr uint32_t kRecordMagic = 0x31525843;  // "CXR1"
+constexpr uint32_t kRecordMagic = 0x32525843;  // "CXR2"
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -68,7 +68,8 @@ uint64_t fold(uint64_t h, const OpDesc& d) {
   h = mix(h, static_cast<uint64_t>(d.kind) | static_cast<uint64_t>(d.dtype) << 8 |
                  static_cast<uint64_t>(d.op) << 16 | static_cast<uint64_t>(static_cast<uint32_t>(d.root)) << 32);
   h = mix(h, d.count);
-  return mix(h, d.seq);
+  h = mix(h, d.seq);
+  return d.site ? mix(h, d.site) : h;  // Note [Call sites in CX_DEBUG=DETAIL]
 }
 
 struct Writer {
@@ -151,6 +152,10 @@ std::string FlightRecord::encode() const {
     w.put<int64_t>(e.submit_us);
     w.put<int64_t>(e.start_us);
     w.put<int64_t>(e.end_us);
+    const std::string site = e.desc.site ? call_site_text(e.desc.site).substr(0, 256) : "";
+    w.put<uint32_t>(e.desc.site);
+    w.put<uint16_t>(static_cast<uint16_t>(site.size()));
+    w.out += site;
   }
   const std::string err = error.substr(0, 4096);
   w.put<uint32_t>(static_cast<uint32_t>(err.size()));
@@ -188,6 +193,14 @@ std::optional<FlightRecord> FlightRecord::decode(const std::string& bytes) {
     e.submit_us = r.get<int64_t>();
     e.start_us = r.get<int64_t>();
     e.end_us = r.get<int64_t>();
+    e.desc.site = r.get<uint32_t>();
+    const uint16_t len = r.get<uint16_t>();
+    if (!r.ok || r.at + len > bytes.size()) return std::nullopt;
+    const std::string site = bytes.substr(r.at, len);
+    bool printable = true;
+    for (unsigned char ch : site) printable = printable && ch >= 0x20 && ch < 0x7f;
+    if (e.desc.site && printable) call_site_id(site);  // so that describe() names a peer's site
+    r.at += len;
     f.entries.push_back(e);
   }
   const uint32_t elen = r.get<uint32_t>();
@@ -318,6 +331,7 @@ ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool
   // Collectives are numbered here, in submission order; point-to-point
   // messages come numbered per pair and direction (send/recv).
   if (desc.kind != CollectiveKind::kSendRecv) desc.seq = ++seq_;
+  desc.site = current_call_site();
   w->desc_ = desc;
   record_locked(*w);
   const bool check = cfg_.check_interval > 0 && desc.kind != CollectiveKind::kSendRecv &&
@@ -337,6 +351,7 @@ ProcessGroup::WorkPtr ProcessGroup::submit_barrier(CollectiveKind kind, bool asy
   OpDesc d;
   d.kind = kind;
   d.seq = ++seq_;
+  d.site = current_call_site();
   w->desc_ = d;
   record_locked(*w);  // the fingerprint sent includes this barrier itself
   w->body_ = backend_->barrier(fingerprint_);

@@ -62,9 +62,14 @@ def _logged(fn: _F) -> _F:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        if _DETAIL:  # Note [Call sites in CX_DEBUG=DETAIL]: compared across ranks with the call
+            caller = sys._getframe(1)
+            _d._set_call_site(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
         try:
             return fn(*args, **kwargs)
         finally:
+            if _DETAIL:
+                _d._set_call_site("")
             ms = (time.perf_counter() - t0) * 1e3
             if _DETAIL and is_initialized():
                 rec = _d._flight_record()
