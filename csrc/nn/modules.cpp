@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <typeinfo>
 
 #include "common/error.h"
 #include "nn/blas.h"
+#include "nn/registry.h"
 #include "nn/sequential.h"
 #include "nn/serialize.h"
 
@@ -389,7 +391,7 @@ size_t convert_sync_batchnorm(SequentialModel& model) {
   size_t n = 0;
   for (size_t i = 0; i < model.size(); ++i) {
     const auto& m = model.module(i);
-    if (m->kind() != ModuleKind::kBatchNorm) continue;
+    if (typeid(*m) != typeid(BatchNormModule)) continue;
     model.replace(i, SyncBatchNormModule::from(static_cast<BatchNormModule&>(*m)));
     ++n;
   }
@@ -412,47 +414,56 @@ void FlattenModule::backward(const float*, const float*, const Shape& in, const 
 
 // ---------------------------------------------------------------- files
 
-std::shared_ptr<Module> read_module(ByteReader& r) {
-  uint16_t kind = r.u16();
-  try {
-    switch (static_cast<ModuleKind>(kind)) {
-      case ModuleKind::kLinear: {
-        uint64_t in = r.u64(), out = r.u64();
-        uint8_t bias = r.u8(), init = r.u8();
-        if (init > 1 || bias > 1) r.fail("bad Linear hyper-parameters");
-        if (in == 0 || out == 0 || in > (1ull << 31) || out > (1ull << 31) || in * out > r.remaining() / 4)
-          r.fail("bad Linear sizes (" + std::to_string(in) + ", " + std::to_string(out) + ")");
-        return std::make_shared<LinearModule>(in, out, bias != 0, static_cast<LinearInit>(init), 0);
-      }
-      case ModuleKind::kReLU: return std::make_shared<ReLUModule>();
-      case ModuleKind::kLeakyReLU: return std::make_shared<LeakyReLUModule>(r.f32());
-      case ModuleKind::kSigmoid: return std::make_shared<SigmoidModule>();
-      case ModuleKind::kTanh: return std::make_shared<TanhModule>();
-      case ModuleKind::kGELU: return std::make_shared<GELUModule>();
-      case ModuleKind::kSoftmax: return std::make_shared<SoftmaxModule>();
-      case ModuleKind::kDropout: {
-        float p = r.f32();
-        uint64_t seed = r.u64();
-        return std::make_shared<DropoutModule>(p, seed);
-      }
-      case ModuleKind::kBatchNorm: {
-        uint64_t f = r.u64();
-        float eps = r.f32(), mom = r.f32();
-        if (f == 0 || f > r.remaining() / 4) r.fail("bad BatchNorm size " + std::to_string(f));
-        return std::make_shared<BatchNormModule>(f, eps, mom);
-      }
-      case ModuleKind::kSyncBatchNorm: {
-        uint64_t f = r.u64();
-        float eps = r.f32(), mom = r.f32();
-        if (f == 0 || f > r.remaining() / 4) r.fail("bad SyncBatchNorm size " + std::to_string(f));
-        return std::make_shared<SyncBatchNormModule>(f, eps, mom);
-      }
-      case ModuleKind::kFlatten: return std::make_shared<FlattenModule>();
-    }
-  } catch (const InvalidArgument& e) {
-    r.fail(std::string("bad module hyper-parameters: ") + e.what());
-  }
-  r.fail("unknown module kind " + std::to_string(kind) + " (written by a newer pycyxwiz?)");
+// Note [Layer ids] in registry.h: these ids are in files; never renumber them.
+namespace {
+
+std::shared_ptr<Module> read_linear(ByteReader& r) {
+  uint64_t in = r.u64(), out = r.u64();
+  uint8_t bias = r.u8(), init = r.u8();
+  if (init > 1 || bias > 1) r.fail("bad Linear hyper-parameters");
+  if (in == 0 || out == 0 || in > (1ull << 31) || out > (1ull << 31) || in * out > r.remaining() / 4)
+    r.fail("bad Linear sizes (" + std::to_string(in) + ", " + std::to_string(out) + ")");
+  return std::make_shared<LinearModule>(in, out, bias != 0, static_cast<LinearInit>(init), 0);
 }
+
+std::shared_ptr<Module> read_dropout(ByteReader& r) {
+  float p = r.f32();
+  uint64_t seed = r.u64();
+  return std::make_shared<DropoutModule>(p, seed);
+}
+
+// BatchNorm and SyncBatchNorm write the same hyper-parameters.
+template <typename BN>
+std::shared_ptr<Module> read_batchnorm(ByteReader& r, const char* name) {
+  uint64_t f = r.u64();
+  float eps = r.f32(), mom = r.f32();
+  if (f == 0 || f > r.remaining() / 4) r.fail(std::string("bad ") + name + " size " + std::to_string(f));
+  return std::make_shared<BN>(f, eps, mom);
+}
+
+template <typename M>
+std::shared_ptr<Module> read_plain(ByteReader&) {
+  return std::make_shared<M>();
+}
+
+const LayerRegistration kLinear{1, "Linear", read_linear};
+const LayerRegistration kReLU{2, "ReLU", read_plain<ReLUModule>};
+const LayerRegistration kLeakyReLU{3, "LeakyReLU", [](ByteReader& r) -> std::shared_ptr<Module> {
+                                     return std::make_shared<LeakyReLUModule>(r.f32());
+                                   }};
+const LayerRegistration kSigmoid{4, "Sigmoid", read_plain<SigmoidModule>};
+const LayerRegistration kTanh{5, "Tanh", read_plain<TanhModule>};
+const LayerRegistration kGELU{6, "GELU", read_plain<GELUModule>};
+const LayerRegistration kSoftmax{7, "Softmax", read_plain<SoftmaxModule>};
+const LayerRegistration kDropout{8, "Dropout", read_dropout};
+const LayerRegistration kBatchNorm{9, "BatchNorm", [](ByteReader& r) {
+                                     return read_batchnorm<BatchNormModule>(r, "BatchNorm");
+                                   }};
+const LayerRegistration kFlatten{10, "Flatten", read_plain<FlattenModule>};
+const LayerRegistration kSyncBatchNorm{11, "SyncBatchNorm", [](ByteReader& r) {
+                                         return read_batchnorm<SyncBatchNormModule>(r, "SyncBatchNorm");
+                                       }};
+
+}  // namespace
 
 }  // namespace cx::nn

@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "common/error.h"
-#include "nn/modules.h"
+#include "nn/registry.h"
 #include "nn/serialize.h"
 
 namespace cx::nn {
@@ -183,8 +183,7 @@ std::string SequentialModel::serialize() const {
   ByteWriter payload;
   payload.u32(static_cast<uint32_t>(modules_.size()));
   for (const auto& m : modules_) {
-    payload.u16(static_cast<uint16_t>(m->kind()));
-    m->write_config(payload);
+    write_module(payload, *m);
     payload.u32(static_cast<uint32_t>(m->param_specs().size()));
     for (size_t i = 0; i < m->param_specs().size(); ++i) {
       size_t cnt = numel(m->param_specs()[i].shape);
