@@ -206,3 +206,91 @@ def test_an_unknown_layer_id_is_refused_naming_it(tmp_path):
     path.write_bytes(resealed(bytes(data)))
     with pytest.raises(OSError, match=r"m\.cyxmodel'.*unknown module kind 999 \(written by a newer pycyxwiz\?\)"):
         cx.SequentialModel.load(path)
+
+
+# ---- image models: nested ResidualModules round trip; bad files are refused as before ----------------
+
+def image_model():
+    def seq(*mods):
+        m = cx.SequentialModel()
+        for mod in mods:
+            m.add(mod)
+        return m
+
+    inner = seq(cx.Conv2dModule(4, 4, 3, padding=1, bias=False, seed=3), cx.BatchNorm2dModule(4), cx.ReLUModule())
+    block = seq(cx.Conv2dModule(2, 4, 3, stride=2, padding=1, seed=1), cx.BatchNorm2dModule(4, eps=1e-3, momentum=0.2),
+                cx.ReLUModule(), cx.ResidualModule(inner))
+    shortcut = seq(cx.Conv2dModule(2, 4, 1, stride=2, bias=False, seed=2), cx.BatchNorm2dModule(4))
+    return seq(cx.Conv2dModule(1, 2, 3, padding=2, dilation=2, seed=0), cx.BatchNorm2dModule(2),
+               cx.MaxPool2dModule(3, 1), cx.AvgPool2dModule(2, 1), cx.ResidualModule(block, shortcut), cx.ReLUModule(),
+               cx.Conv2dModule(4, 4, 3, padding=1, groups=2, seed=4), cx.GlobalAvgPool2dModule(),
+               cx.LinearModule(4, 3, seed=5))
+
+
+def test_nested_residual_model_round_trips_bit_identically(tmp_path):
+    model = image_model()
+    x = RNG.standard_normal((4, 1, 9, 9)).astype(np.float32)
+    for _ in range(2):  # train-mode passes move every BatchNorm2d's running statistics, the nested ones too
+        model.forward(x)
+    model.flat_parameters()[...] += RNG.standard_normal(model.num_parameters()).astype(np.float32) * 0.1
+    path = tmp_path / "resnet.cyxmodel"
+    model.save(path)
+    loaded = cx.SequentialModel.load(path)
+    assert repr(loaded) == repr(model)
+    assert "Residual([Conv2d(2, 4, kernel_size=3, stride=2, padding=1), BatchNorm2d(4, eps=0.001, momentum=0.2), " \
+           "ReLU(), Residual([Conv2d(4, 4, kernel_size=3, padding=1, bias=False)" in repr(model)
+    assert loaded.param_slices() == model.param_slices()
+    np.testing.assert_array_equal(loaded.flat_parameters(), model.flat_parameters())
+    nested = [(loaded[4].block[3].block[1], model[4].block[3].block[1]), (loaded[4].shortcut[1], model[4].shortcut[1]),
+              (loaded[1], model[1])]
+    for a, b in nested:
+        assert np.any(b.running_mean != 0)
+        np.testing.assert_array_equal(a.running_mean, b.running_mean)
+        np.testing.assert_array_equal(a.running_var, b.running_var)
+    np.testing.assert_array_equal(loaded.forward(x), model.forward(x))  # train mode: batch statistics
+    model.eval()
+    loaded.eval()
+    np.testing.assert_array_equal(loaded.forward(x), model.forward(x))
+    # the loaded model's modules share its flat buffers, as built ones do
+    loaded[4].block[3].block[0].weight[...] = 0
+    assert not loaded.parameters()[8].any()
+
+
+def test_damaged_image_model_files_are_refused(tmp_path):
+    path = tmp_path / "m.cyxmodel"
+    image_model().save(path)
+    data = path.read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 40):
+        path.write_bytes(data[:cut])
+        with pytest.raises(OSError, match=r"m\.cyxmodel'.*truncated"):
+            cx.SequentialModel.load(path)
+    for pos in (40, len(data) // 3, len(data) - 20):
+        bad = bytearray(data)
+        bad[pos] ^= 0x08
+        path.write_bytes(bytes(bad))
+        with pytest.raises(OSError, match=r"corrupted \(checksum mismatch\)"):
+            cx.SequentialModel.load(path)
+
+
+def model_file(payload):
+    header = b"CYXMODEL" + struct.pack("<IIQ", 1, 0, len(payload))
+    return resealed(header + payload + bytes(8))
+
+
+def test_a_malicious_nesting_of_residuals_is_refused(tmp_path):
+    residual_id = next(i for i, n in cx._core._layer_ids().items() if n == "Residual")
+    path = tmp_path / "deep.cyxmodel"
+    # 100 Residuals, each block's first layer the next: refused at depth 64, before anything is built
+    path.write_bytes(model_file(struct.pack("<I", 1) + struct.pack("<HI", residual_id, 1) * 100 + bytes(64)))
+    with pytest.raises(OSError, match=r"deep\.cyxmodel'.*modules nested more than 64 deep"):
+        cx.SequentialModel.load(path)
+    # an unknown layer inside a block is named like one outside
+    path.write_bytes(model_file(struct.pack("<IHIH", 1, residual_id, 1, 4242) + bytes(64)))
+    with pytest.raises(OSError, match="unknown module kind 4242"):
+        cx.SequentialModel.load(path)
+    # bad hyper-parameters of a layer inside a block: the constructor's reason
+    conv_id = next(i for i, n in cx._core._layer_ids().items() if n == "Conv2d")
+    conv = struct.pack("<H7QB", conv_id, 3, 4, 0, 1, 0, 1, 1, 1)  # kernel_size 0
+    path.write_bytes(model_file(struct.pack("<IHI", 1, residual_id, 1) + conv + bytes(64)))
+    with pytest.raises(OSError, match="bad module hyper-parameters: Conv2dModule: kernel_size must be >= 1, got 0"):
+        cx.SequentialModel.load(path)

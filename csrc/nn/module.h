@@ -30,6 +30,7 @@ class Device;
 namespace cx::nn {
 
 class ByteWriter;
+class SequentialModel;
 
 struct ParamSpec {
   std::string name;  // "weight", "bias"
@@ -117,6 +118,11 @@ class Module {
   virtual void set_replica_sum(ReplicaSum sum, const void* owner) {}
   virtual void clear_replica_sum(const void* owner) {}
 
+  // Containers (ResidualModule): the models they hold, in parameter order.
+  // Whatever walks a model's layers (convert_sync_batchnorm, DDP's checks)
+  // walks these too; everything else sees a container as one module.
+  virtual std::vector<SequentialModel*> submodels() { return {}; }
+
   // Non-trainable state saved with the model (BatchNorm's running statistics).
   virtual std::vector<std::vector<float>*> buffers() { return {}; }
   // Hyper-parameters, written to model files right after the layer's id; its
@@ -162,6 +168,9 @@ class Module {
  protected:
   // Derived constructors call this once; it allocates the module's own storage.
   void declare_params(std::vector<ParamSpec> specs);
+  // After attach() or detach() moved the parameters: a container re-points the
+  // models it holds (Note [Models inside a module] in sequential.h).
+  virtual void storage_moved() {}
 
  private:
   std::vector<ParamSpec> specs_;

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
-#include <typeinfo>
 
 #include "common/error.h"
 #include "nn/blas.h"
@@ -245,11 +244,11 @@ void DropoutModule::write_config(ByteWriter& w) const {
 
 // ---------------------------------------------------------------- BatchNorm
 
-BatchNormModule::BatchNormModule(size_t features, float eps, float momentum)
+BatchNormModule::BatchNormModule(const char* layer, size_t features, float eps, float momentum)
     : f_(features), eps_(eps), momentum_(momentum), running_mean_(features, 0.0f), running_var_(features, 1.0f) {
-  CX_CHECK(features >= 1, InvalidArgument, "BatchNormModule: features must be >= 1, got ", features);
-  CX_CHECK(eps > 0.0f, InvalidArgument, "BatchNormModule: eps must be > 0, got ", eps);
-  CX_CHECK(momentum >= 0.0f && momentum <= 1.0f, InvalidArgument, "BatchNormModule: momentum must be in [0, 1], got ",
+  CX_CHECK(features >= 1, InvalidArgument, layer, ": features must be >= 1, got ", features);
+  CX_CHECK(eps > 0.0f, InvalidArgument, layer, ": eps must be > 0, got ", eps);
+  CX_CHECK(momentum >= 0.0f && momentum <= 1.0f, InvalidArgument, layer, ": momentum must be in [0, 1], got ",
            momentum);
   declare_params({{"weight", {features}}, {"bias", {features}}});
   std::fill(param(0), param(0) + features, 1.0f);
@@ -265,6 +264,7 @@ Shape BatchNormModule::output_shape(const Shape& in) const {
 // The statistics are two passes in float64; with sum_ each pass's sums are
 // every rank's (Note [SyncBatchNorm statistics]).
 void BatchNormModule::forward(const float* x, const Shape& in, float* y, bool training) {
+  if (in.size() == 4) return forward_nchw(x, in, y, training);
   const size_t B = in[0], F = f_;
   last_training_ = training;
   last_synced_ = training && sum_;
@@ -317,8 +317,9 @@ void BatchNormModule::forward(const float* x, const Shape& in, float* y, bool tr
       }
   }
 }
-void BatchNormModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
+void BatchNormModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                                const ParamDone& done) {
+  if (in.size() == 4) return backward_nchw(x, in, gy, gx, done);
   const size_t B = in[0], F = f_;
   const float* xh = xhat_.data();
   std::vector<float> sum_gy(F, 0.0f), sum_gy_xh(F, 0.0f);
@@ -376,6 +377,13 @@ std::shared_ptr<SyncBatchNormModule> SyncBatchNormModule::from(BatchNormModule& 
   return s;
 }
 
+Shape SyncBatchNormModule::output_shape(const Shape& in) const {
+  CX_CHECK((in.size() == 2 || in.size() == 4) && in[1] == features(), InvalidArgument, repr(),
+           " expects input of shape (batch, ", features(), ") or (batch, ", features(), ", height, width), got ",
+           shape_str(in));
+  return in;
+}
+
 void SyncBatchNormModule::set_replica_sum(ReplicaSum sum, const void* owner) {
   sum_ = std::move(sum);
   sum_owner_ = sum_ ? owner : nullptr;
@@ -391,8 +399,10 @@ size_t convert_sync_batchnorm(SequentialModel& model) {
   size_t n = 0;
   for (size_t i = 0; i < model.size(); ++i) {
     const auto& m = model.module(i);
-    if (typeid(*m) != typeid(BatchNormModule)) continue;
-    model.replace(i, SyncBatchNormModule::from(static_cast<BatchNormModule&>(*m)));
+    for (SequentialModel* inner : m->submodels()) n += convert_sync_batchnorm(*inner);
+    auto* bn = dynamic_cast<BatchNormModule*>(m.get());  // BatchNorm, BatchNorm2d
+    if (!bn || dynamic_cast<SyncBatchNormModule*>(bn)) continue;
+    model.replace(i, SyncBatchNormModule::from(*bn));
     ++n;
   }
   return n;

@@ -204,7 +204,8 @@ class DropoutModule : public ElementwiseModule {
 // as PyTorch); eval mode uses the running statistics.
 class BatchNormModule : public Module {
  public:
-  explicit BatchNormModule(size_t features, float eps = 1e-5f, float momentum = 0.1f);
+  explicit BatchNormModule(size_t features, float eps = 1e-5f, float momentum = 0.1f)
+      : BatchNormModule("BatchNormModule", features, eps, momentum) {}
   std::string type_name() const override { return "BatchNorm"; }
   std::string repr() const override;
   Shape output_shape(const Shape& in) const override;
@@ -228,6 +229,14 @@ class BatchNormModule : public Module {
   std::vector<float>& running_var() { return running_var_; }
 
  protected:
+  // `layer` names the class in the constructor's errors.
+  BatchNormModule(const char* layer, size_t features, float eps, float momentum);
+  // The same statistics over images (batch, C, H, W): per channel over batch, H
+  // and W (nn/layers/batchnorm2d.cpp). forward() and backward() hand 4-D inputs
+  // to these; BatchNormModule's own output_shape() admits none.
+  void forward_nchw(const float* x, const Shape& in, float* y, bool training);
+  void backward_nchw(const float* x, const Shape& in, const float* gy, float* gx, const ParamDone& done);
+
   // The sum over replicas (Note [Modules that communicate]): always null here;
   // SyncBatchNormModule's when train/ has given it one. The CPU forward and
   // backward below are the two modules' one implementation: with a null sum it
@@ -240,8 +249,9 @@ class BatchNormModule : public Module {
   size_t f_;
   float eps_, momentum_;
   std::vector<float> running_mean_, running_var_;
-  Tensor xhat_;
+  Tensor xhat_;               // (batch, features) only: images recompute it from x and mean_
   std::vector<float> invstd_;
+  std::vector<float> mean_;   // images: the mean the last forward normalised with
   std::vector<double> stats_;  // what is summed over replicas
   double last_count_ = 0;      // rows behind the last training forward's statistics (every rank's)
   bool last_training_ = false;
@@ -284,6 +294,9 @@ class SyncBatchNormModule : public BatchNormModule {
   // gradients) and running statistics.
   static std::shared_ptr<SyncBatchNormModule> from(BatchNormModule& bn);
   std::string type_name() const override { return "SyncBatchNorm"; }
+  // (batch, features) as BatchNormModule, or images (batch, features, H, W) as
+  // BatchNorm2dModule: convert_sync_batchnorm() replaces both.
+  Shape output_shape(const Shape& in) const override;
   void set_replica_sum(ReplicaSum sum, const void* owner) override;
   void clear_replica_sum(const void* owner) override;
 
@@ -296,9 +309,11 @@ class SyncBatchNormModule : public BatchNormModule {
   std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
 };
 
-// Replaces every BatchNormModule of `model` by a SyncBatchNormModule with the
-// same parameters, buffers and hyper-parameters, in place (as PyTorch's
-// convert_sync_batchnorm does to a container's children); returns how many.
+// Replaces every BatchNormModule and BatchNorm2dModule of `model`, and of the
+// models its containers hold (ResidualModule's block and shortcut), by a
+// SyncBatchNormModule with the same parameters, buffers and hyper-parameters,
+// in place (as PyTorch's convert_sync_batchnorm does to a container's
+// children); returns how many.
 // The replaced modules leave the model with a copy of their values. Convert
 // before wrapping the model in DistributedDataParallel: the wrapper gives the
 // modules it finds then their sum over ranks.
