@@ -116,7 +116,12 @@ void ReLUModule::backward(const float* x, const float*, const Shape& in, const f
                           const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) gx[i] = x[i] > 0.0f ? gy[i] : 0.0f;
+  // gy[i] read whatever x[i] is, so that the compiler makes this a vector select, not a branch per element
+  // (a branch mispredicted half the time was ten times slower than the forward pass).
+  for (size_t i = 0; i < n; ++i) {
+    const float g = gy[i];
+    gx[i] = x[i] > 0.0f ? g : 0.0f;
+  }
 }
 
 LeakyReLUModule::LeakyReLUModule(float s) : slope_(s) {
@@ -131,7 +136,10 @@ void LeakyReLUModule::backward(const float* x, const float*, const Shape& in, co
                                const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) gx[i] = x[i] > 0.0f ? gy[i] : slope_ * gy[i];
+  for (size_t i = 0; i < n; ++i) {  // a vector select, as ReLU's
+    const float g = gy[i];
+    gx[i] = x[i] > 0.0f ? g : slope_ * g;
+  }
 }
 void LeakyReLUModule::write_config(ByteWriter& w) const { w.f32(slope_); }
 
