@@ -166,6 +166,29 @@ def test_conv2d_forward_and_backward_match_numpy(shape, out, k, stride, padding,
         np.testing.assert_allclose(grads[1], rdb, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", [0, 1, 2, 7, 8, 9])
+def test_conv2d_unfolded_a_few_rows_at_a_time_computes_the_same(case):
+    # Note [Unfolding in chunks]: force pieces of one to a few output rows on small images
+    shape, out, k, stride, padding, dilation, groups, bias = CONV_CASES[case]
+    x = f32(*shape)
+    gy = f32(shape[0], out, out_size(shape[2], k, stride, padding, dilation), out_size(shape[3], k, stride, padding,
+                                                                                         dilation))
+    results = []
+    for limit in (0, 1, 3 * shape[1] * k * k * shape[3]):
+        previous = cx._core._conv2d_unfold_floats(limit)
+        try:
+            conv = cx.Conv2dModule(shape[1], out, k, stride=stride, padding=padding, bias=bias, dilation=dilation,
+                                   groups=groups, seed=5)
+            results.append(run(conv, x, gy))
+        finally:
+            cx._core._conv2d_unfold_floats(previous)
+    for y, dx, grads in results[1:]:
+        np.testing.assert_allclose(y, results[0][0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dx, results[0][1], rtol=1e-5, atol=1e-5)
+        for g, g0 in zip(grads, results[0][2]):
+            np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-4)
+
+
 def test_conv2d_parameters_init_and_properties():
     conv = cx.Conv2dModule(4, 6, 3, stride=2, padding=1, groups=2, seed=11)
     w, b = conv.parameters()

@@ -91,6 +91,9 @@ void bind_residual(py::module_& m) {
 
 void bind_layers(py::module_& m) {
   bind_conv2d(m);
+  m.def("_conv2d_unfold_floats", &Conv2dModule::set_unfold_floats, py::arg("n"),
+        "For tests: the most floats one Conv2d unfolding may hold (0: the default), returning the previous "
+        "setting (Note [Unfolding in chunks] in csrc/nn/layers/conv2d.h).");
   bind_pool<MaxPool2dModule>(m, "MaxPool2dModule",
                              "The maximum of each kernel_size x kernel_size window, moved by stride (default: "
                              "kernel_size), of (batch, C, H, W) images. CPU only for now.\n\n"

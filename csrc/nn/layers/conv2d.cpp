@@ -1,6 +1,7 @@
 #include "nn/layers/conv2d.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -18,16 +19,14 @@ namespace {
 
 constexpr int64_t kMaxSize = 1 << 20;  // any one size; what a file may claim too
 
-// n floats; a loop of fixed 32-byte copies, which the compiler inlines (a call
-// to memcpy per image row would cost more than the copy for rows of 8 floats).
+// n floats, eight at a time: one vector move each where the caller is compiled
+// for AVX2 (a call to memcpy per image row would cost more than the copy for
+// rows of 8 floats).
 inline void copy_floats(float* __restrict d, const float* __restrict s, size_t n) {
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) std::memcpy(d + i, s + i, 32);
+  for (; i + 8 <= n; i += 8)
+    for (size_t l = 0; l < 8; ++l) d[i + l] = s[i + l];
   for (; i < n; ++i) d[i] = s[i];
-}
-
-inline void add_floats(float* __restrict d, const float* __restrict s, size_t n) {
-  for (size_t i = 0; i < n; ++i) d[i] += s[i];
 }
 
 size_t checked(const char* what, int64_t v, int64_t lo) {
@@ -102,59 +101,127 @@ Shape Conv2dModule::output_shape(const Shape& in) const {
   return {in[0], g_.out, oh, ow};
 }
 
-const float* Conv2dModule::unfold(const float* x, size_t H, size_t W, size_t OH, size_t OW) {
-  if (direct()) return x;
-  const size_t C = g_.in, k = g_.k, s = g_.stride, d = g_.dilation, p = g_.padding;
-  const size_t Hp = H + 2 * p, Wp = W + 2 * p, P = OH * OW;
-  const float* src = x;
-  if (p) {
-    const Shape want{C, Hp, Wp};
-    if (padded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
-      padded_.resize(want);
-      std::memset(padded_.data(), 0, numel(want) * sizeof(float));
-    }
-    float* dst = padded_.data();
-    for (size_t c = 0; c < C; ++c)
-      for (size_t h = 0; h < H; ++h) copy_floats(dst + (c * Hp + h + p) * Wp + p, x + (c * H + h) * W, W);
-    src = dst;
+// ---------------------------------------------------------------- unfolding (im2col) and folding (col2im)
+
+namespace {
+std::atomic<size_t> unfold_floats{0};  // 0: kUnfoldFloats
+}  // namespace
+
+size_t Conv2dModule::set_unfold_floats(size_t n) { return unfold_floats.exchange(n); }
+
+size_t Conv2dModule::chunk_rows(size_t OH, size_t OW) const {
+  const size_t limit = unfold_floats.load() ? unfold_floats.load() : kUnfoldFloats;
+  const size_t rows = std::max<size_t>(1, limit / (g_.in * g_.k * g_.k * OW));
+  const size_t chunks = (OH + rows - 1) / rows;
+  return (OH + chunks - 1) / chunks;  // as even as they come: no thin last chunk
+}
+
+const float* Conv2dModule::pad(const float* x, size_t H, size_t W) {
+  const size_t p = g_.padding, C = g_.in, Hp = H + 2 * p, Wp = W + 2 * p;
+  if (!p) return x;
+  const Shape want{C, Hp, Wp};
+  if (padded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
+    padded_.resize(want);
+    std::memset(padded_.data(), 0, numel(want) * sizeof(float));
   }
-  col_.resize({C * k * k, P});
-  float* col = col_.data();
+  float* dst = padded_.data();
+  for (size_t c = 0; c < C; ++c)
+    for (size_t h = 0; h < H; ++h) copy_floats(dst + (c * Hp + h + p) * Wp + p, x + (c * H + h) * W, W);
+  return dst;
+}
+
+namespace {
+
+// col row (c, i, j), column (oh - oh0) * OW + ow = src[c][oh*s + i*d][ow*s + j*d]. Cloned for AVX2,
+// where the compiler makes the strided gathers (s > 1) vector shuffles too.
+__attribute__((target_clones("avx2", "default"))) void unfold_rows(const float* __restrict src,
+                                                                   float* __restrict col, const Conv2dGeometry& g,
+                                                                   size_t Hp, size_t Wp, size_t oh0, size_t oh1,
+                                                                   size_t OW) {
+  const size_t C = g.in, k = g.k, s = g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
   for (size_t c = 0; c < C; ++c)
     for (size_t i = 0; i < k; ++i)
       for (size_t j = 0; j < k; ++j) {
-        float* row = col + ((c * k + i) * k + j) * P;
+        float* r = col + ((c * k + i) * k + j) * cols;
         const float* base = src + (c * Hp + i * d) * Wp + j * d;
-        for (size_t oh = 0; oh < OH; ++oh) {
+        for (size_t oh = oh0; oh < oh1; ++oh, r += OW) {
           const float* b = base + oh * s * Wp;
-          float* r = row + oh * OW;
           if (s == 1) {
             copy_floats(r, b, OW);
+          } else if (s == 2) {
+            for (size_t ow = 0; ow < OW; ++ow) r[ow] = b[2 * ow];
           } else {
             for (size_t ow = 0; ow < OW; ++ow) r[ow] = b[ow * s];
           }
         }
       }
-  return col;
 }
+
+// The transpose of unfold_rows: every column of dcol adds into the padded pixel it was copied from.
+__attribute__((target_clones("avx2", "default"))) void fold_rows(const float* __restrict dcol, float* __restrict dst,
+                                                                 const Conv2dGeometry& g, size_t Hp, size_t Wp,
+                                                                 size_t oh0, size_t oh1, size_t OW) {
+  const size_t C = g.in, k = g.k, s = g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) {
+        const float* r = dcol + ((c * k + i) * k + j) * cols;
+        float* base = dst + (c * Hp + i * d) * Wp + j * d;
+        for (size_t oh = oh0; oh < oh1; ++oh, r += OW) {
+          float* b = base + oh * s * Wp;
+          if (s == 1) {
+            for (size_t ow = 0; ow < OW; ++ow) b[ow] += r[ow];
+          } else {
+            for (size_t ow = 0; ow < OW; ++ow) b[ow * s] += r[ow];
+          }
+        }
+      }
+}
+
+}  // namespace
+
+const float* Conv2dModule::unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) {
+  col_.resize({g_.in * g_.k * g_.k, (oh1 - oh0) * OW});
+  unfold_rows(src, col_.data(), g_, Hp, Wp, oh0, oh1, OW);
+  return col_.data();
+}
+
+void Conv2dModule::fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const {
+  fold_rows(dcol, dst, g_, Hp, Wp, oh0, oh1, OW);
+}
+
+// ---------------------------------------------------------------- forward, backward
 
 void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const size_t N = in[0], C = g_.in, H = in[2], W = in[3];
   const Shape out = output_shape(in);
   const size_t OH = out[2], OW = out[3], P = OH * OW, G = g_.groups;
-  const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k;
+  const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k, Hp = H + 2 * g_.padding, Wp = W + 2 * g_.padding;
+  const size_t R = chunk_rows(OH, OW);
+  const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
   const float* w = param(0);
+  const float beta = bias_ ? 1.0f : 0.0f;
   for (size_t n = 0; n < N; ++n) {
+    const float* xn = x + n * C * H * W;
     float* yn = y + n * g_.out * P;
     if (bias_) {
       const float* b = param(1);
       for (size_t o = 0; o < g_.out; ++o) std::fill(yn + o * P, yn + (o + 1) * P, b[o]);
     }
-    const float* col = unfold(x + n * C * H * W, H, W, OH, OW);
-    for (size_t g = 0; g < G; ++g)
-      gemm(false, false, static_cast<int>(Og), static_cast<int>(P), static_cast<int>(Kg), 1.0f, w + g * Og * Kg,
-           static_cast<int>(Kg), col + g * Kg * P, static_cast<int>(P), bias_ ? 1.0f : 0.0f, yn + g * Og * P,
-           static_cast<int>(P));
+    if (direct()) {  // the sample is its own unfolding
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, false, iOg, iP, iKg, 1.0f, w + g * Og * Kg, iKg, xn + g * Kg * P, iP, beta, yn + g * Og * P, iP);
+      continue;
+    }
+    const float* src = pad(xn, H, W);
+    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+      const size_t oh1 = std::min(OH, oh0 + R);
+      const int cols = static_cast<int>((oh1 - oh0) * OW);
+      const float* col = unfold(src, Hp, Wp, oh0, oh1, OW);
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, false, iOg, cols, iKg, 1.0f, w + g * Og * Kg, iKg, col + g * Kg * cols, cols, beta,
+             yn + g * Og * P + oh0 * OW, iP);
+    }
   }
 }
 
@@ -163,7 +230,8 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   const size_t N = in[0], C = g_.in, H = in[2], W = in[3];
   const Shape out = output_shape(in);
   const size_t OH = out[2], OW = out[3], P = OH * OW, G = g_.groups;
-  const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k;
+  const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k, Hp = H + 2 * g_.padding, Wp = W + 2 * g_.padding;
+  const size_t R = chunk_rows(OH, OW);
   const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
   // Note [Convolution as GEMM]: bias, then the weight, each final before dx starts.
   if (bias_) {
@@ -177,17 +245,27 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   }
   float* dw = grad(0);
   for (size_t n = 0; n < N; ++n) {
-    const float* col = unfold(x + n * C * H * W, H, W, OH, OW);
+    const float* xn = x + n * C * H * W;
     const float* gyn = gy + n * g_.out * P;
-    for (size_t g = 0; g < G; ++g)
-      gemm(false, true, iOg, iKg, iP, 1.0f, gyn + g * Og * P, iP, col + g * Kg * P, iP, 1.0f, dw + g * Og * Kg, iKg);
+    if (direct()) {
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, true, iOg, iKg, iP, 1.0f, gyn + g * Og * P, iP, xn + g * Kg * P, iP, 1.0f, dw + g * Og * Kg, iKg);
+      continue;
+    }
+    const float* src = pad(xn, H, W);
+    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+      const size_t oh1 = std::min(OH, oh0 + R);
+      const int cols = static_cast<int>((oh1 - oh0) * OW);
+      const float* col = unfold(src, Hp, Wp, oh0, oh1, OW);
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, true, iOg, iKg, cols, 1.0f, gyn + g * Og * P + oh0 * OW, iP, col + g * Kg * cols, cols, 1.0f,
+             dw + g * Og * Kg, iKg);
+    }
   }
   done(0);
   if (!gx) return;
   const float* w = param(0);
-  const size_t k = g_.k, s = g_.stride, d = g_.dilation, p = g_.padding;
-  const size_t Hp = H + 2 * p, Wp = W + 2 * p;
-  if (!direct()) col_.resize({C * k * k, P});
+  const size_t p = g_.padding;
   if (p) dpadded_.resize({C, Hp, Wp});
   for (size_t n = 0; n < N; ++n) {
     const float* gyn = gy + n * g_.out * P;
@@ -197,27 +275,18 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
         gemm(true, false, iKg, iP, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P, iP, 0.0f, gxn + g * Kg * P, iP);
       continue;
     }
-    float* dcol = col_.data();
-    for (size_t g = 0; g < G; ++g)
-      gemm(true, false, iKg, iP, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P, iP, 0.0f, dcol + g * Kg * P, iP);
-    // col2im: every column of dcol adds into the input pixel it was copied from.
     float* dst = p ? dpadded_.data() : gxn;
     std::memset(dst, 0, C * Hp * Wp * sizeof(float));
-    for (size_t c = 0; c < C; ++c)
-      for (size_t i = 0; i < k; ++i)
-        for (size_t j = 0; j < k; ++j) {
-          const float* row = dcol + ((c * k + i) * k + j) * P;
-          float* base = dst + (c * Hp + i * d) * Wp + j * d;
-          for (size_t oh = 0; oh < OH; ++oh) {
-            float* b = base + oh * s * Wp;
-            const float* r = row + oh * OW;
-            if (s == 1) {
-              add_floats(b, r, OW);
-            } else {
-              for (size_t ow = 0; ow < OW; ++ow) b[ow * s] += r[ow];
-            }
-          }
-        }
+    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+      const size_t oh1 = std::min(OH, oh0 + R);
+      const int cols = static_cast<int>((oh1 - oh0) * OW);
+      col_.resize({C * g_.k * g_.k, static_cast<size_t>(cols)});
+      float* dcol = col_.data();
+      for (size_t g = 0; g < G; ++g)
+        gemm(true, false, iKg, cols, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P + oh0 * OW, iP, 0.0f,
+             dcol + g * Kg * cols, cols);
+      fold(dcol, dst, Hp, Wp, oh0, oh1, OW);
+    }
     if (p)
       for (size_t c = 0; c < C; ++c)
         for (size_t h = 0; h < H; ++h) copy_floats(gxn + (c * H + h) * W, dst + (c * Hp + h + p) * Wp + p, W);

@@ -15,15 +15,23 @@
 //   backward  dW[g] += dy[g] . col[g]^T          (col unfolded again: it is not kept)
 //             dcol[g] = W[g]^T . dy[g], then folded back and summed into dx (col2im)
 // A 1x1 kernel with stride 1 and no padding needs no unfolding: col is the
-// input itself. The unfolding copies rows from a zero-padded copy of the
-// sample, so its inner loop is a plain copy of OW floats (stride 1) with no
-// bounds checks. Measured on the 2-vCPU EPYC these run on (benchmarks/cnn.py),
-// against unfolding a chunk of samples into one wider GEMM: per sample was as
-// fast or faster (the GEMMs are already >= 64 columns wide and stay in cache),
-// and needs K*P floats of scratch instead of a chunk's. The weight gradient is
-// finished for every sample before dx is computed, so DDP can start sending it
-// while dx is still being computed (Note [Overlap] in train/ddp.h); the bias's
-// even earlier.
+// input itself. The unfolding copies rows of a zero-padded copy of the sample,
+// so for stride 1 its inner loop is a plain copy of OW floats with no bounds
+// checks. The weight's gradient is final for the whole batch before dx is
+// computed (the bias's before that), so DDP sends it while dx is computed
+// (Note [Overlap] in train/ddp.h); dx needs no unfolding, so the order costs
+// nothing. Per sample rather than a batch at a time: the GEMMs are already
+// 64 to 1024 columns wide at ResNet sizes, the scratch is one sample's, and
+// measured (benchmarks/cnn.py's per-layer rows) batching samples into wider
+// GEMMs was no faster here.
+//
+// Note [Unfolding in chunks]
+// col is K times the size of the sample's output (9x for a 3x3 kernel): at 16
+// channels of 32x32 it is 590 KB, more than this core's L2 (512 KB), and the
+// GEMM that reads it right after writing it would read it from L3. So a sample
+// is unfolded a few output rows at a time, at most kUnfoldFloats (256 KB) per
+// piece, in pieces of even size; each piece is one GEMM per group into (or,
+// backward, from) its columns of y, dy and dx.
 #pragma once
 
 #include <cstdint>
@@ -58,11 +66,22 @@ class Conv2dModule : public CpuOnly<Module> {
   // Re-draws the weights from `seed` (bias back to zero).
   void reset_parameters(uint64_t seed);
 
+  // Note [Unfolding in chunks]: the most floats one unfolding may hold (0: the
+  // default, kUnfoldFloats); returns the previous setting. For tests, which
+  // force many chunks on small images.
+  static size_t set_unfold_floats(size_t n);
+  static constexpr size_t kUnfoldFloats = 64 * 1024;
+
  private:
-  // Unfolds sample x (in, H, W) into col_ (K x P); returns col (the input itself
-  // for a 1x1 kernel with stride 1 and no padding).
-  const float* unfold(const float* x, size_t H, size_t W, size_t OH, size_t OW);
   bool direct() const { return g_.k == 1 && g_.stride == 1 && g_.padding == 0; }
+  size_t chunk_rows(size_t OH, size_t OW) const;  // output rows per unfolding
+  // The sample x (in, H, W) zero-padded into padded_ (x itself without padding).
+  const float* pad(const float* x, size_t H, size_t W);
+  // Unfolds output rows [oh0, oh1) of the padded sample src into col_:
+  // K = in*k*k rows, (oh1-oh0)*OW columns.
+  const float* unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW);
+  // Its transpose: adds dcol (as col_) into dst, the padded sample's gradient.
+  void fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const;
 
   Conv2dGeometry g_;
   bool bias_;
