@@ -6,8 +6,8 @@
 Everything here is implemented in C++ (csrc/nn/) and typed in _nn.pyi. This module binds, from the compiled
 core, the names of pycyxwiz.__all__ (the package's one export list) that the core defines, and nothing else.
 """
-import sys
+import sys as _sys
 
 from . import _core
 
-globals().update({name: getattr(_core, name) for name in sys.modules[__package__].__all__ if hasattr(_core, name)})
+globals().update({name: getattr(_core, name) for name in _sys.modules[__package__].__all__ if hasattr(_core, name)})

@@ -21,9 +21,12 @@
 // computed (the bias's before that), so DDP sends it while dx is computed
 // (Note [Overlap] in train/ddp.h); dx needs no unfolding, so the order costs
 // nothing. Per sample rather than a batch at a time: the GEMMs are already
-// 64 to 1024 columns wide at ResNet sizes, the scratch is one sample's, and
-// measured (benchmarks/cnn.py's per-layer rows) batching samples into wider
-// GEMMs was no faster here.
+// 64 to 1024 columns wide at ResNet sizes, the output is NCHW as it comes out
+// of the GEMM (a batch's would be channel-major and need a transposing copy),
+// and the scratch is one sample's. A prototype that unfolded 4 or 16 samples
+// into one wider GEMM was not faster on these 2-vCPU machines, within their
+// run-to-run noise; what the per-sample GEMMs lose is the weight's packing,
+// repeated for every sample (the most at 64 channels of 8x8, where P = 64).
 //
 // Note [Unfolding in chunks]
 // col is K times the size of the sample's output (9x for a 3x3 kernel): at 16
