@@ -141,6 +141,13 @@ CONV_CASES = [
     ((2, 4, 6, 5), 6, 3, 1, 1, 1, 2, True),     # groups 2
     ((2, 6, 5, 5), 6, 3, 2, 1, 1, 6, False),    # depthwise
     ((2, 16, 9, 9), 32, 3, 1, 1, 1, 1, True),   # wider: GEMMs of useful size
+    # the widths the unfolding has compiled-in row copies for: 8, 16, 32 (stride 1), 8, 16 (stride 2)
+    ((2, 3, 8, 8), 4, 3, 1, 1, 1, 1, True),
+    ((1, 2, 16, 16), 3, 3, 1, 1, 1, 1, False),
+    ((1, 2, 32, 32), 2, 3, 1, 1, 1, 1, True),
+    ((2, 3, 16, 16), 4, 3, 2, 1, 1, 1, False),
+    ((1, 2, 32, 31), 3, 3, 2, 1, 1, 1, True),
+    ((2, 4, 16, 16), 4, 1, 2, 0, 1, 1, False),
 ]
 
 
@@ -166,7 +173,7 @@ def test_conv2d_forward_and_backward_match_numpy(shape, out, k, stride, padding,
         np.testing.assert_allclose(grads[1], rdb, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 7, 8, 9])
+@pytest.mark.parametrize("case", [0, 1, 2, 7, 8, 9, 11, 13, 14])
 def test_conv2d_unfolded_a_few_rows_at_a_time_computes_the_same(case):
     # Note [Unfolding in chunks]: force pieces of one to a few output rows on small images
     shape, out, k, stride, padding, dilation, groups, bias = CONV_CASES[case]

@@ -132,50 +132,84 @@ const float* Conv2dModule::pad(const float* x, size_t H, size_t W) {
 
 namespace {
 
-// col row (c, i, j), column (oh - oh0) * OW + ow = src[c][oh*s + i*d][ow*s + j*d]. Cloned for AVX2,
-// where the compiler makes the strided gathers (s > 1) vector shuffles too.
-__attribute__((target_clones("avx2", "default"))) void unfold_rows(const float* __restrict src,
-                                                                   float* __restrict col, const Conv2dGeometry& g,
-                                                                   size_t Hp, size_t Wp, size_t oh0, size_t oh1,
-                                                                   size_t OW) {
-  const size_t C = g.in, k = g.k, s = g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+// col row (c, i, j), column (oh - oh0) * OW + ow = src[c][oh*s + i*d][ow*s + j*d]. W and S are OW and
+// the stride when known at compile time (0: at run time): the rows of the usual image widths (8, 16, 32)
+// then copy as one to four vector moves (or shuffles, for stride 2) each, with no loop around them.
+template <size_t W, size_t S>
+__attribute__((always_inline)) inline void unfold_impl(const float* __restrict src, float* __restrict col,
+                                                       const Conv2dGeometry& g, size_t Hp, size_t Wp, size_t oh0,
+                                                       size_t oh1, size_t OW) {
+  const size_t C = g.in, k = g.k, s = S ? S : g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+  const size_t n = W ? W : OW;
   for (size_t c = 0; c < C; ++c)
     for (size_t i = 0; i < k; ++i)
       for (size_t j = 0; j < k; ++j) {
         float* r = col + ((c * k + i) * k + j) * cols;
-        const float* base = src + (c * Hp + i * d) * Wp + j * d;
-        for (size_t oh = oh0; oh < oh1; ++oh, r += OW) {
-          const float* b = base + oh * s * Wp;
-          if (s == 1) {
-            copy_floats(r, b, OW);
+        const float* b = src + (c * Hp + i * d + oh0 * s) * Wp + j * d;
+        for (size_t oh = oh0; oh < oh1; ++oh, r += n, b += s * Wp) {
+          if (W && S) {
+            for (size_t l = 0; l < W; ++l) r[l] = b[l * S];
+          } else if (s == 1) {
+            copy_floats(r, b, n);
           } else if (s == 2) {
-            for (size_t ow = 0; ow < OW; ++ow) r[ow] = b[2 * ow];
+            for (size_t ow = 0; ow < n; ++ow) r[ow] = b[2 * ow];
           } else {
-            for (size_t ow = 0; ow < OW; ++ow) r[ow] = b[ow * s];
+            for (size_t ow = 0; ow < n; ++ow) r[ow] = b[ow * s];
           }
         }
       }
 }
 
-// The transpose of unfold_rows: every column of dcol adds into the padded pixel it was copied from.
-__attribute__((target_clones("avx2", "default"))) void fold_rows(const float* __restrict dcol, float* __restrict dst,
-                                                                 const Conv2dGeometry& g, size_t Hp, size_t Wp,
-                                                                 size_t oh0, size_t oh1, size_t OW) {
-  const size_t C = g.in, k = g.k, s = g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+// The transpose: every column of dcol adds into the padded pixel it was copied from.
+template <size_t W, size_t S>
+__attribute__((always_inline)) inline void fold_impl(const float* __restrict dcol, float* __restrict dst,
+                                                     const Conv2dGeometry& g, size_t Hp, size_t Wp, size_t oh0,
+                                                     size_t oh1, size_t OW) {
+  const size_t C = g.in, k = g.k, s = S ? S : g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+  const size_t n = W ? W : OW;
   for (size_t c = 0; c < C; ++c)
     for (size_t i = 0; i < k; ++i)
       for (size_t j = 0; j < k; ++j) {
         const float* r = dcol + ((c * k + i) * k + j) * cols;
-        float* base = dst + (c * Hp + i * d) * Wp + j * d;
-        for (size_t oh = oh0; oh < oh1; ++oh, r += OW) {
-          float* b = base + oh * s * Wp;
-          if (s == 1) {
-            for (size_t ow = 0; ow < OW; ++ow) b[ow] += r[ow];
+        float* b = dst + (c * Hp + i * d + oh0 * s) * Wp + j * d;
+        for (size_t oh = oh0; oh < oh1; ++oh, r += n, b += s * Wp) {
+          if (W && S) {
+            for (size_t l = 0; l < W; ++l) b[l * S] += r[l];
+          } else if (s == 1) {
+            for (size_t ow = 0; ow < n; ++ow) b[ow] += r[ow];
           } else {
-            for (size_t ow = 0; ow < OW; ++ow) b[ow * s] += r[ow];
+            for (size_t ow = 0; ow < n; ++ow) b[ow * s] += r[ow];
           }
         }
       }
+}
+
+// Cloned for AVX2: the copies are 256-bit moves there, and the strided gathers and scatters shuffles.
+__attribute__((target_clones("avx2", "default"))) void unfold_rows(const float* __restrict src,
+                                                                   float* __restrict col, const Conv2dGeometry& g,
+                                                                   size_t Hp, size_t Wp, size_t oh0, size_t oh1,
+                                                                   size_t OW) {
+  switch (g.stride <= 2 ? g.stride * 1000 + OW : 0) {
+    case 1008: return unfold_impl<8, 1>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 1016: return unfold_impl<16, 1>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 1032: return unfold_impl<32, 1>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 2008: return unfold_impl<8, 2>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 2016: return unfold_impl<16, 2>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    default: return unfold_impl<0, 0>(src, col, g, Hp, Wp, oh0, oh1, OW);
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void fold_rows(const float* __restrict dcol, float* __restrict dst,
+                                                                 const Conv2dGeometry& g, size_t Hp, size_t Wp,
+                                                                 size_t oh0, size_t oh1, size_t OW) {
+  switch (g.stride <= 2 ? g.stride * 1000 + OW : 0) {
+    case 1008: return fold_impl<8, 1>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 1016: return fold_impl<16, 1>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 1032: return fold_impl<32, 1>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 2008: return fold_impl<8, 2>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 2016: return fold_impl<16, 2>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    default: return fold_impl<0, 0>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+  }
 }
 
 }  // namespace
