@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -77,11 +78,14 @@ def _libs():
 
 
 def time_rounds(fns: dict, rounds: int, iters: int, warmup: int) -> dict:
-    """{name: {"best_median_s", "round_medians_s"}}: the libraries alternate within every round."""
+    """{name: {"best_median_s", "round_medians_s", "fastest_s"}}: the libraries alternate within every round.
+    best_median_s (the best round's median) is the figure; fastest_s, the fastest call of all, is what a call
+    takes when nothing else wants the core."""
     for f in fns.values():
         for _ in range(warmup):
             f()
     medians = {name: [] for name in fns}
+    fastest = {name: float("inf") for name in fns}
     for r in range(rounds):
         order = list(fns) if r % 2 == 0 else list(fns)[::-1]
         for name in order:
@@ -91,7 +95,9 @@ def time_rounds(fns: dict, rounds: int, iters: int, warmup: int) -> dict:
                 fns[name]()
                 ts.append(time.perf_counter() - t0)
             medians[name].append(statistics.median(ts))
-    return {name: {"best_median_s": min(m), "round_medians_s": m} for name, m in medians.items()}
+            fastest[name] = min(fastest[name], min(ts))
+    return {name: {"best_median_s": min(m), "round_medians_s": m, "fastest_s": fastest[name]}
+            for name, m in medians.items()}
 
 
 # ---- 1. one process -------------------------------------------------------------------------------
@@ -213,6 +219,7 @@ def run_conv(batch: int, rounds: int, log=print) -> dict:
             row[lib] = {**r, "gflops": flops / r["best_median_s"] / 1e9}
         row["ratio"] = t["torch"]["best_median_s"] / t["pycyxwiz"]["best_median_s"]
         row["fraction_of_peak"] = row["pycyxwiz"]["gflops"] / peak if peak else None
+        row["fastest_fraction_of_peak"] = flops / t["pycyxwiz"]["fastest_s"] / 1e9 / peak if peak else None
         row["torch_fraction_of_peak"] = row["torch"]["gflops"] / peak if peak else None
         log(f"  conv {channels} channels {side}x{side}: pycyxwiz {row['pycyxwiz']['best_median_s'] * 1e3:.2f} ms "
             f"({row['pycyxwiz']['gflops']:.1f} GFLOP/s), torch {row['torch']['best_median_s'] * 1e3:.2f} ms: "
@@ -227,23 +234,34 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
+def _shown(value: float, goal: float, fmt: str) -> str:
+    """fmt of value, two decimals rounded away from the goal where plain rounding would cross it (a miss of
+    1.4996x against >= 1.5x shows as 1.49x), as the suite's targets table does."""
+    shown = round(value, 2)
+    if (shown >= goal) != (value >= goal):
+        shown = math.floor(value * 100) / 100 if value < goal else math.ceil(value * 100) / 100
+    return fmt.format(shown)
+
+
 def targets(payload: dict) -> list:
     """[target, ranks, measured, goal, met] rows (the suite's targets table)."""
     rows = []
     for r in payload.get("step") or []:
-        rows.append([f"CNN (ResNet-8-like), batch {r['batch']}: samples/s vs PyTorch CPU", "1", fmt_ratio(r["ratio"]),
-                     ">= 1.0x", "yes" if r["ratio"] >= 1.0 else "**no**"])
+        rows.append([f"CNN (ResNet-8-like), batch {r['batch']}: samples/s vs PyTorch CPU", "1",
+                     _shown(r["ratio"], 1.0, "{:.2f}x"), ">= 1.0x", "yes" if r["ratio"] >= 1.0 else "**no**"])
     ddp = {c["lib"]: c for c in payload.get("ddp") or []}
     cx2, th2 = (ddp.get(k, {}).get("samples_per_second") for k in ("pycyxwiz", "torch"))
     if ddp:
         v = cx2 / th2 if cx2 and th2 else None
-        rows.append(["CNN: DistributedTrainer (TCP) vs PyTorch DDP-gloo", "2", fmt_ratio(v), ">= 1.5x",
+        rows.append(["CNN: DistributedTrainer (TCP) vs PyTorch DDP-gloo", "2",
+                     "n/a" if v is None else _shown(v, 1.5, "{:.2f}x"), ">= 1.5x",
                      "n/a" if v is None else "yes" if v >= 1.5 else "**no**"])
     for r in (payload.get("conv") or {}).get("rows", []):
         if r["channels"] == 64:
             f = r["fraction_of_peak"]
-            rows.append(["3x3 conv, 64 channels, forward + backward: fraction of the FMA peak", "1", _pct(f), ">= 60%",
-                         "n/a" if f is None else "yes" if f >= 0.6 else "**no**"])
+            rows.append(["3x3 conv, 64 channels, forward + backward: fraction of the FMA peak", "1",
+                         "n/a" if f is None else _shown(100 * f, 60, "{:.0f}%") if abs(100 * f - 60) >= 0.5
+                         else f"{100 * f:.1f}%", ">= 60%", "n/a" if f is None else "yes" if f >= 0.6 else "**no**"])
     return rows
 
 
@@ -273,10 +291,11 @@ def tables(payload: dict, markdown: bool = False) -> str:
         add(f"one 3x3 convolution, forward + backward (dx, dW), batch {conv['rows'][0]['batch']}, 1 thread; "
             + (f"FMA peak {peak:.1f} GFLOP/s" if peak else "FMA peak n/a (no C compiler)"),
             ["channels", "image", "pycyxwiz ms", "PyTorch ms", "cx/torch", "pycyxwiz GFLOP/s", "of peak",
-             "PyTorch of peak"],
+             "of peak, fastest call", "PyTorch of peak"],
             [[r["channels"], f"{r['side']}x{r['side']}", f"{r['pycyxwiz']['best_median_s'] * 1e3:.2f}",
               f"{r['torch']['best_median_s'] * 1e3:.2f}", fmt_ratio(r["ratio"]), f"{r['pycyxwiz']['gflops']:.1f}",
-              _pct(r["fraction_of_peak"]), _pct(r["torch_fraction_of_peak"])] for r in conv["rows"]])
+              _pct(r["fraction_of_peak"]), _pct(r.get("fastest_fraction_of_peak")), _pct(r["torch_fraction_of_peak"])]
+             for r in conv["rows"]])
     rows = targets(payload)
     if rows:
         add("targets", ["target", "ranks", "measured", "goal", "met"], rows)
