@@ -6,7 +6,7 @@
 
 Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
 reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
-(1, 2, 4 ranks), communication hooks (2, 4 ranks; over 127.0.0.1, and again with each rank on a host
+(1, 2, 4 ranks), convolutional networks against PyTorch on the CPU (benchmarks/cnn.py), communication hooks (2, 4 ranks; over 127.0.0.1, and again with each rank on a host
 of its own behind a 1 Gbit/s link where network namespaces can be made), the torch.distributed backend
 "cyxwiz" against gloo and against pycyxwiz called directly (all_reduce and DDP; benchmarks/torch_backend.py),
 memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
@@ -30,12 +30,12 @@ if __package__ in (None, ""):
 
 from benchmarks import _launch
 from benchmarks import allreduce as coll
-from benchmarks import hooks, loopback, memory, torch_backend, train
+from benchmarks import cnn, hooks, loopback, memory, torch_backend, train
 from benchmarks._launch import LIBRARIES, PARTIAL, RESULTS, mpi_available
 from benchmarks._report import format_table, human_size, machine_info, output_dir, set_output_dir, write_json
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
-STEPS = ("loopback", *COLLECTIVES, "train", "hooks", "torch_backend", "memory")
+STEPS = ("loopback", *COLLECTIVES, "train", "cnn", "hooks", "torch_backend", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
 HOOKS_LINK = "1gbit"  # the hooks' second run: each rank its own host behind a link of this rate
 
@@ -141,6 +141,8 @@ def targets(parts: dict) -> list:
             lambda v: v >= 1.5)
         add("training samples/s vs itself on 1 rank", 2, cx2 / cx1 if cx2 and cx1 else None, "> 1.0x",
             lambda v: v > 1.0)
+    if parts.get("cnn"):
+        rows += cnn.targets(parts["cnn"])
     zc = (parts.get("memory") or {}).get("zero")
     for world in sorted({c["world"] for c in zc or []}):
         r = memory.zero_ratios(zc, "pycyxwiz", world)
@@ -220,6 +222,8 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
             lines += ["", f"![{op} busbw vs size]({name}.png)"]
     if parts.get("train"):
         lines += ["", "## training", "", train.table(parts["train"], markdown=True), "", "![training](train.png)"]
+    if parts.get("cnn"):
+        lines += ["", "## convolutional networks (benchmarks/cnn.py)", "", cnn.tables(parts["cnn"], markdown=True)]
     if parts.get("hooks"):
         lines += ["", "## communication hooks", "", hooks.table(parts["hooks"], markdown=True)]
     if parts.get("hooks_link"):
@@ -246,7 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", choices=STEPS, default=[])
     ap.add_argument("--rounds", type=int, help="rounds per collective column, best kept "
                     "(default 3 for all_reduce, 2 for the others; 1 with --quick)")
-    ap.add_argument("--budget", type=float, default=22.0, help="minutes the whole suite may take")
+    ap.add_argument("--budget", type=float, default=25.0, help="minutes the whole suite may take")
     a = ap.parse_args(argv)
     # Note [Where results go] in _launch.py: only a complete run with the defaults is committed.
     complete = not (a.quick or a.skip or a.rounds or a.worlds != [2, 4] or a.libs != list(LIBRARIES))
@@ -318,6 +322,12 @@ def _run(a, argv) -> float:
         train.plot(p, output_dir() / "train.png")
         print(train.table(p) + "\n", flush=True)
         parts["train"] = p
+    if "cnn" not in a.skip:
+        print("convolutional networks ...", flush=True)
+        p = cnn.run(quick=a.quick)
+        write_json("cnn", p)
+        print(cnn.tables(p) + "\n", flush=True)
+        parts["cnn"] = p
     if "hooks" not in a.skip:
         print("communication hooks ...", flush=True)
         p = hooks.run([2, 4], list(hooks.HOOKS), list(hooks.LIBS), 6 if a.quick else 12, 32, 4, hooks.SIZES)

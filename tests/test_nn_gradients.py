@@ -43,6 +43,42 @@ def bn_train64(x, g, b, eps):
     return (x - mu) / np.sqrt(var + eps) * g + b
 
 
+def conv2d64(x, w, b=None, stride=1, padding=0):
+    """The convolution as one dot product per output pixel: independent of tests/test_image_layers.py's."""
+    N, C, H, W = x.shape
+    O, _, k, _ = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    OH, OW = (H + 2 * padding - k) // stride + 1, (W + 2 * padding - k) // stride + 1
+    y = np.zeros((N, O, OH, OW))
+    for i in range(OH):
+        for j in range(OW):
+            patch = xp[:, :, i * stride:i * stride + k, j * stride:j * stride + k]
+            y[:, :, i, j] = np.tensordot(patch, w, axes=([1, 2, 3], [1, 2, 3]))
+    return y if b is None else y + b[None, :, None, None]
+
+
+def pool64(x, k, s, reduce):
+    N, C, H, W = x.shape
+    OH, OW = (H - k) // s + 1, (W - k) // s + 1
+    return np.array([[[[reduce(x[n, c, i * s:i * s + k, j * s:j * s + k]) for j in range(OW)] for i in range(OH)]
+                      for c in range(C)] for n in range(N)])
+
+
+def bn2d_train64(x, g, b, eps):
+    mu = x.mean(axis=(0, 2, 3), keepdims=True)
+    var = x.var(axis=(0, 2, 3), keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g[None, :, None, None] + b[None, :, None, None]
+
+
+def residual_model():
+    block = cx.SequentialModel()
+    block.add(cx.Conv2dModule(2, 3, 3, stride=2, padding=1, seed=4))
+    block.add(cx.TanhModule())
+    shortcut = cx.SequentialModel()
+    shortcut.add(cx.Conv2dModule(2, 3, 1, stride=2, bias=False, seed=5))
+    return cx.ResidualModule(block, shortcut)
+
+
 # name -> (factory, input shape, reference forward f(x, params) in float64)
 CASES = {
     "linear": (lambda: cx.LinearModule(5, 3, seed=1), (4, 5), lambda x, p: x @ p[0].T + p[1]),
@@ -58,6 +94,21 @@ CASES = {
     "sync_batchnorm": (lambda: cx.SyncBatchNormModule(5), (6, 5), lambda x, p: bn_train64(x, p[0], p[1], 1e-5)),
     "flatten": (cx.FlattenModule, (3, 2, 4), lambda x, p: x.reshape(x.shape[0], -1)),
     "dropout_eval_like_p0": (lambda: cx.DropoutModule(0.0, seed=3), (4, 6), lambda x, p: x),
+    "flatten_images": (cx.FlattenModule, (2, 3, 2, 2), lambda x, p: x.reshape(x.shape[0], -1)),
+    "conv2d": (lambda: cx.Conv2dModule(2, 3, 3, padding=1, seed=1), (2, 2, 4, 5),
+               lambda x, p: conv2d64(x, p[0], p[1], 1, 1)),
+    "conv2d_strided_no_bias": (lambda: cx.Conv2dModule(3, 2, 3, stride=2, bias=False, seed=2), (1, 3, 7, 6),
+                               lambda x, p: conv2d64(x, p[0], None, 2, 0)),
+    "conv2d_1x1": (lambda: cx.Conv2dModule(3, 2, 1, seed=3), (2, 3, 3, 2), lambda x, p: conv2d64(x, p[0], p[1])),
+    "max_pool": (lambda: cx.MaxPool2dModule(2), (2, 2, 4, 5), lambda x, p: pool64(x, 2, 2, np.max)),
+    "max_pool_overlapping": (lambda: cx.MaxPool2dModule(3, 2), (1, 2, 5, 6), lambda x, p: pool64(x, 3, 2, np.max)),
+    "avg_pool": (lambda: cx.AvgPool2dModule(3, 1), (2, 1, 4, 5), lambda x, p: pool64(x, 3, 1, np.mean)),
+    "global_avg_pool": (cx.GlobalAvgPool2dModule, (2, 3, 3, 2), lambda x, p: x.mean(axis=(2, 3))),
+    "batchnorm2d": (lambda: cx.BatchNorm2dModule(3), (2, 3, 3, 2), lambda x, p: bn2d_train64(x, p[0], p[1], 1e-5)),
+    "sync_batchnorm_images": (lambda: cx.SyncBatchNormModule(3), (3, 3, 2, 2),
+                              lambda x, p: bn2d_train64(x, p[0], p[1], 1e-5)),
+    "residual": (residual_model, (2, 2, 5, 5),
+                 lambda x, p: np.tanh(conv2d64(x, p[0], p[1], 2, 1)) + conv2d64(x, p[2], None, 2, 0)),
 }
 
 

@@ -322,6 +322,25 @@ def test_train_digits_example_on_two_ranks_reports_held_out_accuracy(tmp_path):
     assert abs(float(np.mean(model.forward(X_test).argmax(1) == y_test)) - acc) < 1e-3
 
 
+def test_train_cnn_digits_example_on_two_ranks_reaches_97_percent_held_out(tmp_path):
+    out0, out1 = run_script(["train_cnn_digits.py", "--quiet"], 2, tmp_path)
+    assert out1 == ""
+    line = [l for l in out0.splitlines() if l.startswith("held-out test:")][0]
+    acc = float(line.split("accuracy ")[1].split()[0])
+    assert acc >= 0.97, out0
+    saved = tmp_path / "cnn_digits.cyxmodel"
+    assert f"saved the model to {saved}" in out0
+    model = cx.SequentialModel.load(str(saved))
+    assert "SyncBatchNorm" in repr(model[3]) and type(model[5]).__name__ == "ResidualModule"
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from _data import load_digits, train_test_split
+    X, y = load_digits()
+    _, _, X_test, y_test = train_test_split(X.reshape(-1, 1, 8, 8), y, test_fraction=0.2, seed=0)
+    model.eval()
+    assert abs(float(np.mean(model.forward(X_test).argmax(1) == y_test)) - acc) < 1e-3
+
+
 def test_quickstart_runs_as_a_plain_script(tmp_path):
     (out,) = run_script(["quickstart.py"], 1, tmp_path)
     assert "Epoch 10/10" in out and (tmp_path / "model.cyxmodel").exists()

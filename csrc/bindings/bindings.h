@@ -42,6 +42,7 @@ void bind_gpu(py::module_& m);            // gpu.cpp: GPU/NCCL library discovery
 void bind_nn_settings(py::module_& m);  // nn_settings.cpp: BLAS threads, manual_seed
 void bind_modules(py::module_& m);      // modules.cpp: Module and the layers
 void bind_model(py::module_& m);        // model.cpp: SequentialModel
+void bind_layers(py::module_& m);       // layers.cpp: the layers of csrc/nn/layers/ (Conv2dModule, ...)
 void bind_losses(py::module_& m);       // losses.cpp: CrossEntropyLoss, MSELoss, BCEWithLogitsLoss
 void bind_optimizers(py::module_& m);   // optimizers.cpp: the optimizers and clip_grad_norm
 void bind_schedulers(py::module_& m);   // optimizers.cpp: the learning-rate schedulers

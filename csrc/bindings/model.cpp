@@ -100,9 +100,10 @@ void def_state(ModelClass& c) {
       .def("gradients", [](SequentialModel& s) { return param_views(s, true); })
       .def(
           "flat_parameters",
-          [](SequentialModel& s) { return storage_view(s.param_storage(), 0, {s.num_parameters()}); },
+          [](SequentialModel& s) { return storage_view(s.param_storage(), s.base_offset(), {s.num_parameters()}); },
           "The flat parameter buffer itself (a writable 1-D view).")
-      .def("flat_gradients", [](SequentialModel& s) { return storage_view(s.grad_storage(), 0, {s.num_parameters()}); })
+      .def("flat_gradients",
+           [](SequentialModel& s) { return storage_view(s.grad_storage(), s.base_offset(), {s.num_parameters()}); })
       .def("param_slices", &SequentialModel::param_slices,
            "(offset, count) of every parameter tensor in the flat buffers.")
       .def("num_parameters", &SequentialModel::num_parameters)

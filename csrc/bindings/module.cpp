@@ -12,6 +12,7 @@ PYBIND11_MODULE(_core, m) {
   bind_nn_settings(m);
   bind_modules(m);
   bind_model(m);
+  bind_layers(m);
   bind_losses(m);
   bind_optimizers(m);
   bind_schedulers(m);

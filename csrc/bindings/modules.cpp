@@ -6,6 +6,7 @@
 #include "bindings/bindings.h"
 #include "common/error.h"
 #include "nn/modules.h"
+#include "nn/registry.h"
 #include "nn/rng.h"
 #include "nn/sequential.h"
 
@@ -156,6 +157,14 @@ void bind_sync_batchnorm(py::module_& m) {
 }  // namespace
 
 void bind_modules(py::module_& m) {
+  m.def(
+      "_layer_ids",
+      [] {
+        py::dict out;
+        for (const auto& l : registered_layers()) out[py::int_(l.id)] = l.name;
+        return out;
+      },
+      "The registered layers' file ids and names, {id: name} (Note [Layer ids] in csrc/nn/registry.h).");
   bind_module_base(m);
   bind_linear(m);
   bind_other_layers(m);

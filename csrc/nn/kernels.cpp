@@ -126,4 +126,58 @@ __attribute__((target_clones("avx2", "default"))) void scale(float* x, size_t n,
   for (size_t i = 0; i < n; ++i) x[i] *= s;
 }
 
+// ---- image rows: eight float lanes, added up in double (the order fixed, whatever the target) ----
+
+__attribute__((target_clones("avx2", "default"))) double sum(const float* __restrict x, size_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += x[i + l];
+  double s = 0;
+  for (; i < n; ++i) s += x[i];
+  for (float a : acc) s += a;
+  return s;
+}
+
+__attribute__((target_clones("avx2", "default"))) double sum_sq_dev(const float* __restrict x, size_t n, float m) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      const float d = x[i + l] - m;
+      acc[l] += d * d;
+    }
+  double s = 0;
+  for (; i < n; ++i) s += static_cast<double>(x[i] - m) * (x[i] - m);
+  for (float a : acc) s += a;
+  return s;
+}
+
+__attribute__((target_clones("avx2", "default"))) double dot_dev(const float* __restrict g,
+                                                                 const float* __restrict x, size_t n, float m) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += g[i + l] * (x[i + l] - m);
+  double s = 0;
+  for (; i < n; ++i) s += static_cast<double>(g[i]) * (x[i] - m);
+  for (float a : acc) s += a;
+  return s;
+}
+
+__attribute__((target_clones("avx2", "default"))) void affine(const float* __restrict x, size_t n, float a, float m,
+                                                              float b, float* __restrict y) {
+  for (size_t i = 0; i < n; ++i) y[i] = a * (x[i] - m) + b;
+}
+
+__attribute__((target_clones("avx2", "default"))) void affine2(const float* __restrict gy, const float* __restrict x,
+                                                               size_t n, float k1, float k2, float m, float k3,
+                                                               float* __restrict gx) {
+  for (size_t i = 0; i < n; ++i) gx[i] = k1 * gy[i] + k2 * (x[i] - m) + k3;
+}
+
+__attribute__((target_clones("avx2", "default"))) void add(const float* x, const float* y, size_t n, float* z) {
+  for (size_t i = 0; i < n; ++i) z[i] = x[i] + y[i];
+}
+
 }  // namespace cx::nn::kernels

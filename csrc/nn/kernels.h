@@ -1,5 +1,5 @@
-// defines: the vectorised loops over flat buffers that optimizers, losses and
-// clipping use. Each has a plain scalar reference beside an AVX2 path picked at
+// defines: the vectorised loops over flat buffers that optimizers, losses,
+// clipping and the image layers (nn/layers/) use. Each has a plain scalar reference beside an AVX2 path picked at
 // run time (the shipped build targets baseline x86-64; see DESIGN.md "Build").
 // PYCYXWIZ_NN_SCALAR=1 in the environment forces the scalar paths.
 #pragma once
@@ -27,5 +27,16 @@ void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentu
 // sum of squares in double (for global-norm clipping).
 double sum_squares(const float* x, size_t n);
 void scale(float* x, size_t n, float s);
+
+// Reductions over one row of an image (a channel's plane): n floats summed in
+// eight float lanes, which the compiler vectorises, then added up in double.
+// The same lanes on every target, so the result does not depend on the CPU.
+double sum(const float* x, size_t n);
+double sum_sq_dev(const float* x, size_t n, float m);               // sum of (x - m)^2
+double dot_dev(const float* g, const float* x, size_t n, float m);  // sum of g * (x - m)
+// Element-wise: y = a*(x - m) + b; gx = k1*gy + k2*(x - m) + k3; z = x + y.
+void affine(const float* x, size_t n, float a, float m, float b, float* y);
+void affine2(const float* gy, const float* x, size_t n, float k1, float k2, float m, float k3, float* gx);
+void add(const float* x, const float* y, size_t n, float* z);
 
 }  // namespace cx::nn::kernels

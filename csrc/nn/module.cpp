@@ -27,6 +27,7 @@ void Module::attach(std::shared_ptr<FloatStorage> params, std::shared_ptr<FloatS
   p_ = std::move(params);
   g_ = std::move(grads);
   offset_ = offset;
+  storage_moved();
 }
 
 void Module::detach() {
@@ -40,6 +41,7 @@ void Module::detach() {
   g_ = std::move(g);
   offset_ = 0;
   in_model_ = false;
+  storage_moved();
 }
 
 const Tensor& Module::forward_standalone(const float* x, const Shape& in, bool training) {

@@ -1,5 +1,5 @@
-// defines: Module, the base of every layer; ModuleKind (the ids written into
-// .cyxmodel files); ParamSpec.
+// defines: Module, the base of every layer; ParamSpec. (A layer's id in
+// .cyxmodel files is in its registration: nn/registry.h.)
 //
 // A module is a pure function of its input and parameters plus whatever it must
 // remember for backward (a dropout mask, batch-norm statistics). The model owns
@@ -30,21 +30,7 @@ class Device;
 namespace cx::nn {
 
 class ByteWriter;
-
-// Stored in model files: never renumber.
-enum class ModuleKind : uint16_t {
-  kLinear = 1,
-  kReLU = 2,
-  kLeakyReLU = 3,
-  kSigmoid = 4,
-  kTanh = 5,
-  kGELU = 6,
-  kSoftmax = 7,
-  kDropout = 8,
-  kBatchNorm = 9,
-  kFlatten = 10,
-  kSyncBatchNorm = 11,
-};
+class SequentialModel;
 
 struct ParamSpec {
   std::string name;  // "weight", "bias"
@@ -96,8 +82,8 @@ class Module {
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
-  virtual ModuleKind kind() const = 0;
-  virtual std::string type_name() const = 0;  // "Linear"
+  // "Linear": the name the layer is registered under (nn/registry.h).
+  virtual std::string type_name() const = 0;
   virtual std::string repr() const = 0;       // "Linear(784, 256, bias=True)"
 
   // Shape of the output for an input shape (batch first). Throws InvalidArgument
@@ -132,9 +118,15 @@ class Module {
   virtual void set_replica_sum(ReplicaSum sum, const void* owner) {}
   virtual void clear_replica_sum(const void* owner) {}
 
+  // Containers (ResidualModule): the models they hold, in parameter order.
+  // Whatever walks a model's layers (convert_sync_batchnorm, DDP's checks)
+  // walks these too; everything else sees a container as one module.
+  virtual std::vector<SequentialModel*> submodels() { return {}; }
+
   // Non-trainable state saved with the model (BatchNorm's running statistics).
   virtual std::vector<std::vector<float>*> buffers() { return {}; }
-  // Hyper-parameters, written to model files right after the kind.
+  // Hyper-parameters, written to model files right after the layer's id; its
+  // registered reader reads them back (nn/registry.h).
   virtual void write_config(ByteWriter& w) const {}
 
   // Note [RNG state]
@@ -176,6 +168,9 @@ class Module {
  protected:
   // Derived constructors call this once; it allocates the module's own storage.
   void declare_params(std::vector<ParamSpec> specs);
+  // After attach() or detach() moved the parameters: a container re-points the
+  // models it holds (Note [Models inside a module] in sequential.h).
+  virtual void storage_moved() {}
 
  private:
   std::vector<ParamSpec> specs_;

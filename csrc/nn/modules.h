@@ -1,7 +1,8 @@
-// defines: the layers — LinearModule, the activations (ReLU, LeakyReLU, Sigmoid,
-// Tanh, GELU, Softmax), DropoutModule, BatchNormModule, SyncBatchNormModule,
-// FlattenModule — read_module(), which rebuilds one from a model file, and
-// convert_sync_batchnorm().
+// defines: the first layers — LinearModule, the activations (ReLU, LeakyReLU,
+// Sigmoid, Tanh, GELU, Softmax), DropoutModule, BatchNormModule,
+// SyncBatchNormModule, FlattenModule — and convert_sync_batchnorm(). Each is
+// registered (file id, name, reader) in modules.cpp; layers added since live in
+// a file pair of their own under nn/layers/ (README "Design": adding a layer).
 //
 // Shapes: Linear, Softmax and BatchNorm take (batch, features); the element-wise
 // layers and Dropout take any (batch, ...) and keep it; Flatten turns
@@ -15,7 +16,6 @@
 
 namespace cx::nn {
 
-class ByteReader;
 class SequentialModel;
 
 enum class LinearInit : uint8_t { kKaiming = 0, kXavier = 1 };
@@ -28,7 +28,6 @@ LinearInit linear_init_from_name(const std::string& name);
 class LinearModule : public Module {
  public:
   LinearModule(size_t in, size_t out, bool bias = true, LinearInit init = LinearInit::kKaiming, uint64_t seed = 0);
-  ModuleKind kind() const override { return ModuleKind::kLinear; }
   std::string type_name() const override { return "Linear"; }
   std::string repr() const override;
   Shape output_shape(const Shape& in) const override;
@@ -77,7 +76,6 @@ class ReLUModule : public ActivationModule {
  public:
   using ActivationModule::backward;  // the GPU ones
   using ActivationModule::forward;
-  ModuleKind kind() const override { return ModuleKind::kReLU; }
   std::string type_name() const override { return "ReLU"; }
   std::string repr() const override { return "ReLU()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
@@ -93,7 +91,6 @@ class LeakyReLUModule : public ActivationModule {
   using ActivationModule::backward;  // the GPU ones
   using ActivationModule::forward;
   explicit LeakyReLUModule(float negative_slope = 0.01f);
-  ModuleKind kind() const override { return ModuleKind::kLeakyReLU; }
   std::string type_name() const override { return "LeakyReLU"; }
   std::string repr() const override;
   void forward(const float* x, const Shape& in, float* y, bool training) override;
@@ -114,7 +111,6 @@ class SigmoidModule : public ActivationModule {
  public:
   using ActivationModule::backward;  // the GPU ones
   using ActivationModule::forward;
-  ModuleKind kind() const override { return ModuleKind::kSigmoid; }
   std::string type_name() const override { return "Sigmoid"; }
   std::string repr() const override { return "Sigmoid()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
@@ -129,7 +125,6 @@ class TanhModule : public ActivationModule {
  public:
   using ActivationModule::backward;  // the GPU ones
   using ActivationModule::forward;
-  ModuleKind kind() const override { return ModuleKind::kTanh; }
   std::string type_name() const override { return "Tanh"; }
   std::string repr() const override { return "Tanh()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
@@ -145,7 +140,6 @@ class GELUModule : public ActivationModule {
  public:
   using ActivationModule::backward;  // the GPU ones
   using ActivationModule::forward;
-  ModuleKind kind() const override { return ModuleKind::kGELU; }
   std::string type_name() const override { return "GELU"; }
   std::string repr() const override { return "GELU()"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
@@ -159,7 +153,6 @@ class GELUModule : public ActivationModule {
 // Softmax over the features of each row of (batch, features).
 class SoftmaxModule : public Module {
  public:
-  ModuleKind kind() const override { return ModuleKind::kSoftmax; }
   std::string type_name() const override { return "Softmax"; }
   std::string repr() const override { return "Softmax()"; }
   Shape output_shape(const Shape& in) const override;
@@ -178,7 +171,6 @@ class SoftmaxModule : public Module {
 class DropoutModule : public ElementwiseModule {
  public:
   explicit DropoutModule(float p = 0.5f, uint64_t seed = 0);
-  ModuleKind kind() const override { return ModuleKind::kDropout; }
   std::string type_name() const override { return "Dropout"; }
   std::string repr() const override;
   void forward(const float* x, const Shape& in, float* y, bool training) override;
@@ -212,8 +204,8 @@ class DropoutModule : public ElementwiseModule {
 // as PyTorch); eval mode uses the running statistics.
 class BatchNormModule : public Module {
  public:
-  explicit BatchNormModule(size_t features, float eps = 1e-5f, float momentum = 0.1f);
-  ModuleKind kind() const override { return ModuleKind::kBatchNorm; }
+  explicit BatchNormModule(size_t features, float eps = 1e-5f, float momentum = 0.1f)
+      : BatchNormModule("BatchNormModule", features, eps, momentum) {}
   std::string type_name() const override { return "BatchNorm"; }
   std::string repr() const override;
   Shape output_shape(const Shape& in) const override;
@@ -237,6 +229,14 @@ class BatchNormModule : public Module {
   std::vector<float>& running_var() { return running_var_; }
 
  protected:
+  // `layer` names the class in the constructor's errors.
+  BatchNormModule(const char* layer, size_t features, float eps, float momentum);
+  // The same statistics over images (batch, C, H, W): per channel over batch, H
+  // and W (nn/layers/batchnorm2d.cpp). forward() and backward() hand 4-D inputs
+  // to these; BatchNormModule's own output_shape() admits none.
+  void forward_nchw(const float* x, const Shape& in, float* y, bool training);
+  void backward_nchw(const float* x, const Shape& in, const float* gy, float* gx, const ParamDone& done);
+
   // The sum over replicas (Note [Modules that communicate]): always null here;
   // SyncBatchNormModule's when train/ has given it one. The CPU forward and
   // backward below are the two modules' one implementation: with a null sum it
@@ -249,8 +249,9 @@ class BatchNormModule : public Module {
   size_t f_;
   float eps_, momentum_;
   std::vector<float> running_mean_, running_var_;
-  Tensor xhat_;
+  Tensor xhat_;               // (batch, features) only: images recompute it from x and mean_
   std::vector<float> invstd_;
+  std::vector<float> mean_;   // images: the mean the last forward normalised with
   std::vector<double> stats_;  // what is summed over replicas
   double last_count_ = 0;      // rows behind the last training forward's statistics (every rank's)
   bool last_training_ = false;
@@ -292,8 +293,10 @@ class SyncBatchNormModule : public BatchNormModule {
   // A SyncBatchNormModule with bn's hyper-parameters, parameters (and their
   // gradients) and running statistics.
   static std::shared_ptr<SyncBatchNormModule> from(BatchNormModule& bn);
-  ModuleKind kind() const override { return ModuleKind::kSyncBatchNorm; }
   std::string type_name() const override { return "SyncBatchNorm"; }
+  // (batch, features) as BatchNormModule, or images (batch, features, H, W) as
+  // BatchNorm2dModule: convert_sync_batchnorm() replaces both.
+  Shape output_shape(const Shape& in) const override;
   void set_replica_sum(ReplicaSum sum, const void* owner) override;
   void clear_replica_sum(const void* owner) override;
 
@@ -306,9 +309,11 @@ class SyncBatchNormModule : public BatchNormModule {
   std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
 };
 
-// Replaces every BatchNormModule of `model` by a SyncBatchNormModule with the
-// same parameters, buffers and hyper-parameters, in place (as PyTorch's
-// convert_sync_batchnorm does to a container's children); returns how many.
+// Replaces every BatchNormModule and BatchNorm2dModule of `model`, and of the
+// models its containers hold (ResidualModule's block and shortcut), by a
+// SyncBatchNormModule with the same parameters, buffers and hyper-parameters,
+// in place (as PyTorch's convert_sync_batchnorm does to a container's
+// children); returns how many.
 // The replaced modules leave the model with a copy of their values. Convert
 // before wrapping the model in DistributedDataParallel: the wrapper gives the
 // modules it finds then their sum over ranks.
@@ -316,7 +321,6 @@ size_t convert_sync_batchnorm(SequentialModel& model);
 
 class FlattenModule : public Module {
  public:
-  ModuleKind kind() const override { return ModuleKind::kFlatten; }
   std::string type_name() const override { return "Flatten"; }
   std::string repr() const override { return "Flatten()"; }
   Shape output_shape(const Shape& in) const override;
@@ -328,9 +332,5 @@ class FlattenModule : public Module {
   void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
                 const float* gy, float* gx, const ParamDone& done) override;
 };
-
-// Reads one module's kind and hyper-parameters (not its weights). Throws IoError
-// through `r` on unknown kinds or bad values.
-std::shared_ptr<Module> read_module(ByteReader& r);
 
 }  // namespace cx::nn

@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "common/error.h"
-#include "nn/modules.h"
+#include "nn/registry.h"
 #include "nn/serialize.h"
 
 namespace cx::nn {
@@ -15,6 +15,8 @@ void SequentialModel::add(std::shared_ptr<Module> m) {
   CX_CHECK(m != nullptr, InvalidArgument, "SequentialModel.add: module is None");
   CX_CHECK(!m->in_model(), InvalidArgument, "SequentialModel.add: ", m->repr(),
            " already belongs to a model; create a new module for each model");
+  CX_CHECK(!holder_, InvalidArgument, "SequentialModel.add: this model is the block or shortcut of a "
+           "ResidualModule now; add() every module before making the ResidualModule");
   size_t new_total = total_ + m->num_params();
   if (m->num_params()) {
     // Re-layout: fresh buffers, every module's values copied across (attach).
@@ -28,6 +30,7 @@ void SequentialModel::add(std::shared_ptr<Module> m) {
     m->attach(p, g, off);
     params_ = std::move(p);
     grads_ = std::move(g);
+    base_ = 0;
   }
   first_param_.push_back(owners_.size());
   for (size_t i = 0; i < m->param_specs().size(); ++i) owners_.emplace_back(modules_.size(), i);
@@ -63,24 +66,44 @@ std::vector<std::pair<size_t, size_t>> SequentialModel::param_slices() const {
   out.reserve(owners_.size());
   for (auto [mi, pi] : owners_) {
     const Module& m = *modules_[mi];
-    out.emplace_back(m.param_offset(pi), numel(m.param_specs()[pi].shape));
+    out.emplace_back(m.param_offset(pi) - base_, numel(m.param_specs()[pi].shape));
   }
   return out;
+}
+
+void SequentialModel::adopt_storage(std::shared_ptr<FloatStorage> params, std::shared_ptr<FloatStorage> grads,
+                                    size_t offset) {
+  size_t off = offset;
+  for (auto& m : modules_) {
+    if (m->num_params()) m->attach(params, grads, off);
+    off += m->num_params();
+  }
+  params_ = std::move(params);
+  grads_ = std::move(grads);
+  base_ = offset;
+}
+
+std::vector<Shape> SequentialModel::layer_shapes(const Shape& shape) const {
+  std::vector<Shape> shapes{shape};
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    try {
+      shapes.push_back(modules_[i]->output_shape(shapes[i]));
+    } catch (const InvalidArgument& e) {
+      CX_THROW(InvalidArgument, "layer ", i, ": ", e.what());
+    }
+  }
+  return shapes;
 }
 
 std::vector<Shape> SequentialModel::shapes_for(const Shape& shape) const {
   CX_CHECK(!modules_.empty(), InvalidArgument, "SequentialModel.forward: the model has no modules; add() some first");
   CX_CHECK(shape.size() >= 2 && shape[0] >= 1, InvalidArgument,
            "SequentialModel.forward: expected input of shape (batch, features) with batch >= 1, got ", shape_str(shape));
-  std::vector<Shape> shapes{shape};
-  for (size_t i = 0; i < modules_.size(); ++i) {
-    try {
-      shapes.push_back(modules_[i]->output_shape(shapes[i]));
-    } catch (const InvalidArgument& e) {
-      CX_THROW(InvalidArgument, "SequentialModel.forward: layer ", i, ": ", e.what());
-    }
+  try {
+    return layer_shapes(shape);
+  } catch (const InvalidArgument& e) {
+    CX_THROW(InvalidArgument, "SequentialModel.forward: ", e.what());
   }
-  return shapes;
 }
 
 const Tensor& SequentialModel::forward(const float* x, const Shape& shape) {
@@ -149,7 +172,7 @@ void SequentialModel::set_rng_states(const std::vector<uint64_t>& states) {
 }
 
 void SequentialModel::zero_grad() {
-  if (total_) std::memset(grads_->data(), 0, total_ * sizeof(float));
+  if (total_) std::memset(flat_grads(), 0, total_ * sizeof(float));
 }
 
 std::string SequentialModel::repr() const {
@@ -183,8 +206,7 @@ std::string SequentialModel::serialize() const {
   ByteWriter payload;
   payload.u32(static_cast<uint32_t>(modules_.size()));
   for (const auto& m : modules_) {
-    payload.u16(static_cast<uint16_t>(m->kind()));
-    m->write_config(payload);
+    write_module(payload, *m);
     payload.u32(static_cast<uint32_t>(m->param_specs().size()));
     for (size_t i = 0; i < m->param_specs().size(); ++i) {
       size_t cnt = numel(m->param_specs()[i].shape);

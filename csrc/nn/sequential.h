@@ -102,17 +102,36 @@ class SequentialModel {
   void eval() { training_ = false; }
   bool training() const { return training_; }
 
-  float* flat_params() { return params_->data(); }
-  float* flat_grads() { return grads_->data(); }
-  const float* flat_params() const { return params_->data(); }
-  const float* flat_grads() const { return grads_->data(); }
+  float* flat_params() { return params_->data() + base_; }
+  float* flat_grads() { return grads_->data() + base_; }
+  const float* flat_params() const { return params_->data() + base_; }
+  const float* flat_grads() const { return grads_->data() + base_; }
   size_t num_parameters() const { return total_; }
-  // (offset, count) of every parameter tensor, layer order, weight then bias.
+  // (offset, count) of every parameter tensor, layer order, weight then bias;
+  // offsets from flat_params().
   std::vector<std::pair<size_t, size_t>> param_slices() const;
   // For each parameter tensor: (module index, index within the module).
   const std::vector<std::pair<size_t, size_t>>& param_owners() const { return owners_; }
   const std::shared_ptr<FloatStorage>& param_storage() const { return params_; }
   const std::shared_ptr<FloatStorage>& grad_storage() const { return grads_; }
+  // Where flat_params() starts in param_storage(): 0 but for a container's model.
+  size_t base_offset() const { return base_; }
+
+  // Note [Models inside a module]
+  // A container (ResidualModule) holds whole models, whose parameters must be
+  // a slice of the container's own (and so, once the container is in a model,
+  // of that model's flat buffers: Note [Flat buffers]). hold() marks this model
+  // as held by `holder`, which checks holder() is null first; from then on add()
+  // refuses, since it would re-lay the buffers out under the container.
+  // adopt_storage() re-points every module to (params, grads) from `offset` on,
+  // in the same order; the container calls it whenever its own storage moves
+  // (Module::storage_moved).
+  void hold(const void* holder) { holder_ = holder; }
+  const void* holder() const { return holder_; }
+  void adopt_storage(std::shared_ptr<FloatStorage> params, std::shared_ptr<FloatStorage> grads, size_t offset);
+  // The output shapes of every layer as shapes_for(), with errors naming the
+  // layer ("layer 2: ...") but not the model: a container prefixes its own.
+  std::vector<Shape> layer_shapes(const Shape& shape) const;
 
   std::string repr() const;
   std::string summary() const;  // a table: layer, output features, parameters
@@ -130,6 +149,8 @@ class SequentialModel {
   std::shared_ptr<FloatStorage> params_ = std::make_shared<FloatStorage>(0);
   std::shared_ptr<FloatStorage> grads_ = std::make_shared<FloatStorage>(0);
   size_t total_ = 0;
+  size_t base_ = 0;                 // Note [Models inside a module]
+  const void* holder_ = nullptr;
   bool training_ = true;
   GradReadyHook hook_;
   const void* hook_owner_ = nullptr;

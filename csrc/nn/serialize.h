@@ -8,7 +8,8 @@
 //       12     4  u32 flags (0)
 //       16     8  u64 payload length L
 //       24     L  payload: u32 module count, then per module
-//                   u16 kind, kind-specific hyper-parameters,
+//                   u16 layer id (Note [Layer ids] in registry.h), the layer's
+//                   hyper-parameters (its write_config),
 //                   u32 parameter-tensor count, per tensor: u64 count, count x f32
 //                   u32 buffer count, per buffer: u64 count, count x f32
 //     24+L     8  u64 FNV-1a-64 of bytes [0, 24+L)

@@ -20,6 +20,15 @@ size_t mb_to_bytes(double mb, const char* field) {
   return static_cast<size_t>(mb * kMiB);
 }
 
+// Whether module m is, or holds (in a container's models), a SyncBatchNorm.
+bool has_sync_batchnorm(nn::Module& m) {
+  if (m.type_name() == "SyncBatchNorm") return true;
+  for (nn::SequentialModel* inner : m.submodels())
+    for (size_t i = 0; i < inner->size(); ++i)
+      if (has_sync_batchnorm(*inner->module(i))) return true;
+  return false;
+}
+
 // "2 (layer 2 Linear.weight)": parameter tensor i as a message names it.
 std::string param_name(const nn::SequentialModel& m, size_t i) {
   auto [mi, pi] = m.param_owners().at(i);
@@ -186,9 +195,9 @@ void DistributedDataParallel::join_begin() {
            "same number of batches (DistributedSampler pads to that)");
   if (group_->size() > 1)
     for (size_t i = 0; i < model_->size(); ++i)
-      CX_CHECK(model_->module(i)->type_name() != "SyncBatchNorm", InvalidArgument,
-               "DistributedDataParallel.join (rank ", group_->rank(), "): layer ", i,
-               " is a SyncBatchNorm, whose forward sums statistics over every rank and cannot be answered by a "
+      CX_CHECK(!has_sync_batchnorm(*model_->module(i)), InvalidArgument, "DistributedDataParallel.join (rank ",
+               group_->rank(), "): layer ", i, model_->module(i)->type_name() == "SyncBatchNorm" ? " is" : " holds",
+               " a SyncBatchNorm, whose forward sums statistics over every rank and cannot be answered by a "
                "rank that has finished; use BatchNorm under join(), or give every rank the same number of batches");
   wait_in_flight();
   joining_ = true;

@@ -11,15 +11,8 @@ from ._failure import install_from_environment as _record_failures_for_the_launc
 _apply_renamed_environment_variables()
 _preload_blas()
 
-from . import _core  # noqa: E402
-from ._nn import *  # noqa: E402,F401,F403
-from . import datasets, distributed  # noqa: E402
-
-# After distributed/ chained its hook (an escaping exception tells the peers), so
-# that this one, outermost, records the exception for the launcher first.
-_record_failures_for_the_launcher()
-
-__version__ = "0.1.0"
+# The package's one export list. The model stack's names among them are bound from the compiled core by
+# _nn.py (typed in _nn.pyi, which _core.pyi re-exports): a new layer is one name here and its stub there.
 __all__ = [
     "datasets",
     "distributed",
@@ -38,6 +31,12 @@ __all__ = [
     "SyncBatchNormModule",
     "convert_sync_batchnorm",
     "FlattenModule",
+    "Conv2dModule",
+    "MaxPool2dModule",
+    "AvgPool2dModule",
+    "GlobalAvgPool2dModule",
+    "BatchNorm2dModule",
+    "ResidualModule",
     "CrossEntropyLoss",
     "MSELoss",
     "BCEWithLogitsLoss",
@@ -55,3 +54,12 @@ __all__ = [
     "get_num_threads",
     "manual_seed",
 ]
+__version__ = "0.1.0"
+
+from . import _core  # noqa: E402
+from ._nn import *  # noqa: E402,F401,F403
+from . import datasets, distributed  # noqa: E402
+
+# After distributed/ chained its hook (an escaping exception tells the peers), so
+# that this one, outermost, records the exception for the launcher first.
+_record_failures_for_the_launcher()

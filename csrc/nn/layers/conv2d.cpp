@@ -1,0 +1,356 @@
+#include "nn/layers/conv2d.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/error.h"
+#include "nn/blas.h"
+#include "nn/kernels.h"
+#include "nn/registry.h"
+#include "nn/rng.h"
+#include "nn/serialize.h"
+
+namespace cx::nn {
+
+namespace {
+
+constexpr int64_t kMaxSize = 1 << 20;  // any one size; what a file may claim too
+
+// n floats, eight at a time: one vector move each where the caller is compiled
+// for AVX2 (a call to memcpy per image row would cost more than the copy for
+// rows of 8 floats).
+inline void copy_floats(float* __restrict d, const float* __restrict s, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (size_t l = 0; l < 8; ++l) d[i + l] = s[i + l];
+  for (; i < n; ++i) d[i] = s[i];
+}
+
+size_t checked(const char* what, int64_t v, int64_t lo) {
+  CX_CHECK(v >= lo, InvalidArgument, "Conv2dModule: ", what, " must be >= ", lo, ", got ", v);
+  CX_CHECK(v <= kMaxSize, InvalidArgument, "Conv2dModule: ", what, " must be at most ", kMaxSize, ", got ", v);
+  return static_cast<size_t>(v);
+}
+
+// Weight floats (out x in/groups x k x k) that fit in 2^30, without overflowing on the way.
+bool weight_fits(uint64_t in, uint64_t out, uint64_t k, uint64_t groups) {
+  const uint64_t kg = in / groups * k * k;  // <= 2^60
+  return kg <= (1ull << 30) / out;
+}
+
+// The image extent a kernel covers: dilation*(k-1)+1.
+size_t extent(const Conv2dGeometry& g) { return g.dilation * (g.k - 1) + 1; }
+
+}  // namespace
+
+Conv2dModule::Conv2dModule(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride,
+                           int64_t padding, bool bias, int64_t dilation, int64_t groups, uint64_t seed)
+    : bias_(bias) {
+  g_.in = checked("in_channels", in_channels, 1);
+  g_.out = checked("out_channels", out_channels, 1);
+  g_.k = checked("kernel_size", kernel_size, 1);
+  g_.stride = checked("stride", stride, 1);
+  g_.padding = checked("padding", padding, 0);
+  g_.dilation = checked("dilation", dilation, 1);
+  g_.groups = checked("groups", groups, 1);
+  CX_CHECK(g_.in % g_.groups == 0 && g_.out % g_.groups == 0, InvalidArgument,
+           "Conv2dModule: in_channels (", g_.in, ") and out_channels (", g_.out, ") must both be divisible by groups (",
+           g_.groups, ")");
+  CX_CHECK(weight_fits(g_.in, g_.out, g_.k, g_.groups), InvalidArgument, "Conv2dModule: the weight (", g_.out, ", ",
+           g_.in / g_.groups, ", ", g_.k, ", ", g_.k, ") is too large (more than 2^30 floats)");
+  std::vector<ParamSpec> specs{{"weight", {g_.out, g_.in / g_.groups, g_.k, g_.k}}};
+  if (bias) specs.push_back({"bias", {g_.out}});
+  declare_params(std::move(specs));
+  reset_parameters(seed);
+}
+
+void Conv2dModule::reset_parameters(uint64_t seed) {
+  const size_t fan_in = g_.in / g_.groups * g_.k * g_.k;
+  const double bound = std::sqrt(6.0 / fan_in);
+  Rng rng(seed);
+  float* w = param(0);
+  for (size_t i = 0, n = g_.out * fan_in; i < n; ++i) w[i] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+  if (bias_) std::fill(param(1), param(1) + g_.out, 0.0f);
+}
+
+std::string Conv2dModule::repr() const {
+  std::string s = "Conv2d(" + std::to_string(g_.in) + ", " + std::to_string(g_.out) +
+                  ", kernel_size=" + std::to_string(g_.k);
+  if (g_.stride != 1) s += ", stride=" + std::to_string(g_.stride);
+  if (g_.padding != 0) s += ", padding=" + std::to_string(g_.padding);
+  if (g_.dilation != 1) s += ", dilation=" + std::to_string(g_.dilation);
+  if (g_.groups != 1) s += ", groups=" + std::to_string(g_.groups);
+  if (!bias_) s += ", bias=False";
+  return s + ")";
+}
+
+Shape Conv2dModule::output_shape(const Shape& in) const {
+  CX_CHECK(in.size() == 4, InvalidArgument, repr(), " expects input of shape (batch, ", g_.in,
+           ", height, width), got ", shape_str(in));
+  CX_CHECK(in[1] == g_.in, InvalidArgument, repr(), " expects ", g_.in, " input channels (input of shape (batch, ",
+           g_.in, ", height, width)), got ", shape_str(in));
+  const size_t hp = in[2] + 2 * g_.padding, wp = in[3] + 2 * g_.padding, e = extent(g_);
+  CX_CHECK(hp >= e && wp >= e, InvalidArgument, repr(), ": the kernel (", e, " x ", e, g_.dilation > 1 ? " dilated" : "",
+           ") is larger than the input padded to ", hp, " x ", wp, " (input ", shape_str(in), ")");
+  const size_t oh = (hp - e) / g_.stride + 1, ow = (wp - e) / g_.stride + 1;
+  CX_CHECK(oh * ow * (g_.in * g_.k * g_.k) <= (1u << 30) && hp * wp <= (1u << 30), InvalidArgument, repr(),
+           ": input ", shape_str(in), " is too large for one sample's unfolding");
+  return {in[0], g_.out, oh, ow};
+}
+
+// ---------------------------------------------------------------- unfolding (im2col) and folding (col2im)
+
+namespace {
+std::atomic<size_t> unfold_floats{0};  // 0: kUnfoldFloats
+}  // namespace
+
+size_t Conv2dModule::set_unfold_floats(size_t n) { return unfold_floats.exchange(n); }
+
+size_t Conv2dModule::chunk_rows(size_t OH, size_t OW) const {
+  const size_t limit = unfold_floats.load() ? unfold_floats.load() : kUnfoldFloats;
+  const size_t rows = std::max<size_t>(1, limit / (g_.in * g_.k * g_.k * OW));
+  const size_t chunks = (OH + rows - 1) / rows;
+  return (OH + chunks - 1) / chunks;  // as even as they come: no thin last chunk
+}
+
+const float* Conv2dModule::pad(const float* x, size_t H, size_t W) {
+  const size_t p = g_.padding, C = g_.in, Hp = H + 2 * p, Wp = W + 2 * p;
+  if (!p) return x;
+  const Shape want{C, Hp, Wp};
+  if (padded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
+    padded_.resize(want);
+    std::memset(padded_.data(), 0, numel(want) * sizeof(float));
+  }
+  float* dst = padded_.data();
+  for (size_t c = 0; c < C; ++c)
+    for (size_t h = 0; h < H; ++h) copy_floats(dst + (c * Hp + h + p) * Wp + p, x + (c * H + h) * W, W);
+  return dst;
+}
+
+namespace {
+
+// col row (c, i, j), column (oh - oh0) * OW + ow = src[c][oh*s + i*d][ow*s + j*d]. W and S are OW and
+// the stride when known at compile time (0: at run time): the rows of the usual image widths (8, 16, 32)
+// then copy as one to four vector moves (or shuffles, for stride 2) each, with no loop around them.
+template <size_t W, size_t S>
+__attribute__((always_inline)) inline void unfold_impl(const float* __restrict src, float* __restrict col,
+                                                       const Conv2dGeometry& g, size_t Hp, size_t Wp, size_t oh0,
+                                                       size_t oh1, size_t OW) {
+  const size_t C = g.in, k = g.k, s = S ? S : g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+  const size_t n = W ? W : OW;
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) {
+        float* r = col + ((c * k + i) * k + j) * cols;
+        const float* b = src + (c * Hp + i * d + oh0 * s) * Wp + j * d;
+        for (size_t oh = oh0; oh < oh1; ++oh, r += n, b += s * Wp) {
+          if (W && S) {
+            for (size_t l = 0; l < W; ++l) r[l] = b[l * S];
+          } else if (s == 1) {
+            copy_floats(r, b, n);
+          } else if (s == 2) {
+            for (size_t ow = 0; ow < n; ++ow) r[ow] = b[2 * ow];
+          } else {
+            for (size_t ow = 0; ow < n; ++ow) r[ow] = b[ow * s];
+          }
+        }
+      }
+}
+
+// The transpose: every column of dcol adds into the padded pixel it was copied from.
+template <size_t W, size_t S>
+__attribute__((always_inline)) inline void fold_impl(const float* __restrict dcol, float* __restrict dst,
+                                                     const Conv2dGeometry& g, size_t Hp, size_t Wp, size_t oh0,
+                                                     size_t oh1, size_t OW) {
+  const size_t C = g.in, k = g.k, s = S ? S : g.stride, d = g.dilation, cols = (oh1 - oh0) * OW;
+  const size_t n = W ? W : OW;
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) {
+        const float* r = dcol + ((c * k + i) * k + j) * cols;
+        float* b = dst + (c * Hp + i * d + oh0 * s) * Wp + j * d;
+        for (size_t oh = oh0; oh < oh1; ++oh, r += n, b += s * Wp) {
+          if (W && S) {
+            for (size_t l = 0; l < W; ++l) b[l * S] += r[l];
+          } else if (s == 1) {
+            for (size_t ow = 0; ow < n; ++ow) b[ow] += r[ow];
+          } else {
+            for (size_t ow = 0; ow < n; ++ow) b[ow * s] += r[ow];
+          }
+        }
+      }
+}
+
+// Cloned for AVX2: the copies are 256-bit moves there, and the strided gathers and scatters shuffles.
+__attribute__((target_clones("avx2", "default"))) void unfold_rows(const float* __restrict src,
+                                                                   float* __restrict col, const Conv2dGeometry& g,
+                                                                   size_t Hp, size_t Wp, size_t oh0, size_t oh1,
+                                                                   size_t OW) {
+  switch (g.stride <= 2 ? g.stride * 1000 + OW : 0) {
+    case 1008: return unfold_impl<8, 1>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 1016: return unfold_impl<16, 1>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 1032: return unfold_impl<32, 1>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 2008: return unfold_impl<8, 2>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    case 2016: return unfold_impl<16, 2>(src, col, g, Hp, Wp, oh0, oh1, OW);
+    default: return unfold_impl<0, 0>(src, col, g, Hp, Wp, oh0, oh1, OW);
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void fold_rows(const float* __restrict dcol, float* __restrict dst,
+                                                                 const Conv2dGeometry& g, size_t Hp, size_t Wp,
+                                                                 size_t oh0, size_t oh1, size_t OW) {
+  switch (g.stride <= 2 ? g.stride * 1000 + OW : 0) {
+    case 1008: return fold_impl<8, 1>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 1016: return fold_impl<16, 1>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 1032: return fold_impl<32, 1>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 2008: return fold_impl<8, 2>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    case 2016: return fold_impl<16, 2>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+    default: return fold_impl<0, 0>(dcol, dst, g, Hp, Wp, oh0, oh1, OW);
+  }
+}
+
+}  // namespace
+
+const float* Conv2dModule::unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) {
+  col_.resize({g_.in * g_.k * g_.k, (oh1 - oh0) * OW});
+  unfold_rows(src, col_.data(), g_, Hp, Wp, oh0, oh1, OW);
+  return col_.data();
+}
+
+void Conv2dModule::fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const {
+  fold_rows(dcol, dst, g_, Hp, Wp, oh0, oh1, OW);
+}
+
+// ---------------------------------------------------------------- forward, backward
+
+void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
+  const size_t N = in[0], C = g_.in, H = in[2], W = in[3];
+  const Shape out = output_shape(in);
+  const size_t OH = out[2], OW = out[3], P = OH * OW, G = g_.groups;
+  const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k, Hp = H + 2 * g_.padding, Wp = W + 2 * g_.padding;
+  const size_t R = chunk_rows(OH, OW);
+  const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
+  const float* w = param(0);
+  const float beta = bias_ ? 1.0f : 0.0f;
+  for (size_t n = 0; n < N; ++n) {
+    const float* xn = x + n * C * H * W;
+    float* yn = y + n * g_.out * P;
+    if (bias_) {
+      const float* b = param(1);
+      for (size_t o = 0; o < g_.out; ++o) std::fill(yn + o * P, yn + (o + 1) * P, b[o]);
+    }
+    if (direct()) {  // the sample is its own unfolding
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, false, iOg, iP, iKg, 1.0f, w + g * Og * Kg, iKg, xn + g * Kg * P, iP, beta, yn + g * Og * P, iP);
+      continue;
+    }
+    const float* src = pad(xn, H, W);
+    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+      const size_t oh1 = std::min(OH, oh0 + R);
+      const int cols = static_cast<int>((oh1 - oh0) * OW);
+      const float* col = unfold(src, Hp, Wp, oh0, oh1, OW);
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, false, iOg, cols, iKg, 1.0f, w + g * Og * Kg, iKg, col + g * Kg * cols, cols, beta,
+             yn + g * Og * P + oh0 * OW, iP);
+    }
+  }
+}
+
+void Conv2dModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
+                            const ParamDone& done) {
+  const size_t N = in[0], C = g_.in, H = in[2], W = in[3];
+  const Shape out = output_shape(in);
+  const size_t OH = out[2], OW = out[3], P = OH * OW, G = g_.groups;
+  const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k, Hp = H + 2 * g_.padding, Wp = W + 2 * g_.padding;
+  const size_t R = chunk_rows(OH, OW);
+  const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
+  // Note [Convolution as GEMM]: bias, then the weight, each final before dx starts.
+  if (bias_) {
+    float* db = grad(1);
+    for (size_t o = 0; o < g_.out; ++o) {
+      double s = 0;
+      for (size_t n = 0; n < N; ++n) s += kernels::sum(gy + (n * g_.out + o) * P, P);
+      db[o] += static_cast<float>(s);
+    }
+    done(1);
+  }
+  float* dw = grad(0);
+  for (size_t n = 0; n < N; ++n) {
+    const float* xn = x + n * C * H * W;
+    const float* gyn = gy + n * g_.out * P;
+    if (direct()) {
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, true, iOg, iKg, iP, 1.0f, gyn + g * Og * P, iP, xn + g * Kg * P, iP, 1.0f, dw + g * Og * Kg, iKg);
+      continue;
+    }
+    const float* src = pad(xn, H, W);
+    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+      const size_t oh1 = std::min(OH, oh0 + R);
+      const int cols = static_cast<int>((oh1 - oh0) * OW);
+      const float* col = unfold(src, Hp, Wp, oh0, oh1, OW);
+      for (size_t g = 0; g < G; ++g)
+        gemm(false, true, iOg, iKg, cols, 1.0f, gyn + g * Og * P + oh0 * OW, iP, col + g * Kg * cols, cols, 1.0f,
+             dw + g * Og * Kg, iKg);
+    }
+  }
+  done(0);
+  if (!gx) return;
+  const float* w = param(0);
+  const size_t p = g_.padding;
+  if (p) dpadded_.resize({C, Hp, Wp});
+  for (size_t n = 0; n < N; ++n) {
+    const float* gyn = gy + n * g_.out * P;
+    float* gxn = gx + n * C * H * W;
+    if (direct()) {  // dx = W^T dy, straight into dx
+      for (size_t g = 0; g < G; ++g)
+        gemm(true, false, iKg, iP, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P, iP, 0.0f, gxn + g * Kg * P, iP);
+      continue;
+    }
+    float* dst = p ? dpadded_.data() : gxn;
+    std::memset(dst, 0, C * Hp * Wp * sizeof(float));
+    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+      const size_t oh1 = std::min(OH, oh0 + R);
+      const int cols = static_cast<int>((oh1 - oh0) * OW);
+      col_.resize({C * g_.k * g_.k, static_cast<size_t>(cols)});
+      float* dcol = col_.data();
+      for (size_t g = 0; g < G; ++g)
+        gemm(true, false, iKg, cols, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P + oh0 * OW, iP, 0.0f,
+             dcol + g * Kg * cols, cols);
+      fold(dcol, dst, Hp, Wp, oh0, oh1, OW);
+    }
+    if (p)
+      for (size_t c = 0; c < C; ++c)
+        for (size_t h = 0; h < H; ++h) copy_floats(gxn + (c * H + h) * W, dst + (c * Hp + h + p) * Wp + p, W);
+  }
+}
+
+void Conv2dModule::write_config(ByteWriter& w) const {
+  for (size_t v : {g_.in, g_.out, g_.k, g_.stride, g_.padding, g_.dilation, g_.groups}) w.u64(v);
+  w.u8(bias_ ? 1 : 0);
+}
+
+namespace {
+
+std::shared_ptr<Module> read_conv2d(ByteReader& r) {
+  uint64_t v[7];
+  for (auto& x : v) x = r.u64();
+  const uint8_t bias = r.u8();
+  for (int i = 0; i < 7; ++i)
+    if (v[i] > static_cast<uint64_t>(kMaxSize)) r.fail("bad Conv2d hyper-parameters");
+  if (bias > 1) r.fail("bad Conv2d hyper-parameters");
+  // The weights must fit in what is left of the file (the constructor checks the rest).
+  if (v[0] && v[1] && v[6] && v[0] % v[6] == 0 &&
+      (!weight_fits(v[0], v[1], v[2], v[6]) || v[1] * (v[0] / v[6]) * v[2] * v[2] > r.remaining() / 4))
+    r.fail("bad Conv2d sizes");
+  return std::make_shared<Conv2dModule>(v[0], v[1], v[2], v[3], v[4], bias != 0, v[5], v[6], 0);
+}
+
+// Note [Layer ids] in registry.h.
+const LayerRegistration kRegistration{12, "Conv2d", read_conv2d};
+
+}  // namespace
+
+}  // namespace cx::nn

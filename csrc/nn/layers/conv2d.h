@@ -1,0 +1,95 @@
+// defines: Conv2dModule, 2-D convolution over NCHW float32 images (as
+// torch.nn.Conv2d, square kernels), CPU only for now (nn/cpu_only.h).
+//
+// Shapes: input (batch, in_channels, H, W) -> output (batch, out_channels, OH, OW) with
+//   OH = (H + 2*padding - dilation*(kernel_size-1) - 1) / stride + 1   (the same for OW).
+// Parameters: weight (out_channels, in_channels/groups, k, k), then bias (out_channels,).
+// Init (seeded): Kaiming-uniform U(-sqrt(6/fan_in), sqrt(6/fan_in)) with fan_in =
+// in_channels/groups * k * k, as LinearModule's default; bias starts at zero.
+//
+// Note [Convolution as GEMM]
+// Per sample, the input is unfolded into a matrix col (K = in/groups*k*k rows,
+// P = OH*OW columns; im2col) so that the convolution of group g is one GEMM
+// through our BLAS (nn/blas.h):
+//   forward   y[g] (out/groups x P)  = W[g] (out/groups x K) . col[g]
+//   backward  dW[g] += dy[g] . col[g]^T          (col unfolded again: it is not kept)
+//             dcol[g] = W[g]^T . dy[g], then folded back and summed into dx (col2im)
+// A 1x1 kernel with stride 1 and no padding needs no unfolding: col is the
+// input itself. The unfolding copies rows of a zero-padded copy of the sample,
+// so for stride 1 its inner loop is a plain copy of OW floats with no bounds
+// checks. The weight's gradient is final for the whole batch before dx is
+// computed (the bias's before that), so DDP sends it while dx is computed
+// (Note [Overlap] in train/ddp.h); dx needs no unfolding, so the order costs
+// nothing. Per sample rather than a batch at a time: the GEMMs are already
+// 64 to 1024 columns wide at ResNet sizes, the output is NCHW as it comes out
+// of the GEMM (a batch's would be channel-major and need a transposing copy),
+// and the scratch is one sample's. A prototype that unfolded 4 or 16 samples
+// into one wider GEMM was not faster on these 2-vCPU machines, within their
+// run-to-run noise; what the per-sample GEMMs lose is the weight's packing,
+// repeated for every sample (the most at 64 channels of 8x8, where P = 64).
+//
+// Note [Unfolding in chunks]
+// col is K times the size of the sample's output (9x for a 3x3 kernel): at 16
+// channels of 32x32 it is 590 KB, more than this core's L2 (512 KB), and the
+// GEMM that reads it right after writing it would read it from L3. So a sample
+// is unfolded a few output rows at a time, at most kUnfoldFloats (256 KB) per
+// piece, in pieces of even size; each piece is one GEMM per group into (or,
+// backward, from) its columns of y, dy and dx.
+#pragma once
+
+#include <cstdint>
+
+#include "nn/cpu_only.h"
+#include "nn/tensor.h"
+
+namespace cx::nn {
+
+struct Conv2dGeometry {
+  size_t in, out, k, stride, padding, dilation, groups;
+};
+
+class Conv2dModule : public CpuOnly<Module> {
+ public:
+  using CpuOnly::backward;  // the GPU ones (refusals)
+  using CpuOnly::forward;
+  // Throws InvalidArgument naming the argument for sizes < 1 (padding < 0), or
+  // channels not divisible by groups.
+  Conv2dModule(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1,
+               int64_t padding = 0, bool bias = true, int64_t dilation = 1, int64_t groups = 1, uint64_t seed = 0);
+  std::string type_name() const override { return "Conv2d"; }
+  std::string repr() const override;
+  Shape output_shape(const Shape& in) const override;
+  void forward(const float* x, const Shape& in, float* y, bool training) override;
+  void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
+                const ParamDone& done) override;
+  void write_config(ByteWriter& w) const override;
+
+  const Conv2dGeometry& geometry() const { return g_; }
+  bool has_bias() const { return bias_; }
+  // Re-draws the weights from `seed` (bias back to zero).
+  void reset_parameters(uint64_t seed);
+
+  // Note [Unfolding in chunks]: the most floats one unfolding may hold (0: the
+  // default, kUnfoldFloats); returns the previous setting. For tests, which
+  // force many chunks on small images.
+  static size_t set_unfold_floats(size_t n);
+  static constexpr size_t kUnfoldFloats = 64 * 1024;
+
+ private:
+  bool direct() const { return g_.k == 1 && g_.stride == 1 && g_.padding == 0; }
+  size_t chunk_rows(size_t OH, size_t OW) const;  // output rows per unfolding
+  // The sample x (in, H, W) zero-padded into padded_ (x itself without padding).
+  const float* pad(const float* x, size_t H, size_t W);
+  // Unfolds output rows [oh0, oh1) of the padded sample src into col_:
+  // K = in*k*k rows, (oh1-oh0)*OW columns.
+  const float* unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW);
+  // Its transpose: adds dcol (as col_) into dst, the padded sample's gradient.
+  void fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const;
+
+  Conv2dGeometry g_;
+  bool bias_;
+  Tensor padded_, col_;  // scratch: one sample, zero-padded (borders stay zero); its unfolding
+  Tensor dpadded_;       // backward: dx of one padded sample
+};
+
+}  // namespace cx::nn
