@@ -300,6 +300,10 @@ def _root_cause(failed: List[_Rank]) -> _Rank:
     return min(first_hand or failed, key=when)
 
 
+class _Terminated(Exception):
+    """The launcher got SIGTERM (its handler raises this in the main thread)."""
+
+
 def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
     rep = cause.report
     what = f"{rep['type']}: {rep['message']}" if rep else ""
@@ -497,11 +501,8 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
                     pass
                 r.proc.wait()
 
-    class Terminated(Exception):
-        pass
-
     def on_signal(signum, frame):
-        raise Terminated
+        raise _Terminated
 
     old = signal.signal(signal.SIGTERM, on_signal)
     code = 0
@@ -533,7 +534,7 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
         stop_all(signal.SIGINT)
         code = 130  # 128 + SIGINT, as a shell reports Ctrl-C
         interrupted = True  # the user's stop: never restarted
-    except Terminated:
+    except _Terminated:
         # A scheduler or `kill` stopping the job: the ranks get SIGTERM too (a grace period, then
         # SIGKILL), and the launcher exits as a process killed by SIGTERM would be reported.
         screen.line(sys.stderr, "[launch] terminated (SIGTERM); stopping all ranks\n")
