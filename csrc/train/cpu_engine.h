@@ -1,6 +1,7 @@
 // defines: CpuEngine, the trainer's per-batch work on the host: forward (with
 // rank 0's buffers broadcast first), the loss, backward with the overlapped
-// bucket all-reduce (DistributedDataParallel), the optimizer's step.
+// bucket all-reduce (DistributedDataParallel), clipping the averaged gradient
+// where asked (grad_clip.h), the optimizer's step.
 #pragma once
 
 #include <memory>
@@ -11,6 +12,7 @@
 #include "nn/sequential.h"
 #include "train/ddp.h"
 #include "train/engine.h"
+#include "train/grad_clip.h"
 #include "train/zero.h"
 
 namespace cx::train {
@@ -29,6 +31,8 @@ class CpuEngine : public Engine {
   void broadcast_buffers() override;
   // ZeRO-1 (Note [ZeRO-1] in zero.h): steps go through it while set; null: the plain optimizer.
   void set_zero(std::shared_ptr<ZeroRedundancyOptimizer> zero) { zero_ = std::move(zero); }
+  // Clipping of the averaged gradient before every step (grad_clip.h); off by default.
+  void set_grad_clip(const GradClip& clip) { clip_ = clip; }
 
  private:
   BatchStats loss_of(const nn::Tensor& out, const nn::BatchTargets& y);
@@ -39,6 +43,7 @@ class CpuEngine : public Engine {
   std::shared_ptr<distributed::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
   std::shared_ptr<ZeroRedundancyOptimizer> zero_;
+  GradClip clip_;
 };
 
 }  // namespace cx::train
