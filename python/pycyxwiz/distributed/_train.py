@@ -258,10 +258,10 @@ def _as_targets(y: Any, who: str) -> np.ndarray:
 
 
 def _dataset_size(ds: Dataset, who: str) -> int:
-    n = len(ds)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise TypeError(f"{who}: len({_name(ds)}) must be an int >= 0, got {n!r}")
-    return int(n)
+    try:
+        return len(ds)
+    except (TypeError, ValueError) as e:  # what len() says of a __len__ returning -1, 2.0, "3"
+        raise TypeError(f"{who}: len({_name(ds)}) must be an int >= 0 ({e})") from None
 
 
 def _name(ds: Dataset) -> str:
