@@ -399,3 +399,34 @@ def misuse_body(case, directory):
 def test_misused_callbacks_are_reported(tmp_path, case, exc, text):
     (o,) = ranks.spawn(misuse_body, 1, args=(case, str(tmp_path)))
     assert o.exc_type == exc and text in o.message, (o.exc_type, o.message)
+
+
+# ---- history.plot ------------------------------------------------------------------------------------------
+
+def plot_body(path):
+    Xtr, ytr, Xv, yv = data()
+    trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
+    h = trainer.fit(Xtr, ytr, Xv, yv, config(epochs=3, batch_size=64),
+                    callbacks=[C.EarlyStopping(monitor="val_loss", patience=0, mode="max")])
+    return h.plot(path) if trainer.is_master() else None
+
+
+def test_history_plot_draws_loss_and_accuracy_per_epoch(tmp_path):
+    pytest.importorskip("matplotlib", reason="history.plot needs matplotlib (the plot and bench extras)")
+    path = str(tmp_path / "history.png")
+    assert ranks.run(plot_body, 2, args=(path,)) == [path, None]
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 10_000
+
+
+def test_history_plot_without_matplotlib_says_how_to_install_it(tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['matplotlib'] = None\n"      # what Python does when it is not installed
+            "import pycyxwiz as cx\n"
+            "h = cx.distributed.DistributedTrainingHistory(); h.train_losses = [1.0]\n"
+            "try:\n    h.plot('h.png')\nexcept ImportError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.stdout.strip() == ("DistributedTrainingHistory.plot needs matplotlib, which is not installed: pip install "
+                                "matplotlib (or pip install 'pycyxwiz[plot]')"), r.stdout + r.stderr
