@@ -231,15 +231,18 @@ class ModelCheckpoint(Callback):
         os.makedirs(self.dirpath, exist_ok=True)
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: Dict[str, Any]) -> None:
+        paths = []
         if self.save_best:
             score = _monitored(self.monitor, logs)
             if self._best.improves(score, self.best_score):
                 self.best_score, self.best_epoch = score, epoch
                 self.best_path = os.path.join(self.dirpath, self.BEST)
-                trainer.save_checkpoint(self.best_path)   # holds this best score too
+                paths.append(self.best_path)     # the file holds this best score too
         if self.save_last:
-            trainer.save_checkpoint(self.last_ckpt)
+            paths.append(self.last_ckpt)
             self.last_path = self.last_ckpt
+        if paths:
+            trainer._save_checkpoints(paths)     # one checkpoint made, written to each
 
     def state_dict(self) -> Dict[str, Any]:
         return {"monitor": self.monitor, "mode": self.mode, "best_score": self.best_score,

@@ -117,7 +117,8 @@ class NpyDataset(Dataset):
             if (y.dtype, y.shape[1:]) != (y0.dtype, y0.shape[1:]):
                 raise ValueError(f"NpyDataset: {py!r} holds {y.dtype} of shape {y.shape[1:]} per sample but "
                                  f"{self.y_paths[0]!r} holds {y0.dtype} of shape {y0.shape[1:]}; shards must agree")
-        self._xs, self._ys = xs, ys
+        # Plain ndarray views of the maps (np.memmap's Python-level hooks would run on every batch taken).
+        self._xs, self._ys = [np.asarray(x) for x in xs], [np.asarray(y) for y in ys]
         self._starts = np.cumsum([0] + [x.shape[0] for x in xs]).astype(np.int64)
 
     def __len__(self) -> int:

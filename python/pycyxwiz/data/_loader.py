@@ -1,6 +1,6 @@
 """How DistributedTrainer reads a Dataset: one background thread loads the next batches while the step runs.
 
-    with Prefetcher(load, plan) as batches:        # load(plan[k]) on the thread, in order, 2 ahead
+    with Prefetcher(load, plan) as batches:        # load(plan[k]) on the thread, in order, ahead of the step
         for X, y in batches: core.train_rows(X, y)
 
 The step releases the GIL for its C++ work, and NumPy releases it while it copies rows (np.take, also
@@ -8,20 +8,36 @@ from a memory map, where the page faults happen), so reading overlaps computing.
 the batches' index arrays, made up front from the trainer's DistributedBatchIterator, so the order is
 the sampler's and only this thread calls the Dataset. An exception in `load` comes out of the
 iteration, in the trainer's thread, at the batch that raised it.
+
+Note [Waking the loader seldom]
+Waking a sleeping thread costs tens of microseconds of CPU on these VMs (DESIGN.md), about what the
+reading of a 64-row batch costs, and with one rank per core that CPU is the training's. So the loader
+does not run one batch ahead with a wake-up per batch (queue.Queue(2)): it fills up to `depth` batches
+(up to 8, fewer for batches over 4 MiB: at most about 32 MiB waiting) and then sleeps until the trainer
+has taken half of them; the trainer sleeps only when nothing is ready. One wake-up per depth/2 batches.
 """
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from . import Dataset
 
-_POLL_S = 0.1  # how often a blocked side looks whether the other one has gone
-_CLOSE_S = 60.0  # how long close() waits for a load in progress
+_POLL_S = 0.1          # how often a sleeping side looks whether the other one has gone
+_CLOSE_S = 60.0        # how long close() waits for a load in progress
+_AHEAD_BYTES = 32 << 20  # Note [Waking the loader seldom]
+_MAX_AHEAD = 8
+
+
+def _nbytes(item: Any) -> int:
+    try:
+        return sum(int(a.nbytes) for a in item)
+    except (TypeError, AttributeError):
+        return 0
 
 
 class Subset(Dataset):
@@ -47,13 +63,18 @@ class _Failed:
 
 
 class Prefetcher:
-    """Iterates load(plan[0]), load(plan[1]), ... computed `depth` batches ahead on a daemon thread."""
+    """Iterates load(plan[0]), load(plan[1]), ... computed ahead on a daemon thread (Note [Waking the loader
+    seldom])."""
 
-    def __init__(self, load: Callable[[np.ndarray], Any], plan: Sequence[np.ndarray], depth: int = 2) -> None:
+    def __init__(self, load: Callable[[np.ndarray], Any], plan: Sequence[np.ndarray]) -> None:
         self._load = load
         self._plan: List[np.ndarray] = list(plan)
-        self._q: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
+        self._ready: Deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+        self._depth = 2               # until the first batch says how large batches are
+        self._loader_waits = False    # the loader sleeps until half the batches are taken
+        self._trainer_waits = False   # the trainer sleeps until a batch is ready
+        self._stop = False
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "Prefetcher":
@@ -65,26 +86,24 @@ class Prefetcher:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def _run(self) -> None:
-        for idx in self._plan:
-            if self._stop.is_set():
-                return
+        for k, idx in enumerate(self._plan):
             try:
                 item = self._load(idx)
             except BaseException as e:  # handed to the trainer's thread, which raises it
-                self._put(_Failed(e))
-                return
-            if not self._put(item):
-                return
+                item = _Failed(e)
+            with self._cond:
+                if k == 0:
+                    self._depth = max(2, min(_MAX_AHEAD, _AHEAD_BYTES // max(_nbytes(item), 1)))
+                self._ready.append(item)
+                if self._trainer_waits:
+                    self._cond.notify()
+                while not self._stop and len(self._ready) >= self._depth and k + 1 < len(self._plan):
+                    self._loader_waits = True
+                    self._cond.wait(_POLL_S)
+                self._loader_waits = False
+                if self._stop or isinstance(item, _Failed):
+                    return
 
     def __iter__(self) -> Iterator[Any]:
         for _ in range(len(self._plan)):
@@ -94,27 +113,29 @@ class Prefetcher:
             yield item
 
     def _get(self) -> Any:
-        while True:
-            try:
-                return self._q.get(timeout=_POLL_S)
-            except queue.Empty:
-                # The thread puts every batch or a failure before it ends; one that has ended with nothing
-                # queued has been stopped (close()).
-                if self._thread is None or (not self._thread.is_alive() and self._q.empty()):
-                    raise RuntimeError("the data loading thread stopped before the epoch's last batch") from None
+        with self._cond:
+            while not self._ready:
+                # The loader hands over every batch or a failure before it ends; one that has ended with nothing
+                # ready was stopped (close()).
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError("the data loading thread stopped before the epoch's last batch")
+                self._trainer_waits = True
+                self._cond.wait(_POLL_S)
+            self._trainer_waits = False
+            item = self._ready.popleft()
+            if self._loader_waits and len(self._ready) <= self._depth // 2:
+                self._cond.notify()
+            return item
 
     def close(self) -> None:
         """Stops the thread after the batch it is loading, if any (waiting at most _CLOSE_S for that load:
-        a daemon thread stuck in a Dataset's __getitem__ is left behind), and drops what it queued."""
-        self._stop.set()
+        a daemon thread stuck in a Dataset's __getitem__ is left behind), and drops what it made."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         t, self._thread = self._thread, None
-        if t is None:
-            return
-        deadline = time.monotonic() + _CLOSE_S
-        while t.is_alive() and time.monotonic() < deadline:
-            t.join(_POLL_S)
-        while True:
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                return
+        if t is not None:
+            deadline = time.monotonic() + _CLOSE_S
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(_POLL_S)
+        self._ready.clear()

@@ -272,22 +272,27 @@ def _dataset_batch(ds: Dataset, idx: np.ndarray, who: str) -> Tuple[np.ndarray, 
     """ds[idx] checked and converted as fit(X, y) converts arrays (float32 X; int64 labels or float32 targets).
     Runs on the prefetch thread; what it raises comes out of fit or evaluate."""
     out = ds[idx]
-    what = f"{who}: {_name(ds)}[indices]"
-    if not isinstance(out, tuple) or len(out) != 2:
-        raise TypeError(f"{what} must return a tuple (X_batch, y_batch), got {type(out).__name__}"
-                        + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    if type(out) is not tuple or len(out) != 2:
+        raise TypeError(f"{who}: {_name(ds)}[indices] must return a tuple (X_batch, y_batch), got "
+                        f"{type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
     X, y = np.asarray(out[0]), np.asarray(out[1])
     n = idx.size
-    if X.ndim < 2:
-        raise ValueError(f"{what} returned X of shape {X.shape}; X_batch must have shape (batch, features...)")
-    if X.dtype.kind not in "fiub":
-        raise TypeError(f"{what} returned X of dtype {X.dtype}; X_batch must be numeric")
-    if X.shape[0] != n:
-        raise ValueError(f"{what} returned {X.shape[0]} rows of X for {n} indices; it must return one row per index")
-    if y.ndim < 1 or y.shape[0] != n:
+    if X.ndim < 2 or X.shape[0] != n or X.dtype.kind not in "fiub" or y.ndim < 1 or y.shape[0] != n:
+        what = f"{who}: {_name(ds)}[indices]"
+        if X.ndim < 2:
+            raise ValueError(f"{what} returned X of shape {X.shape}; X_batch must have shape (batch, features...)")
+        if X.dtype.kind not in "fiub":
+            raise TypeError(f"{what} returned X of dtype {X.dtype}; X_batch must be numeric")
+        if X.shape[0] != n:
+            raise ValueError(f"{what} returned {X.shape[0]} rows of X for {n} indices; it must return one row per "
+                             f"index")
         raise ValueError(f"{what} returned y of shape {y.shape} for {n} indices; y_batch must have one entry per "
                          f"index")
-    return np.ascontiguousarray(X, dtype=np.float32), _as_targets(y, what)
+    if X.dtype != np.float32 or not X.flags.c_contiguous:
+        X = np.ascontiguousarray(X, dtype=np.float32)
+    if y.dtype != np.int64 or not y.flags.c_contiguous:
+        y = _as_targets(y, f"{who}: {_name(ds)}[indices]")
+    return X, y
 
 
 def _split(n: int, fraction: float, seed: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
@@ -959,23 +964,24 @@ class DistributedTrainer:
         it whole. With config.save_on_master_only (the default) only rank 0 writes; otherwise
         rank r > 0 writes `path` + ".rank<r>". Returns the path written, or None.
         """
-        path = os.fspath(path)
-        if self._core.shard_optimizer_state:
+        return self._save_checkpoints([path])[0]
+
+    def _save_checkpoints(self, paths: List[Any]) -> List[Optional[str]]:
+        """save_checkpoint to each of `paths`, the checkpoint made once (ModelCheckpoint's best and last)."""
+        paths = [os.fspath(p) for p in paths]
+        sharded = self._core.shard_optimizer_state
+        if sharded:
             data = self._checkpoint_bytes()  # collective: gathers the optimizer state's shards
-            if self.config.save_on_master_only and not self.is_master():
-                return None
-            if not self.is_master():
-                path = f"{path}.rank{self.get_rank()}"
-            _ckpt_file.atomic_write(path, data)
-            return path
         if self.config.save_on_master_only and not self.is_master():
-            return None
+            return [None] * len(paths)
         if not self.is_master():
-            path = f"{path}.rank{self.get_rank()}"
-        self._core.sync_to_host()
-        data = self._checkpoint_bytes()
-        _ckpt_file.atomic_write(path, data)
-        return path
+            paths = [f"{p}.rank{self.get_rank()}" for p in paths]
+        if not sharded:
+            self._core.sync_to_host()
+            data = self._checkpoint_bytes()
+        for p in paths:
+            _ckpt_file.atomic_write(p, data)
+        return list(paths)
 
     def load_checkpoint(self, path: str) -> None:
         """Collective: restores a checkpoint written by save_checkpoint on every rank.
