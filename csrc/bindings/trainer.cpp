@@ -14,7 +14,6 @@
 #include "nn/rng.h"
 #include "nn/sequential.h"
 #include "train/checkpoint.h"
-#include "train/ema.h"
 #include "train/trainer.h"
 
 namespace cx::bindings {
@@ -134,6 +133,19 @@ void def_host_side(CoreClass& c) {
           "Clip the averaged gradient before every step: its global L2 norm to max_norm, every element to "
           "[-max_value, max_value] (0: off). The GPU engine refuses it.")
       .def(
+          "add_ema",
+          [](TrainerCore& c, py::handle shadow, double decay) {
+            auto s = float_array(shadow, "EMA: the shadow weights", "(parameters,)", 1);
+            CX_CHECK(s.writeable(), InvalidArgument, "EMA: the shadow weights must be writable");
+            c.add_ema(static_cast<float*>(s.mutable_data()), static_cast<size_t>(s.size()), decay);
+          },
+          py::arg("shadow"), py::arg("decay"),
+          "Updates `shadow` (float32, one per parameter; keep it alive until clear_ema) after every step: "
+          "decay * shadow + (1 - decay) * params, settled lazily (settle_ema).")
+      .def("settle_ema", &TrainerCore::settle_ema, py::call_guard<py::gil_scoped_release>(),
+           "Makes the EMA update owed for the last step (before reading a shadow or writing the parameters).")
+      .def("clear_ema", &TrainerCore::clear_ema, "Stops updating the shadows add_ema registered.")
+      .def(
           "next_indices",
           [](TrainerCore&, DistributedBatchIterator& it) {
             auto [idx, n] = it.next_view();
@@ -209,22 +221,6 @@ void bind_checkpoint_helpers(py::module_& m) {
         return py::bytes(s);
       },
       py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers).");
-  m.def(
-      "_ema_update",
-      [](py::handle shadow, py::handle params, double decay) {
-        auto s = float_array(shadow, "EMA: the shadow weights", "(parameters,)", 1);
-        auto p = float_array(params, "EMA: the parameters", "(parameters,)", 1);
-        CX_CHECK(s.writeable(), InvalidArgument, "EMA: the shadow weights must be writable");
-        CX_CHECK(s.size() == p.size(), InvalidArgument, "EMA: the shadow holds ", s.size(), " weights but the model has ",
-                 p.size(), " parameters; was a layer added after fit started?");
-        float* sp = static_cast<float*>(s.mutable_data());
-        const float* pp = static_cast<const float*>(p.data());
-        const size_t n = static_cast<size_t>(s.size());
-        py::gil_scoped_release nogil;
-        ema_update(sp, pp, n, decay);
-      },
-      py::arg("shadow"), py::arg("params"), py::arg("decay"),
-      "shadow = decay * shadow + (1 - decay) * params, in place (float32, one pass).");
   m.def("_fork_rng_stream", &nn::fork_stream, py::arg("state"), py::arg("stream"),
         "The generator state DDP gives rank `stream` for rank 0's `state` (Note [Dropout across ranks]).");
   m.def(

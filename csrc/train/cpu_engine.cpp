@@ -22,6 +22,7 @@ BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   BatchStats s = loss_of(out, y);
   const nn::Tensor& g = loss_->backward();
   ddp_->backward(g.data(), g.shape(), /*input_grad=*/false);
+  averages_.settle(model_->flat_params());  // the last step's EMA update, while the buckets are reduced
   if (zero_) {
     zero_->step(clip_);  // clips its shard between the reduce-scatter and the step
   } else {
@@ -31,6 +32,7 @@ BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
     }
     ddp_->update_parameters(*opt_);
   }
+  averages_.owe();
   return s;
 }
 

@@ -84,6 +84,14 @@ class TrainerCore {
   // DistributedTrainingConfig.grad_clip_norm / grad_clip_value (0: off; grad_clip.h), for
   // every step from now on. The GPU engine has no clipping yet and refuses it by name.
   void set_grad_clip(const GradClip& clip);
+  // cx.callbacks.EMA: `shadow` (one float per parameter, kept alive by the caller until
+  // clear_ema) follows decay * shadow + (1 - decay) * params after every step, its
+  // update settled lazily (Note [EMA off the critical path] in ema.h): settle_ema()
+  // before reading a shadow or writing the parameters between steps. The GPU engine
+  // refuses it.
+  void add_ema(float* shadow, size_t n, double decay);
+  void settle_ema();
+  void clear_ema();
   // The whole optimizer state (collective while sharded), and loading a whole
   // one (each rank keeps its shard while sharded).
   nn::StateDict optimizer_state_dict();

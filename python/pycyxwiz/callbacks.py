@@ -39,8 +39,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from . import _core
-
 __all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "EMA", "CSVLogger"]
 
 _MODES = ("min", "max")
@@ -269,10 +267,12 @@ class EMA(Callback):
         with ema.average_parameters(model):            # evaluate with the averaged weights
             loss, acc = trainer.evaluate(X_test, y_test)
 
-    One pass over the flat parameter buffer in C++ per step (float32: exactly NumPy's
-    np.float32(decay) * ema + np.float32(1 - decay) * params). `evaluate=True`: fit's validation
-    (val_loss, val_accuracy, so what EarlyStopping and ModelCheckpoint see) uses the averaged
-    weights. The average is saved in the trainer's checkpoints and restored on resume
+    The update is one float32 pass over the flat parameters in C++ (exactly NumPy's
+    np.float32(decay) * ema + np.float32(1 - decay) * params), made by the trainer's engine where it
+    costs least: in the next step, while the gradients are being all-reduced (Note [EMA off the
+    critical path] in csrc/train/ema.h); reading the average settles it first. `evaluate=True`: fit's
+    validation (val_loss, val_accuracy, so what EarlyStopping and ModelCheckpoint see) uses the
+    averaged weights. The average is saved in the trainer's checkpoints and restored on resume
     (EMA.from_checkpoint(path) reads it from a file). CPU training only for now.
     """
 
@@ -284,9 +284,10 @@ class EMA(Callback):
         self.decay = float(decay)
         self.evaluate = bool(evaluate)
         self._shadow: Optional[np.ndarray] = None
-        self._params: Optional[np.ndarray] = None
         self._restored = False
-        self.updates = 0
+        self._trainer: Any = None     # the trainer of the fit that updates the average (set at its start)
+        self._steps_at_start = 0
+        self._updates = 0             # updates before that fit
 
     @classmethod
     def from_checkpoint(cls, path: Any) -> "EMA":
@@ -307,16 +308,28 @@ class EMA(Callback):
         raise ValueError(f"EMA.from_checkpoint: {path!r} holds no EMA state; it was written by a fit without the "
                          f"EMA callback")
 
-    def flat_parameters(self) -> np.ndarray:
-        """The averaged parameters, one float32 array in the layout of model.flat_parameters() (a copy)."""
+    @property
+    def updates(self) -> int:
+        """Optimizer steps averaged in so far."""
+        if self._trainer is None:
+            return self._updates
+        return self._updates + self._trainer._steps - self._steps_at_start
+
+    def _settled(self) -> np.ndarray:
         if self._shadow is None:
             raise RuntimeError("EMA: no average yet; it starts at the beginning of fit(..., callbacks=[ema])")
-        return self._shadow.copy()
+        if self._trainer is not None:
+            self._trainer._core.settle_ema()
+        return self._shadow
+
+    def flat_parameters(self) -> np.ndarray:
+        """The averaged parameters, one float32 array in the layout of model.flat_parameters() (a copy)."""
+        return self._settled().copy()
 
     def apply_to(self, model: Any) -> None:
         """Copies the averaged parameters into model (of the architecture trained)."""
+        src = self._settled()
         dst = model.flat_parameters()
-        src = self.flat_parameters()
         if dst.size != src.size:
             raise ValueError(f"EMA.apply_to: the model has {dst.size} parameters but the average holds {src.size}; "
                              f"pass the model that was trained")
@@ -325,6 +338,7 @@ class EMA(Callback):
     @contextlib.contextmanager
     def average_parameters(self, model: Any) -> Iterator[Any]:
         """Within the block, model holds the averaged parameters; its own come back after it."""
+        self._settled()
         dst = model.flat_parameters()
         saved = dst.copy()
         self.apply_to(model)
@@ -337,16 +351,16 @@ class EMA(Callback):
         if trainer.device:
             raise ValueError(f"EMA is not supported on the GPU trainer yet ({trainer.device}): the parameters stay "
                              f"on the device between epochs; train on the CPU backend to use it")
-        self._params = trainer.model.flat_parameters()
-        if self._restored and self._shadow is not None and self._shadow.size == self._params.size:
-            self._restored = False           # fit resumed from a checkpoint holding the average
-            return
-        self._shadow = self._params.copy()
-        self.updates = 0
+        params = trainer.model.flat_parameters()
+        if not (self._restored and self._shadow is not None and self._shadow.size == params.size):
+            self._shadow, self._updates = params.copy(), 0   # not resumed from a checkpoint holding the average
+        self._restored = False
+        self._trainer, self._steps_at_start = trainer, trainer._steps
+        trainer._core.add_ema(self._shadow, self.decay)      # the trainer clears it when fit ends
 
-    def on_batch_end(self, trainer: Any, step: int, logs: Dict[str, Any]) -> None:
-        _core.dist._ema_update(self._shadow, self._params, self.decay)
-        self.updates += 1
+    def _detach(self) -> None:
+        """fit has ended (the trainer settled the last update and stopped updating the average)."""
+        self._updates, self._trainer = self.updates, None
 
     def _evaluation(self, trainer: Any) -> Any:
         """What fit evaluates under (evaluate=True: the averaged weights)."""
@@ -355,15 +369,17 @@ class EMA(Callback):
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"decay": self.decay, "updates": self.updates}
         if self._shadow is not None:
-            state["shadow"] = self._shadow
+            state["shadow"] = self._settled()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         shadow = state.get("shadow")
         if shadow is None:
             return
+        if self._trainer is not None:
+            raise RuntimeError("EMA.load_state_dict: not while a fit updates the average")
         self._shadow = np.ascontiguousarray(shadow, dtype=np.float32).copy()
-        self.updates = int(state.get("updates", 0))
+        self._updates = int(state.get("updates", 0))
         self._restored = True
 
     def __repr__(self) -> str:

@@ -518,15 +518,25 @@ class DistributedTrainer:
             # a broken group may refuse, and the original error is the one to see.
             self._in_fit = False
             try:
+                self._end_averages(cbs)
                 self._core.sync_to_host()
             except Exception:
                 pass
             raise
         self._in_fit = False
+        self._end_averages(cbs)
         self._core.sync_to_host()
         for cb in cbs:
             _callbacks._call(cb, "on_train_end", self)
         return history
+
+    def _end_averages(self, cbs: List[_callbacks.Callback]) -> None:
+        """The EMAs get the last step's update and are no longer updated (Note [EMA off the critical path])."""
+        self._core.settle_ema()
+        self._core.clear_ema()
+        for cb in cbs:
+            if isinstance(cb, _callbacks.EMA):
+                cb._detach()
 
     @staticmethod
     def _fit_arguments(X, y, args) -> Tuple[Any, Any, "DistributedTrainingConfig"]:
