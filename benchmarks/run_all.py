@@ -333,7 +333,7 @@ def _run(a, argv) -> float:
         parts["train"] = p
     if "train_extras" not in a.skip:
         print("trainer extras: callbacks, NpyDataset ...", flush=True)
-        p = train_extras.run([2], 4096 if a.quick else 8192, 2 if a.quick else 3, 2 if a.quick else 5)
+        p = train_extras.run([2], 4096 if a.quick else 8192, 2 if a.quick else 3, 2 if a.quick else 9)
         write_json("train_extras", p)
         print(train_extras.table(p) + "\n", flush=True)
         parts["train_extras"] = p

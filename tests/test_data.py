@@ -98,10 +98,13 @@ def write_shards(directory, cuts):
     return xs, ys
 
 
-def test_npy_shards_train_to_the_same_bits_as_the_arrays(tmp_path):
+@pytest.mark.parametrize("cuts", [[0, None], [0, 500, 501, 1100, None]], ids=["one file", "four shards"])
+def test_npy_files_train_to_the_same_bits_as_the_arrays(tmp_path, cuts):
+    # One file of float32 rows: the step gathers from the map (Note [Gathering from a map]); several: the loader.
     n = len(digits.split()[0])
-    shards = write_shards(str(tmp_path), [0, 500, 501, 1100, n])
+    shards = write_shards(str(tmp_path), [n if c is None else c for c in cuts])
     assert len(cx.data.NpyDataset(*shards)) == n
+    assert (cx.data.NpyDataset(*shards)._arrays() is not None) == (len(cuts) == 2)
     arrays = ranks.run(train, 2, args=("arrays",))
     npy = ranks.run(train, 2, args=(shards,))
     for a, d in zip(arrays, npy):

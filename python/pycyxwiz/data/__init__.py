@@ -18,7 +18,7 @@ __getitem__ returns: as many rows of X and y as indices, numeric X, integer or f
 from __future__ import annotations
 
 import os
-from typing import Any, List, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -144,6 +144,18 @@ class NpyDataset(Dataset):
             local = idx[rows] - self._starts[s]
             X[rows] = np.take(self._xs[s], local, axis=0)
             y[rows] = np.take(self._ys[s], local, axis=0)
+        return X, y
+
+    def _arrays(self) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """(X, y), the maps themselves, where the trainer can gather rows from them as from arrays in memory:
+        one shard, float32 X, int64/int32 labels or float32 targets. None otherwise."""
+        if len(self._xs) != 1:
+            return None
+        X, y = self._xs[0], self._ys[0]
+        if X.dtype != np.float32 or y.dtype not in (np.int64, np.int32, np.float32):
+            return None
+        if not (X.flags.c_contiguous and y.flags.c_contiguous):
+            return None
         return X, y
 
     def __getstate__(self) -> dict:

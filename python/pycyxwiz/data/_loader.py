@@ -139,3 +139,65 @@ class Prefetcher:
             while t.is_alive() and time.monotonic() < deadline:
                 t.join(_POLL_S)
         self._ready.clear()
+
+
+class Prefaulter:
+    """Faults in the pages of the next batches' rows of a memory-mapped X on a daemon thread, up to `depth`
+    batches ahead of the trainer, which gathers the rows itself and never waits for this thread (Note
+    [Gathering from a map] in distributed/_train.py).
+
+        with Prefaulter(X, plan) as ahead:
+            for ...: core.train_batch(X, y, batches); ahead.advance()
+    """
+
+    def __init__(self, X: np.ndarray, plan: Sequence[np.ndarray], depth: int = 4) -> None:
+        flat = X.reshape(X.shape[0], -1)
+        per_page = max(1, 4096 // max(X.itemsize, 1))
+        self._touch = (flat[:, ::per_page], flat[:, -1:])  # one float of every page of a row, and its last
+        self._plan: List[np.ndarray] = list(plan)
+        self._depth = depth
+        self._cond = threading.Condition()
+        self._done = 0                 # batches the trainer has finished
+        self._waits = False
+        self._next = 0
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "Prefaulter":
+        if self._plan:
+            self._thread = threading.Thread(target=self._run, name="cx-data-prefault", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join(_CLOSE_S)
+
+    def advance(self) -> None:
+        """The trainer finished a batch."""
+        with self._cond:
+            self._done += 1
+            if self._waits and self._done >= self._next - self._depth // 2:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        for k, idx in enumerate(self._plan):
+            with self._cond:
+                self._next = k
+                while not self._stop and k >= self._done + self._depth:
+                    self._waits = True
+                    self._cond.wait(_POLL_S)
+                self._waits = False
+                if self._stop:
+                    return
+                if k < self._done:     # the trainer got there first (it never waits for us)
+                    continue
+            try:
+                for view in self._touch:
+                    np.take(view, idx, axis=0)
+            except Exception:          # the trainer's own gather reads these rows and says what is wrong
+                return

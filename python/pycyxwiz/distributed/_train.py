@@ -55,7 +55,8 @@ import numpy as np
 from .. import _core
 from .. import callbacks as _callbacks
 from ..data import Dataset
-from ..data._loader import Prefetcher, Subset
+from ..data import NpyDataset as _NpyDataset
+from ..data._loader import Prefaulter, Prefetcher, Subset
 from . import _ckpt_file, _pg
 from ._pg import abort_on_error
 
@@ -677,17 +678,42 @@ class DistributedTrainer:
                     raise _pg.DistributedError(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
-    def _steps_of(self, train: Any, batches: DistributedBatchIterator):
+    def _steps_of(self, train: Any, batches: DistributedBatchIterator, drop_last: bool):
         """One optimizer step per batch left in the epoch, yielding this rank's (loss_sum, correct, count)."""
         if not isinstance(train, Dataset):
             X, y = train
             while batches.has_next():
                 yield self._core.train_batch(X, y, batches)
             return
-        plan = [self._core.next_indices(batches) for _ in range(batches.position(), batches.num_batches())]
-        with Prefetcher(lambda idx: _dataset_batch(train, idx, "fit"), plan) as loaded:
+        maps = train._arrays() if isinstance(train, _NpyDataset) else None
+        if maps is not None:  # Note [Gathering from a map]
+            X, y = maps
+            with Prefaulter(X, self._plan(batches, drop_last)) as ahead:
+                while batches.has_next():
+                    stats = self._core.train_batch(X, y, batches)
+                    ahead.advance()
+                    yield stats
+            return
+        with Prefetcher(lambda idx: _dataset_batch(train, idx, "fit"), self._plan(batches, drop_last)) as loaded:
             for Xb, yb in loaded:
                 yield self._core.train_rows(Xb, yb)
+
+    # Note [Gathering from a map]
+    # An NpyDataset of one shard with float32 X and int64/int32 (or float32) y is, once mapped, two arrays
+    # like fit(X, y)'s: the C++ step gathers its rows from the map as it does from arrays in memory (the
+    # same copy, the same bits), with no Python per batch. What a Dataset adds is only reading: rows not in
+    # the page cache fault in on the step's thread. So a background thread (Prefaulter) reads one float of
+    # every page of the next batches' rows, up to 4 batches ahead; the step never waits for it (where it
+    # has fallen behind, the step faults the page in itself). Measured against the Dataset loader (a
+    # thread copying every batch, cx.data._loader.Prefetcher) on 2 ranks sharing 2 cores:
+    # benchmarks/train_extras.py. Other Datasets (and NpyDatasets of several shards or other dtypes) go
+    # through that loader.
+    def _plan(self, batches: DistributedBatchIterator, drop_last: bool) -> List[np.ndarray]:
+        """The index arrays of the epoch's batches from `batches`' position on, read from a second iterator over
+        the same sampler (so `batches` itself is left where it is)."""
+        ahead = DistributedBatchIterator(batches.sampler, batches.batch_size, drop_last=drop_last)
+        ahead.set_position(batches.position())
+        return [self._core.next_indices(ahead) for _ in range(ahead.position(), ahead.num_batches())]
 
     def _fit_epochs(self, train, val, config, batches, history, out, world, cbs) -> None:
         log_every = max(int(config.log_every_n_batches), 0)
@@ -708,7 +734,7 @@ class DistributedTrainer:
             total = batches.num_batches()
             done = batches.position()
             lr = self.optimizer.lr
-            with contextlib.closing(self._steps_of(train, batches)) as steps:
+            with contextlib.closing(self._steps_of(train, batches, config.drop_last)) as steps:
                 for bl, bc, bn in steps:
                     ls, cs, ns = ls + bl, cs + bc, ns + bn
                     if cbs:
