@@ -8,6 +8,8 @@ Variants (each a fresh model, the same data, the same epochs):
   callbacks   fit(X, y, callbacks=[EarlyStopping, ModelCheckpoint, EMA, CSVLogger]) (best.ckpt and last.ckpt
               written after every epoch; EarlyStopping watches the loss with a patience it never runs out of)
   ema         fit(X, y, callbacks=[EMA]): the per-step part of the callbacks alone
+  dataset     fit(dataset) with a plain cx.data.Dataset over the arrays in memory: the copying loader thread
+              every Dataset but a one-file float32 NpyDataset goes through
   npy-warm    fit(NpyDataset) over the same arrays saved as .npy files, in the page cache
   npy-cold    the same after every rank evicted both files from the page cache (posix_fadvise DONTNEED, which
               needs no privilege; the files are fsynced first, so their pages are clean and do go)
@@ -29,7 +31,20 @@ import numpy as np
 from benchmarks._train_worker import BATCH, HIDDEN, IN, LR, OUT, WARMUP_BATCHES, make_data
 from benchmarks._worker_io import run_rank
 
-VARIANTS = ("arrays", "callbacks", "ema", "npy-warm", "npy-cold")
+VARIANTS = ("arrays", "callbacks", "ema", "dataset", "npy-warm", "npy-cold")
+
+
+class InMemory:
+    """A plain Dataset over arrays (made a cx.data.Dataset subclass at run time, after the import)."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, indices):
+        return self.X[indices], self.y[indices]
 
 
 def evict(paths) -> None:
@@ -81,7 +96,10 @@ def main(argv=None) -> int:
                        C.CSVLogger(os.path.join(run_dir, "log.csv")), C.ModelCheckpoint(run_dir, monitor="loss")]
             elif variant == "ema":
                 cbs = [C.EMA(0.999)]
-            if variant.startswith("npy"):
+            if variant == "dataset":
+                ds = type("InMemoryDataset", (InMemory, cx.data.Dataset), {})(X[:n_samples], y[:n_samples])
+                args = (ds, config)
+            elif variant.startswith("npy"):
                 ds = cx.data.NpyDataset(xp, yp)
                 if n_samples < len(X):
                     from pycyxwiz.data._loader import Subset

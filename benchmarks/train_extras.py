@@ -31,6 +31,7 @@ WHAT = {
     "arrays": "fit(X, y), no callbacks (baseline)",
     "callbacks": "EarlyStopping + ModelCheckpoint + EMA + CSVLogger",
     "ema": "EMA alone",
+    "dataset": "a Dataset over the arrays (the loader thread)",
     "npy-warm": "NpyDataset, warm page cache",
     "npy-cold": "NpyDataset, cold page cache (fadvise DONTNEED)",
 }

@@ -476,8 +476,10 @@ class DistributedTrainer:
         if resume_from:
             self.load_checkpoint(resume_from)
         elif self._auto_resumes(config, cbs):
+            # checkpoint_dir is fit's own folder: looked at where fit writes there, or where asked to.
+            own = config.checkpoint_every_n_epochs > 0 or config.auto_resume is True
             try:
-                resume_from = self._resume_newest(config.checkpoint_dir, cbs)
+                resume_from = self._resume_newest(config.checkpoint_dir if own else None, cbs)
             except (OSError, ValueError) as e:
                 raise type(e)(f"{e} (config.auto_resume found it in checkpoint_dir {config.checkpoint_dir!r}: set "
                               f"config.auto_resume = False, or empty that folder, to start over)") from None
@@ -604,7 +606,7 @@ class DistributedTrainer:
         """The last.ckpt files that ModelCheckpoint callbacks write (auto_resume looks at them too)."""
         return [cb.last_ckpt for cb in cbs if isinstance(cb, _callbacks.ModelCheckpoint) and cb.save_last]
 
-    def _resume_newest(self, directory: str, cbs: List[_callbacks.Callback]) -> Optional[str]:
+    def _resume_newest(self, directory: Optional[str], cbs: List[_callbacks.Callback]) -> Optional[str]:
         """Collective: restores the newest checkpoint that loads cleanly, as rank 0 finds it (each file read and
         checked once), and returns its path; None if there is none. The candidates are the epoch_NNNN.ckpt files
         in `directory` and the callbacks' last.ckpt files, newest epoch first. A damaged one is skipped with a
@@ -612,7 +614,7 @@ class DistributedTrainer:
         path, data = "", b""
         if self.is_master():
             try:
-                names = [n for n in os.listdir(directory) if _CKPT_NAME.fullmatch(n)]
+                names = [n for n in os.listdir(directory) if _CKPT_NAME.fullmatch(n)] if directory else []
             except OSError:
                 names = []
             candidates: List[Tuple[int, str, Optional[bytes]]] = [
@@ -678,6 +680,16 @@ class DistributedTrainer:
                     raise _pg.DistributedError(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
+    # Note [Gathering from a map]
+    # An NpyDataset of one shard with float32 X and int64/int32 (or float32) y is, once mapped, two arrays
+    # like fit(X, y)'s: the C++ step gathers its rows from the map as it does from arrays in memory (the
+    # same copy, the same bits), with no Python per batch. What a Dataset adds is only reading: rows not in
+    # the page cache fault in on the step's thread. So a background thread (Prefaulter) reads one float of
+    # every page of the next batches' rows, up to 4 batches ahead; the step never waits for it (where it
+    # has fallen behind, the step faults the page in itself). Measured against the Dataset loader (a
+    # thread copying every batch, cx.data._loader.Prefetcher) on 2 ranks sharing 2 cores:
+    # benchmarks/train_extras.py. Other Datasets (and NpyDatasets of several shards or other dtypes) go
+    # through that loader.
     def _steps_of(self, train: Any, batches: DistributedBatchIterator, drop_last: bool):
         """One optimizer step per batch left in the epoch, yielding this rank's (loss_sum, correct, count)."""
         if not isinstance(train, Dataset):
@@ -698,16 +710,6 @@ class DistributedTrainer:
             for Xb, yb in loaded:
                 yield self._core.train_rows(Xb, yb)
 
-    # Note [Gathering from a map]
-    # An NpyDataset of one shard with float32 X and int64/int32 (or float32) y is, once mapped, two arrays
-    # like fit(X, y)'s: the C++ step gathers its rows from the map as it does from arrays in memory (the
-    # same copy, the same bits), with no Python per batch. What a Dataset adds is only reading: rows not in
-    # the page cache fault in on the step's thread. So a background thread (Prefaulter) reads one float of
-    # every page of the next batches' rows, up to 4 batches ahead; the step never waits for it (where it
-    # has fallen behind, the step faults the page in itself). Measured against the Dataset loader (a
-    # thread copying every batch, cx.data._loader.Prefetcher) on 2 ranks sharing 2 cores:
-    # benchmarks/train_extras.py. Other Datasets (and NpyDatasets of several shards or other dtypes) go
-    # through that loader.
     def _plan(self, batches: DistributedBatchIterator, drop_last: bool) -> List[np.ndarray]:
         """The index arrays of the epoch's batches from `batches`' position on, read from a second iterator over
         the same sampler (so `batches` itself is left where it is)."""
@@ -876,7 +878,7 @@ class DistributedTrainer:
             raise TypeError("evaluate() takes (X, y) arrays or a cx.data.Dataset")
         else:
             X, y = _as_data(X, y, "evaluate")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
         if not self._in_fit:
             self._core.sync_from_host()  # the model as the host holds it (GPU training)
