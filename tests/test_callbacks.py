@@ -430,3 +430,23 @@ def test_history_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.stdout.strip() == ("DistributedTrainingHistory.plot needs matplotlib, which is not installed: pip install "
                                 "matplotlib (or pip install 'pycyxwiz[plot]')"), r.stdout + r.stderr
+
+
+def stale_folder_body(d_epochs, d_ckpt, write_epochs):
+    Xtr, ytr, _, _ = data(256, 64)
+    trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    if write_epochs:      # another run, whose epoch_NNNN.ckpt files stay in checkpoint_dir
+        return trainer.fit(Xtr, ytr, config(epochs=2, checkpoint_every_n_epochs=1, checkpoint_dir=d_epochs)).epochs
+    rec = Recorder()
+    h = trainer.fit(Xtr, ytr, config(epochs=3, checkpoint_dir=d_epochs),
+                    callbacks=[C.ModelCheckpoint(d_ckpt, monitor="loss"), rec])
+    return h.epochs, [c[1] for c in rec.calls if c[0] == "epoch_begin"]
+
+
+def test_model_checkpoint_resumes_from_its_own_files_not_from_a_checkpoint_dir_fit_does_not_write(tmp_path):
+    a, b = str(tmp_path / "epochs"), str(tmp_path / "ckpt")
+    assert ranks.run(stale_folder_body, 2, args=(a, b, True))[0] == [1, 2]
+    # Not resumed from the other run's epoch_0002.ckpt: trained from epoch 1.
+    assert ranks.run(stale_folder_body, 2, args=(a, b, False))[0] == ([1, 2, 3], [1, 2, 3])
+    # Resumed from its own last.ckpt, after epoch 3 of 3: nothing left to train.
+    assert ranks.run(stale_folder_body, 2, args=(a, b, False))[0] == ([1, 2, 3], [])
