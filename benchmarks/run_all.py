@@ -6,7 +6,8 @@
 
 Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
 reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
-(1, 2, 4 ranks), convolutional networks against PyTorch on the CPU (benchmarks/cnn.py), communication hooks (2, 4 ranks; over 127.0.0.1, and again with each rank on a host
+(1, 2, 4 ranks), the trainer's extras (callbacks and NpyDataset against neither, 2 ranks), convolutional
+networks against PyTorch on the CPU (benchmarks/cnn.py), communication hooks (2, 4 ranks; over 127.0.0.1, and again with each rank on a host
 of its own behind a 1 Gbit/s link where network namespaces can be made), the torch.distributed backend
 "cyxwiz" against gloo and against pycyxwiz called directly (all_reduce and DDP; benchmarks/torch_backend.py),
 memory. Writes <name>.json and .png for each, and SUMMARY.md: the markdown
@@ -30,12 +31,12 @@ if __package__ in (None, ""):
 
 from benchmarks import _launch
 from benchmarks import allreduce as coll
-from benchmarks import cnn, hooks, loopback, memory, torch_backend, train
+from benchmarks import cnn, hooks, loopback, memory, torch_backend, train, train_extras
 from benchmarks._launch import LIBRARIES, PARTIAL, RESULTS, mpi_available
 from benchmarks._report import format_table, human_size, machine_info, output_dir, set_output_dir, write_json
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
-STEPS = ("loopback", *COLLECTIVES, "train", "cnn", "hooks", "torch_backend", "memory")
+STEPS = ("loopback", *COLLECTIVES, "train", "train_extras", "cnn", "hooks", "torch_backend", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
 HOOKS_LINK = "1gbit"  # the hooks' second run: each rank its own host behind a link of this rate
 
@@ -141,6 +142,12 @@ def targets(parts: dict) -> list:
             lambda v: v >= 1.5)
         add("training samples/s vs itself on 1 rank", 2, cx2 / cx1 if cx2 and cx1 else None, "> 1.0x",
             lambda v: v > 1.0)
+    te = parts.get("train_extras")
+    for col in (te or {}).get("columns", []):
+        if col["ok"]:
+            for variant, goal in train_extras.TARGETS.items():
+                add(f"training samples/s: {train_extras.WHAT[variant]} / none", col["world"],
+                    train_extras.ratios(col, variant)[0], f">= {goal:.2f}x", lambda v, g=goal: v >= g, "{:.3f}x")
     if parts.get("cnn"):
         rows += cnn.targets(parts["cnn"])
     zc = (parts.get("memory") or {}).get("zero")
@@ -222,6 +229,8 @@ def summary(parts: dict, argv: list, seconds: float) -> str:
             lines += ["", f"![{op} busbw vs size]({name}.png)"]
     if parts.get("train"):
         lines += ["", "## training", "", train.table(parts["train"], markdown=True), "", "![training](train.png)"]
+    if parts.get("train_extras"):
+        lines += ["", "## trainer extras", "", train_extras.table(parts["train_extras"], markdown=True)]
     if parts.get("cnn"):
         lines += ["", "## convolutional networks (benchmarks/cnn.py)", "", cnn.tables(parts["cnn"], markdown=True)]
     if parts.get("hooks"):
@@ -322,6 +331,12 @@ def _run(a, argv) -> float:
         train.plot(p, output_dir() / "train.png")
         print(train.table(p) + "\n", flush=True)
         parts["train"] = p
+    if "train_extras" not in a.skip:
+        print("trainer extras: callbacks, NpyDataset ...", flush=True)
+        p = train_extras.run([2], 4096 if a.quick else 8192, 2 if a.quick else 3, 2 if a.quick else 9)
+        write_json("train_extras", p)
+        print(train_extras.table(p) + "\n", flush=True)
+        parts["train_extras"] = p
     if "cnn" not in a.skip:
         print("convolutional networks ...", flush=True)
         p = cnn.run(quick=a.quick)

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 EVERY_STEP = ["loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong",
-              "train", "cnn", "hooks", "torch_backend", "memory"]
+              "train", "train_extras", "cnn", "hooks", "torch_backend", "memory"]
 
 
 def digest(folder):

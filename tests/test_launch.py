@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ranks
@@ -510,6 +511,38 @@ def test_spawn_reports_the_failing_rank_and_stops_the_rest():
     with pytest.raises(cx.distributed.SpawnError, match="rank 1 failed: RuntimeError: boom in rank one"):
         cx.distributed.spawn(spawned_fails, 3)
     assert time.monotonic() - t0 < 20
+
+
+def guide_worker(rank, world_size, scale):
+    """The training-engine guide's train_fn(rank, world_size, **kwargs): the group is already joined."""
+    x = np.full(3, (rank + 1) * scale, np.float32)
+    cx.distributed.all_reduce(x)
+    return rank, world_size, cx.distributed.get_world_size(), float(x[0])
+
+
+def test_launch_distributed_training_runs_train_fn_in_a_joined_group():
+    out = cx.distributed.launch_distributed_training(guide_worker, 3, scale=2.0)
+    assert out == [(r, 3, 3, 12.0) for r in range(3)]
+
+
+def test_a_group_that_cannot_start_falls_back_to_one_process_only_when_asked(monkeypatch):
+    # 192.0.2.1 (TEST-NET-1) is nobody: rank 0 cannot host the store there, the others cannot reach it.
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")
+    monkeypatch.setenv("DISTRIBUTED_TIMEOUT_MS", "3000")
+    with pytest.raises(cx.distributed.SpawnError) as e:
+        cx.distributed.launch_distributed_training(guide_worker, 2, scale=1.0)
+    assert "the group of 2 processes could not be set up: rank 0: " in str(e.value)
+    assert "(fallback=True trains in this process instead)" in str(e.value)
+    with pytest.warns(RuntimeWarning, match="fallback=True: training in this process, in a world of one"):
+        out = cx.distributed.launch_distributed_training(guide_worker, 2, fallback=True, scale=1.0)
+    assert out == [(0, 1, 1, 1.0)] and not cx.distributed.is_initialized()
+
+
+def test_launch_distributed_training_refuses_a_bad_world_size_or_backend():
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        cx.distributed.launch_distributed_training(guide_worker, 0)
+    with pytest.raises(ValueError, match="backend must be 'cpu' or 'nccl', got 'gloo'"):
+        cx.distributed.launch_distributed_training(guide_worker, 2, backend="gloo")
 
 
 # ---- mpirun (Open MPI) ---------------------------------------------------------------------

@@ -3,6 +3,8 @@
 // python/pycyxwiz/distributed/_train.py.
 #include <pybind11/stl.h>
 
+#include <algorithm>
+
 #include "bindings/arrays.h"
 #include "bindings/bindings.h"
 #include "common/error.h"
@@ -59,6 +61,38 @@ void def_steps(CoreClass& c) {
           py::arg("X"), py::arg("y"), py::arg("batch_iter"),
           "One optimizer step on the iterator's next batch; returns this rank's (loss_sum, correct, count).")
       .def(
+          "train_rows",
+          [](TrainerCore& c, py::handle X, py::handle y) {
+            auto x = float_array(X, "DistributedTrainer.fit: a Dataset's X batch", "(samples, features)", 1);
+            Targets t = targets_of(y, "DistributedTrainer.fit: a Dataset's y batch");
+            BatchStats s;
+            {
+              py::gil_scoped_release nogil;
+              s = c.train_rows(static_cast<const float*>(x.data()), shape_of(x), t);
+            }
+            return stats_tuple(s);
+          },
+          py::arg("X"), py::arg("y"),
+          "One optimizer step on the batch (X, y) (a Dataset's); returns this rank's (loss_sum, correct, count).")
+      .def(
+          "evaluate_rows",
+          [](TrainerCore& c, py::handle X, py::handle y, size_t batch) {
+            auto x = float_array(X, "DistributedTrainer.evaluate: a Dataset's X batch", "(samples, features)", 1);
+            Targets t = targets_of(y, "DistributedTrainer.evaluate: a Dataset's y batch");
+            const nn::Shape shape = shape_of(x);
+            CX_CHECK(t.rows == shape[0], InvalidArgument, "DistributedTrainer.evaluate: a batch of ", shape[0],
+                     " input rows has ", t.rows, " targets; they must match");
+            CX_CHECK(batch >= 1, InvalidArgument, "DistributedTrainer.evaluate: batch_size must be >= 1");
+            BatchStats s;
+            {
+              py::gil_scoped_release nogil;
+              s = c.evaluate(static_cast<const float*>(x.data()), shape, t, 0, shape[0], batch);
+            }
+            return stats_tuple(s);
+          },
+          py::arg("X"), py::arg("y"), py::arg("batch_size") = 256,
+          "This rank's (loss_sum, correct, count) over all of (X, y) in eval mode (not reduced over ranks).")
+      .def(
           "evaluate",
           [](TrainerCore& c, py::handle X, py::handle y, size_t batch) {
             auto x = float_array(X, "DistributedTrainer.evaluate: X", "(samples, features)", 1);
@@ -92,6 +126,34 @@ void def_host_side(CoreClass& c) {
            py::call_guard<py::gil_scoped_release>(), py::arg("on"),
            "Collective: ZeRO-1 on or off (the optimizer's state is cut to this rank's shard, or gathered whole).")
       .def_property_readonly("shard_optimizer_state", &TrainerCore::shard_optimizer_state)
+      .def(
+          "set_grad_clip",
+          [](TrainerCore& c, double max_norm, double max_value) { c.set_grad_clip(GradClip{max_norm, max_value}); },
+          py::arg("max_norm"), py::arg("max_value"),
+          "Clip the averaged gradient before every step: its global L2 norm to max_norm, every element to "
+          "[-max_value, max_value] (0: off). The GPU engine refuses it.")
+      .def(
+          "add_ema",
+          [](TrainerCore& c, py::handle shadow, double decay) {
+            auto s = float_array(shadow, "EMA: the shadow weights", "(parameters,)", 1);
+            CX_CHECK(s.writeable(), InvalidArgument, "EMA: the shadow weights must be writable");
+            c.add_ema(static_cast<float*>(s.mutable_data()), static_cast<size_t>(s.size()), decay);
+          },
+          py::arg("shadow"), py::arg("decay"),
+          "Updates `shadow` (float32, one per parameter; keep it alive until clear_ema) after every step: "
+          "decay * shadow + (1 - decay) * params, settled lazily (settle_ema).")
+      .def("settle_ema", &TrainerCore::settle_ema, py::call_guard<py::gil_scoped_release>(),
+           "Makes the EMA update owed for the last step (before reading a shadow or writing the parameters).")
+      .def("clear_ema", &TrainerCore::clear_ema, "Stops updating the shadows add_ema registered.")
+      .def(
+          "next_indices",
+          [](TrainerCore&, DistributedBatchIterator& it) {
+            auto [idx, n] = it.next_view();
+            py::array_t<int64_t> out(static_cast<py::ssize_t>(n));
+            std::copy(idx, idx + n, out.mutable_data());
+            return out;
+          },
+          py::arg("batch_iter"), "The iterator's next batch of sample indices, as an int64 array.")
       .def_property_readonly("zero", &TrainerCore::zero, "The ZeroRedundancyOptimizer while sharded, else None.")
       .def(
           "optimizer_state_dict",

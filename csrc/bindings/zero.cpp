@@ -84,7 +84,7 @@ void def_zero(py::module_& m) {
        py::arg("ddp"), py::arg("optimizer"),
        "Shards `optimizer` (SGD, Adam, AdamW, RMSprop) over ddp's ranks; its state, if any, is cut to this rank's "
        "shard. Collective in use: every rank makes one and steps it.")
-      .def("step", &ZeroRedundancyOptimizer::step, py::call_guard<py::gil_scoped_release>(),
+      .def("step", [](ZeroRedundancyOptimizer& z) { z.step(); }, py::call_guard<py::gil_scoped_release>(),
            "Collective: reduce-scatter the gradients, step this rank's shard, all-gather the parameters, zero the "
            "gradients.")
       .def("zero_grad", [](ZeroRedundancyOptimizer& z) { z.ddp()->model()->zero_grad(); },

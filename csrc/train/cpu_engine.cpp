@@ -22,8 +22,17 @@ BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   BatchStats s = loss_of(out, y);
   const nn::Tensor& g = loss_->backward();
   ddp_->backward(g.data(), g.shape(), /*input_grad=*/false);
-  if (zero_) zero_->step();
-  else ddp_->update_parameters(*opt_);
+  averages_.settle(model_->flat_params());  // the last step's EMA update, while the buckets are reduced
+  if (zero_) {
+    zero_->step(clip_);  // clips its shard between the reduce-scatter and the step
+  } else {
+    if (clip_.on()) {
+      ddp_->sync_gradients();  // the average over ranks, then update_parameters has nothing left to sync
+      clip_gradients(model_->flat_grads(), model_->num_parameters(), clip_, nullptr, group_->rank());
+    }
+    ddp_->update_parameters(*opt_);
+  }
+  averages_.owe();
   return s;
 }
 

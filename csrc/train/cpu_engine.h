@@ -1,6 +1,8 @@
 // defines: CpuEngine, the trainer's per-batch work on the host: forward (with
 // rank 0's buffers broadcast first), the loss, backward with the overlapped
-// bucket all-reduce (DistributedDataParallel), the optimizer's step.
+// bucket all-reduce (DistributedDataParallel), clipping the averaged gradient
+// where asked (grad_clip.h), the optimizer's step, and the EMAs of the
+// parameters (ema.h).
 #pragma once
 
 #include <memory>
@@ -10,7 +12,9 @@
 #include "nn/optimizer.h"
 #include "nn/sequential.h"
 #include "train/ddp.h"
+#include "train/ema.h"
 #include "train/engine.h"
+#include "train/grad_clip.h"
 #include "train/zero.h"
 
 namespace cx::train {
@@ -29,6 +33,10 @@ class CpuEngine : public Engine {
   void broadcast_buffers() override;
   // ZeRO-1 (Note [ZeRO-1] in zero.h): steps go through it while set; null: the plain optimizer.
   void set_zero(std::shared_ptr<ZeroRedundancyOptimizer> zero) { zero_ = std::move(zero); }
+  // Clipping of the averaged gradient before every step (grad_clip.h); off by default.
+  void set_grad_clip(const GradClip& clip) { clip_ = clip; }
+  // The EMAs of the parameters updated after every step (Note [EMA off the critical path] in ema.h).
+  ParameterAverages& averages() { return averages_; }
 
  private:
   BatchStats loss_of(const nn::Tensor& out, const nn::BatchTargets& y);
@@ -39,6 +47,8 @@ class CpuEngine : public Engine {
   std::shared_ptr<distributed::ProcessGroup> group_;
   std::shared_ptr<DistributedDataParallel> ddp_;
   std::shared_ptr<ZeroRedundancyOptimizer> zero_;
+  GradClip clip_;
+  ParameterAverages averages_;
 };
 
 }  // namespace cx::train

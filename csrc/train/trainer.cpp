@@ -81,6 +81,36 @@ void TrainerCore::set_shard_optimizer_state(bool on) {
   }
 }
 
+void TrainerCore::set_grad_clip(const GradClip& clip) {
+  check_grad_clip(clip);
+  if (clip.on()) {
+    CX_CHECK(cpu_engine_ != nullptr, InvalidArgument, "DistributedTrainer (rank ", group_->rank(), "): ",
+             clip.max_norm > 0 ? "grad_clip_norm" : "grad_clip_value", " is not supported on the GPU yet (cuda:",
+             group_->config().local_rank, ", BackendType.NCCL): the GPU engine steps without clipping. Set "
+             "DistributedTrainingConfig.grad_clip_norm and grad_clip_value to None, or train on the CPU backend");
+  }
+  if (cpu_engine_) cpu_engine_->set_grad_clip(clip);
+}
+
+void TrainerCore::add_ema(float* shadow, size_t n, double decay) {
+  CX_CHECK(cpu_engine_ != nullptr, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
+           "): EMA is not supported on the GPU yet (cuda:", group_->config().local_rank,
+           ", BackendType.NCCL): the parameters stay on the device between epochs. Train on the CPU backend to "
+           "use it");
+  CX_CHECK(n == model_->num_parameters(), InvalidArgument, "EMA: the average holds ", n,
+           " weights but the model has ", model_->num_parameters(), " parameters");
+  CX_CHECK(decay > 0.0 && decay < 1.0, InvalidArgument, "EMA: decay must be in (0, 1), got ", decay);
+  cpu_engine_->averages().add(shadow, n, decay);
+}
+
+void TrainerCore::settle_ema() {
+  if (cpu_engine_) cpu_engine_->averages().settle(model_->flat_params());
+}
+
+void TrainerCore::clear_ema() {
+  if (cpu_engine_) cpu_engine_->averages().clear();
+}
+
 nn::StateDict TrainerCore::optimizer_state_dict() {
   engine_->to_host();
   return zero_ ? zero_->state_dict() : opt_->state_dict();
@@ -120,19 +150,33 @@ void TrainerCore::gather(const float* X, const nn::Shape& x_shape, const Targets
   }
   xb_ = dst;
   copy_rows(dst, X, idx, n, row, threads);
+  gather_targets(y, idx, n);
+}
+
+// idx null: rows 0..n-1, read in place where the loss can take them as they are.
+void TrainerCore::gather_targets(const Targets& y, const int64_t* idx, size_t n) {
+  auto at = [idx](size_t i) { return idx ? static_cast<size_t>(idx[i]) : i; };
   y_kind_ = y.kind;
   if (y.kind == Targets::Kind::kFloat32) {
+    yb_shape_ = {n};
+    yb_shape_.insert(yb_shape_.end(), y.row_shape.begin(), y.row_shape.end());
+    if (!idx) {
+      yd_ = static_cast<const float*>(y.data);
+      return;
+    }
     size_t yr = nn::numel(y.row_shape);
     y_dense_.resize(n * yr);
     for (size_t i = 0; i < n; ++i)
-      std::memcpy(y_dense_.data() + i * yr, static_cast<const float*>(y.data) + idx[i] * yr, yr * sizeof(float));
-    yb_shape_ = {n};
-    yb_shape_.insert(yb_shape_.end(), y.row_shape.begin(), y.row_shape.end());
+      std::memcpy(y_dense_.data() + i * yr, static_cast<const float*>(y.data) + at(i) * yr, yr * sizeof(float));
+    yd_ = y_dense_.data();
+  } else if (y.kind == Targets::Kind::kInt64 && !idx) {
+    yl_ = static_cast<const int64_t*>(y.data);
   } else {
     y_labels_.resize(n);
     for (size_t i = 0; i < n; ++i)
-      y_labels_[i] = y.kind == Targets::Kind::kInt64 ? static_cast<const int64_t*>(y.data)[idx[i]]
-                                                     : static_cast<const int32_t*>(y.data)[idx[i]];
+      y_labels_[i] = y.kind == Targets::Kind::kInt64 ? static_cast<const int64_t*>(y.data)[at(i)]
+                                                     : static_cast<const int32_t*>(y.data)[at(i)];
+    yl_ = y_labels_.data();
   }
 }
 
@@ -145,10 +189,10 @@ void TrainerCore::slice(const float* X, const nn::Shape& x_shape, const Targets&
 nn::BatchTargets TrainerCore::batch_targets(size_t n) const {
   nn::BatchTargets t;
   if (y_kind_ == Targets::Kind::kFloat32) {
-    t.dense = y_dense_.data();
+    t.dense = yd_;
     t.shape = yb_shape_;
   } else {
-    t.labels = y_labels_.data();
+    t.labels = yl_;
     t.shape = {n};
   }
   return t;
@@ -160,6 +204,24 @@ BatchStats TrainerCore::train_batch(const float* X, const nn::Shape& x_shape, co
   BatchStats s;
   if (n == 0) return s;
   gather(X, x_shape, y, idx, n);
+  return engine_->train_batch(xb_, xb_shape_, batch_targets(n));
+}
+
+BatchStats TrainerCore::train_rows(const float* X, const nn::Shape& x_shape, const Targets& y) {
+  const size_t n = x_shape.empty() ? 0 : x_shape[0];
+  CX_CHECK(y.rows == n, InvalidArgument, "DistributedTrainer: a batch of ", n, " input rows has ", y.rows,
+           " targets; they must match");
+  if (n == 0) return BatchStats();
+  const size_t row = nn::numel(x_shape) / n;
+  float* dst = engine_->input_buffer(n * row);
+  if (dst) {
+    std::memcpy(dst, X, n * row * sizeof(float));
+    xb_ = dst;
+  } else {
+    xb_ = X;  // the CPU engine reads the caller's rows in place
+  }
+  xb_shape_ = x_shape;
+  gather_targets(y, nullptr, n);
   return engine_->train_batch(xb_, xb_shape_, batch_targets(n));
 }
 

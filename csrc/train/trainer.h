@@ -19,6 +19,7 @@
 #include "train/ddp.h"
 #include "train/cpu_engine.h"
 #include "train/engine.h"
+#include "train/grad_clip.h"
 #include "train/sampler.h"
 #include "train/zero.h"
 
@@ -40,6 +41,9 @@ class TrainerCore {
 
   // Trains on the iterator's next batch of rows of (X, y): one optimizer step.
   BatchStats train_batch(const float* X, const nn::Shape& x_shape, const Targets& y, DistributedBatchIterator& it);
+  // Trains on all of (X, y), a batch a cx.data.Dataset made: one optimizer step. The rows
+  // are read where they are (the CPU engine) or copied once into the engine's buffer.
+  BatchStats train_rows(const float* X, const nn::Shape& x_shape, const Targets& y);
   // Loss/correct sums of rows [begin, end) in eval mode, in chunks of batch rows.
   BatchStats evaluate(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin, size_t end,
                       size_t batch);
@@ -77,6 +81,17 @@ class TrainerCore {
   // rank's shard, off gathers it whole again. The GPU engine refuses it.
   void set_shard_optimizer_state(bool on);
   bool shard_optimizer_state() const { return zero_ != nullptr; }
+  // DistributedTrainingConfig.grad_clip_norm / grad_clip_value (0: off; grad_clip.h), for
+  // every step from now on. The GPU engine has no clipping yet and refuses it by name.
+  void set_grad_clip(const GradClip& clip);
+  // cx.callbacks.EMA: `shadow` (one float per parameter, kept alive by the caller until
+  // clear_ema) follows decay * shadow + (1 - decay) * params after every step, its
+  // update settled lazily (Note [EMA off the critical path] in ema.h): settle_ema()
+  // before reading a shadow or writing the parameters between steps. The GPU engine
+  // refuses it.
+  void add_ema(float* shadow, size_t n, double decay);
+  void settle_ema();
+  void clear_ema();
   // The whole optimizer state (collective while sharded), and loading a whole
   // one (each rank keeps its shard while sharded).
   nn::StateDict optimizer_state_dict();
@@ -91,6 +106,7 @@ class TrainerCore {
   // The gathered batch's targets (n rows), as the loss takes them.
   nn::BatchTargets batch_targets(size_t n) const;
   void gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n);
+  void gather_targets(const Targets& y, const int64_t* idx, size_t n);
   void slice(const float* X, const nn::Shape& x_shape, const Targets& y, size_t begin, size_t n);
 
   std::shared_ptr<nn::SequentialModel> model_;
@@ -105,6 +121,8 @@ class TrainerCore {
   const float* xb_ = nullptr;     // the gathered rows: x_ or the engine's input_buffer
   std::vector<int64_t> y_labels_;  // gathered labels (int32 labels widened)
   std::vector<float> y_dense_;    // gathered dense targets
+  const int64_t* yl_ = nullptr;   // the batch's labels: y_labels_ or the caller's (train_rows)
+  const float* yd_ = nullptr;     // the batch's dense targets: y_dense_ or the caller's
   nn::Shape xb_shape_, yb_shape_;
   Targets::Kind y_kind_ = Targets::Kind::kInt64;
 };

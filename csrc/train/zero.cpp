@@ -93,7 +93,7 @@ void ZeroRedundancyOptimizer::all_gather_parameters() {
   all_gather_shards(p + shard_.offset, p);  // block i is rank i's shard, in place
 }
 
-void ZeroRedundancyOptimizer::step() {
+void ZeroRedundancyOptimizer::step(const GradClip& clip) {
   const int rank = group_->rank();
   CX_CHECK(ddp_->shard_gradients(), InvalidArgument, "ZeroRedundancyOptimizer.step (rank ", rank,
            "): its DistributedDataParallel is no longer sharded");
@@ -102,7 +102,8 @@ void ZeroRedundancyOptimizer::step() {
            ddp_->model()->num_parameters(), " now)");
   reduce_scatter_gradients();
   float* p = ddp_->model()->flat_params();
-  const float* g = ddp_->model()->flat_grads();
+  float* g = ddp_->model()->flat_grads();
+  if (clip.on()) clip_gradients(g + shard_.offset, shard_.count, clip, group_, rank);
   opt_->step(p + shard_.offset, g + shard_.offset, shard_.count);
   all_gather_parameters();
   ddp_->model()->zero_grad();

@@ -41,6 +41,7 @@
 
 #include "nn/optimizer.h"
 #include "train/ddp.h"
+#include "train/grad_clip.h"
 
 namespace cx::train {
 
@@ -59,9 +60,10 @@ class ZeroRedundancyOptimizer {
   ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
   ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
-  // Collective: reduce-scatter, step this rank's shard, all-gather the
-  // parameters, zero the gradients (Note [ZeRO-1]).
-  void step();
+  // Collective: reduce-scatter, clip (Note [Clipping the global gradient] in
+  // grad_clip.h) and step this rank's shard, all-gather the parameters, zero
+  // the gradients (Note [ZeRO-1]).
+  void step(const GradClip& clip = GradClip());
   // Collective: the whole optimizer state, as the wrapped optimizer's
   // state_dict() would be without sharding.
   nn::StateDict state_dict();

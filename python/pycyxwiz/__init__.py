@@ -14,6 +14,8 @@ _preload_blas()
 # The package's one export list. The model stack's names among them are bound from the compiled core by
 # _nn.py (typed in _nn.pyi, which _core.pyi re-exports): a new layer is one name here and its stub there.
 __all__ = [
+    "callbacks",
+    "data",
     "datasets",
     "distributed",
     "__version__",
@@ -58,7 +60,7 @@ __version__ = "0.1.0"
 
 from . import _core  # noqa: E402
 from ._nn import *  # noqa: E402,F401,F403
-from . import datasets, distributed  # noqa: E402
+from . import callbacks, data, datasets, distributed  # noqa: E402
 
 # After distributed/ chained its hook (an escaping exception tells the peers), so
 # that this one, outermost, records the exception for the launcher first.

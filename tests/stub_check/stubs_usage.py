@@ -6,7 +6,7 @@ The reveal-free asserts below are for mypy only: each line must type-check, and 
 `# type: ignore[...]` lines must be errors (warn_unused_ignores makes mypy say so if not).
 """
 # mypy: warn-unused-ignores
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -106,3 +106,46 @@ def ddp_and_sampler(model: cx.SequentialModel, opt: cx.Optimizer, X: np.ndarray)
     for idx in batch_iter:
         pass
     D.DistributedSampler("many")  # type: ignore[arg-type]
+
+
+class Squares(cx.data.Dataset):
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        x = indices[:, None].astype(np.float32)
+        return x, x[:, 0] ** 2
+
+
+class PrintLoss(cx.callbacks.Callback):
+    def on_epoch_end(self, trainer: D.DistributedTrainer, epoch: int, logs: Dict[str, Any]) -> None:
+        print(epoch, logs["loss"])
+        trainer.stop_training = True
+
+
+def callbacks_clipping_and_data(trainer: D.DistributedTrainer, X: np.ndarray, y: np.ndarray) -> None:
+    config = D.DistributedTrainingConfig()
+    config.grad_clip_norm = 1.0
+    config.grad_clip_value = None
+    ema = cx.callbacks.EMA(decay=0.999, evaluate=True)
+    ckpt = cx.callbacks.ModelCheckpoint("ckpt", monitor="val_loss", mode="min", save_best=True, save_last=True)
+    cbs: List[cx.callbacks.Callback] = [
+        cx.callbacks.EarlyStopping(monitor="val_loss", patience=3, min_delta=0.0, mode="min"), ckpt, ema,
+        cx.callbacks.CSVLogger("log.csv"), PrintLoss()]
+    history = trainer.fit(X, y, X, y, config, callbacks=cbs)
+    stopped: bool = history.stopped_early
+    why: str = history.stop_reason
+    png: str = history.plot("history.png")
+    best: Optional[float] = ckpt.best_score
+    where: Optional[str] = ckpt.best_path
+    flat: np.ndarray = ema.flat_parameters()
+    ema.apply_to(trainer.model)
+    with ema.average_parameters(trainer.model):
+        trainer.evaluate(X, y)
+    train = cx.data.NpyDataset("x.npy", "y.npy")
+    shards = cx.data.NpyDataset(["x0.npy", "x1.npy"], ["y0.npy", "y1.npy"])
+    history = trainer.fit(train, config)
+    history = trainer.fit(train, Squares(), config, callbacks=[ema])
+    loss, acc = trainer.evaluate(shards, batch_size=512)
+    results: List[Any] = D.launch_distributed_training(print, 2, backend="cpu", fallback=False, epochs=3)
+    cx.callbacks.EarlyStopping(patience="3")  # type: ignore[arg-type]

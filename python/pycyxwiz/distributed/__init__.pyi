@@ -33,7 +33,7 @@ from ._pg import (
     scatter as scatter,
     send as send,
 )
-from ._spawn import SpawnError as SpawnError, spawn as spawn
+from ._spawn import SpawnError as SpawnError, launch_distributed_training as launch_distributed_training, spawn as spawn
 from ._train import (
     DDPConfig as DDPConfig,
     PowerSGDConfig as PowerSGDConfig,
@@ -55,7 +55,7 @@ __all__ = [
     "is_master", "is_nccl_available",
     "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
     "all_to_all", "barrier", "send", "recv", "monitored_barrier", "abort_on_error",
-    "spawn", "SpawnError",
+    "spawn", "SpawnError", "launch_distributed_training",
     "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",

@@ -40,7 +40,9 @@ last checkpoint left it (Note [Restarts] in pycyxwiz/launch.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -51,6 +53,10 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from .. import _core
+from .. import callbacks as _callbacks
+from ..data import Dataset
+from ..data import NpyDataset as _NpyDataset
+from ..data._loader import Prefaulter, Prefetcher, Subset
 from . import _ckpt_file, _pg
 from ._pg import abort_on_error
 
@@ -108,7 +114,7 @@ class DistributedTrainingConfig:
     __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
                  "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
                  "resume_from", "auto_resume", "drop_last", "scheduler", "check_every_n_steps", "on_divergence",
-                 "shard_optimizer_state")
+                 "shard_optimizer_state", "grad_clip_norm", "grad_clip_value")
 
     def __init__(self, **kw: Any) -> None:
         self.epochs: int = 10
@@ -131,6 +137,11 @@ class DistributedTrainingConfig:
         # ZeRO-1: each rank keeps and updates 1/world_size of the optimizer state (trainer.optimizer then holds
         # this rank's shard; checkpoints hold it whole). CPU backend only.
         self.shard_optimizer_state: bool = False
+        # Clip the gradient averaged over ranks before every optimizer step (Note [Clipping the global gradient] in
+        # csrc/train/grad_clip.h): its global L2 norm to grad_clip_norm, each element to +-grad_clip_value (values
+        # first when both are set); None: no clipping. CPU backend only for now.
+        self.grad_clip_norm: Optional[float] = None
+        self.grad_clip_value: Optional[float] = None
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -158,6 +169,45 @@ class DistributedTrainingHistory:
         self.epochs: List[int] = []            # the epoch numbers (from 1, across fits) of the entries above
         self.total_samples: float = 0.0        # training samples processed over all ranks
         self.train_time_seconds: float = 0.0   # time in the training loops (throughput's denominator)
+        self.stopped_early: bool = False       # a callback stopped fit (trainer.stop_training) before config.epochs
+        self.stop_reason: str = ""             # why (EarlyStopping says which score stopped improving since when)
+        self.stopped_epoch: int = 0            # the last epoch trained when it stopped early
+
+    def plot(self, path: Any) -> str:
+        """Draws loss and accuracy per epoch (training, and validation where there is some) into an image file.
+
+            history.plot("history.png")            # the format follows the suffix (.png, .pdf, .svg)
+
+        Needs matplotlib (pip install matplotlib); uses no display and leaves pyplot's state alone.
+        Returns the path written.
+        """
+        try:
+            from matplotlib.figure import Figure
+            from matplotlib.ticker import MaxNLocator
+        except ImportError:
+            raise ImportError("DistributedTrainingHistory.plot needs matplotlib, which is not installed: "
+                              "pip install matplotlib (or pip install 'pycyxwiz[plot]')") from None
+        path = os.fspath(path)
+        epochs = self.epochs or list(range(1, len(self.train_losses) + 1))
+        fig = Figure(figsize=(9.0, 3.6))
+        ax_loss, ax_acc = fig.subplots(1, 2)
+        for ax, train, val, what in ((ax_loss, self.train_losses, self.val_losses, "loss"),
+                                     (ax_acc, self.train_accuracies, self.val_accuracies, "accuracy")):
+            ax.plot(epochs[:len(train)], train, marker="o", ms=3, label=f"train {what}")
+            if val:
+                ax.plot(epochs[:len(val)], val, marker="o", ms=3, label=f"validation {what}")
+            if self.stopped_early and self.stopped_epoch:
+                ax.axvline(self.stopped_epoch, color="grey", ls=":", lw=1, label="stopped early")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("epoch")
+            ax.set_ylabel(what)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{len(self.train_losses)} epochs, {self.world_size} rank(s), "
+                     f"{self.samples_per_second:,.0f} samples/s", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        return path
 
     def _to_json(self) -> dict:
         return dict(self.__dict__)
@@ -206,6 +256,53 @@ def _as_targets(y: Any, who: str) -> np.ndarray:
     if y.dtype.kind == "f":
         return np.ascontiguousarray(y, dtype=np.float32)
     raise TypeError(f"{who}: y must hold integer class labels or float targets, got dtype {y.dtype}")
+
+
+def _dataset_size(ds: Dataset, who: str) -> int:
+    try:
+        return len(ds)
+    except (TypeError, ValueError) as e:  # what len() says of a __len__ returning -1, 2.0, "3"
+        raise TypeError(f"{who}: len({_name(ds)}) must be an int >= 0 ({e})") from None
+
+
+def _name(ds: Dataset) -> str:
+    return _name(ds.ds) if isinstance(ds, Subset) else type(ds).__name__
+
+
+def _dataset_batch(ds: Dataset, idx: np.ndarray, who: str) -> Tuple[np.ndarray, np.ndarray]:
+    """ds[idx] checked and converted as fit(X, y) converts arrays (float32 X; int64 labels or float32 targets).
+    Runs on the prefetch thread; what it raises comes out of fit or evaluate."""
+    out = ds[idx]
+    if type(out) is not tuple or len(out) != 2:
+        raise TypeError(f"{who}: {_name(ds)}[indices] must return a tuple (X_batch, y_batch), got "
+                        f"{type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    X, y = np.asarray(out[0]), np.asarray(out[1])
+    n = idx.size
+    if X.ndim < 2 or X.shape[0] != n or X.dtype.kind not in "fiub" or y.ndim < 1 or y.shape[0] != n:
+        what = f"{who}: {_name(ds)}[indices]"
+        if X.ndim < 2:
+            raise ValueError(f"{what} returned X of shape {X.shape}; X_batch must have shape (batch, features...)")
+        if X.dtype.kind not in "fiub":
+            raise TypeError(f"{what} returned X of dtype {X.dtype}; X_batch must be numeric")
+        if X.shape[0] != n:
+            raise ValueError(f"{what} returned {X.shape[0]} rows of X for {n} indices; it must return one row per "
+                             f"index")
+        raise ValueError(f"{what} returned y of shape {y.shape} for {n} indices; y_batch must have one entry per "
+                         f"index")
+    if X.dtype != np.float32 or not X.flags.c_contiguous:
+        X = np.ascontiguousarray(X, dtype=np.float32)
+    if y.dtype != np.int64 or not y.flags.c_contiguous:
+        y = _as_targets(y, f"{who}: {_name(ds)}[indices]")
+    return X, y
+
+
+def _split(n: int, fraction: float, seed: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """validation_split: (training rows, validation rows), both sorted, the same on every rank; None if no row."""
+    n_val = int(round(n * fraction))
+    if n_val < 1:
+        return None
+    perm = np.random.default_rng(seed).permutation(n)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
 def _draws_a_bar(stream) -> bool:
@@ -285,6 +382,13 @@ class DistributedTrainer:
         self._steps = 0              # optimizer steps over all fits (check_every_n_steps, per-step schedulers)
         self._resume_pending = False  # load_checkpoint() was called: the next fit continues from it
         self._scheduler: Any = None
+        # Callbacks (cx.callbacks) of the current (or last) fit, and the states a loaded checkpoint holds for the
+        # next fit's callbacks. A callback sets stop_training (and stop_reason) to end fit after this epoch.
+        self._callbacks: List[_callbacks.Callback] = []
+        self._loaded_callback_states: Optional[Tuple[dict, dict]] = None
+        self._epoch_log_keys: Optional[List[str]] = None
+        self.stop_training = False
+        self.stop_reason = ""
 
     # ---- info ----------------------------------------------------------------------
     def is_master(self) -> bool:
@@ -301,18 +405,33 @@ class DistributedTrainer:
         """Where the model trains: "" on the CPU; with BackendType.NCCL the GPU (LOCAL_RANK) and its GEMM."""
         return self._core.device
 
+    @property
+    def history(self) -> DistributedTrainingHistory:
+        """The history of the current (or last) fit, as far as it got (callbacks read it)."""
+        return self._history
+
+    @property
+    def epochs_completed(self) -> int:
+        """Epochs completed over every fit so far (a resumed run counts those before the restart); the epoch in
+        progress is epochs_completed + 1."""
+        return self._epoch
+
     def __repr__(self) -> str:
         return (f"DistributedTrainer(rank={self.get_rank()}, world_size={self.get_world_size()}, "
                 f"loss_fn={self.loss_fn!r}, optimizer={self.optimizer!r})")
 
     # ---- training ------------------------------------------------------------------
     @abort_on_error
-    def fit(self, X, y, *args, resume_from: Optional[str] = None, scheduler: Any = None) -> DistributedTrainingHistory:
-        """fit(X, y, config) or fit(X, y, X_val, y_val, config); returns a DistributedTrainingHistory.
+    def fit(self, X, y=None, *args, resume_from: Optional[str] = None, scheduler: Any = None,
+            callbacks: Any = None) -> DistributedTrainingHistory:
+        """fit(X, y, config) or fit(X, y, X_val, y_val, config); fit(dataset, config) or fit(dataset, val_dataset,
+        config) with cx.data.Dataset; returns a DistributedTrainingHistory.
 
             history = trainer.fit(X, y, config)
             history = trainer.fit(X, y, X_val, y_val, config, resume_from="checkpoints/epoch_0004.ckpt")
             history = trainer.fit(X, y, config, scheduler=cx.StepLR(optimizer, step_size=10))
+            history = trainer.fit(cx.data.NpyDataset("x.npy", "y.npy"), config,
+                                  callbacks=[cx.callbacks.EarlyStopping("loss", patience=2)])
 
         Each call trains config.epochs more epochs, continuing the epoch count of the calls
         before (history.epochs says which). A scheduler (here or config.scheduler) is stepped
@@ -320,21 +439,11 @@ class DistributedTrainer:
         checkpoints. Every config.check_every_n_steps steps the ranks' parameters are compared
         (a hash from each); if they differ, every rank warns "Gradients differ across ranks"
         naming the parameters and ranks, or raises with config.on_divergence = "raise".
+        `callbacks` (cx.callbacks) are called on every rank at the beginning and end of training,
+        of every epoch, and after every step; one may stop fit after an epoch (history.stopped_early).
+        A Dataset's batches are read on a background thread while the previous step runs.
         """
-        X_val = y_val = None
-        config: Optional[DistributedTrainingConfig] = None
-        if len(args) == 1:
-            config = args[0]
-        elif len(args) == 2:
-            X_val, y_val = args
-        elif len(args) == 3:
-            X_val, y_val, config = args
-        elif len(args) > 3:
-            raise TypeError("fit() takes (X, y, config) or (X, y, X_val, y_val, config)")
-        if config is None:
-            config = DistributedTrainingConfig()
-        if not isinstance(config, DistributedTrainingConfig):
-            raise TypeError(f"fit: config must be a DistributedTrainingConfig, got {type(config).__name__}")
+        train, val, config = self._fit_arguments(X, y, args)
         self._check_config(config)
         scheduler = scheduler if scheduler is not None else config.scheduler
         if scheduler is not None:
@@ -344,25 +453,15 @@ class DistributedTrainer:
             if scheduler.optimizer is not self.optimizer:
                 raise ValueError(f"fit: the scheduler steps {scheduler.optimizer!r}, not the trainer's optimizer "
                                  f"{self.optimizer!r}: make it with the trainer's optimizer")
-        if (X_val is None) != (y_val is None):
-            raise ValueError("fit: pass both X_val and y_val, or neither")
+        cbs = _callbacks._as_list(callbacks)
         self.config = config
-        X, y = _as_data(X, y, "fit")
-        if X_val is None and config.validation_split > 0:
-            n_val = int(round(X.shape[0] * config.validation_split))
-            if n_val >= 1:
-                perm = np.random.default_rng(config.seed).permutation(X.shape[0])  # the same on every rank
-                tr, va = np.sort(perm[n_val:]), np.sort(perm[:n_val])
-                X_val, y_val, X, y = X[va], y[va], np.ascontiguousarray(X[tr]), np.ascontiguousarray(y[tr])
-        if X_val is not None:
-            X_val = _as_inputs(X_val, "fit")
-            y_val = _as_targets(y_val, "fit")
-        if X.shape[0] == 0:
+        train, val = self._split_validation(train, val, config)
+        n = _dataset_size(train, "fit") if isinstance(train, Dataset) else train[0].shape[0]
+        if n == 0:
             raise ValueError("fit: the training set is empty")
 
         world = self.get_world_size()
-        sampler = DistributedSampler(X.shape[0], shuffle=config.shuffle, seed=config.seed,
-                                     drop_last=False)
+        sampler = DistributedSampler(n, shuffle=config.shuffle, seed=config.seed, drop_last=False)
         batches = DistributedBatchIterator(sampler, config.batch_size, drop_last=config.drop_last)
         if batches.num_batches() == 0:
             raise ValueError(f"fit: with drop_last each rank's {sampler.local_size()} samples make no batch of "
@@ -372,26 +471,36 @@ class DistributedTrainer:
         self._scheduler = scheduler
         # ZeRO-1 on or off before a checkpoint is loaded, so its state lands sharded (collective).
         self._core.set_shard_optimizer_state(bool(config.shard_optimizer_state))
+        self._core.set_grad_clip(float(config.grad_clip_norm or 0.0), float(config.grad_clip_value or 0.0))
         resumed_by_itself = False
         if resume_from:
             self.load_checkpoint(resume_from)
-        elif self._auto_resumes(config):
+        elif self._auto_resumes(config, cbs):
+            # checkpoint_dir is fit's own folder: looked at where fit writes there, or where asked to.
+            own = config.checkpoint_every_n_epochs > 0 or config.auto_resume is True
             try:
-                resume_from = self._resume_newest(config.checkpoint_dir)
+                resume_from = self._resume_newest(config.checkpoint_dir if own else None, cbs)
             except (OSError, ValueError) as e:
                 raise type(e)(f"{e} (config.auto_resume found it in checkpoint_dir {config.checkpoint_dir!r}: set "
                               f"config.auto_resume = False, or empty that folder, to start over)") from None
             resumed_by_itself = resume_from is not None
+        self._callbacks = cbs
         if not self._resume_pending:
             # A new fit continues where the last one ended (epoch count, so the shuffle goes on).
             self._fit_start = self._epoch = self._epochs_done()
             self._position, self._partial = 0, (0.0, 0.0, 0.0)
             self._history = DistributedTrainingHistory()
+        elif self._loaded_callback_states is not None:
+            _callbacks._restore(cbs, *self._loaded_callback_states)
+        self._loaded_callback_states = None
         self._resume_pending = False
         history = self._history
         history.effective_batch_size = config.batch_size * world
         history.world_size = world
         self._fit_sampler = sampler
+        self.stop_training, self.stop_reason = False, ""
+        self._epoch_log_keys = (["epoch", "loss", "accuracy"] + (["val_loss", "val_accuracy"] if val is not None
+                                                                 else []) + ["lr", "samples_per_second", "epoch_time"])
 
         out = _Progress(config.verbose and self.is_master())
         if resumed_by_itself:
@@ -404,43 +513,128 @@ class DistributedTrainer:
         self._core.sync_from_host()
         self._in_fit = True
         try:
-            self._fit_epochs(X, y, X_val, y_val, config, sampler, batches, history, out, world)
+            for cb in cbs:
+                _callbacks._call(cb, "on_train_begin", self)
+            self._fit_epochs(train, val, config, batches, history, out, world, cbs)
         except BaseException:
             # Keep the host objects as far as training got (a later evaluate or save reads them);
             # a broken group may refuse, and the original error is the one to see.
             self._in_fit = False
             try:
+                self._end_averages(cbs)
                 self._core.sync_to_host()
             except Exception:
                 pass
             raise
         self._in_fit = False
+        self._end_averages(cbs)
         self._core.sync_to_host()
+        for cb in cbs:
+            _callbacks._call(cb, "on_train_end", self)
         return history
 
-    def _auto_resumes(self, config: DistributedTrainingConfig) -> bool:
+    def _end_averages(self, cbs: List[_callbacks.Callback]) -> None:
+        """The EMAs get the last step's update and are no longer updated (Note [EMA off the critical path])."""
+        self._core.settle_ema()
+        self._core.clear_ema()
+        for cb in cbs:
+            if isinstance(cb, _callbacks.EMA):
+                cb._detach()
+
+    @staticmethod
+    def _fit_arguments(X, y, args) -> Tuple[Any, Any, "DistributedTrainingConfig"]:
+        """fit's positional forms as (training data, validation data or None, config): data are (X, y) arrays
+        checked and converted, or a cx.data.Dataset."""
+        config: Any = None
+        if isinstance(X, Dataset):
+            rest = ([] if y is None else [y]) + list(args)
+            if rest and isinstance(rest[-1], (DistributedTrainingConfig, type(None))):
+                config = rest.pop()
+            if len(rest) > 1 or (rest and not isinstance(rest[0], Dataset)):
+                got = ", ".join(type(r).__name__ for r in rest)
+                raise TypeError(f"fit(dataset, ...) takes (dataset, config) or (dataset, val_dataset, config), with "
+                                f"cx.data.Dataset for both; got ({type(X).__name__}, {got}, ...)")
+            train: Any = X
+            val: Any = rest[0] if rest else None
+        else:
+            if y is None:
+                raise TypeError("fit() takes (X, y, config), (X, y, X_val, y_val, config) or, for data that does "
+                                "not fit in memory, (dataset, config) with a cx.data.Dataset")
+            X_val = y_val = None
+            if len(args) == 1:
+                config = args[0]
+            elif len(args) == 2:
+                X_val, y_val = args
+            elif len(args) == 3:
+                X_val, y_val, config = args
+            elif len(args) > 3:
+                raise TypeError("fit() takes (X, y, config) or (X, y, X_val, y_val, config)")
+            if (X_val is None) != (y_val is None):
+                raise ValueError("fit: pass both X_val and y_val, or neither")
+            train = _as_data(X, y, "fit")
+            val = None if X_val is None else (_as_inputs(X_val, "fit"), _as_targets(y_val, "fit"))
+        if config is None:
+            config = DistributedTrainingConfig()
+        if not isinstance(config, DistributedTrainingConfig):
+            raise TypeError(f"fit: config must be a DistributedTrainingConfig, got {type(config).__name__}")
+        return train, val, config
+
+    @staticmethod
+    def _split_validation(train: Any, val: Any, config: "DistributedTrainingConfig") -> Tuple[Any, Any]:
+        """config.validation_split, where no validation data was given: the same rows for arrays and Datasets."""
+        if val is not None or config.validation_split <= 0:
+            return train, val
+        if isinstance(train, Dataset):
+            rows = _split(_dataset_size(train, "fit"), config.validation_split, config.seed)
+            return (train, None) if rows is None else (Subset(train, rows[0]), Subset(train, rows[1]))
+        X, y = train
+        rows = _split(X.shape[0], config.validation_split, config.seed)  # the same on every rank
+        if rows is None:
+            return train, None
+        tr, va = rows
+        return (np.ascontiguousarray(X[tr]), np.ascontiguousarray(y[tr])), (X[va], y[va])
+
+    def _auto_resumes(self, config: DistributedTrainingConfig, cbs: List[_callbacks.Callback]) -> bool:
         """Note [Restarts] in pycyxwiz/launch.py: only a trainer's first fit looks for a checkpoint (a
         later fit continues what this process trained), and only where fit writes checkpoints."""
-        on = config.auto_resume if config.auto_resume is not None else config.checkpoint_every_n_epochs > 0
+        writes = config.checkpoint_every_n_epochs > 0 or bool(self._last_checkpoints(cbs))
+        on = config.auto_resume if config.auto_resume is not None else writes
         return bool(on) and not self._resume_pending and self._steps == 0 and self._epochs_done() == 0
 
-    def _resume_newest(self, directory: str) -> Optional[str]:
-        """Collective: restores the newest epoch_NNNN.ckpt in `directory` that loads cleanly, as rank 0
-        finds it (each file read and checked once), and returns its path; None if there is none. A
-        damaged newer one is skipped with a warning naming what is wrong."""
+    @staticmethod
+    def _last_checkpoints(cbs: List[_callbacks.Callback]) -> List[str]:
+        """The last.ckpt files that ModelCheckpoint callbacks write (auto_resume looks at them too)."""
+        return [cb.last_ckpt for cb in cbs if isinstance(cb, _callbacks.ModelCheckpoint) and cb.save_last]
+
+    def _resume_newest(self, directory: Optional[str], cbs: List[_callbacks.Callback]) -> Optional[str]:
+        """Collective: restores the newest checkpoint that loads cleanly, as rank 0 finds it (each file read and
+        checked once), and returns its path; None if there is none. The candidates are the epoch_NNNN.ckpt files
+        in `directory` and the callbacks' last.ckpt files, newest epoch first. A damaged one is skipped with a
+        warning naming what is wrong."""
         path, data = "", b""
         if self.is_master():
             try:
-                names = sorted((n for n in os.listdir(directory) if _CKPT_NAME.fullmatch(n)),
-                               key=lambda n: int(n[6:-5]), reverse=True)
+                names = [n for n in os.listdir(directory) if _CKPT_NAME.fullmatch(n)] if directory else []
             except OSError:
                 names = []
-            for name in names:
-                candidate = os.path.join(directory, name)
+            candidates: List[Tuple[int, str, Optional[bytes]]] = [
+                (int(n[6:-5]), os.path.join(directory, n), None) for n in names]
+            for last in self._last_checkpoints(cbs):
+                if not os.path.exists(last):
+                    continue
                 try:
-                    with open(candidate, "rb") as f:
+                    with open(last, "rb") as f:
                         raw = f.read()
-                    _ckpt_file.unpack(raw, candidate)
+                    meta = json.loads(_ckpt_file.unpack(raw, last)["meta"].tobytes().decode())
+                    candidates.append((int(meta["epoch"]), last, raw))
+                except (OSError, KeyError, ValueError) as e:
+                    warnings.warn(f"auto_resume: skipping {last}: {e}", RuntimeWarning, stacklevel=3)
+            for _, candidate, raw in sorted(candidates, key=lambda c: c[0], reverse=True):
+                try:
+                    if raw is None:
+                        with open(candidate, "rb") as f:
+                            raw = f.read()
+                        _ckpt_file.unpack(raw, candidate)
                 except OSError as e:
                     warnings.warn(f"auto_resume: skipping {candidate}: {e}", RuntimeWarning, stacklevel=3)
                     continue
@@ -452,20 +646,21 @@ class DistributedTrainer:
         self._restore(self._from_master(data), path)
         return path
 
-    def _from_master(self, data: bytes, err: str = "", others_err: str = "") -> bytes:
-        """Collective: rank 0's `data` on every rank. If rank 0 failed to produce it (`err`), every rank
-        raises OSError: rank 0 with `err`, the others with `others_err`."""
+    def _from_master(self, data: bytes, err: str = "", others_err: str = "", root: int = 0) -> bytes:
+        """Collective: rank 0's (or root's) `data` on every rank. If that rank failed to produce it (`err`), every
+        rank raises OSError: that one with `err`, the others with `others_err`."""
         if self.get_world_size() == 1:
             if err:
                 raise OSError(err)
             return data
         head = np.array([-1 if err else len(data)], np.int64)
-        self._core.broadcast_host(head, 0)
+        self._core.broadcast_host(head, root)
         if head[0] < 0:
             raise OSError(err or others_err)
-        buf = np.frombuffer(data, np.uint8).copy() if self.is_master() else np.empty(int(head[0]), np.uint8)
+        mine = self.get_rank() == root
+        buf = np.frombuffer(data, np.uint8).copy() if mine else np.empty(int(head[0]), np.uint8)
         if buf.size:
-            self._core.broadcast_host(buf, 0)
+            self._core.broadcast_host(buf, root)
         return buf.tobytes()
 
     def _epochs_done(self) -> int:
@@ -485,31 +680,83 @@ class DistributedTrainer:
                     raise _pg.DistributedError(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
-    def _fit_epochs(self, X, y, X_val, y_val, config, sampler, batches, history, out, world) -> None:
+    # Note [Gathering from a map]
+    # An NpyDataset of one shard with float32 X and int64/int32 (or float32) y is, once mapped, two arrays
+    # like fit(X, y)'s: the C++ step gathers its rows from the map as it does from arrays in memory (the
+    # same copy, the same bits), with no Python per batch. What a Dataset adds is only reading: rows not in
+    # the page cache fault in on the step's thread. So a background thread (Prefaulter) reads one float of
+    # every page of the next batches' rows, up to 4 batches ahead; the step never waits for it (where it
+    # has fallen behind, the step faults the page in itself). Measured against the Dataset loader (a
+    # thread copying every batch, cx.data._loader.Prefetcher) on 2 ranks sharing 2 cores:
+    # benchmarks/train_extras.py. Other Datasets (and NpyDatasets of several shards or other dtypes) go
+    # through that loader.
+    def _steps_of(self, train: Any, batches: DistributedBatchIterator, drop_last: bool):
+        """One optimizer step per batch left in the epoch, yielding this rank's (loss_sum, correct, count)."""
+        if not isinstance(train, Dataset):
+            X, y = train
+            while batches.has_next():
+                yield self._core.train_batch(X, y, batches)
+            return
+        maps = train._arrays() if isinstance(train, _NpyDataset) else None
+        if maps is not None:  # Note [Gathering from a map]
+            X, y = maps
+            with Prefaulter(X, self._plan(batches, drop_last)) as ahead:
+                while batches.has_next():
+                    stats = self._core.train_batch(X, y, batches)
+                    ahead.advance()
+                    yield stats
+            return
+        with Prefetcher(lambda idx: _dataset_batch(train, idx, "fit"), self._plan(batches, drop_last)) as loaded:
+            for Xb, yb in loaded:
+                yield self._core.train_rows(Xb, yb)
+
+    def _plan(self, batches: DistributedBatchIterator, drop_last: bool) -> List[np.ndarray]:
+        """The index arrays of the epoch's batches from `batches`' position on, read from a second iterator over
+        the same sampler (so `batches` itself is left where it is)."""
+        ahead = DistributedBatchIterator(batches.sampler, batches.batch_size, drop_last=drop_last)
+        ahead.set_position(batches.position())
+        return [self._core.next_indices(ahead) for _ in range(ahead.position(), ahead.num_batches())]
+
+    def _fit_epochs(self, train, val, config, batches, history, out, world, cbs) -> None:
         log_every = max(int(config.log_every_n_batches), 0)
         start = time.perf_counter()
         end = self._fit_start + config.epochs
         self.model.zero_grad()
+        on_batch = [cb for cb in cbs if _callbacks._overrides(cb, "on_batch_end")]
+        batch_metrics = any(cb.batch_metrics for cb in on_batch)
         for epoch in range(self._epoch, end):
             batches.reset(epoch)
             if self._position:
                 batches.set_position(self._position)
             ls, cs, ns = self._partial
             self._epoch = epoch
+            for cb in cbs:
+                _callbacks._call(cb, "on_epoch_begin", self, epoch + 1)
             t0 = time.perf_counter()
             total = batches.num_batches()
-            while batches.has_next():
-                bl, bc, bn = self._core.train_batch(X, y, batches)
-                ls, cs, ns = ls + bl, cs + bc, ns + bn
-                self._after_step(config, world)
-                self._position = batches.position()
-                self._partial = (ls, cs, ns)
-                done = batches.position()
-                if log_every and (done % log_every == 0 or done == total):
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    out.update(epoch + 1, end, done, total, ls / max(ns, 1), cs / max(ns, 1), ns * world / dt)
-            # Every rank's BatchNorm statistics become rank 0's, so evaluation, checkpoints and the model
-            # after fit agree (DDPConfig.broadcast_buffers; Note [Buffers across ranks] in csrc/train/ddp.h).
+            done = batches.position()
+            lr = self.optimizer.lr
+            with contextlib.closing(self._steps_of(train, batches, config.drop_last)) as steps:
+                for bl, bc, bn in steps:
+                    ls, cs, ns = ls + bl, cs + bc, ns + bn
+                    if cbs:
+                        lr = self.optimizer.lr  # this step's, before a per-step scheduler moves it
+                    self._after_step(config, world)
+                    done += 1
+                    self._position = done
+                    self._partial = (ls, cs, ns)
+                    if on_batch:
+                        logs = {"epoch": epoch + 1, "batch": done, "step": self._steps, "lr": lr}
+                        if batch_metrics:
+                            gl, gc, gn = self._core.reduce_stats(ls, cs, ns)
+                            logs["loss"], logs["accuracy"] = gl / gn, gc / gn
+                        for cb in on_batch:
+                            _callbacks._call(cb, "on_batch_end", self, self._steps, logs)
+                    if log_every and (done % log_every == 0 or done == total):
+                        dt = max(time.perf_counter() - t0, 1e-9)
+                        out.update(epoch + 1, end, done, total, ls / max(ns, 1), cs / max(ns, 1), ns * world / dt)
+            # Every rank's BatchNorm statistics become rank 0's, so evaluation, checkpoints and the model after fit
+            # agree (DDPConfig.broadcast_buffers; Note [Buffers across ranks] in csrc/train/ddp.h).
             self._core.sync_buffers()
             g_loss, g_correct, g_count = self._core.reduce_stats(ls, cs, ns)
             if self._scheduler is not None and self._scheduler.interval == "epoch":
@@ -525,23 +772,68 @@ class DistributedTrainer:
             history.train_losses.append(g_loss / g_count)
             history.train_accuracies.append(g_correct / g_count)
             history.epochs.append(epoch + 1)
+            logs = {"epoch": epoch + 1, "loss": g_loss / g_count, "accuracy": g_correct / g_count}
             msg = (f"Epoch {epoch + 1}/{end} - loss {g_loss / g_count:.4f} - "
                    f"acc {g_correct / g_count:.4f}")
-            if X_val is not None:
-                vl, va = self.evaluate(X_val, y_val, batch_size=max(config.batch_size, 256))
+            if val is not None:
+                with contextlib.ExitStack() as weights:  # EMA(evaluate=True): the averaged weights
+                    for cb in cbs:
+                        if isinstance(cb, _callbacks.EMA):
+                            weights.enter_context(cb._evaluation(self))
+                    vl, va = self._evaluate(val, max(config.batch_size, 256), "fit")
                 history.val_losses.append(vl)
                 history.val_accuracies.append(va)
+                logs["val_loss"], logs["val_accuracy"] = vl, va
                 msg += f" - val_loss {vl:.4f} - val_acc {va:.4f}"
             msg += f" - {g_count / max(epoch_time, 1e-9):,.0f} samples/s - {epoch_time:.3f}s"
             out.line(msg)
             self._epoch, self._position, self._partial = epoch + 1, 0, (0.0, 0.0, 0.0)
             history.epochs_completed = epoch + 1
+            if cbs:
+                slowest = self._slowest(epoch_time)
+                logs.update(lr=lr, samples_per_second=g_count / max(slowest, 1e-9), epoch_time=slowest)
+                for cb in cbs:
+                    _callbacks._call(cb, "on_epoch_end", self, epoch + 1, logs)
+                self._agree_on_stop(history, epoch + 1)
+                if self.stop_training:
+                    out.line(f"stopped after epoch {epoch + 1}: {self.stop_reason}")
             if config.checkpoint_every_n_epochs and (epoch + 1) % config.checkpoint_every_n_epochs == 0:
                 path = os.path.join(config.checkpoint_dir, f"epoch_{epoch + 1:04d}.ckpt")
                 self.save_checkpoint(path)
                 out.line(f"saved checkpoint {path}")
+            if self.stop_training:
+                break
         history.total_time_seconds += time.perf_counter() - start
         history.samples_per_second = history.total_samples / max(history.train_time_seconds, 1e-9)
+
+    def _slowest(self, seconds: float) -> float:
+        """Collective: the largest of every rank's `seconds` (so the epoch logs are the same everywhere)."""
+        world = self.get_world_size()
+        if world == 1:
+            return seconds
+        times = np.empty(world, np.float64)
+        self._core.all_gather_host(times, np.array([seconds], np.float64))
+        return float(times.max())
+
+    def _agree_on_stop(self, history: DistributedTrainingHistory, epoch: int) -> None:
+        """Collective: if a callback set stop_training on any rank, every rank stops after this epoch, with the
+        reason of the lowest such rank."""
+        world = self.get_world_size()
+        if world == 1:
+            stoppers = [0] if self.stop_training else []
+        else:
+            flags = np.empty(world, np.uint8)
+            self._core.all_gather_host(flags, np.array([bool(self.stop_training)], np.uint8))
+            stoppers = [int(r) for r in np.flatnonzero(flags)]
+        if not stoppers:
+            return
+        root = stoppers[0]
+        reason = str(self.stop_reason or "") if self.get_rank() == root else ""
+        if world > 1:
+            reason = self._from_master(reason.encode(), root=root).decode()
+        reason = reason or f"a callback set trainer.stop_training on rank {root}"
+        self.stop_training, self.stop_reason = True, reason
+        history.stopped_early, history.stop_reason, history.stopped_epoch = True, reason, epoch
 
     @staticmethod
     def _check_config(c: DistributedTrainingConfig) -> None:
@@ -564,19 +856,62 @@ class DistributedTrainer:
         if c.on_divergence not in ("warn", "raise"):
             raise ValueError(f"DistributedTrainingConfig.on_divergence must be 'warn' or 'raise', got "
                              f"{c.on_divergence!r}")
+        for name in ("grad_clip_norm", "grad_clip_value"):
+            v = getattr(c, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"DistributedTrainingConfig.{name} must be a finite number > 0 (None: no "
+                                 f"clipping), got {v!r}")
 
-    def evaluate(self, X, y, batch_size: int = 256) -> Tuple[float, float]:
-        """Collective: (mean loss, accuracy) over all of (X, y); each rank evaluates a shard.
+    def evaluate(self, X, y=None, batch_size: int = 256) -> Tuple[float, float]:
+        """Collective: (mean loss, accuracy) over all of (X, y), or of a cx.data.Dataset; each rank evaluates a
+        shard.
 
             loss, accuracy = trainer.evaluate(X_test, y_test)
+            loss, accuracy = trainer.evaluate(cx.data.NpyDataset("x_test.npy", "y_test.npy"))
         """
-        X, y = _as_data(X, y, "evaluate")
-        if X.shape[0] == 0:
-            raise ValueError("evaluate: the data set is empty")
+        if isinstance(X, Dataset):
+            if y is not None:
+                raise TypeError("evaluate(dataset) takes no y: the Dataset gives the targets (batch_size= is a "
+                                "keyword)")
+        elif y is None:
+            raise TypeError("evaluate() takes (X, y) arrays or a cx.data.Dataset")
+        else:
+            X, y = _as_data(X, y, "evaluate")
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
         if not self._in_fit:
             self._core.sync_from_host()  # the model as the host holds it (GPU training)
-        ls, cs, ns = self._core.evaluate(X, y, batch_size)
+        return self._evaluate(X if y is None else (X, y), batch_size, "evaluate")
+
+    def _evaluate(self, data: Any, batch_size: int, who: str) -> Tuple[float, float]:
+        """Collective: (mean loss, accuracy) of (X, y) arrays or a Dataset. Rank r of p evaluates rows
+        [n*r/p, n*(r+1)/p) in chunks of batch_size (as TrainerCore::evaluate_all does for arrays, so both give
+        the same numbers)."""
+        if not isinstance(data, Dataset):
+            X, y = data
+            if X.shape[0] == 0:
+                raise ValueError(f"{who}: the data set is empty")
+            ls, cs, ns = self._core.evaluate(X, y, batch_size)
+            return ls / ns, cs / ns
+        n = _dataset_size(data, who)
+        if n == 0:
+            raise ValueError(f"{who}: the data set is empty")
+        ls, cs, ns = _pg.abort_on_error(self._evaluate_shard)(data, n, batch_size, who)
         return ls / ns, cs / ns
+
+    def _evaluate_shard(self, ds: Dataset, n: int, batch_size: int, who: str) -> Tuple[float, float, float]:
+        """Collective: the global sums over a Dataset. A rank whose Dataset raises tells the others (abort_on_error),
+        which would otherwise wait for it in the all-reduce."""
+        p, r = self.get_world_size(), self.get_rank()
+        begin, end = n * r // p, n * (r + 1) // p
+        plan = [np.arange(b, min(b + batch_size, end), dtype=np.int64) for b in range(begin, end, batch_size)]
+        ls = cs = ns = 0.0
+        with Prefetcher(lambda idx: _dataset_batch(ds, idx, who), plan) as loaded:
+            for Xb, yb in loaded:
+                bl, bc, bn = self._core.evaluate_rows(Xb, yb, batch_size)
+                ls, cs, ns = ls + bl, cs + bc, ns + bn
+        return self._core.reduce_stats(ls, cs, ns)
 
     # ---- checkpoints ---------------------------------------------------------------
     def _gather_rng_states(self) -> np.ndarray:
@@ -634,6 +969,8 @@ class DistributedTrainer:
         arrays["rng.modules"] = self._rng_rows()
         hook_arrays, hook_meta = self._hook_arrays()
         arrays.update(hook_arrays)
+        cb_meta, cb_arrays = _callbacks._states(self._callbacks)
+        arrays.update(cb_arrays)
         sampler = getattr(self, "_fit_sampler", None)
         meta = {
             "format": _CKPT_FORMAT, "version": _CKPT_VERSION,
@@ -650,6 +987,7 @@ class DistributedTrainer:
             "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "history": self._history._to_json(),
             "comm_hook": hook_meta,
+            "callbacks": cb_meta,
         }
         return _ckpt_file.pack(dict(meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
                                     model=np.frombuffer(_d._model_to_bytes(self.model), np.uint8), **arrays))
@@ -664,23 +1002,24 @@ class DistributedTrainer:
         it whole. With config.save_on_master_only (the default) only rank 0 writes; otherwise
         rank r > 0 writes `path` + ".rank<r>". Returns the path written, or None.
         """
-        path = os.fspath(path)
-        if self._core.shard_optimizer_state:
+        return self._save_checkpoints([path])[0]
+
+    def _save_checkpoints(self, paths: List[Any]) -> List[Optional[str]]:
+        """save_checkpoint to each of `paths`, the checkpoint made once (ModelCheckpoint's best and last)."""
+        paths = [os.fspath(p) for p in paths]
+        sharded = self._core.shard_optimizer_state
+        if sharded:
             data = self._checkpoint_bytes()  # collective: gathers the optimizer state's shards
-            if self.config.save_on_master_only and not self.is_master():
-                return None
-            if not self.is_master():
-                path = f"{path}.rank{self.get_rank()}"
-            _ckpt_file.atomic_write(path, data)
-            return path
         if self.config.save_on_master_only and not self.is_master():
-            return None
+            return [None] * len(paths)
         if not self.is_master():
-            path = f"{path}.rank{self.get_rank()}"
-        self._core.sync_to_host()
-        data = self._checkpoint_bytes()
-        _ckpt_file.atomic_write(path, data)
-        return path
+            paths = [f"{p}.rank{self.get_rank()}" for p in paths]
+        if not sharded:
+            self._core.sync_to_host()
+            data = self._checkpoint_bytes()
+        for p in paths:
+            _ckpt_file.atomic_write(p, data)
+        return list(paths)
 
     def load_checkpoint(self, path: str) -> None:
         """Collective: restores a checkpoint written by save_checkpoint on every rank.
@@ -714,6 +1053,7 @@ class DistributedTrainer:
         arrays = {k[4:]: v for k, v in z.items() if k.startswith("opt.")}
         rng_rows = z.get("rng.modules")
         hook = {k[5:]: v for k, v in z.items() if k.startswith("hook.")}
+        cb_arrays = {k: v for k, v in z.items() if k.startswith("cb.")}
         if not isinstance(meta, dict) or meta.get("format") != _CKPT_FORMAT or \
                 meta.get("version") not in _CKPT_READS:
             raise OSError(f"load_checkpoint: {path!r} is not a pycyxwiz checkpoint of version {_CKPT_VERSION}")
@@ -740,6 +1080,8 @@ class DistributedTrainer:
         self._position = int(meta["position"])
         self._partial = tuple(float(v) for v in meta["partial"])
         self._history = DistributedTrainingHistory._from_json(meta["history"])
+        # The next fit hands these to its callbacks (files written before callbacks existed have none).
+        self._loaded_callback_states = (meta.get("callbacks") or {}, cb_arrays)
         if meta.get("world_size") != self.get_world_size() and self._position:
             raise ValueError(f"load_checkpoint: {path!r} was saved mid-epoch with world_size "
                              f"{meta.get('world_size')}; it can only be resumed with the same world size "

@@ -1,13 +1,15 @@
 # Type stub for data-parallel training: DDP, sampler and batch iterator (C++: csrc/train/, bound in
 # csrc/bindings/ddp.cpp and sampler.cpp) and the Python trainer, its config and history (_train.py).
 from os import PathLike
-from typing import Any, ContextManager, Iterator, List, Optional, Tuple, Union, overload
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from .._core import _pybind11_type
 from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, LRScheduler, MSELoss, Optimizer, SequentialModel, _StateDict
+from ..callbacks import Callback
+from ..data import Dataset
 
 _F32 = npt.NDArray[np.float32]
 _Loss = Union[CrossEntropyLoss, MSELoss, BCEWithLogitsLoss]
@@ -153,6 +155,8 @@ class DistributedTrainingConfig:
     check_every_n_steps: int        # 200; 0: never
     on_divergence: str              # "warn" or "raise"
     shard_optimizer_state: bool     # False; True: ZeRO-1
+    grad_clip_norm: Optional[float]   # None; clip the averaged gradient's global L2 norm to it
+    grad_clip_value: Optional[float]  # None; clamp each element of it to [-v, v]
     def __init__(self, **kw: Any) -> None: ...
 
 class DistributedTrainingHistory:
@@ -168,7 +172,11 @@ class DistributedTrainingHistory:
     epochs: List[int]
     total_samples: float
     train_time_seconds: float
+    stopped_early: bool
+    stop_reason: str
+    stopped_epoch: int
     def __init__(self) -> None: ...
+    def plot(self, path: _Path) -> str: ...   # needs matplotlib
 
 class DistributedTrainer:
     model: SequentialModel
@@ -176,6 +184,8 @@ class DistributedTrainer:
     optimizer: Optimizer
     ddp: DistributedDataParallel
     config: DistributedTrainingConfig
+    stop_training: bool   # a callback sets it: fit ends after the current epoch, on every rank
+    stop_reason: str
     def __init__(self, model: SequentialModel, loss_fn: _Loss, optimizer: Optimizer,
                  ddp_config: Optional[DDPConfig] = None) -> None: ...
     def is_master(self) -> bool: ...
@@ -183,13 +193,30 @@ class DistributedTrainer:
     def get_world_size(self) -> int: ...
     @property
     def device(self) -> str: ...
+    @property
+    def history(self) -> DistributedTrainingHistory: ...
+    @property
+    def epochs_completed(self) -> int: ...
     @overload
     def fit(self, X: npt.ArrayLike, y: npt.ArrayLike, config: Optional[DistributedTrainingConfig] = None, *,
-            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None) -> DistributedTrainingHistory: ...
+            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None,
+            callbacks: Optional[Sequence[Callback]] = None) -> DistributedTrainingHistory: ...
     @overload
     def fit(self, X: npt.ArrayLike, y: npt.ArrayLike, X_val: npt.ArrayLike, y_val: npt.ArrayLike,
             config: Optional[DistributedTrainingConfig] = None, *,
-            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None) -> DistributedTrainingHistory: ...
+            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None,
+            callbacks: Optional[Sequence[Callback]] = None) -> DistributedTrainingHistory: ...
+    @overload
+    def fit(self, X: Dataset, y: Optional[DistributedTrainingConfig] = None, *,
+            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None,
+            callbacks: Optional[Sequence[Callback]] = None) -> DistributedTrainingHistory: ...
+    @overload
+    def fit(self, X: Dataset, y: Dataset, config: Optional[DistributedTrainingConfig] = None, *,
+            resume_from: Optional[str] = None, scheduler: Optional[LRScheduler] = None,
+            callbacks: Optional[Sequence[Callback]] = None) -> DistributedTrainingHistory: ...
+    @overload
     def evaluate(self, X: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = 256) -> Tuple[float, float]: ...
+    @overload
+    def evaluate(self, X: Dataset, y: None = None, batch_size: int = 256) -> Tuple[float, float]: ...
     def save_checkpoint(self, path: _Path) -> Optional[str]: ...
     def load_checkpoint(self, path: _Path) -> None: ...

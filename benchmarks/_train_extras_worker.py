@@ -1,0 +1,137 @@
+"""One rank of benchmarks.train_extras: the MLP training benchmark (benchmarks._train_worker: MLP 784-256-10,
+Adam(1e-3), batch 64 per rank, one thread) fitted in several variants side by side, in rounds.
+
+    python -m benchmarks._train_extras_worker --lib pycyxwiz --out DIR --samples-per-rank 8192 --epochs 3 --rounds 5
+
+Variants (each a fresh model, the same data, the same epochs):
+  arrays      fit(X, y), no callbacks: the baseline
+  callbacks   fit(X, y, callbacks=[EarlyStopping, ModelCheckpoint, EMA, CSVLogger]) (best.ckpt and last.ckpt
+              written after every epoch; EarlyStopping watches the loss with a patience it never runs out of)
+  ema         fit(X, y, callbacks=[EMA]): the per-step part of the callbacks alone
+  dataset     fit(dataset) with a plain cx.data.Dataset over the arrays in memory: the copying loader thread
+              every Dataset but a one-file float32 NpyDataset goes through
+  npy-warm    fit(NpyDataset) over the same arrays saved as .npy files, in the page cache
+  npy-cold    the same after every rank evicted both files from the page cache (posix_fadvise DONTNEED, which
+              needs no privilege; the files are fsynced first, so their pages are clean and do go)
+Each round runs every variant once, the order rotating from round to round; a short warm-up fit of every
+variant comes first, untimed. The timed region is the fit call, between two barriers; the parent takes the
+slowest rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks._train_worker import BATCH, HIDDEN, IN, LR, OUT, WARMUP_BATCHES, make_data
+from benchmarks._worker_io import run_rank
+
+VARIANTS = ("arrays", "callbacks", "ema", "dataset", "npy-warm", "npy-cold")
+
+
+class InMemory:
+    """A plain Dataset over arrays (made a cx.data.Dataset subclass at run time, after the import)."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, indices):
+        return self.X[indices], self.y[indices]
+
+
+def evict(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True, choices=["pycyxwiz"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--samples-per-rank", type=int, default=8192)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    a = ap.parse_args(argv)
+
+    def body(comm, report):
+        cx = comm.cx
+        X, y = make_data(a.samples_per_rank * comm.world)
+        work = tempfile.mkdtemp(prefix=f"cx-extras-r{comm.rank}-")
+        shared = os.path.join(tempfile.gettempdir(), f"cx-extras-{os.environ.get('MASTER_PORT', '0')}")
+        xp, yp = os.path.join(shared, "x.npy"), os.path.join(shared, "y.npy")
+        if comm.rank == 0:
+            os.makedirs(shared, exist_ok=True)
+            for path, arr in ((xp, X), (yp, y)):
+                with open(path, "wb") as f:
+                    np.save(f, arr)
+                    f.flush()
+                    os.fsync(f.fileno())
+        comm.barrier()
+
+        def fit(variant, n_samples, epochs):
+            model = cx.SequentialModel()
+            model.add(cx.LinearModule(IN, HIDDEN))
+            model.add(cx.ReLUModule())
+            model.add(cx.LinearModule(HIDDEN, OUT))
+            trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(LR))
+            config = cx.distributed.DistributedTrainingConfig(epochs=epochs, batch_size=BATCH, verbose=False)
+            C = cx.callbacks
+            cbs = []
+            if variant == "callbacks":
+                run_dir = tempfile.mkdtemp(dir=work)   # a fresh one: auto_resume must find nothing to resume
+                cbs = [C.EarlyStopping(monitor="loss", patience=10**6), C.EMA(0.999),
+                       C.CSVLogger(os.path.join(run_dir, "log.csv")), C.ModelCheckpoint(run_dir, monitor="loss")]
+            elif variant == "ema":
+                cbs = [C.EMA(0.999)]
+            if variant == "dataset":
+                ds = type("InMemoryDataset", (InMemory, cx.data.Dataset), {})(X[:n_samples], y[:n_samples])
+                args = (ds, config)
+            elif variant.startswith("npy"):
+                ds = cx.data.NpyDataset(xp, yp)
+                if n_samples < len(X):
+                    from pycyxwiz.data._loader import Subset
+                    ds = Subset(ds, np.arange(n_samples))
+                args = (ds, config)
+            else:
+                args = (X[:n_samples], y[:n_samples], config)
+            if variant == "npy-cold":
+                evict([xp, yp])
+            comm.barrier()
+            t0 = time.perf_counter()
+            history = trainer.fit(*args, callbacks=cbs)
+            seconds = time.perf_counter() - t0
+            comm.barrier()
+            return seconds, history.train_losses[-1]
+
+        warm = WARMUP_BATCHES * BATCH * comm.world
+        for v in a.variants:
+            fit(v, warm, 1)
+        for r in range(a.rounds):
+            order = a.variants[r % len(a.variants):] + a.variants[:r % len(a.variants)]
+            for v in order:
+                seconds, loss = fit(v, len(X), a.epochs)
+                report.add({"round": r, "variant": v, "seconds": seconds, "final_loss": float(loss),
+                            "samples": a.samples_per_rank * a.epochs})
+        comm.barrier()
+        shutil.rmtree(work, ignore_errors=True)
+        if comm.rank == 0:
+            shutil.rmtree(shared, ignore_errors=True)
+
+    return run_rank(a.out, a.lib, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
