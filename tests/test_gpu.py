@@ -493,3 +493,38 @@ def test_the_gpu_trainer_refuses_sync_batchnorm_at_construction():
     r = subprocess.run([sys.executable, "-c", SYNC_BN], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "layer 1" in r.stdout and "runs on the CPU backend only for now" in r.stdout
+
+
+def _refusal_on_the_gpu(configure) -> str:
+    """fit() of a small model on the GPU trainer after configure(cfg) -> the callbacks to pass; the error's text."""
+    c = D.DistributedConfig()
+    c.backend = NCCL
+    D.init(c)
+    try:
+        m = cx.SequentialModel()
+        m.add(cx.LinearModule(4, 3))
+        X = np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32)
+        y = (np.arange(32) % 3).astype(np.int64)
+        cfg = D.DistributedTrainingConfig()
+        cfg.epochs, cfg.batch_size, cfg.verbose = 1, 8, False
+        callbacks = configure(cfg)
+        tr = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
+        with pytest.raises(ValueError) as ei:
+            tr.fit(X, y, cfg, callbacks=callbacks)
+        return str(ei.value)
+    finally:
+        try:
+            D.finalize()
+        except D.DistributedError:
+            pass  # the failed fit aborted the group
+
+
+@gpu
+@needs_gpu_nccl
+def test_the_gpu_trainer_refuses_gradient_clipping_and_ema_by_name():
+    def clip(cfg):
+        cfg.grad_clip_norm = 1.0
+        return None
+    assert "grad_clip_norm is not supported on the GPU yet" in _refusal_on_the_gpu(clip)
+    msg = _refusal_on_the_gpu(lambda cfg: [cx.callbacks.EMA(0.9)])
+    assert msg.startswith("callback EMA.on_train_begin: EMA is not supported on the GPU trainer yet"), msg
