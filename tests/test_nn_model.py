@@ -245,3 +245,16 @@ def test_dropout_rng_state_round_trips_and_replays_the_same_masks():
     with pytest.raises(ValueError, match="has 2 module\\(s\\) with a random-number generator .* got 1"):
         model.set_rng_state(np.zeros(1, np.uint64))
     assert cx.SequentialModel().get_rng_state().shape == (0,)
+
+
+@pytest.mark.parametrize("make", [cx.ReLUModule, lambda: cx.LeakyReLUModule(0.1), cx.SigmoidModule, cx.TanhModule,
+                                  cx.GELUModule])
+def test_every_activation_keeps_a_nan_a_nan_as_numpy_does(make):
+    """A NaN in an input row used to become 0 in ReLU (x > 0 ? x : 0), so fit reported a finite loss and said
+    nothing; np.maximum(x, 0) and torch.relu keep it NaN, and so does every activation here."""
+    m = cx.SequentialModel()
+    m.add(make())
+    x = np.array([[np.nan, -1.0, 0.0, 2.0]], np.float32)
+    y = np.asarray(m.forward(x))
+    assert np.isnan(y[0, 0]), y
+    assert np.isfinite(y[0, 1:]).all(), y

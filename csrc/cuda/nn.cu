@@ -48,7 +48,7 @@ extern "C" __global__ void cx_nn_act_fwd(int kind, const float* x, float* y, u64
     float v = x[i];
     float o;
     switch (kind) {
-      case 0: o = v > 0.0f ? v : 0.0f; break;
+      case 0: o = v <= 0.0f ? 0.0f : v; break;  // a NaN stays NaN, as on the CPU
       case 1: o = v > 0.0f ? v : slope * v; break;
       case 2: {
         float e = expf(-fabsf(v));

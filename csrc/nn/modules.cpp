@@ -110,7 +110,9 @@ Shape ElementwiseModule::output_shape(const Shape& in) const {
 
 void ReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+  // x <= 0 ? 0 : x keeps a NaN a NaN, as np.maximum(x, 0) and torch.relu do (x > 0 ? x : 0 made it 0,
+  // hiding a bad input row behind a finite loss).
+  for (size_t i = 0; i < n; ++i) y[i] = x[i] <= 0.0f ? 0.0f : x[i];
 }
 void ReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
