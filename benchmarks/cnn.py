@@ -1,6 +1,6 @@
 """Convolutional networks on the CPU: pycyxwiz against PyTorch, side by side in one run.
 
-    python -m benchmarks.cnn                     # the three parts, ~3 minutes on 2 vCPUs
+    python -m benchmarks.cnn                     # the three parts, ~1.5 minutes on 2 vCPUs
     python -m benchmarks.cnn --quick             # a smoke run
     python -m benchmarks.cnn --skip ddp          # parts: step, ddp, conv
 
