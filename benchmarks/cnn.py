@@ -1,6 +1,6 @@
 """Convolutional networks on the CPU: pycyxwiz against PyTorch, side by side in one run.
 
-    python -m benchmarks.cnn                     # the three parts, ~3 minutes on 2 vCPUs
+    python -m benchmarks.cnn                     # the three parts, ~1.5 minutes on 2 vCPUs
     python -m benchmarks.cnn --quick             # a smoke run
     python -m benchmarks.cnn --skip ddp          # parts: step, ddp, conv
 
@@ -11,7 +11,7 @@
    its default on one host) against PyTorch DDP over gloo, batch 32 per rank, 1024 samples per rank:
    global samples/s.
 3. conv: one 3x3 convolution (stride 1, padding 1, no bias), forward and backward (dx and dW), at 16
-   channels on 32x32 images and 64 channels on 8x8 (the network's first and last stages), batch 32:
+   channels on 32x32 images and 64 channels on 8x8 (the network's first and last stages), batch 32, 8 rounds:
    time against PyTorch's, and pycyxwiz's GFLOP/s (3 GEMMs of 2*B*C_out*C_in*9*H*W flops) as a
    fraction of this core's FMA peak, measured in the same run by fma_peak.c.
 
@@ -212,7 +212,7 @@ def run_conv(batch: int, rounds: int, log=print) -> dict:
     peak = fma_peak_gflops()
     rows = []
     for channels, side in CONVS:
-        t = time_rounds(conv_fns(channels, side, batch), rounds, iters=10, warmup=2)
+        t = time_rounds(conv_fns(channels, side, batch), rounds, iters=8, warmup=2)
         flops = 3 * 2.0 * batch * channels * channels * 9 * side * side
         row = {"channels": channels, "side": side, "batch": batch, "gflop": flops / 1e9}
         for lib, r in t.items():
@@ -311,7 +311,8 @@ def child_part(part: str, quick: bool) -> dict:
     log = lambda *a, **k: print(*a, file=sys.stderr, **k)  # noqa: E731 - stdout carries the result
     if part == "step":
         return {"rows": run_step([32] if quick else [32, 128], rounds, log)}
-    return run_conv(32, rounds, log)
+    # A round of one convolution is ~0.2 s: more of them, for a quiet window between the bursts of other work.
+    return run_conv(32, 2 if quick else 8, log)
 
 
 def run(parts=PARTS, quick: bool = False, log=print, timeout_s: float = 300) -> dict:
