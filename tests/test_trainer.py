@@ -374,3 +374,33 @@ def test_trainer_host_collectives_gather_broadcast_and_check_their_arrays():
         assert buf == [0, 7, 14, 21, 28]
         assert "world_size times" in errors[0]
         assert "C-contiguous" in errors[1] and "C-contiguous" in errors[2]
+
+
+def fit_with_a_nan_row():
+    from pycyxwiz.datasets import load_digits
+    X, y = load_digits()
+    X = X.copy()
+    X[17, 5] = np.nan
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(64, 16, seed=1))
+    m.add(cx.ReLUModule())
+    m.add(cx.LinearModule(16, 10, seed=2))
+    cfg = cx.distributed.DistributedTrainingConfig()
+    cfg.epochs, cfg.batch_size, cfg.verbose = 2, 64, False
+    cx.distributed.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05)).fit(X, y, cfg)
+
+
+def test_a_nan_in_one_input_row_is_named_at_its_step_with_its_rows():
+    """fit used to finish with a finite loss (ReLU made the NaN 0); now the rank whose batch held row 17 raises
+    NonFiniteError at that step, naming the epoch, the batch and its rows, and the other rank names it."""
+    import re
+    outs = ranks.spawn(fit_with_a_nan_row, 2, timeout=120)
+    bad = [o for o in outs if o.exc_type == "NonFiniteError"]
+    assert len(bad) == 1, [(o.rank, o.exc_type, o.message[:200]) for o in outs]
+    msg = bad[0].message
+    assert msg.startswith(f"rank {bad[0].rank}: the loss of epoch 1, batch ") and "was nan (not finite)" in msg, msg
+    rows = msg[msg.index("[") + 1:msg.index("]")]
+    assert re.search(r"(^|, )17(,|$)", rows), rows
+    other = next(o for o in outs if o is not bad[0])
+    assert other.exc_type == "DistributedConnectionError", (other.exc_type, other.message[:300])
+    assert f"rank {bad[0].rank} failed: NonFiniteError: " in other.message, other.message[:300]

@@ -43,6 +43,7 @@ from ._train import (
     DistributedTrainer as DistributedTrainer,
     DistributedTrainingConfig as DistributedTrainingConfig,
     DistributedTrainingHistory as DistributedTrainingHistory,
+    NonFiniteError as NonFiniteError,
     ZeroRedundancyOptimizer as ZeroRedundancyOptimizer,
     join as join,
 )
@@ -58,5 +59,5 @@ __all__ = [
     "spawn", "SpawnError", "launch_distributed_training",
     "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
-    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
+    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer", "NonFiniteError",
 ]

@@ -72,8 +72,14 @@ ZeroRedundancyOptimizer = _d.ZeroRedundancyOptimizer
 __all__ = [
     "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
-    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
+    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer", "NonFiniteError",
 ]
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss (or gradient) that is NaN or infinite, named where it arose: DistributedTrainer.fit raises it on the
+    rank whose batch's loss was not finite, naming the epoch, the batch and that batch's sample rows; every other
+    rank raises DistributedConnectionError "rank R failed: NonFiniteError: ..."."""
 
 
 def join(ddp: Any) -> Any:
@@ -710,6 +716,19 @@ class DistributedTrainer:
             for Xb, yb in loaded:
                 yield self._core.train_rows(Xb, yb)
 
+    def _raise_nonfinite(self, loss_sum: float, epoch: int, done: int, batches: DistributedBatchIterator,
+                         drop_last: bool) -> None:
+        """The step of batch `done` (from 0 in the epoch) had a loss that is not finite: name it, with its rows."""
+        at = DistributedBatchIterator(batches.sampler, batches.batch_size, drop_last=drop_last)
+        at.set_position(done)
+        rows = np.sort(self._core.next_indices(at))
+        shown = ", ".join(str(int(i)) for i in rows[:20]) + (f", ... ({rows.size} rows)" if rows.size > 20 else "")
+        raise NonFiniteError(
+            f"rank {self.get_rank()}: the loss of epoch {epoch + 1}, batch {done + 1} was {loss_sum} (not finite); "
+            f"its sample rows (indices into the training data) on this rank: [{shown}]. Look for a NaN or inf in "
+            "those rows, or lower the learning rate if the model diverged (the step was taken: restore a "
+            "checkpoint before going on)")
+
     def _plan(self, batches: DistributedBatchIterator, drop_last: bool) -> List[np.ndarray]:
         """The index arrays of the epoch's batches from `batches`' position on, read from a second iterator over
         the same sampler (so `batches` itself is left where it is)."""
@@ -738,6 +757,8 @@ class DistributedTrainer:
             lr = self.optimizer.lr
             with contextlib.closing(self._steps_of(train, batches, config.drop_last)) as steps:
                 for bl, bc, bn in steps:
+                    if not math.isfinite(bl):  # one float per step: free next to the step itself
+                        self._raise_nonfinite(bl, epoch, done, batches, config.drop_last)
                     ls, cs, ns = ls + bl, cs + bc, ns + bn
                     if cbs:
                         lr = self.optimizer.lr  # this step's, before a per-step scheduler moves it

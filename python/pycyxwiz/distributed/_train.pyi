@@ -19,8 +19,10 @@ _Path = Union[str, "PathLike[str]"]
 __all__ = [
     "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
     "ZeroRedundancyOptimizer", "join",
-    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer",
+    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer", "NonFiniteError",
 ]
+
+class NonFiniteError(FloatingPointError): ...
 
 class PowerSGDConfig(metaclass=_pybind11_type):
     matrix_approximation_rank: int  # 1
