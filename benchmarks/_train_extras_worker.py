@@ -7,6 +7,7 @@ Variants (each a fresh model, the same data, the same epochs):
   arrays      fit(X, y), no callbacks: the baseline
   callbacks   fit(X, y, callbacks=[EarlyStopping, ModelCheckpoint, EMA, CSVLogger]) (best.ckpt and last.ckpt
               written after every epoch; EarlyStopping watches the loss with a patience it never runs out of)
+  no-files    the same but ModelCheckpoint: what the callbacks cost besides writing 2 checkpoints per epoch
   ema         fit(X, y, callbacks=[EMA]): the per-step part of the callbacks alone
   dataset     fit(dataset) with a plain cx.data.Dataset over the arrays in memory: the copying loader thread
               every Dataset but a one-file float32 NpyDataset goes through
@@ -32,7 +33,7 @@ import numpy as np
 from benchmarks._train_worker import BATCH, HIDDEN, IN, LR, OUT, WARMUP_BATCHES, make_data
 from benchmarks._worker_io import run_rank
 
-VARIANTS = ("arrays", "callbacks", "ema", "dataset", "npy-warm", "npy-cold")
+VARIANTS = ("arrays", "callbacks", "no-files", "ema", "dataset", "npy-warm", "npy-cold")
 
 
 class InMemory:
@@ -95,6 +96,9 @@ def main(argv=None) -> int:
                 run_dir = tempfile.mkdtemp(dir=work)   # a fresh one: auto_resume must find nothing to resume
                 cbs = [C.EarlyStopping(monitor="loss", patience=10**6), C.EMA(0.999),
                        C.CSVLogger(os.path.join(run_dir, "log.csv")), C.ModelCheckpoint(run_dir, monitor="loss")]
+            elif variant == "no-files":
+                cbs = [C.EarlyStopping(monitor="loss", patience=10**6), C.EMA(0.999),
+                       C.CSVLogger(os.path.join(tempfile.mkdtemp(dir=work), "log.csv"))]
             elif variant == "ema":
                 cbs = [C.EMA(0.999)]
             if variant == "dataset":

@@ -31,6 +31,7 @@ TARGETS = {"callbacks": 0.98, "npy-warm": 0.95}
 WHAT = {
     "arrays": "fit(X, y), no callbacks (baseline)",
     "callbacks": "EarlyStopping + ModelCheckpoint + EMA + CSVLogger",
+    "no-files": "EarlyStopping + EMA + CSVLogger (no checkpoint files)",
     "ema": "EMA alone",
     "dataset": "a Dataset over the arrays (the loader thread)",
     "npy-warm": "NpyDataset, warm page cache",
@@ -38,11 +39,13 @@ WHAT = {
 }
 
 
-def run(worlds: list, samples_per_rank: int, epochs: int, rounds: int, timeout_s: float = 600, log=print) -> dict:
+def run(worlds: list, samples_per_rank: int, epochs: int, rounds: int, timeout_s: float = 600, log=print,
+        variants: tuple = VARIANTS) -> dict:
     columns = []
     for world in worlds:
         log(f"  train_extras world {world} ...", end="", flush=True)
-        args = ["--samples-per-rank", str(samples_per_rank), "--epochs", str(epochs), "--rounds", str(rounds)]
+        args = ["--samples-per-rank", str(samples_per_rank), "--epochs", str(epochs), "--rounds", str(rounds),
+                "--variants", *variants]
         res = run_ranks("pycyxwiz", "benchmarks._train_extras_worker", args, world, timeout_s)
         col = {"world": world, "ok": res.ok, "reason": res.reason, "wall_s": round(res.wall_s, 2), "load": res.load,
                "variants": {}}
@@ -113,8 +116,11 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per world size")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                    help="which to run (arrays, the baseline, always)")
     a = ap.parse_args(argv)
-    payload = run(a.worlds, a.samples_per_rank, a.epochs, a.rounds, a.timeout)
+    variants = tuple(["arrays"] + [v for v in a.variants if v != "arrays"])
+    payload = run(a.worlds, a.samples_per_rank, a.epochs, a.rounds, a.timeout, variants=variants)
     print()
     print(table(payload))
     print(f"\nwrote {write_json('train_extras', payload)}")
