@@ -699,10 +699,10 @@ class DistributedTrainer:
     # same copy, the same bits), with no Python per batch. What a Dataset adds is only reading: rows not in
     # the page cache fault in on the step's thread. So a background thread (Prefaulter) reads one float of
     # every page of the next batches' rows, up to 4 batches ahead; the step never waits for it (where it
-    # has fallen behind, the step faults the page in itself). Measured against the Dataset loader (a
-    # thread copying every batch, cx.data._loader.Prefetcher) on 2 ranks sharing 2 cores:
-    # benchmarks/train_extras.py. Other Datasets (and NpyDatasets of several shards or other dtypes) go
-    # through that loader.
+    # has fallen behind, the step faults the page in itself). Other Datasets (and NpyDatasets of several
+    # shards or other dtypes) go through the copying loader (cx.data._loader.Prefetcher), whose thread
+    # costs CPU per batch (about 80 us of a 1 ms step measured with one rank here). benchmarks/train_extras.py
+    # measures both against arrays.
     def _steps_of(self, train: Any, batches: DistributedBatchIterator, drop_last: bool):
         """One optimizer step per batch left in the epoch, yielding this rank's (loss_sum, correct, count)."""
         if not isinstance(train, Dataset):
