@@ -450,3 +450,27 @@ def test_model_checkpoint_resumes_from_its_own_files_not_from_a_checkpoint_dir_f
     assert ranks.run(stale_folder_body, 2, args=(a, b, False))[0] == ([1, 2, 3], [1, 2, 3])
     # Resumed from its own last.ckpt, after epoch 3 of 3: nothing left to train.
     assert ranks.run(stale_folder_body, 2, args=(a, b, False))[0] == ([1, 2, 3], [])
+
+
+def unwritable_body(directory, epochs):
+    Xtr, ytr, _, _ = data(256, 64)
+    trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    trainer.fit(Xtr, ytr, config(epochs=epochs), callbacks=[C.ModelCheckpoint(directory, monitor="loss",
+                                                                                save_last=False)])
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_a_checkpoint_written_in_the_background_that_fails_fails_every_rank(tmp_path, epochs):
+    # best.ckpt is a folder, so the background writer's rename fails: at the end of fit (1 epoch) every rank
+    # raises naming rank 0; found at the next save (3 epochs), rank 0's callback raises and the others hear of it.
+    os.makedirs(tmp_path / "best.ckpt")
+    outs = ranks.spawn(unwritable_body, 2, args=(str(tmp_path), epochs), timeout=60)
+    assert not any(o.ok for o in outs)
+    if epochs == 1:
+        for o in outs:
+            assert o.exc_type == "OSError" and "fit: rank 0 could not write a checkpoint: IsADirectoryError" in \
+                o.message, (o.exc_type, o.message)
+    else:
+        assert outs[0].exc_type == "IsADirectoryError", (outs[0].exc_type, outs[0].message)
+        assert "callback ModelCheckpoint.on_epoch_end: " in outs[0].message
+        assert "rank 0 failed: IsADirectoryError: callback ModelCheckpoint.on_epoch_end" in outs[1].message

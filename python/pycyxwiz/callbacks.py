@@ -195,7 +195,8 @@ class ModelCheckpoint(Callback):
         trainer.fit(X, y, X_val, y_val, config, callbacks=[ckpt]); trainer.load_checkpoint(ckpt.best_path)
 
     Both are trainer checkpoints (trainer.load_checkpoint reads them; written atomically, by rank 0
-    unless config.save_on_master_only is False). With save_last, fit's auto_resume (on by default
+    unless config.save_on_master_only is False, packed and written on a background thread: complete
+    by the next epoch's save and when fit returns). With save_last, fit's auto_resume (on by default
     where fit writes checkpoints) resumes from last.ckpt when it is the newest checkpoint, and the
     best score so far is part of every checkpoint, so a restarted job keeps comparing against it.
     Runs after the other callbacks, so its files hold their state of the same epoch.
@@ -239,8 +240,8 @@ class ModelCheckpoint(Callback):
         if self.save_last:
             paths.append(self.last_ckpt)
             self.last_path = self.last_ckpt
-        if paths:
-            trainer._save_checkpoints(paths)     # one checkpoint made, written to each
+        if paths:   # one checkpoint made, written to each in the background (fit returns with them complete)
+            trainer._save_checkpoints(paths, background=True)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"monitor": self.monitor, "mode": self.mode, "best_score": self.best_score,
@@ -486,7 +487,7 @@ def _states(cbs: List[Callback]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]
         entry: Dict[str, Any] = {"class": type(cb).__name__}
         for name, value in state.items():
             if isinstance(value, np.ndarray):
-                arrays[f"cb.{key}.{name}"] = value
+                arrays[f"cb.{key}.{name}"] = value.copy()   # the callback's array may change after the save
             else:
                 entry[name] = value
         try:
