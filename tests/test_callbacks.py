@@ -366,6 +366,15 @@ def misuse_body(case, directory):
         trainer.fit(Xtr, ytr, config(epochs=2), callbacks=[C.ModelCheckpoint(directory)])
     elif case == "not a callback":
         trainer.fit(Xtr, ytr, config(epochs=2), callbacks=[print])
+    elif case == "not a list":
+        trainer.fit(Xtr, ytr, config(epochs=2), callbacks=3)
+    elif case == "ema state during fit":
+        ema = C.EMA()
+
+        class Reload(C.Callback):
+            def on_epoch_end(self, trainer, epoch, logs):
+                ema.load_state_dict(ema.state_dict())
+        trainer.fit(Xtr, ytr, config(epochs=1), callbacks=[ema, Reload()])
     elif case == "state":
         class Odd(C.Callback):
             def state_dict(self):
@@ -390,6 +399,9 @@ def misuse_body(case, directory):
                                     "'samples_per_second'] (val_ keys need validation data"),
     ("not a callback", "TypeError", "fit: callbacks must be cx.callbacks.Callback instances (subclass it), got "
                                     "builtin_function_or_method"),
+    ("not a list", "TypeError", "fit: callbacks must be a list of cx.callbacks.Callback, got int"),
+    ("ema state during fit", "RuntimeError", "callback Reload.on_epoch_end: EMA.load_state_dict: not while a fit "
+                                             "updates the average"),
     ("state", "TypeError", "callback Odd.state_dict: the checkpoint keeps numbers, strings, lists, dicts and NumPy "
                            "arrays"),
     ("ema other model", "ValueError", "EMA.apply_to: the model has"),

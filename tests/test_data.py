@@ -239,6 +239,12 @@ def bad_dataset_body(case, failing_rank=None):
         trainer.evaluate(Bad("ok"), np.zeros(3))
     elif case == "fit(dataset, array)":
         trainer.fit(Bad("ok"), np.zeros(3), config(epochs=1))
+    elif case == "fit(X)":
+        trainer.fit(Bad("ok").X)
+    elif case == "evaluate(X)":
+        trainer.evaluate(Bad("ok").X)
+    elif case == "evaluate batch 0":
+        trainer.evaluate(Bad("ok"), batch_size=0)
     elif case.startswith("evaluate "):
         trainer.evaluate(Bad(case[len("evaluate "):], failing_rank))
     else:
@@ -264,6 +270,10 @@ def bad_dataset_body(case, failing_rank=None):
     ("evaluate with y", "TypeError", "evaluate(dataset) takes no y: the Dataset gives the targets"),
     ("fit(dataset, array)", "TypeError", "fit(dataset, ...) takes (dataset, config) or (dataset, val_dataset, "
                                          "config), with cx.data.Dataset for both; got (Bad, ndarray, ...)"),
+    ("fit(X)", "TypeError", "fit() takes (X, y, config), (X, y, X_val, y_val, config) or, for data that does not "
+                            "fit in memory, (dataset, config) with a cx.data.Dataset"),
+    ("evaluate(X)", "TypeError", "evaluate() takes (X, y) arrays or a cx.data.Dataset"),
+    ("evaluate batch 0", "ValueError", "evaluate: batch_size must be an int >= 1, got 0"),
 ])
 def test_a_dataset_that_returns_the_wrong_thing_is_named(case, exc, text):
     (o,) = ranks.spawn(bad_dataset_body, 1, args=(case,))

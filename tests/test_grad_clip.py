@@ -105,21 +105,24 @@ def test_zero1_trains_as_the_unsharded_optimizer_with_clipping():
         np.testing.assert_allclose(lb, la, rtol=1e-5)
 
 
-def nan_body():
+def nan_body(clip):
     X, y = samples()
     X = X.copy()
     X[5, 3] = np.nan
     model = cx.SequentialModel()
     model.add(cx.LinearModule(64, 10))
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
-    trainer.fit(X, y, D.DistributedTrainingConfig(epochs=1, batch_size=BATCH, shuffle=False, verbose=False,
-                                                  grad_clip_norm=1.0))
+    trainer.fit(X, y, D.DistributedTrainingConfig(epochs=1, batch_size=BATCH, shuffle=False, verbose=False, **clip))
 
 
-def test_a_nan_gradient_norm_is_an_error_on_every_rank():
-    for o in ranks.spawn(nan_body, 2):
-        assert not o.ok and "the gradient's norm is nan, so grad_clip_norm cannot clip it" in o.message, \
-            (o.exc_type, o.message)
+@pytest.mark.parametrize("clip, text", [
+    ({"grad_clip_norm": 1.0}, "the gradient's norm is nan, so grad_clip_norm cannot clip it"),
+    ({"grad_clip_value": 1.0}, "the gradient holds NaN, so grad_clip_value cannot clip it"),
+])
+def test_a_nan_gradient_is_an_error_on_every_rank(clip, text):
+    # One sample of rank 1's batch is NaN; the averaged gradient, the same on both ranks, holds NaN.
+    for o in ranks.spawn(nan_body, 2, args=(clip,)):
+        assert not o.ok and o.exc_type == "ValueError" and text in o.message, (o.exc_type, o.message)
 
 
 def bad_clip(value):

@@ -18,7 +18,7 @@ __getitem__ returns: as many rows of X and y as indices, numeric X, integer or f
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
