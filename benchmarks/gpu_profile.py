@@ -49,13 +49,7 @@ def main() -> int:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
     D.finalize()
 
-    torch.manual_seed(0)
-    layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(torch.nn.ReLU())
-    m = torch.nn.Sequential(*layers).cuda()
+    m = gpu_train.build_torch(torch, sizes)
     opt = torch.optim.Adam(m.parameters(), 1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
     Xt, yt = torch.from_numpy(X), torch.from_numpy(y)

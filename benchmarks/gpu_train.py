@@ -61,16 +61,21 @@ def run_cx(backend: str, sizes, X, y, batch: int, epochs: int) -> float:
         D.finalize()
 
 
-def run_torch(sizes, X, y, batch: int, epochs: int) -> float:
-    import torch
-
+def build_torch(torch, sizes):
+    """build_cx's MLP in PyTorch, on the GPU."""
     torch.manual_seed(0)
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
         if i < len(sizes) - 2:
             layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).cuda()
+    return torch.nn.Sequential(*layers).cuda()
+
+
+def run_torch(sizes, X, y, batch: int, epochs: int) -> float:
+    import torch
+
+    model = build_torch(torch, sizes)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
     Xt, yt = torch.from_numpy(X), torch.from_numpy(y)

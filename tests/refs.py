@@ -64,3 +64,19 @@ def expected(world: int, n: int, dtype: str, op: str) -> np.ndarray:
 
 def valid_pair(dtype: str, op: str) -> bool:
     return not (op == "AVG" and dtype in ("int32", "int64", "uint8"))
+
+
+def numeric_grad(f, x, eps=1e-6):
+    """Central differences of scalar f at x (float64), element by element."""
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + eps
+        fp = f()
+        x[i] = old - eps
+        fm = f()
+        x[i] = old
+        g[i] = (fp - fm) / (2 * eps)
+    return g

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pycyxwiz as cx
+from refs import numeric_grad
 
 RNG = np.random.default_rng(2024)
 D = cx.distributed
@@ -450,19 +451,6 @@ def test_a_model_with_residuals_trains_and_zero_grad_reaches_the_blocks():
 
 
 # ---- a whole small ResNet against finite differences ------------------------------------------------
-
-def numeric_grad(f, x, eps=1e-6):
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        old = x[i]
-        x[i] = old + eps
-        fp = f()
-        x[i] = old - eps
-        fm = f()
-        x[i] = old
-        g[i] = (fp - fm) / (2 * eps)
-    return g
-
 
 def small_resnet():
     stem = [cx.Conv2dModule(1, 2, 3, padding=1, seed=1), cx.BatchNorm2dModule(2), cx.ReLUModule()]

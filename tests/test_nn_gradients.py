@@ -6,25 +6,10 @@ import numpy as np
 import pytest
 
 import pycyxwiz as cx
+from refs import numeric_grad
 
 RNG = np.random.default_rng(1234)
 _erf = np.vectorize(math.erf)
-
-
-def numeric_grad(f, x, eps=1e-6):
-    """Central differences of scalar f at x (float64), element by element."""
-    g = np.zeros_like(x)
-    it = np.nditer(x, flags=["multi_index"])
-    for _ in it:
-        i = it.multi_index
-        old = x[i]
-        x[i] = old + eps
-        fp = f()
-        x[i] = old - eps
-        fm = f()
-        x[i] = old
-        g[i] = (fp - fm) / (2 * eps)
-    return g
 
 
 def away_from_zero(shape, margin=0.05):
