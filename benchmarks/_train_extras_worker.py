@@ -9,6 +9,9 @@ Variants (each a fresh model, the same data, the same epochs):
               written after every epoch; EarlyStopping watches the loss with a patience it never runs out of)
   no-files    the same but ModelCheckpoint: what the callbacks cost besides writing 2 checkpoints per epoch
   ema         fit(X, y, callbacks=[EMA]): the per-step part of the callbacks alone
+  checkpoint  fit(X, y, callbacks=[ModelCheckpoint]): the per-epoch writes alone
+  logging     fit(X, y, callbacks=[EarlyStopping, CSVLogger]): what the epoch-end hooks and the ranks' agreement
+              on stopping cost
   dataset     fit(dataset) with a plain cx.data.Dataset over the arrays in memory: the copying loader thread
               every Dataset but a one-file float32 NpyDataset goes through
   npy-warm    fit(NpyDataset) over the same arrays saved as .npy files, in the page cache
@@ -33,7 +36,7 @@ import numpy as np
 from benchmarks._train_worker import BATCH, HIDDEN, IN, LR, OUT, WARMUP_BATCHES, make_data
 from benchmarks._worker_io import run_rank
 
-VARIANTS = ("arrays", "callbacks", "no-files", "ema", "dataset", "npy-warm", "npy-cold")
+VARIANTS = ("arrays", "callbacks", "no-files", "ema", "checkpoint", "logging", "dataset", "npy-warm", "npy-cold")
 
 
 class InMemory:
@@ -101,6 +104,11 @@ def main(argv=None) -> int:
                        C.CSVLogger(os.path.join(tempfile.mkdtemp(dir=work), "log.csv"))]
             elif variant == "ema":
                 cbs = [C.EMA(0.999)]
+            elif variant == "checkpoint":
+                cbs = [C.ModelCheckpoint(tempfile.mkdtemp(dir=work), monitor="loss")]
+            elif variant == "logging":
+                cbs = [C.EarlyStopping(monitor="loss", patience=10**6),
+                       C.CSVLogger(os.path.join(tempfile.mkdtemp(dir=work), "log.csv"))]
             if variant == "dataset":
                 ds = type("InMemoryDataset", (InMemory, cx.data.Dataset), {})(X[:n_samples], y[:n_samples])
                 args = (ds, config)

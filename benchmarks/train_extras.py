@@ -33,6 +33,8 @@ WHAT = {
     "callbacks": "EarlyStopping + ModelCheckpoint + EMA + CSVLogger",
     "no-files": "EarlyStopping + EMA + CSVLogger (no checkpoint files)",
     "ema": "EMA alone",
+    "checkpoint": "ModelCheckpoint alone (best.ckpt and last.ckpt every epoch)",
+    "logging": "EarlyStopping + CSVLogger",
     "dataset": "a Dataset over the arrays (the loader thread)",
     "npy-warm": "NpyDataset, warm page cache",
     "npy-cold": "NpyDataset, cold page cache (fadvise DONTNEED)",

@@ -313,9 +313,7 @@ def _split(n: int, fraction: float, seed: int) -> Optional[Tuple[np.ndarray, np.
 
 
 def _write_checkpoint(members: dict, paths: List[str]) -> None:
-    data = _ckpt_file.pack(members)
-    for p in paths:
-        _ckpt_file.atomic_write(p, data)
+    _ckpt_file.atomic_write(paths, _ckpt_file.pieces(members))  # Note [Packing without copies]
 
 
 def _draws_a_bar(stream) -> bool:
