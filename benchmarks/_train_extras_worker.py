@@ -21,6 +21,10 @@ Each round runs every variant once, the order rotating from round to round; a sh
 variant comes first, untimed. The timed region is the fit call, between two barriers; the parent takes the
 slowest rank. The CPU time of each rank's process over the fit (every thread: the trainer's, the
 communication thread, a loader thread) is recorded too.
+
+--costs (one rank, for benchmarks.train_extras --costs): where each variant's time goes, in CPU time of the
+threads that spend it, which other programs on the machine disturb far less than wall time: the trainer's
+thread over the fit, the part of it spent in the callbacks' hooks, and the checkpoint writer thread's.
 """
 from __future__ import annotations
 
@@ -61,6 +65,32 @@ def evict(paths) -> None:
             os.close(fd)
 
 
+def instrument(costs: dict) -> None:
+    """Counts into `costs` the trainer thread's CPU seconds in callback hooks and the writer thread's in
+    checkpoint writes (wrapping the two functions fit calls for them)."""
+    from pycyxwiz import callbacks
+    from pycyxwiz.distributed import _train
+
+    call, write = callbacks._call, _train._write_checkpoint
+
+    def timed_call(*args):
+        c0 = time.thread_time()
+        try:
+            return call(*args)
+        finally:
+            costs["hooks"] += time.thread_time() - c0
+
+    def timed_write(*args):
+        c0 = time.thread_time()
+        try:
+            return write(*args)
+        finally:
+            costs["writer"] += time.thread_time() - c0
+            costs["saves"] += 1
+
+    callbacks._call, _train._write_checkpoint = timed_call, timed_write
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True, choices=["pycyxwiz"])
@@ -69,10 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--costs", action="store_true", help="record the CPU time of the trainer's thread, the hooks "
+                    "and the checkpoint writer per fit")
     a = ap.parse_args(argv)
 
     def body(comm, report):
         cx = comm.cx
+        costs = {"hooks": 0.0, "writer": 0.0, "saves": 0}
+        if a.costs:
+            instrument(costs)
         X, y = make_data(a.samples_per_rank * comm.world)
         work = tempfile.mkdtemp(prefix=f"cx-extras-r{comm.rank}-")
         shared = os.path.join(tempfile.gettempdir(), f"cx-extras-{os.environ.get('MASTER_PORT', '0')}")
@@ -123,11 +158,12 @@ def main(argv=None) -> int:
             if variant == "npy-cold":
                 evict([xp, yp])
             comm.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            costs.update(hooks=0.0, writer=0.0, saves=0)
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             history = trainer.fit(*args, callbacks=cbs)
-            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds, cpu, mine = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
             comm.barrier()
-            return seconds, cpu, history.train_losses[-1]
+            return seconds, cpu, history.train_losses[-1], dict(costs, thread=mine, steps=trainer._steps)
 
         warm = WARMUP_BATCHES * BATCH * comm.world
         for v in a.variants:
@@ -135,9 +171,10 @@ def main(argv=None) -> int:
         for r in range(a.rounds):
             order = a.variants[r % len(a.variants):] + a.variants[:r % len(a.variants)]
             for v in order:
-                seconds, cpu, loss = fit(v, len(X), a.epochs)
+                seconds, cpu, loss, spent = fit(v, len(X), a.epochs)
                 report.add({"round": r, "variant": v, "seconds": seconds, "cpu_seconds": cpu, "final_loss": float(loss),
-                            "samples": a.samples_per_rank * a.epochs})
+                            "samples": a.samples_per_rank * a.epochs, "epochs": a.epochs, **(
+                                {"costs": spent} if a.costs else {})})
         comm.barrier()
         shutil.rmtree(work, ignore_errors=True)
         if comm.rank == 0:
