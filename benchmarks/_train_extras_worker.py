@@ -24,7 +24,10 @@ communication thread, a loader thread) is recorded too.
 
 --costs (one rank, for benchmarks.train_extras --costs): where each variant's time goes, in CPU time of the
 threads that spend it, which other programs on the machine disturb far less than wall time: the trainer's
-thread over the fit, the part of it spent in the callbacks' hooks, and the checkpoint writer thread's.
+thread over the fit, the part of it spent in the callbacks' hooks, and the checkpoint writer thread's. Then
+(variant "ema-steps") fits of the baseline during which the EMA is switched on and off every 16 steps (through
+the trainer's core, as the EMA callback does), each step timed: the EMA's cost per step, from thousands of
+steps interleaved with steps without it, which the load's drifts hit alike.
 """
 from __future__ import annotations
 
@@ -63,6 +66,35 @@ def evict(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+class EmaToggle:
+    """A callback (made a cx.callbacks.Callback subclass at run time) timing every step, wall and CPU, with the
+    trainer's EMA on for 16 steps, off for 16, and so on; the first step after each switch is not counted."""
+
+    batch_metrics = False
+    BLOCK = 16
+
+    def __init__(self):
+        self.k, self.on, self.last, self.shadow = 0, False, None, None
+        self.times = {True: [], False: []}
+
+    def on_train_begin(self, trainer):
+        self.last = None
+
+    def on_batch_end(self, trainer, step, logs):
+        now = (time.perf_counter(), time.thread_time())
+        if self.last is not None and self.k % self.BLOCK:
+            self.times[self.on].append((now[0] - self.last[0], now[1] - self.last[1]))
+        self.k += 1
+        if self.k % self.BLOCK == 0:
+            if self.on:
+                trainer._core.clear_ema()
+            else:
+                self.shadow = trainer.model.flat_parameters().copy()
+                trainer._core.add_ema(self.shadow, 0.999)
+            self.on = not self.on
+        self.last = (time.perf_counter(), time.thread_time())
 
 
 def instrument(costs: dict) -> None:
@@ -168,6 +200,18 @@ def main(argv=None) -> int:
         warm = WARMUP_BATCHES * BATCH * comm.world
         for v in a.variants:
             fit(v, warm, 1)
+        if a.costs:   # the EMA per step, toggled within fits of the baseline
+            toggle = type("EmaToggleCallback", (EmaToggle, cx.callbacks.Callback), {})()
+            for r in range(max(a.rounds // 3, 1)):
+                model = cx.SequentialModel()
+                model.add(cx.LinearModule(IN, HIDDEN))
+                model.add(cx.ReLUModule())
+                model.add(cx.LinearModule(HIDDEN, OUT))
+                trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(LR))
+                trainer.fit(X, y, cx.distributed.DistributedTrainingConfig(epochs=a.epochs, batch_size=BATCH,
+                                                                           verbose=False), callbacks=[toggle])
+            report.add({"round": 0, "variant": "ema-steps", "with": toggle.times[True], "without": toggle.times[False],
+                        "parameters": int(model.flat_parameters().size)})
         for r in range(a.rounds):
             order = a.variants[r % len(a.variants):] + a.variants[:r % len(a.variants)]
             for v in order:

@@ -24,6 +24,8 @@ import argparse
 import statistics
 import sys
 
+import numpy as np
+
 if __package__ in (None, ""):
     from pathlib import Path
 
@@ -95,6 +97,7 @@ def costs_table(payload: dict, markdown: bool = False) -> str:
     """Medians over rounds of each variant's CPU time against the baseline's in the same round."""
     if not payload["ok"]:
         return f"costs: n/a ({payload['reason']})"
+    toggled = [f for f in payload["fits"] if f["variant"] == "ema-steps"]
     base = {f["round"]: f for f in payload["fits"] if f["variant"] == "arrays"}
     med = statistics.median
     headers = ["variant", "trainer thread, more than none", "of it in hooks", "writer thread", "extra CPU, all",
@@ -115,6 +118,12 @@ def costs_table(payload: dict, markdown: bool = False) -> str:
                      f"{med(x['hooks'] for x in c) / epochs * 1e3:.2f} ms/epoch",
                      f"{med(x['writer'] / max(x['saves'], 1) for x in c) * 1e3:.2f} ms/save" if c[0]["saves"] else "",
                      f"{med(share) * 100:+.1f}%", " ".join(f"{x * 100:+.1f}" for x in share)])
+    for t in toggled:   # the EMA switched on and off every 16 steps within fits of the baseline
+        on, off = np.median(np.array(t["with"]), axis=0), np.median(np.array(t["without"]), axis=0)  # (wall, CPU)
+        rows.append([f"EMA per step, on and off every 16 steps ({len(t['with'])} and {len(t['without'])} steps; "
+                     f"a step without: {off[1] * 1e6:.0f} us CPU)",
+                     f"{(on[1] - off[1]) * 1e6:+.1f} us/step CPU ({(on[0] - off[0]) * 1e6:+.1f} us wall)", "", "",
+                     f"{(on[1] / off[1] - 1) * 100:+.1f}% (wall {(on[0] / off[0] - 1) * 100:+.1f}%)", "medians of steps"])
     base_fit = med(f["costs"]["thread"] for f in base.values()) / payload["epochs"]
     title = (f"trainer extras, where the CPU time goes: 1 rank, {payload['samples_per_rank']} samples/epoch "
              f"({base_fit * 1e3:.0f} ms of CPU per epoch with no callbacks), {payload['epochs']} epochs per fit, "

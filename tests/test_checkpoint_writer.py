@@ -130,3 +130,13 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
                                 _ckpt_file.pieces(members()))
     assert sorted(os.listdir(tmp_path)) == ["best.ckpt", "last.ckpt"]
     assert os.path.isdir(tmp_path / "last.ckpt")
+
+
+def test_without_writev_the_pieces_are_written_one_by_one(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "writev")     # as on Windows
+    path = str(tmp_path / "c.ckpt")
+    m = members()
+    _ckpt_file.atomic_write(path, _ckpt_file.pieces(m))
+    out = load(path)
+    for name, arr in m.items():
+        assert np.array_equal(out[name], arr), name

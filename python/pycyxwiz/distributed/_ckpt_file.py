@@ -73,13 +73,14 @@ def pieces(members: Dict[str, np.ndarray]) -> List[memoryview]:
         z.writestr(MANIFEST, json.dumps({"algorithm": "sha256", "members": digests}, sort_keys=True))
         z.comment = _TAG + b"0" * _HEX
     parts = out.parts
-    last = parts[-1]   # the comment, zipfile's last write
-    assert bytes(last[-_HEX - len(_TAG):]) == _TAG + b"0" * _HEX, "zipfile wrote the comment in pieces"
+    if parts[-1].nbytes < _HEX:   # zipfile writes the comment last, in one piece; if not, join the pieces
+        parts = [memoryview(b"".join(parts))]
+    last = parts[-1]
     h = hashlib.sha256()
     for part in parts[:-1]:
         h.update(part)
     h.update(last[:-_HEX])
-    parts[-1] = memoryview(bytes(last[:-_HEX]) + h.hexdigest().encode())
+    parts[-1] = memoryview(bytes(last[:-_HEX]) + h.hexdigest().encode())  # the digest over the placeholder
     return parts
 
 
@@ -93,6 +94,12 @@ def _npy_header(arr: np.ndarray) -> bytes:
         head = io.BytesIO()
         np.lib.format.write_array_header_2_0(head, d)
     return head.getvalue()
+
+
+def _bytes_of(data: Any) -> memoryview:
+    """A flat byte view of any buffer (bytes, a memoryview of an array's memory), no copy."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class _Pieces:
@@ -117,9 +124,7 @@ class _Pieces:
         pass
 
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = _bytes_of(data)
         n = view.nbytes
         if self._pos == self._size:
             if n:
@@ -329,13 +334,14 @@ def _write_one(path: str, parts: List[Any]) -> None:
 
 
 def _write_all(fd: int, parts: List[Any]) -> None:
-    """Every byte of parts to fd: os.writev (the GIL released, no copy), resuming after short writes."""
-    views = [v for v in (memoryview(p).cast("B") if memoryview(p).format != "B" or memoryview(p).ndim != 1
-                         else memoryview(p) for p in parts) if v.nbytes]
+    """Every byte of parts to fd: os.writev (the GIL released, no copy), resuming after short writes; os.write
+    of each where there is no writev (Windows)."""
+    views = [v for v in map(_bytes_of, parts) if v.nbytes]
+    writev = getattr(os, "writev", None)
     i = 0
     while i < len(views):
         batch = views[i:i + _IOV]
-        n = os.writev(fd, batch)
+        n = writev(fd, batch) if writev is not None else os.write(fd, batch[0])
         for v in batch:
             if n >= v.nbytes:
                 n -= v.nbytes
