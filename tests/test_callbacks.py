@@ -246,12 +246,11 @@ OPTIMIZERS = {
 }
 
 
-def ema_chunks_body(optimizer, shard):
+def ema_optimizer_body(optimizer, shard):
     Xtr, ytr, _, _ = data(256, 64)
     out = []
     for with_ema in (False, True):
-        # 64*97 + 97 + 97*10 + 10 = 7285 parameters: the optimizer's pass runs in two chunks of 4096 and a
-        # last one whose tail (7285 is 5 past a multiple of 8) the kernels take one element at a time.
+        # 64*97 + 97 + 97*10 + 10 = 7285 parameters, a tail (5 past a multiple of 8) the kernels take one at a time.
         model = mlp(seed=5, hidden=97)
         trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), OPTIMIZERS[optimizer]())
         seen, ema = ParamsPerStep(), C.EMA(decay=0.8)
@@ -264,13 +263,12 @@ def ema_chunks_body(optimizer, shard):
 
 @pytest.mark.parametrize("optimizer, shard", [("sgd-nesterov", False), ("adam", False), ("adamw", False),
                                               ("rmsprop", False), ("adam", True)])
-def test_ema_in_the_optimizers_pass_is_the_recurrence_and_leaves_the_same_parameters(optimizer, shard):
-    # Note [EMA in the optimizer's pass]: with an EMA the optimizer updates the parameters chunk by chunk, each
-    # chunk's average right after it; under ZeRO-1 (shard) the update is made in the next step instead.
-    for (plain, _, plain_steps, _), (params, first, steps, shadow) in ranks.run(ema_chunks_body, 2,
+def test_ema_with_every_optimizer_is_the_recurrence_and_leaves_the_parameters_alone(optimizer, shard):
+    # Note [EMA off the critical path]: the update owed by a step is made in the next, after backward.
+    for (plain, _, plain_steps, _), (params, first, steps, shadow) in ranks.run(ema_optimizer_body, 2,
                                                                                 args=(optimizer, shard)):
         assert params.size == 7285 and len(steps) == 2 * (256 // 2 // 32)
-        assert np.array_equal(params, plain)       # the same bits as the optimizer's one pass without an EMA
+        assert np.array_equal(params, plain)       # the same bits as without an EMA
         assert all(np.array_equal(a, b) for a, b in zip(steps, plain_steps))
         ema = first.copy()
         for p in steps:

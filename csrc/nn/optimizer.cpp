@@ -1,6 +1,5 @@
 #include "nn/optimizer.h"
 
-#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -39,18 +38,7 @@ void Optimizer::step(float* params, const float* grads, size_t n) {
   CX_CHECK(n == n_, InvalidArgument, type_name(), "Optimizer.step: its state was built for ", n_,
            " parameters, this model has ", n, "; use one optimizer per model");
   ++t_;
-  if (!after_update_) {
-    update(params, grads, n, 0);
-    return;
-  }
-  // Chunks of 4096 floats (16 KiB per array): a multiple of every kernel's vector width, so each
-  // element takes the same path (vector or scalar tail) as in one pass.
-  constexpr size_t kChunk = 4096;
-  for (size_t off = 0; off < n; off += kChunk) {
-    const size_t len = std::min(kChunk, n - off);
-    update(params + off, grads + off, len, off);
-    after_update_(params + off, off, len);
-  }
+  update(params, grads, n);
 }
 
 size_t Optimizer::state_numel() const {
@@ -125,8 +113,8 @@ std::string SGDOptimizer::repr() const {
      << ", weight_decay=" << weight_decay_ << ")";
   return os.str();
 }
-void SGDOptimizer::update(float* p, const float* g, size_t n, size_t offset) {
-  kernels::sgd(p, g, momentum_ != 0.0 ? buf_.data() + offset : nullptr, n, static_cast<float>(lr_),
+void SGDOptimizer::update(float* p, const float* g, size_t n) {
+  kernels::sgd(p, g, momentum_ != 0.0 ? buf_.data() : nullptr, n, static_cast<float>(lr_),
                static_cast<float>(momentum_), nesterov_, static_cast<float>(weight_decay_));
 }
 std::vector<std::pair<std::string, std::vector<float>*>> SGDOptimizer::state_arrays() {
@@ -177,9 +165,9 @@ AdamOptimizer::StepFactors AdamOptimizer::step_factors(int64_t step) const {
   return f;
 }
 
-void AdamOptimizer::update(float* p, const float* g, size_t n, size_t offset) {
+void AdamOptimizer::update(float* p, const float* g, size_t n) {
   const StepFactors f = step_factors(t_);
-  kernels::adam(p, g, m_.data() + offset, v_.data() + offset, n, f.beta1, f.beta2, f.eps, f.step_size, f.inv_bc2_sqrt, f.l2, f.decay);
+  kernels::adam(p, g, m_.data(), v_.data(), n, f.beta1, f.beta2, f.eps, f.step_size, f.inv_bc2_sqrt, f.l2, f.decay);
 }
 std::vector<std::pair<std::string, std::vector<float>*>> AdamOptimizer::state_arrays() {
   return {{"exp_avg", &m_}, {"exp_avg_sq", &v_}};
@@ -214,8 +202,8 @@ std::string RMSpropOptimizer::repr() const {
      << ", momentum=" << momentum_ << ")";
   return os.str();
 }
-void RMSpropOptimizer::update(float* p, const float* g, size_t n, size_t offset) {
-  kernels::rmsprop(p, g, v_.data() + offset, momentum_ != 0.0 ? buf_.data() + offset : nullptr, n, static_cast<float>(lr_),
+void RMSpropOptimizer::update(float* p, const float* g, size_t n) {
+  kernels::rmsprop(p, g, v_.data(), momentum_ != 0.0 ? buf_.data() : nullptr, n, static_cast<float>(lr_),
                    static_cast<float>(alpha_), static_cast<float>(eps_), static_cast<float>(momentum_),
                    static_cast<float>(weight_decay_));
 }

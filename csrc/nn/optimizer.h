@@ -18,7 +18,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -49,13 +48,6 @@ class Optimizer {
   // sized by the first call; later calls must pass the same n.
   void step(float* params, const float* grads, size_t n);
   void zero_grad(SequentialModel& model) { model.zero_grad(); }
-  // Called by step(float*...) after each chunk of the update with the chunk's new
-  // values (params + offset, n of them) while they are still in cache: the
-  // trainer's EMA (Note [EMA in the optimizer's pass] in train/ema.h). Unset
-  // (the default): one pass, no chunks. The update is elementwise, so the
-  // chunks leave the same bits as one pass.
-  using AfterUpdate = std::function<void(const float* params, size_t offset, size_t n)>;
-  void set_after_update(AfterUpdate f) { after_update_ = std::move(f); }
 
   double lr() const { return lr_; }
   void set_lr(double lr);
@@ -88,9 +80,7 @@ class Optimizer {
   void to_host(cuda::Device& dev, const DeviceArrays& state);
 
  protected:
-  // p, g: n parameters and gradients from parameter `offset` on (the state's
-  // elements from there). t_ already counts this step.
-  virtual void update(float* p, const float* g, size_t n, size_t offset) = 0;
+  virtual void update(float* p, const float* g, size_t n) = 0;  // t_ already counts this step
   // The same on the device; state: the DeviceArrays' pointers (null where unused).
   virtual void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) = 0;
   // Named state arrays, allocated on the first step.
@@ -102,7 +92,6 @@ class Optimizer {
   double lr_;
   int64_t t_ = 0;
   size_t n_ = 0;  // parameters the state was built for (0: not yet)
-  AfterUpdate after_update_;
 };
 
 class SGDOptimizer : public Optimizer {
@@ -112,7 +101,7 @@ class SGDOptimizer : public Optimizer {
   std::string repr() const override;
 
  protected:
-  void update(float* p, const float* g, size_t n, size_t offset) override;
+  void update(float* p, const float* g, size_t n) override;
   void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
@@ -141,7 +130,7 @@ class AdamOptimizer : public Optimizer {
   StepFactors step_factors(int64_t t) const;
 
  protected:
-  void update(float* p, const float* g, size_t n, size_t offset) override;
+  void update(float* p, const float* g, size_t n) override;
   void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
@@ -169,7 +158,7 @@ class RMSpropOptimizer : public Optimizer {
   std::string repr() const override;
 
  protected:
-  void update(float* p, const float* g, size_t n, size_t offset) override;
+  void update(float* p, const float* g, size_t n) override;
   void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;

@@ -22,29 +22,17 @@ BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   BatchStats s = loss_of(out, y);
   const nn::Tensor& g = loss_->backward();
   ddp_->backward(g.data(), g.shape(), /*input_grad=*/false);
-  // The EMAs (Note [EMA in the optimizer's pass] in ema.h): updated by the optimizer's pass, or under
-  // ZeRO-1 owed by a step and settled in the next, here while the buckets are reduced.
-  averages_.settle(model_->flat_params());
+  averages_.settle(model_->flat_params());  // the last step's EMA update, while the buckets are reduced
   if (zero_) {
     zero_->step(clip_);  // clips its shard between the reduce-scatter and the step
-    averages_.owe();
   } else {
     if (clip_.on()) {
       ddp_->sync_gradients();  // the average over ranks, then update_parameters has nothing left to sync
       clip_gradients(model_->flat_grads(), model_->num_parameters(), clip_, nullptr, group_->rank());
     }
-    if (averages_.empty()) {
-      ddp_->update_parameters(*opt_);
-    } else {
-      struct Unset {
-        nn::Optimizer& opt;
-        ~Unset() { opt.set_after_update(nullptr); }
-      } unset{*opt_};
-      opt_->set_after_update(
-          [this](const float* p, size_t offset, size_t n) { averages_.update_range(p, offset, n); });
-      ddp_->update_parameters(*opt_);
-    }
+    ddp_->update_parameters(*opt_);
   }
+  averages_.owe();
   return s;
 }
 

@@ -35,7 +35,7 @@ class CpuEngine : public Engine {
   void set_zero(std::shared_ptr<ZeroRedundancyOptimizer> zero) { zero_ = std::move(zero); }
   // Clipping of the averaged gradient before every step (grad_clip.h); off by default.
   void set_grad_clip(const GradClip& clip) { clip_ = clip; }
-  // The EMAs of the parameters updated after every step (Note [EMA in the optimizer's pass] in ema.h).
+  // The EMAs of the parameters updated after every step (Note [EMA off the critical path] in ema.h).
   ParameterAverages& averages() { return averages_; }
 
  private:

@@ -10,23 +10,17 @@
 // AVX2 and for baseline x86-64 (target_clones, picked at load time), neither
 // with FMA, so the compiler cannot fuse the multiply and the add.
 //
-// Note [EMA in the optimizer's pass]
-// A separate update streams the shadow and the parameters: 2.4 MB for the 200k
-// parameters of the MLP benchmark, about 35 us, 3-4% of its 1.5 ms step where
-// two ranks share two cores (hiding it while the gradients are all-reduced, as
-// below, needs an idle core). The optimizer's own step has just written every
-// parameter, so the engine has it call ParameterAverages::update_range after
-// each 16 KiB chunk of its update (nn::Optimizer::set_after_update): the new
-// parameters are read from L1 instead of memory, and the chunk's shadow update
-// overlaps the optimizer's next chunk. What is left is the shadow's own read
-// and write (benchmarks/train_extras.py measures it).
-// Under ZeRO-1 the optimizer steps only this rank's shard, and the other
-// shards arrive by all-gather after it: there the update is owed after the step
-// and settled in the next step after backward, while DDP's buckets would be in
-// flight (ZeRO-1 reduces nothing during backward, so it is simply paid there).
-// Whoever reads a shadow or writes the parameters between steps settles first
-// (TrainerCore::settle_ema: the EMA callback's accessors, checkpoints, the end
-// of fit); Python pays nothing per step.
+// Note [EMA off the critical path]
+// The update streams the shadow and the parameters: 2.4 MB for the 200k
+// parameters of the MLP benchmark, about 35 us, 3-4% of its 1 ms step, and
+// memory-bound (no faster kernel exists). The update owed for step k only needs
+// the parameters as step k left them, and they do not change until step k+1's
+// optimizer step. So the engine settles it in step k+1 after backward, while
+// DDP's bucket all-reduces are in flight and the trainer's thread would only
+// wait for them (with one rank, or under ZeRO-1, which reduces nothing during
+// backward, it is simply paid there). Whoever reads a shadow or writes the
+// parameters between steps settles first (TrainerCore::settle_ema: the EMA
+// callback's accessors, checkpoints, the end of fit); Python pays nothing per step.
 #pragma once
 
 #include <cstddef>
@@ -49,12 +43,7 @@ class ParameterAverages {
   bool empty() const { return avgs_.empty(); }
   // An optimizer step happened: every shadow owes an update.
   void owe() { owed_ = !avgs_.empty(); }
-  // Updates every shadow's elements [offset, offset + n) from those n parameters' new
-  // values, `params` (Note [EMA in the optimizer's pass]).
-  void update_range(const float* params, size_t offset, size_t n) {
-    for (const Avg& a : avgs_) ema_update(a.shadow + offset, params, n, a.decay);
-  }
-  // Makes the owed update from `params`, as the step left them (Note [EMA in the optimizer's pass]).
+  // Makes the owed update from `params`, as the step left them (Note [EMA off the critical path]).
   void settle(const float* params) {
     if (!owed_) return;
     for (const Avg& a : avgs_) ema_update(a.shadow, params, a.n, a.decay);

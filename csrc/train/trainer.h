@@ -86,9 +86,9 @@ class TrainerCore {
   void set_grad_clip(const GradClip& clip);
   // cx.callbacks.EMA: `shadow` (one float per parameter, kept alive by the caller until
   // clear_ema) follows decay * shadow + (1 - decay) * params after every step, its
-  // update made in the optimizer's pass, or under ZeRO-1 settled lazily (Note [EMA
-  // in the optimizer's pass] in ema.h): settle_ema() before reading a shadow or
-  // writing the parameters between steps. The GPU engine refuses it.
+  // update settled lazily (Note [EMA off the critical path] in ema.h): settle_ema()
+  // before reading a shadow or writing the parameters between steps. The GPU engine
+  // refuses it.
   void add_ema(float* shadow, size_t n, double decay);
   void settle_ema();
   void clear_ema();

@@ -270,11 +270,10 @@ class EMA(Callback):
         with ema.average_parameters(model):            # evaluate with the averaged weights
             loss, acc = trainer.evaluate(X_test, y_test)
 
-    The update is float32 in C++ (exactly NumPy's np.float32(decay) * ema + np.float32(1 - decay) *
-    params), made by the trainer's engine where it costs least: inside the optimizer's pass over the
-    parameters, chunk by chunk while they are in cache (under ZeRO-1, in the next step while the
-    gradients are being reduced: Note [EMA in the optimizer's pass] in csrc/train/ema.h); reading
-    the average settles any update still owed. `evaluate=True`: fit's
+    The update is one float32 pass over the flat parameters in C++ (exactly NumPy's
+    np.float32(decay) * ema + np.float32(1 - decay) * params), made by the trainer's engine where it
+    costs least: in the next step, while the gradients are being all-reduced (Note [EMA off the
+    critical path] in csrc/train/ema.h); reading the average settles it first. `evaluate=True`: fit's
     validation (val_loss, val_accuracy, so what EarlyStopping and ModelCheckpoint see) uses the
     averaged weights. The average is saved in the trainer's checkpoints and restored on resume
     (EMA.from_checkpoint(path) reads it from a file). CPU training only for now.

@@ -551,8 +551,7 @@ class DistributedTrainer:
         return history
 
     def _end_averages(self, cbs: List[_callbacks.Callback]) -> None:
-        """The EMAs get any update still owed and are no longer updated (Note [EMA in the optimizer's pass] in
-        csrc/train/ema.h)."""
+        """The EMAs get the last step's update and are no longer updated (Note [EMA off the critical path])."""
         self._core.settle_ema()
         self._core.clear_ema()
         for cb in cbs:
