@@ -79,8 +79,8 @@ class EmaToggle:
         self.k, self.on, self.last, self.shadow = 0, False, None, None
         self.times = {True: [], False: []}
 
-    def on_train_begin(self, trainer):
-        self.last = None
+    def on_train_begin(self, trainer):   # a new trainer: no EMA yet
+        self.k, self.on, self.last = 0, False, None
 
     def on_batch_end(self, trainer, step, logs):
         now = (time.perf_counter(), time.thread_time())
