@@ -27,7 +27,7 @@ import os
 import socket
 import time
 import zipfile
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union, cast
 
 import numpy as np
 
@@ -55,11 +55,11 @@ def pieces(members: Dict[str, np.ndarray]) -> List[memoryview]:
     the pieces are written). b"".join(pieces(m)) == pack(m)."""
     digests = {}
     out = _Pieces()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+    with zipfile.ZipFile(cast(Any, out), "w", zipfile.ZIP_STORED) as z:
         for name, arr in members.items():
             arr = np.ascontiguousarray(arr)
             header = _npy_header(arr)
-            body = memoryview(arr.reshape(-1).view(np.uint8))
+            body = arr.reshape(-1).view(np.uint8).data   # the array's memory, not a copy
             info = zipfile.ZipInfo(name + ".npy", date_time=time.localtime(time.time())[:6])
             info.compress_type = zipfile.ZIP_STORED
             info.external_attr = 0o600 << 16
