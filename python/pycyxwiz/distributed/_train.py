@@ -1075,7 +1075,7 @@ class DistributedTrainer:
     # of 0.2 s there. So its saves copy the state out on the trainer's thread (the members are the trainer's own
     # copies, made as for any save, collectively under ZeRO-1; about 3 ms of CPU, half of it the model's bytes)
     # and leave packing and writing to one writer thread: about 9 ms of CPU per save (two SHA-256 passes and a
-    # CRC-32 over the bytes, the write), down from 19-28 ms when packing copied through io.BytesIO (Note
+    # CRC-32 over the bytes, the write), down from 17-28 ms when packing copied through io.BytesIO (Note
     # [Packing without copies] in _ckpt_file.py), and one file for best.ckpt and last.ckpt when both are due
     # (Note [One file for best.ckpt and last.ckpt]). The writer holds the GIL only for zipfile's bookkeeping:
     # hashing, CRC and writev release it. At most one save is in flight: the next waits for it, and so does the
