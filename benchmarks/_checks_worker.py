@@ -1,12 +1,13 @@
 """One rank of the checks-cost benchmark (benchmarks.checks): the same trainer, the same data, fit with
-the non-finite gradient check on ("raise") and off, alternating, in one process.
+the non-finite gradient check off, on ("raise": each rank reads the average) and on with the verdict agreed
+by a small all-reduce ("message"), in turn, in one process.
 
     python -m benchmarks._checks_worker --lib pycyxwiz --out DIR --model mlp --rounds 6 --samples-per-rank 4096
 
 The MLP and the CNN are benchmarks.train's and benchmarks.cnn's (784-256-10 with Adam, batch 64; the
 ResNet-8-like network with SGD, batch 32). One untimed warm-up epoch, then `rounds` rounds of one epoch
-each with the check off and one with it on, in the order off/on, on/off, off/on, ... (so neither setting
-always runs first); each epoch is timed between two barriers and the parent takes the slowest rank's.
+per setting, the order rotating each round (so no setting always runs first); each epoch is timed between
+two barriers and the parent takes the slowest rank's.
 
 With --collective, instead: `calls` all_reduces of 8 floats (and of 256 KiB) through cx.distributed, the
 cost of CX_DEBUG=DETAIL's call-site comparison (the parent runs this job with CX_DEBUG off and DETAIL,
@@ -43,8 +44,10 @@ def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), opt)
 
     def epoch(mode: str) -> float:
+        trainer.ddp._agree_by_message = mode == "message"
         config = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=batch, verbose=False,
-                                                          nonfinite=mode, check_every_n_steps=0)
+                                                          nonfinite="off" if mode == "off" else "raise",
+                                                          check_every_n_steps=0)
         comm.barrier()
         t0 = time.perf_counter()
         trainer.fit(X, y, config)
@@ -53,9 +56,10 @@ def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
         return seconds
 
     epoch("off")  # warm-up
-    times: dict = {"off": [], "raise": []}
+    modes = ("off", "raise", "message")
+    times: dict = {m: [] for m in modes}
     for r in range(rounds):
-        for mode in (("off", "raise") if r % 2 == 0 else ("raise", "off")):
+        for mode in modes[r % 3:] + modes[:r % 3]:  # each setting first, second and third in turn
             times[mode].append(epoch(mode))
     return {"times": times, "batch": batch, "samples": samples_per_rank}
 

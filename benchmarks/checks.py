@@ -5,8 +5,9 @@ call-site comparison on a loop of all_reduces.
     python -m benchmarks.checks                       # 2 ranks; MLP and CNN; 6 rounds each
     python -m benchmarks.checks --rounds 10 --skip-cnn
 
-Training: one job per model; in it the same trainer fits one epoch with the check off, one with it on,
-alternating (benchmarks/_checks_worker.py), and the ratio on/off is taken per round (the slowest rank's
+Training: one job per model; in it the same trainer fits one epoch with the check off, one with it on
+(each rank reads the average) and one with it on agreed by a small all-reduce, in turn
+(benchmarks/_checks_worker.py), and the ratio on/off is taken per round (the slowest rank's
 epoch time each); the table gives the median and the range of the per-round ratios. CX_DEBUG: jobs with
 CX_DEBUG off and DETAIL alternate (`--debug-rounds` pairs), each timing a loop of all_reduces; the ratio
 is per pair. Ratios only: the machine is shared and absolute times move 10-30% from run to run.
@@ -32,11 +33,15 @@ def train_ratios(model: str, world: int, rounds: int, samples: int, timeout_s: f
     if not run.ok:
         return {"model": model, "ok": False, "reason": run.reason}
     per_rank = [r["steps"][0]["times"] for r in run.ranks]
+    out = {"model": model, "ok": True, "load": run.load}
     off = [max(t["off"][i] for t in per_rank) for i in range(rounds)]
-    on = [max(t["raise"][i] for t in per_rank) for i in range(rounds)]
-    ratios = [b / a for a, b in zip(off, on)]
-    return {"model": model, "ok": True, "off_s": off, "on_s": on, "ratios": ratios,
-            "median_ratio": statistics.median(ratios), "best_ratio": min(on) / min(off), "load": run.load}
+    out["off_s"] = off
+    for mode in ("raise", "message"):
+        on = [max(t[mode][i] for t in per_rank) for i in range(rounds)]
+        ratios = [b / a for a, b in zip(off, on)]
+        out[mode] = {"on_s": on, "ratios": ratios, "median_ratio": statistics.median(ratios),
+                     "best_ratio": min(on) / min(off)}
+    return out
 
 
 def debug_ratios(world: int, pairs: int, calls: int, timeout_s: float) -> dict:
@@ -79,8 +84,10 @@ def main(argv=None) -> int:
         r = train_ratios(model, a.world, a.rounds, samples, 1800)
         payload["train"].append(r)
         if r["ok"]:
-            rows.append([f"{model} fit, nonfinite='raise' vs 'off'", f"{r['median_ratio']:.3f}",
-                         f"{min(r['ratios']):.3f} - {max(r['ratios']):.3f}", f"{r['best_ratio']:.3f}"])
+            for mode, what in (("raise", "'raise' vs 'off'"), ("message", "'raise' agreed by message vs 'off'")):
+                m = r[mode]
+                rows.append([f"{model} fit, {what}", f"{m['median_ratio']:.3f}",
+                             f"{min(m['ratios']):.3f} - {max(m['ratios']):.3f}", f"{m['best_ratio']:.3f}"])
         else:
             rows.append([model, "n/a", r["reason"], ""])
     if a.debug_rounds:

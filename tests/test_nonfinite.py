@@ -33,7 +33,8 @@ def param_offset(model, index):
     return int(sum(p.size for p in model.parameters()[:index]))
 
 
-def inject_body(mode, bad_rank, value, param, hook="none", zero=False, overlap=False, steps=3, at=1):
+def inject_body(mode, bad_rank, value, param, hook="none", zero=False, overlap=False, steps=3, at=1,
+                by_message=False):
     """Trains `steps` SGD steps; at step `at` rank `bad_rank`'s own gradient of parameter tensor `param`
     gets `value` (after backward, before the reduction: under no_sync, or, with `overlap`, through a
     grad_output whose first element is `value`, so the buckets launched during backward carry it).
@@ -47,6 +48,7 @@ def inject_body(mode, bad_rank, value, param, hook="none", zero=False, overlap=F
         cfg.powersgd.start_powerSGD_iter = 0
         cfg.powersgd.min_compression_rate = 0.0
     ddp = D.DistributedDataParallel(model, cfg)
+    ddp._agree_by_message = by_message  # the two ways ranks agree (Note [Non-finite gradients])
     opt = cx.SGDOptimizer(0.1)
     step_with = D.ZeroRedundancyOptimizer(ddp, opt) if zero else opt
     loss = cx.MSELoss()
@@ -88,10 +90,11 @@ def check_equal_params(res, step):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_raise_names_the_step_the_parameter_and_the_bad_rank_on_every_rank(world, value):
+@pytest.mark.parametrize("value, by_message", [(np.nan, False), (np.inf, False), (np.nan, True)])
+def test_raise_names_the_step_the_parameter_and_the_bad_rank_on_every_rank(world, value, by_message):
     bad = world - 1
-    res = ranks.run(inject_body, world, args=("raise", bad, value, 2), timeout=120)
+    res = ranks.run(inject_body, world, args=("raise", bad, value, 2, "none", False, False, 3, 1, by_message),
+                    timeout=120)
     for r, (out, skipped, seen) in enumerate(res):
         err = out[1][0]
         assert err.startswith(f"DistributedDataParallel (rank {r}): step 2: the gradient averaged over the {world} "

@@ -398,12 +398,14 @@ void DistributedDataParallel::sync_gradients() {
   }
   for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
-  // Note [Non-finite gradients]: the agreement travels right behind the last bucket.
+  // Note [Non-finite gradients]: with by_message_, the agreement travels right behind the last bucket.
   const bool check = checking();
-  std::vector<double>* msg = check ? &check_->pack() : nullptr;
-  if (check && group_->size() > 1)
-    in_flight_.push_back(group_->all_reduce(msg->data(), msg->size(), distributed::DataType::kFloat64,
-                                            distributed::ReduceOp::kSum, true));
+  if (check && by_message_) {
+    std::vector<double>& msg = check_->pack();
+    if (group_->size() > 1)
+      in_flight_.push_back(group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64,
+                                              distributed::ReduceOp::kSum, true));
+  }
   wait_in_flight();
   if (hook_) hook_->end_step();
   if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;
@@ -411,9 +413,15 @@ void DistributedDataParallel::sync_gradients() {
   any_unsynced_ = false;
   ++steps_;
   skip_pending_ = false;
-  if (check) {
+  if (check && by_message_) {
     const double limit = hook_ && hook_->kind() == CommHookKind::kFp16 ? 65504.0 * group_->size() : FLT_MAX / 2;
     act_on(check_->decide(model_->flat_grads(), limit));
+  } else if (check) {
+    // The average is the same bytes on every rank: each reads it and every rank finds the same. Only a bad
+    // step communicates, to learn whose own gradient was bad (every rank gets here alike).
+    NonFiniteVerdict v = check_->decide_local(model_->flat_grads());
+    if (v.bad) check_->name_ranks(v, *group_);
+    act_on(v);
   }
 }
 

@@ -146,6 +146,17 @@ NonFiniteVerdict NonFiniteCheck::decide_local(const float* g) {
   return v;
 }
 
+void NonFiniteCheck::name_ranks(NonFiniteVerdict& v, distributed::ProcessGroup& group) {
+  std::vector<double> bad(static_cast<size_t>(world_), 0.0);
+  bad[static_cast<size_t>(rank_)] = static_cast<double>(v.own.size());
+  if (world_ > 1)
+    group.all_reduce(bad.data(), bad.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
+  v.ranks.clear();
+  for (int r = 0; r < world_; ++r)
+    if (bad[static_cast<size_t>(r)] > 0.5) v.ranks.push_back(r);
+  v.ranks_known = true;
+}
+
 namespace {
 std::string list_params(const nn::SequentialModel& m, const std::vector<std::pair<size_t, size_t>>& ps) {
   std::ostringstream os;

@@ -47,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/process_group.h"
 #include "nn/sequential.h"
 #include "train/buckets.h"
 
@@ -89,6 +90,9 @@ class NonFiniteCheck {
   // join(): no agreement message; the averaged gradient (the same on every
   // active rank) is read whole. Resets the scan.
   NonFiniteVerdict decide_local(const float* g);
+  // A bad step found by decide_local on every rank: one SUM all-reduce of world float64s names the ranks
+  // whose own gradient was bad (collective; every rank calls it for the same step).
+  void name_ranks(NonFiniteVerdict& v, distributed::ProcessGroup& group);
 
   // The error/warning text: who ("DistributedDataParallel (rank R)"), step,
   // what was found, the likely cause (`fp16`: the fp16 hook was on) and what
