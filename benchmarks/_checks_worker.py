@@ -1,6 +1,6 @@
 """One rank of the checks-cost benchmark (benchmarks.checks): the same trainer, the same data, fit with
-the non-finite gradient check off, on ("raise": each rank reads the average) and on with the verdict agreed
-by a small all-reduce ("message"), in turn, in one process.
+the non-finite gradient check off, on ("raise": the verdict agreed by a small all-reduce, the default) and
+on with each rank reading the average instead ("read"), in turn, in one process.
 
     python -m benchmarks._checks_worker --lib pycyxwiz --out DIR --model mlp --rounds 6 --samples-per-rank 4096
 
@@ -44,7 +44,7 @@ def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), opt)
 
     def epoch(mode: str) -> float:
-        trainer.ddp._agree_by_message = mode == "message"
+        trainer.ddp._agree_by_message = mode != "read"
         config = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=batch, verbose=False,
                                                           nonfinite="off" if mode == "off" else "raise",
                                                           check_every_n_steps=0)
@@ -56,7 +56,7 @@ def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
         return seconds
 
     epoch("off")  # warm-up
-    modes = ("off", "raise", "message")
+    modes = ("off", "raise", "read")
     times: dict = {m: [] for m in modes}
     for r in range(rounds):
         for mode in modes[r % 3:] + modes[:r % 3]:  # each setting first, second and third in turn

@@ -6,7 +6,7 @@ call-site comparison on a loop of all_reduces.
     python -m benchmarks.checks --rounds 10 --skip-cnn
 
 Training: one job per model; in it the same trainer fits one epoch with the check off, one with it on
-(each rank reads the average) and one with it on agreed by a small all-reduce, in turn
+(agreed by a small all-reduce, the default) and one with it on where each rank reads the average, in turn
 (benchmarks/_checks_worker.py), and the ratio on/off is taken per round (the slowest rank's
 epoch time each); the table gives the median and the range of the per-round ratios. CX_DEBUG: jobs with
 CX_DEBUG off and DETAIL alternate (`--debug-rounds` pairs), each timing a loop of all_reduces; the ratio
@@ -36,7 +36,7 @@ def train_ratios(model: str, world: int, rounds: int, samples: int, timeout_s: f
     out = {"model": model, "ok": True, "load": run.load}
     off = [max(t["off"][i] for t in per_rank) for i in range(rounds)]
     out["off_s"] = off
-    for mode in ("raise", "message"):
+    for mode in ("raise", "read"):
         on = [max(t[mode][i] for t in per_rank) for i in range(rounds)]
         ratios = [b / a for a, b in zip(off, on)]
         out[mode] = {"on_s": on, "ratios": ratios, "median_ratio": statistics.median(ratios),
@@ -72,19 +72,20 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp-samples", type=int, default=4096)
     ap.add_argument("--cnn-samples", type=int, default=256)
     ap.add_argument("--skip-cnn", action="store_true")
+    ap.add_argument("--skip-train", action="store_true", help="only the CX_DEBUG part")
     ap.add_argument("--debug-rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=2000)
     a = ap.parse_args(argv)
     payload: dict = {"benchmark": "checks", "world": a.world, "rounds": a.rounds, "train": [], "debug": None}
     rows = []
     for model, samples in (("mlp", a.mlp_samples), ("cnn", a.cnn_samples)):
-        if model == "cnn" and a.skip_cnn:
+        if a.skip_train or (model == "cnn" and a.skip_cnn):
             continue
         print(f"  {model}: {a.rounds} rounds of one epoch off / on ...", flush=True)
         r = train_ratios(model, a.world, a.rounds, samples, 1800)
         payload["train"].append(r)
         if r["ok"]:
-            for mode, what in (("raise", "'raise' vs 'off'"), ("message", "'raise' agreed by message vs 'off'")):
+            for mode, what in (("raise", "'raise' vs 'off'"), ("read", "'raise', each rank reading, vs 'off'")):
                 m = r[mode]
                 rows.append([f"{model} fit, {what}", f"{m['median_ratio']:.3f}",
                              f"{min(m['ratios']):.3f} - {max(m['ratios']):.3f}", f"{m['best_ratio']:.3f}"])

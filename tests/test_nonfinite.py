@@ -34,7 +34,7 @@ def param_offset(model, index):
 
 
 def inject_body(mode, bad_rank, value, param, hook="none", zero=False, overlap=False, steps=3, at=1,
-                by_message=False):
+                by_message=True):
     """Trains `steps` SGD steps; at step `at` rank `bad_rank`'s own gradient of parameter tensor `param`
     gets `value` (after backward, before the reduction: under no_sync, or, with `overlap`, through a
     grad_output whose first element is `value`, so the buckets launched during backward carry it).
@@ -90,7 +90,7 @@ def check_equal_params(res, step):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("value, by_message", [(np.nan, False), (np.inf, False), (np.nan, True)])
+@pytest.mark.parametrize("value, by_message", [(np.nan, True), (np.inf, True), (np.nan, False)])
 def test_raise_names_the_step_the_parameter_and_the_bad_rank_on_every_rank(world, value, by_message):
     bad = world - 1
     res = ranks.run(inject_body, world, args=("raise", bad, value, 2, "none", False, False, 3, 1, by_message),

@@ -293,8 +293,8 @@ void def_inspection(DDPClass& c) {
                              "Optimizer steps not taken because the averaged gradient was not finite "
                              "(nonfinite = 'skip').")
       .def_property("_agree_by_message", nullptr, &DistributedDataParallel::set_agree_by_message,
-                    "Benchmarks only (Note [Non-finite gradients]): agree on the verdict by a small all-reduce "
-                    "behind the last bucket instead of each rank reading the average.")
+                    "Benchmarks and tests only (Note [Non-finite gradients]): agree on the verdict by a small "
+                    "all-reduce behind the last bucket (True, the default) or by each rank reading the average.")
       .def_property_readonly("nonfinite_steps", &DistributedDataParallel::nonfinite_steps,
                              "Steps whose averaged gradient was not finite (whatever nonfinite did about them).")
       .def("is_master", &DistributedDataParallel::is_master)

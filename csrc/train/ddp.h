@@ -227,8 +227,8 @@ class DistributedDataParallel {
   // ...and after it, with this rank's shard of the average in place, every rank agrees (collective);
   // false when the step must not be taken ("skip"); NonFiniteError with "raise".
   bool conclude_sharded(size_t shard_offset, size_t shard_count);
-  // How ranks agree on a step's verdict (Note [Non-finite gradients]): false (the default), each reads
-  // the average; true, a small all-reduce behind the last bucket. Benchmarks compare the two.
+  // How ranks agree on a step's verdict (Note [Non-finite gradients]): true (the default), a small
+  // all-reduce behind the last bucket; false, each rank reads the average. Benchmarks compare the two.
   void set_agree_by_message(bool on) { by_message_ = on; }
 
   void set_require_sync(bool on) { require_sync_ = on; }
@@ -313,7 +313,7 @@ class DistributedDataParallel {
   uint64_t steps_ = 0;                // syncs that reduced something (the step a NonFiniteError names)
   uint64_t nonfinite_steps_ = 0, skipped_steps_ = 0;
   bool skip_pending_ = false;
-  bool by_message_ = false;
+  bool by_message_ = true;
   std::string warning_;
 
   std::unique_ptr<CommHook> hook_;    // null: the float32 AVG all-reduce of launch()

@@ -16,13 +16,13 @@
 //     into (the ring reduces in place inside distributed/algorithms/), so this
 //     is the one read DDP adds; the PowerSGD hook folds its own check into the
 //     loop that adds the residual (comm_hooks.cpp).
-//   - agreement: sync_gradients queues one SUM all-reduce of world + 2 *
-//     buckets float64s right behind the last bucket (a few hundred bytes on
-//     the group's comm thread, so its latency overlaps the buckets'): slot r
-//     is rank r's count of bad buckets, then per bucket how many ranks sent
-//     non-finite values and the sum over ranks of max |g|. Every rank gets the
-//     same numbers and so takes the same decision: no rank steps while
-//     another skips. (Appending a flag word to each bucket instead would
+//   - agreement (the default): sync_gradients queues one SUM all-reduce of
+//     world + 2 * buckets float64s right behind the last bucket (a few hundred
+//     bytes on the group's comm thread, so it follows the buckets without a
+//     gap): slot r is rank r's count of bad buckets, then per bucket how many
+//     ranks sent non-finite values and the sum over ranks of max |g|. Every
+//     rank gets the same numbers and so takes the same decision: no rank steps
+//     while another skips. (Appending a flag word to each bucket instead would
 //     need a packing copy, since buckets are slices of the flat gradient
 //     buffer reduced in place: more bytes touched than this message.)
 //   - the averaged gradient: a bucket can only hold inf/NaN after the average
@@ -30,14 +30,24 @@
 //     wire type's range (float32's, or 65504 * world for the fp16 hook, which
 //     divides by world before the cast); only such buckets are read again,
 //     parameter by parameter. The result is the same bytes on every rank
-//     (the all-gather copies it), so every rank names the same parameters.
+//     (the all-gather copies it; replicas that differ would be a bug that
+//     check_every_n_steps reports), so every rank names the same parameters.
 //     Under ZeRO-1 each rank holds only its shard of the average: it counts
 //     its shard's non-finite values per parameter (one pass over 1/world of
 //     the buffer) and those counts ride in the same message.
+//   - the alternative (ddp._agree_by_message = False, kept for the benchmark):
+//     no message; every rank reads the whole average (the same bytes
+//     everywhere, so the same verdict) and only a bad step communicates, to
+//     name the ranks. It trades the small all-reduce's latency for a second
+//     pass over the gradients; benchmarks/checks.py measured it slower on the
+//     MLP and the CNN (README "Benchmarks"), so the message is the default.
+// The one pass over each rank's own gradient is what a fused check in the
+// ring (counting as the reduce-scatter reads each chunk) would save; that
+// lives in distributed/algorithms/ and is left for a change there.
 // DDPConfig.nonfinite then: "raise" (NonFiniteError on every rank, the step
 // not taken), "skip" (the optimizer step is not taken, on every rank alike,
 // and counted: ddp.skipped_steps), "warn" (RuntimeWarning, the step taken),
-// "off" (no scan, no message). Measured cost: README "Non-finite gradients".
+// "off" (no scan, no message). Measured cost: README "Benchmarks" (benchmarks/checks.py).
 #pragma once
 
 #include <cstddef>
