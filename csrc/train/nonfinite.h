@@ -39,8 +39,9 @@
 //     no message; every rank reads the whole average (the same bytes
 //     everywhere, so the same verdict) and only a bad step communicates, to
 //     name the ranks. It trades the small all-reduce's latency for a second
-//     pass over the gradients; benchmarks/checks.py measured it slower on the
-//     MLP and the CNN (README "Benchmarks"), so the message is the default.
+//     pass over the gradients; benchmarks/checks.py found no clear winner on
+//     a busy 2-core machine (README "Benchmarks"), so the message, which reads
+//     the gradients once, is the default.
 // The one pass over each rank's own gradient is what a fused check in the
 // ring (counting as the reduce-scatter reads each chunk) would save; that
 // lives in distributed/algorithms/ and is left for a change there.
