@@ -107,11 +107,12 @@ WORKER = textwrap.dedent("""
 SECRET = "c0ffee" * 10  # a job on a real interface needs its secret (README, "The job secret")
 
 
-def run_job(h, tmp_path, mode, per_host, tag, timeout=300, **extra):
-    """`per_host` ranks on each host of `h` (rank = host * per_host + local); their result dicts."""
+def run_job(h, tmp_path, mode, per_host, tag, timeout=300, world=None, **extra):
+    """`per_host` ranks on each host of `h` (rank = host * per_host + local; `world` fewer leaves the last
+    host short); their result dicts."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    world = h.n * per_host
+    world = world or h.n * per_host
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -147,7 +148,7 @@ def test_hierarchical_and_flat_give_numpy_results_and_the_same_bits(tmp_path, n_
         assert a["ok"] and a["bad"] == [], a
         assert b["ok"] and b["bad"] == [], b
         assert a["host"] == b["host"] == f"cx-host-{rank // per_host}"
-        assert a["digest"] == b["digest"] == hier[0]["digest"]
+        assert a["digest"] == b["digest"]  # every output, bit for bit (reduce_scatter differs by rank)
         assert any(f"hierarchical across {n_hosts} hosts of {per_host} ranks" in m for m in a["setup"]), a["setup"]
         assert not any("hierarchical" in m for m in b["setup"]), b["setup"]
 
@@ -159,6 +160,19 @@ def test_auto_goes_hierarchical_only_where_hosts_have_several_ranks(tmp_path, n_
     for r in res:
         assert r["ok"] and r["bad"] == [], r
         assert any("hierarchical" in m for m in r["setup"]) == picked, r["setup"]
+
+
+def test_hierarchical_is_refused_by_name_where_hosts_hold_different_numbers_of_ranks(tmp_path):
+    with hosts.Hosts(2) as h:  # 2 ranks on host 0, 1 on host 1
+        forced = run_job(h, tmp_path, "collectives", 2, "forced", world=3, CX_ALGORITHM="hierarchical")
+        auto = run_job(h, tmp_path, "collectives", 2, "auto", world=3)
+    for r in forced:
+        assert not r["ok"] and r["type"] == "ValueError", r
+        assert "CX_ALGORITHM=hierarchical cannot be used here" in r["message"], r["message"]
+        assert "the same number of ranks (2, 1)" in r["message"], r["message"]
+    for r in auto:  # flat, and right
+        assert r["ok"] and r["bad"] == [], r
+        assert not any("hierarchical" in m for m in r["setup"]), r["setup"]
 
 
 def test_a_rank_killed_on_one_host_is_named_on_every_rank_of_both_hosts(tmp_path):
