@@ -130,11 +130,14 @@ class Thresholds:
     small: int = 512 << 10      # the same, more ranks
     hd_max: int = 2 << 20       # halving-doubling at or below (p a power of two >= 4)
 
-    def flat(self, p: int, n: float) -> str:
+    def flat(self, p: int, n: float, group: int | None = None) -> str:
+        """all_reduce's choice for n bytes among `group` ranks (default p) of a world of p (the small
+        threshold is set by the world's size, the power-of-two test by the group's)."""
+        g = group or p
         small = self.small_2 if p <= 2 else self.small
         if n <= small:
             return "recursive_doubling"
-        if p >= 4 and not p & (p - 1) and n <= self.hd_max:
+        if g >= 4 and not g & (g - 1) and n <= self.hd_max:
             return "halving_doubling"
         return "ring"
 
@@ -147,7 +150,7 @@ def hierarchical(H: int, L: int, n: float, net: Link, shm: Link = SHM, inner: st
                  th: Thresholds = Thresholds()) -> float:
     """Intra-host ring halves around an all_reduce of n/L by the H ranks of each column."""
     intra = 2 * (L - 1) * shm.cost(n / L) if L > 1 else 0.0
-    inner = inner or th.flat(H * L, n / L)  # the small threshold is the whole group's (rank 0's choice)
+    inner = inner or th.flat(H * L, n / L, H)
     # The L columns at once through one NIC: as one group of H ranks, one per host, with L x the bytes.
     wide = Link(net.alpha, net.beta * L)
     t = FLAT[inner](H, 1, n / L, wide, shm)
@@ -159,7 +162,7 @@ def picked(H: int, L: int, n: float, th: Thresholds = Thresholds()) -> str:
     p = H * L
     small = th.small_2 if p <= 2 else th.small
     if H > 1 and L > 1 and n > small:
-        return "hierarchical/" + th.flat(p, n / L)
+        return "hierarchical/" + th.flat(p, n / L, H)
     return th.flat(p, n)
 
 
@@ -226,19 +229,20 @@ def _median_time(run, nominal: int) -> float | None:
     return None
 
 
-def measure_link(link: str, log=print) -> Link:
-    """alpha and beta of one shaped link between two hosts, from pycyxwiz's own pingpong (8 B and 16 MiB):
-    a round trip is two messages."""
+def measure_link(link: str | None, log=print) -> Link:
+    """alpha and beta of one shaped link between two hosts (`link`), or of shared memory between two ranks
+    of this host (None), from pycyxwiz's own pingpong of 8 B and 16 MiB: a round trip is two messages."""
     from benchmarks._launch import run_ranks
 
-    run = run_ranks("pycyxwiz", "benchmarks._collective_worker",
-                    ["--op", "pingpong", "--sizes", "8", str(16 << 20), "--iters-scale", "0.5"], 2, 240, link=link)
-    small, big = _median_time(run, 8), _median_time(run, 16 << 20)
+    big_n = 16 << 20
+    run = run_ranks("pycyxwiz" if link else "pycyxwiz-shm", "benchmarks._collective_worker",
+                    ["--op", "pingpong", "--sizes", "8", str(big_n), "--iters-scale", "0.5"], 2, 240, link=link)
+    small, big = _median_time(run, 8), _median_time(run, big_n)
     if small is None or big is None:
-        raise RuntimeError(f"pingpong over {link} links failed: {run.reason}")
+        raise RuntimeError(f"pingpong over {link or 'shared memory'} failed: {run.reason}")
     alpha = small / 2
-    beta = (big / 2 - alpha) / (16 << 20)
-    log(f"  {link} link: alpha {alpha * 1e6:.0f} us, beta -> {1 / beta / 1e9 * 8:.3f} Gbit/s")
+    beta = (big / 2 - alpha) / big_n
+    log(f"  {link or 'shared memory'}: alpha {alpha * 1e6:.0f} us, 1/beta {1 / beta / 1e9:.3f} GB/s")
     return Link(alpha, beta)
 
 
@@ -246,7 +250,7 @@ def validate(link: str, points, sizes, log=print) -> dict:
     """Every (hosts, ranks per host, algorithm column) in `points` at every size: measured against predicted."""
     from benchmarks._launch import run_ranks
 
-    net = measure_link(link, log)
+    net, shm = measure_link(link, log), measure_link(None, log)
     rows, out = [], []
     for H, L, col in points:
         lib = {"flat": "pycyxwiz-flat", "hier": "pycyxwiz-hier"}[col]
@@ -255,8 +259,9 @@ def validate(link: str, points, sizes, log=print) -> dict:
                         link=link, per_host=L)
         for n in sizes:
             t = _median_time(run, n)
-            name = ("hierarchical/" + Thresholds().flat(H * L, n / L)) if col == "hier" else Thresholds().flat(H * L, n)
-            pred = cost(name, H, L, n, net)
+            th = Thresholds()
+            name = ("hierarchical/" + th.flat(H * L, n / L, H)) if col == "hier" else th.flat(H * L, n)
+            pred = cost(name, H, L, n, net, shm)
             err = (pred / t - 1) if t else None
             out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n,
                         "measured_s": t, "predicted_s": pred, "error": err, "reason": run.reason})
@@ -264,7 +269,8 @@ def validate(link: str, points, sizes, log=print) -> dict:
                          f"{t * 1e3:.1f} ms" if t else f"n/a ({run.reason})", f"{pred * 1e3:.1f} ms",
                          f"{100 * err:+.0f}%" if err is not None else ""])
             log(f"  {H}x{L} {col} {human_size(n)}: " + " ".join(rows[-1][4:]))
-    return {"link": link, "alpha_s": net.alpha, "beta_s_per_byte": net.beta, "points": out,
+    return {"link": link, "alpha_s": net.alpha, "beta_s_per_byte": net.beta, "shm_alpha_s": shm.alpha,
+            "shm_beta_s_per_byte": shm.beta, "points": out,
             "table": format_table(["hosts x ranks", "column", "algorithm", "size", "measured", "predicted",
                                    "error"], rows, markdown=True)}
 

@@ -23,9 +23,10 @@ namespace cx::distributed {
 // So the spin watches for the sign that the core is taken: two polls of one spin
 // that found nothing to do take well under a microsecond apart; a gap of more
 // than kLostCore means the thread was off its core (preempted, or its yield gave
-// the core away for that long). After such a wait the rank does not spin at all
-// for a while (kMinBackoff, doubling up to kMaxBackoff while it keeps happening)
-// and sleeps at once; then it tries one spin again. A spin that loses no time to
+// the core away for that long). After such a wait the rank spins only a few
+// microseconds (kBackoffSpinUs: a peer running beside us answers within them) for
+// a while (kMinBackoff, doubling up to kMaxBackoff while it keeps happening) and
+// then sleeps; after that it tries one full spin again. A spin that loses no time to
 // others brings the backoff back to kMinBackoff. Independently, spinning only pays
 // when the peer comes within the budget: a wait that took far longer than the
 // budget (the peer was computing) halves the next budget, down to an eighth; one
@@ -36,11 +37,15 @@ class SpinPolicy {
   static constexpr auto kLostCore = std::chrono::microseconds(40);
   static constexpr auto kMinBackoff = std::chrono::milliseconds(5);
   static constexpr auto kMaxBackoff = std::chrono::milliseconds(640);
+  static constexpr int kBackoffSpinUs = 5;
 
   explicit SpinPolicy(int max_us) : max_us_(std::max(0, max_us)), budget_us_(max_us_) {}
 
-  // Busy-poll budget of a wait that starts at `now`; 0: sleep at once.
-  int budget_us(Clock::time_point now) const { return now < no_spin_until_ ? 0 : budget_us_; }
+  // Busy-poll budget of a wait that starts at `now`: while backing off, a few polls
+  // only (kBackoffSpinUs), which still catch a peer that runs beside us right now.
+  int budget_us(Clock::time_point now) const {
+    return now < no_spin_until_ ? std::min(budget_us_, kBackoffSpinUs) : budget_us_;
+  }
 
   // After a wait that started at `start` and ended at `end`: `spun` if it
   // busy-polled at all, `lost_core` if a gap between two of its polls exceeded kLostCore.
