@@ -129,6 +129,7 @@ class Thresholds:
     small_2: int = 128 << 10    # recursive doubling at or below, 2 ranks
     small: int = 512 << 10      # the same, more ranks
     hd_max: int = 2 << 20       # halving-doubling at or below (p a power of two >= 4)
+    hierarchical_from: int = 32 << 10  # auto: hierarchical from here, across hosts of several ranks
 
     def flat(self, p: int, n: float, group: int | None = None) -> str:
         """all_reduce's choice for n bytes among `group` ranks (default p) of a world of p (the small
@@ -158,10 +159,9 @@ def hierarchical(H: int, L: int, n: float, net: Link, shm: Link = SHM, inner: st
 
 
 def picked(H: int, L: int, n: float, th: Thresholds = Thresholds()) -> str:
-    """What pycyxwiz runs: CX_ALGORITHM=auto."""
+    """What pycyxwiz runs: CX_ALGORITHM=auto (Note [When to go hierarchical] in cpu_backend.cpp)."""
     p = H * L
-    small = th.small_2 if p <= 2 else th.small
-    if H > 1 and L > 1 and n > small:
+    if H > 1 and L > 1 and n >= th.hierarchical_from:
         return "hierarchical/" + th.flat(p, n / L, H)
     return th.flat(p, n)
 

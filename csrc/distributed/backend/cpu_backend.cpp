@@ -89,6 +89,18 @@ algo::AlgoOptions default_options(const Config& cfg) {
 // (A direct reduce-scatter + all-gather, every rank to every rank, was tried
 // too: no better than the ring at 1-64 MiB on 3 and 4 ranks.)
 
+// Note [When to go hierarchical]
+// Across hosts with several ranks each (auto), all_reduce, reduce_scatter and
+// all_gather go hierarchical from kHierarchicalMinBytes up, broadcast from the
+// small-broadcast threshold. Measured on 2 hosts of 2 ranks behind 1 Gbit/s links
+// (network namespaces), all_reduce hierarchical / flat: 0.47-0.72x at 8 B-16 KiB
+// (two more steps inside each host, latency-bound), 1.16x at 32 KiB, 2.0x at
+// 64-256 KiB, 1.9x at 1 MiB, 1.2-1.35x at 4-64 MiB. The cost model
+// (benchmarks/cost_model.py) agrees that below 512 KiB, where the flat group
+// runs recursive doubling, every exchange across hosts carries the whole message
+// once per rank of the host, 2-8x the hierarchical cost at 64-1024 ranks.
+constexpr size_t kHierarchicalMinBytes = 32 * 1024;
+
 // Note [Tuning agreed at init]
 // Chunk size and the small-message threshold decide message boundaries, so all
 // ranks must use the same values. Values set explicitly (CX_CHUNK_BYTES,
@@ -155,7 +167,7 @@ std::string CpuBackend::describe() const {
   if (hier_) {
     return detail::concat("hierarchical across ", hier_->ranks.size(), " hosts of ", hier_->per_host,
                           " ranks (all_reduce, reduce_scatter, all_gather, broadcast",
-                          forced_ ? "" : " above the small-message thresholds",
+                          forced_ ? "" : " from 32 KiB, broadcast from its small-message threshold",
                           "): ring inside a host, the flat algorithms across hosts by column; flat otherwise: ",
                           flat_description());
   }
@@ -200,7 +212,7 @@ void agreeing_on_the_root(Transport& t, F&& run) {
 }  // namespace
 
 Backend::Body CpuBackend::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t) {
-  if (hierarchical(count * dtype_size(dt), opt_.small_allreduce_bytes)) {
+  if (hierarchical(count * dtype_size(dt), kHierarchicalMinBytes)) {
     return [t = t_.get(), h = &*hier_, o = opt_, buf, count, dt, op] {
       algo::all_reduce_hierarchical(*t, *h, buf, count, dt, op, o);
     };
@@ -226,7 +238,7 @@ Backend::Body CpuBackend::broadcast(void* buf, size_t count, DataType dt, int ro
 }
 
 Backend::Body CpuBackend::all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, uintptr_t) {
-  if (hierarchical(count * dtype_size(dt) * outs.size(), opt_.small_allreduce_bytes)) {
+  if (hierarchical(count * dtype_size(dt) * outs.size(), kHierarchicalMinBytes)) {
     return [t = t_.get(), h = &*hier_, o = opt_, in, outs = std::move(outs), bytes = count * dtype_size(dt)] {
       algo::all_gather_hierarchical(*t, *h, in, outs.data(), bytes, o);
     };
@@ -238,7 +250,7 @@ Backend::Body CpuBackend::all_gather(const void* in, std::vector<void*> outs, si
 
 Backend::Body CpuBackend::reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt,
                                          ReduceOp op, uintptr_t) {
-  if (hierarchical(count * dtype_size(dt) * ins.size(), opt_.small_allreduce_bytes)) {
+  if (hierarchical(count * dtype_size(dt) * ins.size(), kHierarchicalMinBytes)) {
     return [t = t_.get(), h = &*hier_, o = opt_, ins = std::move(ins), out, count, dt, op] {
       algo::reduce_scatter_hierarchical(*t, *h, ins.data(), out, count, dt, op, o);
     };

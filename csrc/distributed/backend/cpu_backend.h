@@ -46,10 +46,9 @@ class CpuBackend : public Backend {
 
  private:
   std::string flat_description() const;
-  // Whether a collective moving `bytes` goes hierarchical (Note [Hierarchical collectives]).
-  bool hierarchical(size_t bytes, size_t small) const {
-    return hier_ && (forced_ || bytes > small);
-  }
+  // Whether a collective moving `bytes` goes hierarchical (Note [When to go hierarchical] in
+  // cpu_backend.cpp): `from` is the size it takes.
+  bool hierarchical(size_t bytes, size_t from) const { return hier_ && (forced_ || bytes >= from); }
 
   std::unique_ptr<Transport> t_;
   algo::AlgoOptions opt_;
