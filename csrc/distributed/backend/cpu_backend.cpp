@@ -167,7 +167,9 @@ std::string CpuBackend::describe() const {
   if (hier_) {
     return detail::concat("hierarchical across ", hier_->ranks.size(), " hosts of ", hier_->per_host,
                           " ranks (all_reduce, reduce_scatter, all_gather, broadcast",
-                          forced_ ? "" : " from 32 KiB, broadcast from its small-message threshold",
+                          forced_ ? std::string()
+                                  : detail::concat(" from ", kHierarchicalMinBytes, " bytes, broadcast from ",
+                                                   opt_.small_broadcast_bytes, " bytes"),
                           "): ring inside a host, the flat algorithms across hosts by column; flat otherwise: ",
                           flat_description());
   }
