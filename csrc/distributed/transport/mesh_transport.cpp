@@ -360,7 +360,7 @@ void MeshTransport::block() {
 void MeshTransport::wait(Req r) {
   if (op_.done[static_cast<size_t>(r)]) return;
   // Note [Waiting on a busy machine]: spin (for a budget the policy learns), or
-  // sleep at once while the core has lately been wanted by others.
+  // spin only briefly while the core has lately been wanted by others.
   const auto start = Clock::now();
   const auto budget = std::chrono::microseconds(spin_.budget_us(start));
   auto spin_until = start + budget;
