@@ -23,8 +23,8 @@ namespace cx::distributed {
 // So the spin watches for the sign that the core is taken: two polls of one spin
 // that found nothing to do take well under a microsecond apart; a gap of more
 // than kLostCore means the thread was off its core (preempted, or its yield gave
-// the core away for that long). After such a wait the rank spins only a few
-// microseconds (kBackoffSpinUs: a peer running beside us answers within them) for
+// the core away for that long). After such a wait the rank spins only briefly
+// (kBackoffSpinUs: a peer running beside us answers within it) for
 // a while (kMinBackoff, doubling up to kMaxBackoff while it keeps happening) and
 // then sleeps; after that it tries one full spin again. A spin that loses no time to
 // others brings the backoff back to kMinBackoff. Independently, spinning only pays
@@ -35,7 +35,10 @@ namespace cx::distributed {
 // Measured side by side with the fixed spin (same machine, load 10-15, 2 busy-loop
 // processes, 3 alternating rounds; benchmarks/README.md, "Busy machines"): over
 // TCP 1.5-7.7x faster at 8 B-4 KiB, level from 4 MiB; through shared memory 1.4x
-// at 8 B on 4 ranks, 1.3x at 64 MiB, 0.74x at 256 KiB on 4 ranks. Open MPI, which
+// at 8 B on 4 ranks, 1.3x at 64 MiB, 0.74x at 256 KiB on 4 ranks. A backoff spin
+// of 5 us lost 17x through shared memory on 2 pinned ranks at 8 B (a peer on the
+// other core answers within 10-30 us of Python); 25 us won 1.7x there in the next
+// run, but that run-to-run spread is as large as the effect. Open MPI, which
 // never sleeps, still answers 8 B on 4 ranks 3-10x sooner when its ranks share
 // the cores; a futex wake-up on a loaded machine costs tens to hundreds of us.
 class SpinPolicy {
@@ -44,7 +47,7 @@ class SpinPolicy {
   static constexpr auto kLostCore = std::chrono::microseconds(40);
   static constexpr auto kMinBackoff = std::chrono::milliseconds(5);
   static constexpr auto kMaxBackoff = std::chrono::milliseconds(640);
-  static constexpr int kBackoffSpinUs = 5;
+  static constexpr int kBackoffSpinUs = 25;
 
   explicit SpinPolicy(int max_us) : max_us_(std::max(0, max_us)), budget_us_(max_us_) {}
 
