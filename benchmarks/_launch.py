@@ -22,6 +22,12 @@ pycyxwiz refuses a non-loopback MASTER_ADDR without one) and gloo the interface 
 namespaces are deleted however the run ends (finished, failed, timed out, Ctrl-C or SIGTERM).
 Where they cannot be made (not root, no `ip`), the column is n/a with the reason; Open MPI
 columns do not take a link.
+
+    run = run_ranks("pycyxwiz", ..., world=2, timeout_s=60, busy=2, busy_pin=True)
+
+With `busy` N, N busy-loop processes (another job, a data loader) run beside the ranks for the
+whole run, each pinned to core i mod cores with `busy_pin`, else placed by the scheduler
+(busy_load).
 """
 from __future__ import annotations
 
@@ -60,7 +66,12 @@ MPI_INSTALL_HINT = (
 # "pycyxwiz-shm" is pycyxwiz as it runs by default with every rank on one host, through
 # shared memory; "mpi-default" lets Open MPI pick shared memory (vader) likewise.
 LIBRARIES = ("pycyxwiz", "pycyxwiz-shm", "gloo", "mpi-tcp", "mpi-default")
-LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"}}
+# Columns for ranks on several hosts (`link` with `per_host` > 1), not run by default: pycyxwiz with
+# shared memory inside a host and its collectives forced flat or hierarchical (CX_ALGORITHM).
+ALGORITHM_COLUMNS = ("pycyxwiz-flat", "pycyxwiz-hier")
+LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
+           "pycyxwiz-flat": {"CX_SHM": "1", "CX_ALGORITHM": "flat"},
+           "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"}}
 MPI_MCA = {
     "mpi-tcp": ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-default": [],
@@ -165,6 +176,29 @@ def _shaped_hosts(world: int, link: str):
             signal.signal(signal.SIGTERM, old)
 
 
+# What a busy process runs: a loop that never sleeps nor makes a system call, as a CPU-bound job does.
+_BUSY_LOOP = "while True: pass"
+
+
+@contextlib.contextmanager
+def busy_load(n: int, pin: bool = False):
+    """N busy-loop processes for the duration of the block (none for n = 0). With `pin`, process i is
+    bound to core i mod (cores this process may use), so that each core has its own; without, the
+    scheduler places them (and moves them about) as it places the ranks."""
+    procs = []
+    try:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        for i in range(n):
+            p = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, start_new_session=True)
+            procs.append(p)
+            if pin and cores:
+                os.sched_setaffinity(p.pid, {cores[i % len(cores)]})
+        yield procs
+    finally:
+        _kill(procs)
+
+
 def _kill(procs: list) -> None:
     for p in procs:
         if p.poll() is None:
@@ -250,15 +284,21 @@ def _collect(out_dir: Path, world: int) -> list:
 
 
 def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
-              extra_env: dict | None = None, link: str | None = None) -> RunResult:
+              extra_env: dict | None = None, link: str | None = None, busy: int = 0,
+              busy_pin: bool = False, per_host: int = 1) -> RunResult:
     """Run `python -m module args --lib ... --out DIR` on `world` ranks of library column `lib`.
 
     The worker must write DIR/rank<r>.json; see _worker_io.RankReport. With `link` (a tc rate such
     as "1gbit"), each rank on a host of its own behind a link of that rate (the module docstring).
+    With `busy`, that many busy-loop processes run beside the ranks (busy_load). With `link` and
+    `per_host` k, the ranks share hosts k at a time (rank r on host r // k, sharing its memory with the
+    others there) instead of one host each.
     """
     t0 = time.monotonic()
     if suite_deadline is not None:
         timeout_s = min(timeout_s, max(_MIN_TIMEOUT_S, suite_deadline - t0))
+    if per_host < 1 or world % per_host:
+        raise ValueError(f"per_host={per_host} does not divide world={world}")
     if link is not None:
         if lib.startswith("mpi"):
             return RunResult(lib, world, False, "link runs cover pycyxwiz and torch")
@@ -267,10 +307,11 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
             return RunResult(lib, world, False, why)
     with contextlib.ExitStack() as stack:
         out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"cxbench-{lib}-")))
+        stack.enter_context(busy_load(busy, busy_pin))
         hosts = None
         if link is not None:
             try:
-                hosts = stack.enter_context(_shaped_hosts(world, link))
+                hosts = stack.enter_context(_shaped_hosts(world // per_host, link))
             except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
                 detail = (getattr(exc, "stderr", None) or "").strip()
                 return RunResult(lib, world, False, f"cannot make {world} hosts behind {link} links: {exc}"
@@ -279,7 +320,7 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
         env.update(LIB_ENV.get(lib, {}))
         if hosts is not None:
             env.pop("CX_AUTH_TOKEN_FILE", None)
-            env.update(CX_AUTH_TOKEN=secrets.token_hex(32), GLOO_SOCKET_IFNAME="eth0", LOCAL_WORLD_SIZE="1")
+            env.update(CX_AUTH_TOKEN=secrets.token_hex(32), GLOO_SOCKET_IFNAME="eth0", LOCAL_WORLD_SIZE=str(per_host))
         env.update(extra_env or {})
         worker_lib = "mpi" if lib.startswith("mpi") else "pycyxwiz" if lib.startswith("pycyxwiz") else lib
         cmd = [sys.executable, "-m", module, "--lib", worker_lib, "--out", str(out_dir), *args]
@@ -303,12 +344,13 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
             port = _LINK_PORT if hosts is not None else free_port()
             master = hosts.addrs[0] if hosts is not None else "127.0.0.1"
             for r in range(world):
-                renv = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(0 if hosts is not None else r),
+                renv = dict(env, RANK=str(r), WORLD_SIZE=str(world),
+                            LOCAL_RANK=str(r % per_host if hosts is not None else r),
                             MASTER_ADDR=master, MASTER_PORT=str(port))
                 renv.setdefault("DISTRIBUTED_TIMEOUT_MS", str(int(min(timeout_s, 60) * 1000)))
                 log = out_dir / f"rank{r}.stderr"
                 logs.append(log)
-                argv = hosts.command(r, cmd) if hosts is not None else cmd
+                argv = hosts.command(r // per_host, cmd) if hosts is not None else cmd
                 with open(log, "w") as fh:
                     procs.append(subprocess.Popen(argv, env=renv, cwd=REPO, stdout=subprocess.DEVNULL,
                                                   stderr=fh, start_new_session=True))

@@ -3,6 +3,8 @@
     python -m benchmarks.allreduce                              # all_reduce, worlds 2 and 4, 8 B .. 256 MiB
     python -m benchmarks.allreduce --op all_gather --worlds 2 3 --sizes 8 4M 64M
     python -m benchmarks.allreduce --libs gloo mpi-tcp --quick
+    python -m benchmarks.allreduce --busy 2 --busy-pin          # 2 busy-loop processes beside every column
+    python -m benchmarks.allreduce --worlds 4 --per-host 2 --link 1gbit --libs pycyxwiz-flat pycyxwiz-hier
 
 Each (library, world) column is its own set of OS processes on 127.0.0.1, started by
 benchmarks._launch with a timeout; a library that is missing, crashes or hangs shows as
@@ -22,6 +24,15 @@ loopback TCP both ways on data in memory, the cores shared out among the ranks);
 latency (us per call). Ratios are pycyxwiz's speed over the other's (busbw ratio = inverse
 time ratio): above 1 means pycyxwiz is faster.
 
+With --busy N, N busy-loop processes (another job, a data loader: a loop that never sleeps) run
+beside every column, pinned one per core with --busy-pin, else placed by the scheduler; the
+figures then say what each library loses when its cores are wanted by someone else. The
+1-minute load average at the end of each column is in the JSON (`load`) and the table's notes.
+
+With --link RATE every host is a network namespace behind a link shaped to RATE (benchmarks._launch),
+--per-host K ranks on each (shared memory inside a host); columns pycyxwiz-flat and pycyxwiz-hier force
+CX_ALGORITHM=flat / hierarchical (ratio hier/flat).
+
 Writes benchmarks/results/partial/<name>.json and <name>.png (name defaults to the op's short name).
 """
 from __future__ import annotations
@@ -35,7 +46,7 @@ if __package__ in (None, ""):  # `python benchmarks/allreduce.py` works too
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._collective_worker import OPS
-from benchmarks._launch import LIBRARIES, run_ranks
+from benchmarks._launch import ALGORITHM_COLUMNS, LIBRARIES, run_ranks
 from benchmarks.loopback import tcp_ceiling
 from benchmarks._report import (LIB_LABEL, LIB_STYLE, fmt_gbps, fmt_ratio, fmt_time_us, format_table,
                                 human_size, median, output_dir, parse_size, plt, write_json)
@@ -53,10 +64,12 @@ def bus_factor(op: str, n: int) -> float:
             "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "barrier": 0.0, "pingpong": 0.0}[op]
 
 
-def run_column(lib: str, op: str, world: int, sizes: list, iters_scale: float, timeout_s: float) -> dict:
+def run_column(lib: str, op: str, world: int, sizes: list, iters_scale: float, timeout_s: float,
+               busy: int = 0, busy_pin: bool = False, link: str | None = None, per_host: int = 1) -> dict:
     """Run one library at one world size over all sizes; aggregate max-over-ranks medians."""
     args = ["--op", op, "--iters-scale", str(iters_scale), "--sizes", *map(str, sizes)]
-    run = run_ranks(lib, "benchmarks._collective_worker", args, world, timeout_s)
+    run = run_ranks(lib, "benchmarks._collective_worker", args, world, timeout_s, busy=busy, busy_pin=busy_pin,
+                    link=link, per_host=per_host)
     col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason,
            "wall_s": round(run.wall_s, 2), "load": run.load, "warning": run.warning,
            "results": [], "version": ""}
@@ -113,15 +126,18 @@ def merge_rounds(cols: list) -> dict:
 
 
 def run(op: str, worlds: list, libs: list, sizes: list, iters_scale: float = 1.0,
-        timeout_s: float = 180, loopback: dict | None = None, rounds: int = 1, log=print) -> dict:
+        timeout_s: float = 180, loopback: dict | None = None, rounds: int = 1, log=print, busy: int = 0,
+        busy_pin: bool = False, link: str | None = None, per_host: int = 1) -> dict:
     """All columns of one collective; returns the JSON payload (also what the tables read).
 
     With rounds > 1 every column runs again (libraries in reverse order on odd rounds) and
     each size keeps its best round: see merge_rounds.
     """
     columns = run_rounds(op, worlds, libs, rounds,
-                         lambda lib, world: run_column(lib, op, world, sizes, iters_scale, timeout_s), log)
+                         lambda lib, world: run_column(lib, op, world, sizes, iters_scale, timeout_s, busy,
+                                                       busy_pin, link, per_host), log)
     return {"benchmark": "collective", "op": op, "dtype": "float32", "reduce_op": "SUM",
+            "busy": busy, "busy_pin": busy_pin, "link": link, "per_host": per_host,
             "sizes": sizes, "worlds": worlds, "libs": libs, "loopback": loopback or {}, "rounds": rounds,
             "latency_below_bytes": LATENCY_BELOW, "columns": columns}
 
@@ -157,6 +173,8 @@ def tables(payload: dict, markdown: bool = False) -> str:
         # pycyxwiz over TCP against the TCP columns; pycyxwiz over shared memory against Open MPI's.
         has_cx = "pycyxwiz" in libs
         pairs = [("pycyxwiz", lib, f"cx/{lib}") for lib in libs if has_cx and lib in ("gloo", "mpi-tcp")]
+        if "pycyxwiz-hier" in libs and "pycyxwiz-flat" in libs:
+            pairs.append(("pycyxwiz-hier", "pycyxwiz-flat", "hier/flat"))
         if "mpi-default" in libs:
             if "pycyxwiz-shm" in libs:
                 pairs.append(("pycyxwiz-shm", "mpi-default", "shm/mpi-default"))
@@ -187,7 +205,14 @@ def tables(payload: dict, markdown: bool = False) -> str:
                 big = nominal >= CEILING_FROM and cx and cx["busbw_GBps"]
                 row.append(f"{100 * cx['busbw_GBps'] / ceiling:.0f}%" if big else "")
             rows.append(row)
-        title = (f"{op}, world {world}: busbw GB/s (sizes >= {human_size(LATENCY_BELOW)}), "
+        load = ""
+        if payload.get("link"):
+            load += (f" [{world // payload.get('per_host', 1)} hosts of {payload.get('per_host', 1)} ranks, "
+                     f"links shaped to {payload['link']}]")
+        if payload.get("busy"):
+            load += (f" [{payload['busy']} busy-loop processes beside it, "
+                    f"{'pinned one per core' if payload.get('busy_pin') else 'placed by the scheduler'}]")
+        title = (f"{op}, world {world}{load}: busbw GB/s (sizes >= {human_size(LATENCY_BELOW)}), "
                  f"time per call (smaller sizes); cx/X = pycyxwiz (TCP) speed / X speed, "
                  f"shm/X = pycyxwiz (shared memory) speed / X speed")
         if markdown:
@@ -195,6 +220,9 @@ def tables(payload: dict, markdown: bool = False) -> str:
         else:
             out.append(title + "\n" + format_table(headers, rows))
         notes = [f"{lib}: n/a ({c['reason']})" for lib, c in cols.items() if c["reason"]]
+        if payload.get("busy"):
+            notes.append("load average (1 min) at the end of each column: "
+                         + ", ".join(f"{lib} {c.get('load', 0):.1f}" for lib, c in cols.items()))
         notes += [f"{lib}: warning ({c['warning']})" for lib, c in cols.items() if c.get("warning")]
         if notes:
             out.append("\n".join(("- " if markdown else "  ") + n for n in notes))
@@ -245,7 +273,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", choices=OPS, default="all_reduce")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--libs", nargs="+", choices=LIBRARIES, default=list(LIBRARIES))
+    ap.add_argument("--libs", nargs="+", choices=LIBRARIES + ALGORITHM_COLUMNS, default=list(LIBRARIES))
     ap.add_argument("--sizes", type=parse_size, nargs="+", help="e.g. 8 256K 4M 256M (default 8 B .. 256 MiB)")
     ap.add_argument("--quick", action="store_true", help="5 sizes and a third of the calls")
     ap.add_argument("--iters-scale", type=float, default=1.0, help="multiply the number of timed calls")
@@ -253,6 +281,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="run every column this many times, keep the best")
     ap.add_argument("--no-loopback", action="store_true", help="skip measuring the loopback TCP limit")
     ap.add_argument("--name", help="output name under benchmarks/results (default: the op)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N", help="N busy-loop processes beside every column")
+    ap.add_argument("--busy-pin", action="store_true", help="pin busy process i to core i mod cores")
+    ap.add_argument("--link", help="each host behind a link of this tc rate (e.g. 1gbit); network namespaces")
+    ap.add_argument("--per-host", type=int, default=1, help="with --link: ranks per host (default 1)")
     a = ap.parse_args(argv)
     sizes = sorted(a.sizes or (QUICK_SIZES if a.quick else DEFAULT_SIZES))
     if a.op == "barrier":
@@ -266,7 +298,10 @@ def main(argv=None) -> int:
 
         print("measuring loopback TCP ...", flush=True)
         loopback = lbm.measure(1 << 30 if a.quick else 2 << 30)
-    payload = run(a.op, a.worlds, a.libs, sizes, scale, a.timeout, loopback, a.rounds)
+    if a.busy < 0:
+        ap.error(f"--busy {a.busy}: the number of busy processes cannot be negative")
+    payload = run(a.op, a.worlds, a.libs, sizes, scale, a.timeout, loopback, a.rounds, busy=a.busy,
+                  busy_pin=a.busy_pin, link=a.link, per_host=a.per_host)
     name = a.name or SHORT_NAME[a.op]
     print()
     print(tables(payload))

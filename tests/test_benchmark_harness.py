@@ -25,3 +25,18 @@ def test_a_partial_run_leaves_the_committed_results_alone():
     assert digest(RESULTS) == before
     assert partial.exists() and "pycyxwiz benchmark summary" in partial.read_text()
     assert f"a partial run: {RESULTS} is unchanged" in r.stdout
+
+
+def test_busy_load_runs_n_busy_processes_pinned_one_per_core_and_stops_them():
+    sys.path.insert(0, str(ROOT))
+    import os
+
+    from benchmarks._launch import busy_load
+
+    cores = sorted(os.sched_getaffinity(0))
+    with busy_load(3, pin=True) as procs:
+        assert len(procs) == 3 and all(p.poll() is None for p in procs)
+        assert [os.sched_getaffinity(p.pid) for p in procs] == [{cores[i % len(cores)]} for i in range(3)]
+    assert all(p.poll() is not None for p in procs)
+    with busy_load(0) as none:
+        assert none == []

@@ -53,7 +53,10 @@ const std::vector<Variable>& variables() {
        "256 KiB through shared memory, else 512 KiB (1 MiB with more ranks than cores)"},
       {"CX_SMALL_ALLREDUCE_BYTES", "at or below: recursive-doubling all_reduce", "128 KiB for 2 ranks, else 512 KiB"},
       {"CX_HD_MAX_BYTES", "at or below, on 4, 8, ... ranks: halving-doubling all_reduce", "2 MiB"},
-      {"CX_SPIN_US", "busy-poll this long before sleeping (us)", "50 (30 with more ranks than cores)"},
+      {"CX_SPIN_US", "busy-poll at most this long before sleeping (us); not while others take the core",
+       "50 (30 with more ranks than cores)"},
+      {"CX_ALGORITHM", "auto, flat or hierarchical: the collectives' shape across hosts",
+       "auto: hierarchical where more than one host has more than one rank"},
       {"CX_SOCKET_BUFFER_BYTES", "SO_SNDBUF/SO_RCVBUF of the data sockets", "the kernel's"},
       // Faults and debugging.
       {"CX_CHECK_INTERVAL",

@@ -114,6 +114,20 @@ Config Config::from_environment() {
                "' is not valid: expected 'cpu' or 'nccl'");
     }
   }
+  if (const char* a = env::get("CX_ALGORITHM")) {
+    std::string s(a);
+    for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (s == "auto") {
+      c.algorithm = Algorithm::kAuto;
+    } else if (s == "flat") {
+      c.algorithm = Algorithm::kFlat;
+    } else if (s == "hierarchical") {
+      c.algorithm = Algorithm::kHierarchical;
+    } else {
+      CX_THROW(InvalidArgument, "environment variable CX_ALGORITHM='", a,
+               "' is not valid: expected 'auto', 'flat' or 'hierarchical'");
+    }
+  }
   const int64_t max_ms = std::numeric_limits<int32_t>::max();
   if (auto v = env::integer("DISTRIBUTED_TIMEOUT_MS", 1, max_ms, "a positive number of milliseconds")) {
     c.timeout_ms = *v;

@@ -9,6 +9,11 @@ namespace cx::distributed {
 
 enum class BackendType : uint8_t { kCpu = 0, kNccl = 1 };
 
+// Which shape the CPU collectives take across hosts (CX_ALGORITHM): kAuto picks
+// hierarchical where more than one host has more than one rank (Note [Hierarchical
+// collectives] in algorithms/hierarchical.cpp), flat otherwise; the others force one.
+enum class Algorithm : uint8_t { kAuto = 0, kFlat = 1, kHierarchical = 2 };
+
 struct Config {
   int rank = 0;
   int world_size = 1;
@@ -42,6 +47,9 @@ struct Config {
   // many bytes, the ring above; -1: automatic. CX_HD_MAX_BYTES.
   int64_t halving_doubling_max_bytes = -1;
   int spin_us = -1;  // -1: chosen from the number of ranks per core
+  // Flat or hierarchical collectives; CX_ALGORITHM=auto|flat|hierarchical. Every
+  // rank must use the same.
+  Algorithm algorithm = Algorithm::kAuto;
   // Ranks on one host exchange data through shared memory (Note [Same-host
   // pairs] in transport/shm/negotiate.cpp). CX_SHM=0 keeps every pair on TCP.
   bool shm = true;

@@ -13,7 +13,9 @@
 // | scatter/gather | direct to/from root                  | 1          | n (root: (p-1) * n)  |
 // | all_to_all     | direct, all pairs at once            | 1          | (p-1) * n            |
 // | barrier        | dissemination, 8-byte fingerprints   | log2(p)    | 0                    |
-// (n = bytes per rank's block; p = world size.)
+// (n = bytes per rank's block; p = world size.) Across hosts with more than one
+// rank each, all_reduce, reduce_scatter, all_gather and broadcast go
+// hierarchical (hierarchical.h, Note [Hierarchical collectives]).
 //
 // Every rank must pass the same AlgoOptions: they decide message boundaries.
 #pragma once
@@ -38,6 +40,14 @@ void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceO
 void all_reduce_halving_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
                                  const AlgoOptions& o);
 void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op);
+// The two halves of the ring all_reduce, in place, for the hierarchical
+// collectives: after the first, rank r holds segment (r+1) mod p reduced (op
+// applied, AVG divided); the second starts from there. ring_segment: where segment
+// `seg` of `count` elements cut into p lies.
+void ring_reduce_scatter_inplace(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
+                                 const AlgoOptions& o);
+void ring_all_gather_inplace(Transport& t, void* buf, size_t count, DataType dt, const AlgoOptions& o);
+void ring_segment(size_t count, int p, int seg, size_t* off, size_t* n);
 // buf (float32) becomes the SUM over ranks of its values times `scale`, carried
 // as `wire_dt` (float16 or bfloat16): the result of narrowing into `wire`
 // (count 16-bit elements of scratch), all_reduce(wire, SUM) and widening back,

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <vector>
@@ -109,8 +110,13 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
 //   gathered(off, n)            an all-gather chunk arrived at wire(off)
 namespace {
 
+// Steps [first, end) of the 2(p-1): all of them for all_reduce; [0, p-1) is the
+// reduce-scatter alone (rank r ends holding segment (r+1) mod p reduced), and
+// [p-1, 2(p-1)) the all-gather alone (which starts from there): the hierarchical
+// all_reduce runs the two halves inside a host with an all_reduce across hosts
+// in between (hierarchical.cpp).
 template <typename Data>
-void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& data) {
+void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& data, int first, int end) {
   const int p = t.size(), r = t.rank();
   const int left = (r - 1 + p) % p, right = (r + 1) % p;
   // No larger than a segment, so small messages ask for little scratch.
@@ -139,7 +145,7 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
     size_t chunk;
   };
   std::vector<Item> items;
-  for (int s = 0; s < 2 * (p - 1); ++s) {
+  for (int s = first; s < end; ++s) {
     size_t nc = seg_chunks(mod(r - s - 1));
     for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
   }
@@ -147,13 +153,14 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
   const int depth = std::max(1, o.depth);
   char* scratch = scratch_space(static_cast<size_t>(depth) * chunk_elems * es);
 
-  // Step 0: our own segment goes out whole, chunk by chunk.
-  {
-    int seg = r;
+  // The first step: our own segment (at step 0; the one we completed, at step
+  // p-1) goes out whole, chunk by chunk.
+  if (first < end) {
+    int seg = mod(r - first);
     for (size_t c = 0; c < seg_chunks(seg); ++c) {
       size_t off, n;
       chunk_range(seg, c, &off, &n);
-      data.own(off, n);
+      if (first == 0) data.own(off, n);
       t.isend(right, data.wire(off), n * es);
     }
   }
@@ -183,7 +190,7 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
     else
       data.gathered(off, n);
     if (next_post < items.size()) post(next_post++);  // its scratch slot (k % depth) is free again
-    if (it.step + 1 < 2 * (p - 1)) t.isend(right, data.wire(off), n * es);
+    if (it.step + 1 < end) t.isend(right, data.wire(off), n * es);
   }
   t.wait_all();
 }
@@ -239,7 +246,25 @@ struct CastData {
 
 void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
   PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, t.size()};
-  ring(t, count, data.es, o, data);
+  ring(t, count, data.es, o, data, 0, 2 * (t.size() - 1));
+}
+
+void ring_reduce_scatter_inplace(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
+                                 const AlgoOptions& o) {
+  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, t.size()};
+  ring(t, count, data.es, o, data, 0, t.size() - 1);
+}
+
+void ring_all_gather_inplace(Transport& t, void* buf, size_t count, DataType dt, const AlgoOptions& o) {
+  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, ReduceOp::kSum, t.size()};
+  ring(t, count, data.es, o, data, t.size() - 1, 2 * (t.size() - 1));
+}
+
+void ring_segment(size_t count, int p, int seg, size_t* off, size_t* n) {
+  const size_t base = count / static_cast<size_t>(p), extra = count % static_cast<size_t>(p);
+  const size_t s = static_cast<size_t>(seg);
+  *off = s * base + std::min(s, extra);
+  *n = base + (s < extra ? 1 : 0);
 }
 
 void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
@@ -254,7 +279,7 @@ void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, Dat
     return;
   }
   CastData data{buf, wire, wire_dt, scale};
-  ring(t, count, 2, o, data);
+  ring(t, count, 2, o, data, 0, 2 * (t.size() - 1));
 }
 
 }  // namespace cx::distributed::algo

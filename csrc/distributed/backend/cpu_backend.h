@@ -3,8 +3,10 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "distributed/algorithms/algorithms.h"
+#include "distributed/algorithms/hierarchical.h"
 #include "distributed/backend/backend.h"
 #include "distributed/config.h"
 
@@ -14,7 +16,10 @@ class Store;
 
 class CpuBackend : public Backend {
  public:
-  CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOptions& opt);
+  // `algorithm`: flat or hierarchical collectives across hosts (Config::algorithm);
+  // InvalidArgument if hierarchical is asked for where the hosts cannot have it.
+  CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOptions& opt,
+             Algorithm algorithm = Algorithm::kAuto);
 
   Body all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) override;
   Body broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) override;
@@ -40,8 +45,15 @@ class CpuBackend : public Backend {
   std::string describe() const override;
 
  private:
+  std::string flat_description() const;
+  // Whether a collective moving `bytes` goes hierarchical (Note [When to go hierarchical] in
+  // cpu_backend.cpp): `from` is the size it takes.
+  bool hierarchical(size_t bytes, size_t from) const { return hier_ && (forced_ || bytes >= from); }
+
   std::unique_ptr<Transport> t_;
   algo::AlgoOptions opt_;
+  std::optional<algo::Hierarchy> hier_;  // set where the collectives go hierarchical
+  bool forced_ = false;                  // CX_ALGORITHM=hierarchical: at every size
 };
 
 // At init: agrees with the other ranks on the group (rank 0's nonce and

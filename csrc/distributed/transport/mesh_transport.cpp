@@ -68,7 +68,7 @@ void log_refused(std::set<std::string>& logged, int rank, const std::string& add
 
 MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, const std::string& secret,
                              const Deadline& dl, MeshOptions opt)
-    : rank_(rank), world_(world), opt_(opt), channels_(static_cast<size_t>(world)) {
+    : rank_(rank), world_(world), opt_(opt), spin_(opt.spin_us), channels_(static_cast<size_t>(world)) {
   using frame::get;
   using frame::put;
   std::vector<net::Fd> socks(static_cast<size_t>(world));
@@ -239,6 +239,7 @@ MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, 
     }
   }
   seg_ = std::move(pairs.own);
+  hosts_ = std::move(pairs.hosts);
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;
     if (pairs.peers[j].ok()) {
@@ -357,19 +358,33 @@ void MeshTransport::block() {
 }
 
 void MeshTransport::wait(Req r) {
-  auto spin_until = Clock::now() + std::chrono::microseconds(opt_.spin_us);
+  if (op_.done[static_cast<size_t>(r)]) return;
+  // Note [Waiting on a busy machine]: spin (for a budget the policy learns), or
+  // spin only briefly while the core has lately been wanted by others.
+  const auto start = Clock::now();
+  const auto budget = std::chrono::microseconds(spin_.budget_us(start));
+  auto spin_until = start + budget;
+  auto last = start;
+  bool spun = false, lost_core = false;
   while (!op_.done[static_cast<size_t>(r)]) {
     if (progress()) {
-      spin_until = Clock::now() + std::chrono::microseconds(opt_.spin_us);
+      last = Clock::now();
+      spin_until = last + budget;
       continue;
     }
-    if (Clock::now() < spin_until) {
-      if (opt_.spin_us > 0 && world_ > 2) sched_yield();
+    const auto now = Clock::now();
+    if (now < spin_until) {
+      spun = true;
+      lost_core |= now - last > SpinPolicy::kLostCore;
+      last = now;
+      if (world_ > 2) sched_yield();
       continue;
     }
     if (op_.deadline.expired()) timed_out();
     block();
+    last = Clock::now();
   }
+  spin_.after_wait(start, Clock::now(), spun, lost_core);
 }
 
 void MeshTransport::wait_all() {

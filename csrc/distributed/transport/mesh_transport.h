@@ -6,7 +6,8 @@
 // Progress is driven by the thread that waits: every busy channel is asked to
 // move what it can, peer by peer in rank order, until the awaited request is
 // complete. While nothing moves it spins for a bounded time (waking a sleeping
-// thread costs ~90 us on these VMs, a spin ~8 us), then sleeps until the
+// thread costs ~90 us on these VMs, a spin ~8 us; not while others want the
+// core: Note [Waiting on a busy machine] in spin_policy.h), then sleeps until the
 // deadline in slices: in poll() when only sockets are pending (100 ms), on our
 // shared-memory doorbell when only rings are (20 ms), in 1 ms polls when both.
 #pragma once
@@ -16,6 +17,7 @@
 
 #include "distributed/transport/channel.h"
 #include "distributed/transport/shm/shm.h"
+#include "distributed/transport/spin_policy.h"
 #include "distributed/transport/transport.h"
 
 namespace cx::distributed {
@@ -23,7 +25,7 @@ namespace cx::distributed {
 class Store;
 
 struct MeshOptions {
-  int spin_us = 50;  // busy-poll this long before sleeping
+  int spin_us = 50;  // busy-poll at most this long before sleeping (Note [Waiting on a busy machine])
   bool shm = true;   // same-host pairs use shared-memory rings (CX_SHM)
   size_t shm_ring_bytes = 1 << 20;  // per ordered pair (CX_SHM_RING_BYTES)
 };
@@ -43,6 +45,7 @@ class MeshTransport : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return world_; }
+  std::vector<int> hosts() const override { return hosts_; }
   void begin(const OpDesc& desc, const Deadline& dl) override;
   Req isend(int peer, const void* buf, size_t bytes) override;
   Req irecv(int peer, void* buf, size_t bytes) override;
@@ -59,6 +62,8 @@ class MeshTransport : public Transport {
   int rank_;
   int world_;
   MeshOptions opt_;
+  SpinPolicy spin_;
+  std::vector<int> hosts_;  // index = rank: its host (Note [Hosts of the ranks] in shm/negotiate.cpp)
   Operation op_;
   shm::Segment seg_;  // ours: our doorbell and the rings into us (unmapped if no pair shares memory)
   std::vector<std::unique_ptr<Channel>> channels_;  // index = rank; channels_[rank_] empty

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "distributed/types.h"
@@ -63,6 +64,10 @@ class Transport {
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // The host of every rank (index = rank), numbered 0, 1, ... in the order of each
+  // host's lowest rank, the same on every rank; empty where unknown (then
+  // collectives treat the group as flat).
+  virtual std::vector<int> hosts() const { return {}; }
 
   // Starts an operation: messages sent from now on carry `desc`, messages
   // received must carry an equal one, and every wait gives up at `dl`.

@@ -47,11 +47,28 @@ Pairing negotiate(const std::vector<net::Fd>& socks, const std::vector<std::stri
   };
 
   // 1. Which host: ranks with the same key may share memory (if CX_SHM allows).
-  const std::string key = enabled ? host_key() : std::string();
+  // Note [Hosts of the ranks]: the keys are exchanged even where CX_SHM=0, so that
+  // every rank knows every rank's host (the hierarchical collectives group by it,
+  // algorithms/hierarchical.cpp); CX_SHM only decides whether a pair shares memory
+  // (a rank with it off makes no segment, so its pairs stay on TCP).
+  const std::string key = host_key();
   send_all([&](int) { return key; });
   std::vector<int> local;
+  std::vector<std::string> keys(static_cast<size_t>(world));
+  keys[rank] = key;
   for (int j = 0; j < world; ++j) {
-    if (j != rank && recv_from(j) == key && !key.empty()) local.push_back(j);
+    if (j == rank) continue;
+    keys[j] = recv_from(j);
+    if (enabled && keys[j] == key) local.push_back(j);
+  }
+  Pairing out;
+  out.hosts.assign(static_cast<size_t>(world), -1);
+  for (int j = 0, next = 0; j < world; ++j) {
+    if (out.hosts[j] >= 0) continue;
+    for (int k = j; k < world; ++k) {
+      if (keys[k] == keys[j]) out.hosts[k] = next;
+    }
+    ++next;
   }
 
   // 2. Our segment, with the rings of those peers reserved up front: a full
@@ -59,7 +76,6 @@ Pairing negotiate(const std::vector<net::Fd>& socks, const std::vector<std::stri
   // SIGBUS in the middle of a collective. Ring size: CX_SHM_RING_BYTES, less when
   // many ranks share the host, so that all rings together stay near 256 MiB
   // (every rank on a host computes the same size).
-  Pairing out;
   std::string name;
   size_t cap = ring_bytes;
   if (!local.empty()) {

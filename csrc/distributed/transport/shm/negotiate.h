@@ -17,6 +17,9 @@ namespace cx::distributed::shm {
 struct Pairing {
   Segment own;                 // our doorbell and the rings into us; unmapped if no pair uses it
   std::vector<Segment> peers;  // index = rank: the peer's segment, mapped iff the pair shares memory
+  // index = rank: its host, numbered 0, 1, ... in the order of each host's lowest
+  // rank; equal on every rank (whatever CX_SHM says: Note [Hosts of the ranks]).
+  std::vector<int> hosts;
 };
 
 // Every rank of the group calls it at once. `socks[j]`: the blocking connection
