@@ -9,6 +9,9 @@ Variants (each a fresh model, the same data, the same epochs):
               written after every epoch; EarlyStopping watches the loss with a patience it never runs out of)
   no-files    the same but ModelCheckpoint: what the callbacks cost besides writing 2 checkpoints per epoch
   ema         fit(X, y, callbacks=[EMA]): the per-step part of the callbacks alone
+  checkpoint  fit(X, y, callbacks=[ModelCheckpoint]): the per-epoch writes alone
+  logging     fit(X, y, callbacks=[EarlyStopping, CSVLogger]): what the epoch-end hooks and the ranks' agreement
+              on stopping cost
   dataset     fit(dataset) with a plain cx.data.Dataset over the arrays in memory: the copying loader thread
               every Dataset but a one-file float32 NpyDataset goes through
   npy-warm    fit(NpyDataset) over the same arrays saved as .npy files, in the page cache
@@ -18,6 +21,13 @@ Each round runs every variant once, the order rotating from round to round; a sh
 variant comes first, untimed. The timed region is the fit call, between two barriers; the parent takes the
 slowest rank. The CPU time of each rank's process over the fit (every thread: the trainer's, the
 communication thread, a loader thread) is recorded too.
+
+--costs (one rank, for benchmarks.train_extras --costs): where each variant's time goes, in CPU time of the
+threads that spend it, which other programs on the machine disturb far less than wall time: the trainer's
+thread over the fit, the part of it spent in the callbacks' hooks, and the checkpoint writer thread's. Then
+(variant "ema-steps") fits of the baseline during which the EMA is switched on and off every 16 steps (through
+the trainer's core, as the EMA callback does), each step timed: the EMA's cost per step, from thousands of
+steps interleaved with steps without it, which the load's drifts hit alike.
 """
 from __future__ import annotations
 
@@ -33,7 +43,7 @@ import numpy as np
 from benchmarks._train_worker import BATCH, HIDDEN, IN, LR, OUT, WARMUP_BATCHES, make_data
 from benchmarks._worker_io import run_rank
 
-VARIANTS = ("arrays", "callbacks", "no-files", "ema", "dataset", "npy-warm", "npy-cold")
+VARIANTS = ("arrays", "callbacks", "no-files", "ema", "checkpoint", "logging", "dataset", "npy-warm", "npy-cold")
 
 
 class InMemory:
@@ -58,6 +68,61 @@ def evict(paths) -> None:
             os.close(fd)
 
 
+class EmaToggle:
+    """A callback (made a cx.callbacks.Callback subclass at run time) timing every step, wall and CPU, with the
+    trainer's EMA on for 16 steps, off for 16, and so on; the first step after each switch is not counted."""
+
+    batch_metrics = False
+    BLOCK = 16
+
+    def __init__(self):
+        self.k, self.on, self.last, self.shadow = 0, False, None, None
+        self.times = {True: [], False: []}
+
+    def on_train_begin(self, trainer):   # a new trainer: no EMA yet
+        self.k, self.on, self.last = 0, False, None
+
+    def on_batch_end(self, trainer, step, logs):
+        now = (time.perf_counter(), time.thread_time())
+        if self.last is not None and self.k % self.BLOCK:
+            self.times[self.on].append((now[0] - self.last[0], now[1] - self.last[1]))
+        self.k += 1
+        if self.k % self.BLOCK == 0:
+            if self.on:
+                trainer._core.clear_ema()
+            else:
+                self.shadow = trainer.model.flat_parameters().copy()
+                trainer._core.add_ema(self.shadow, 0.999)
+            self.on = not self.on
+        self.last = (time.perf_counter(), time.thread_time())
+
+
+def instrument(costs: dict) -> None:
+    """Counts into `costs` the trainer thread's CPU seconds in callback hooks and the writer thread's in
+    checkpoint writes (wrapping the two functions fit calls for them)."""
+    from pycyxwiz import callbacks
+    from pycyxwiz.distributed import _train
+
+    call, write = callbacks._call, _train._write_checkpoint
+
+    def timed_call(*args):
+        c0 = time.thread_time()
+        try:
+            return call(*args)
+        finally:
+            costs["hooks"] += time.thread_time() - c0
+
+    def timed_write(*args):
+        c0 = time.thread_time()
+        try:
+            return write(*args)
+        finally:
+            costs["writer"] += time.thread_time() - c0
+            costs["saves"] += 1
+
+    callbacks._call, _train._write_checkpoint = timed_call, timed_write
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True, choices=["pycyxwiz"])
@@ -66,10 +131,15 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--costs", action="store_true", help="record the CPU time of the trainer's thread, the hooks "
+                    "and the checkpoint writer per fit")
     a = ap.parse_args(argv)
 
     def body(comm, report):
         cx = comm.cx
+        costs = {"hooks": 0.0, "writer": 0.0, "saves": 0}
+        if a.costs:
+            instrument(costs)
         X, y = make_data(a.samples_per_rank * comm.world)
         work = tempfile.mkdtemp(prefix=f"cx-extras-r{comm.rank}-")
         shared = os.path.join(tempfile.gettempdir(), f"cx-extras-{os.environ.get('MASTER_PORT', '0')}")
@@ -101,6 +171,11 @@ def main(argv=None) -> int:
                        C.CSVLogger(os.path.join(tempfile.mkdtemp(dir=work), "log.csv"))]
             elif variant == "ema":
                 cbs = [C.EMA(0.999)]
+            elif variant == "checkpoint":
+                cbs = [C.ModelCheckpoint(tempfile.mkdtemp(dir=work), monitor="loss")]
+            elif variant == "logging":
+                cbs = [C.EarlyStopping(monitor="loss", patience=10**6),
+                       C.CSVLogger(os.path.join(tempfile.mkdtemp(dir=work), "log.csv"))]
             if variant == "dataset":
                 ds = type("InMemoryDataset", (InMemory, cx.data.Dataset), {})(X[:n_samples], y[:n_samples])
                 args = (ds, config)
@@ -115,21 +190,35 @@ def main(argv=None) -> int:
             if variant == "npy-cold":
                 evict([xp, yp])
             comm.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            costs.update(hooks=0.0, writer=0.0, saves=0)
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             history = trainer.fit(*args, callbacks=cbs)
-            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds, cpu, mine = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
             comm.barrier()
-            return seconds, cpu, history.train_losses[-1]
+            return seconds, cpu, history.train_losses[-1], dict(costs, thread=mine, steps=trainer._steps)
 
         warm = WARMUP_BATCHES * BATCH * comm.world
         for v in a.variants:
             fit(v, warm, 1)
+        if a.costs:   # the EMA per step, toggled within fits of the baseline
+            toggle = type("EmaToggleCallback", (EmaToggle, cx.callbacks.Callback), {})()
+            for r in range(max(a.rounds // 3, 1)):
+                model = cx.SequentialModel()
+                model.add(cx.LinearModule(IN, HIDDEN))
+                model.add(cx.ReLUModule())
+                model.add(cx.LinearModule(HIDDEN, OUT))
+                trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(LR))
+                trainer.fit(X, y, cx.distributed.DistributedTrainingConfig(epochs=a.epochs, batch_size=BATCH,
+                                                                           verbose=False), callbacks=[toggle])
+            report.add({"round": 0, "variant": "ema-steps", "with": toggle.times[True], "without": toggle.times[False],
+                        "parameters": int(model.flat_parameters().size)})
         for r in range(a.rounds):
             order = a.variants[r % len(a.variants):] + a.variants[:r % len(a.variants)]
             for v in order:
-                seconds, cpu, loss = fit(v, len(X), a.epochs)
+                seconds, cpu, loss, spent = fit(v, len(X), a.epochs)
                 report.add({"round": r, "variant": v, "seconds": seconds, "cpu_seconds": cpu, "final_loss": float(loss),
-                            "samples": a.samples_per_rank * a.epochs})
+                            "samples": a.samples_per_rank * a.epochs, "epochs": a.epochs, **(
+                                {"costs": spent} if a.costs else {})})
         comm.barrier()
         shutil.rmtree(work, ignore_errors=True)
         if comm.rank == 0:

@@ -25,7 +25,8 @@ DDP: PyTorch DistributedDataParallel training samples/s, backend "cyxwiz" agains
 "cyxwiz-shm" on 127.0.0.1), an MLP 784-2048-2048-10 (5.8 M parameters, 23 MB of gradients a step:
 communication-heavy) and a small CNN (3 conv layers + a linear on 3x32x32, 67 k parameters:
 compute-heavy), batch 32 per rank, SGD, the same seeded initial weights in every column, warm-up steps
-not timed. On 127.0.0.1, and with --link (default 1gbit) each rank a host of its own behind a link of
+not timed; a "ceiling" column runs the same DDP with communication that takes no time (Note [The ceiling
+of a DDP step]). On 127.0.0.1, and with --link (default 1gbit) each rank a host of its own behind a link of
 that rate (network namespaces, root and iproute2; n/a with the reason elsewhere): Note [Which link is
 communication-bound] in benchmarks/hooks.py.
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 
@@ -71,7 +73,9 @@ DDP_COLUMNS = {
     "cyxwiz": ("cyxwiz", {"CX_SHM": "0"}),
     "gloo": ("gloo", {}),
     "cyxwiz-shm": ("cyxwiz-shm", {"CX_SHM": "1"}),
+    "ceiling": ("gloo", {}),  # with --no-comm: Note [The ceiling of a DDP step]
 }
+DDP_ARGS = {"ceiling": ["--no-comm"]}
 LABEL = {
     "cyxwiz": "torch.distributed over cyxwiz, TCP (CX_SHM=0)",
     "gloo": "torch.distributed over gloo (TCP)",
@@ -80,6 +84,7 @@ LABEL = {
     "direct-shm": "pycyxwiz called directly, shared memory (CX_SHM=1)",
     "paired": "cyxwiz and direct in the same processes (pycyxwiz's own group on MASTER_PORT+1), calls "
               "alternated, TCP: the time shown is cyxwiz's",
+    "ceiling": "DDP whose communication takes no time (a comm hook that hands the bucket back)",
 }
 MODELS = {"mlp": "MLP 784-2048-2048-10",
           "cnn": "CNN 3x32x32: conv3x3(32)-pool, conv3x3(64)-pool, conv3x3(64)-pool, linear(1024,10)"}
@@ -93,6 +98,25 @@ OVERHEAD_8B_US = 10.0   # ... and at most 10 us more at 8 B
 DDP_MLP_LOOPBACK = 1.3  # DDP samples/s vs gloo, MLP, 127.0.0.1
 DDP_MLP_LINK = 1.5      # ... over shaped links
 DDP_CNN = 1.0           # CNN: never below gloo
+
+# Note [The ceiling of a DDP step]
+# No backend makes a DDP step shorter than the step whose communication takes no time: the same DDP (buckets,
+# copies, hooks) with a comm hook that hands each bucket back at once, the "ceiling" column. Over a link, a
+# step also cannot be shorter than the time the link needs for the bytes a ring all_reduce must send from each
+# rank, 2(p-1)/p x the gradient bytes (no all_reduce sends fewer without changing the numbers), at the link's
+# payload rate: tc's rate counts whole frames, and a full 1514-byte frame carries 1448 bytes of TCP payload.
+# So the most any backend can reach is gloo's step time over max(ceiling step, link time): printed as
+# "ceiling/gloo" next to each target. A target above it cannot be met by communicating faster, only by
+# sending fewer bytes (a compression hook, which gloo has too) or by computing faster.
+PAYLOAD_PER_FRAME = 1448 / 1514
+
+
+def link_bytes_per_second(rate: str) -> float | None:
+    """A tc rate ("1gbit", "500mbit") as payload bytes per second (Note [The ceiling of a DDP step])."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if not m:
+        return None
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8 * PAYLOAD_PER_FRAME
 
 
 def verdict(ok) -> str:
@@ -276,7 +300,8 @@ def ddp_columns(col: str, models: list, world: int, steps: int, warmup: int, bat
                 link: str | None) -> list:
     """One launch of `world` ranks training every model in turn: a column per model."""
     lib, env = DDP_COLUMNS[col]
-    args = ["ddp", "--models", *models, "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch)]
+    args = ["ddp", "--models", *models, "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
+            *DDP_ARGS.get(col, [])]
     run = run_ranks(lib, WORKER, args, world, timeout_s, extra_env=env, link=link)
     out = []
     for i, model in enumerate(models):
@@ -348,6 +373,18 @@ def ddp_ratio(dp: dict, model: str, world: int, col: str = "cyxwiz") -> float | 
     return a["samples_per_second"] / b["samples_per_second"] if a and b else None
 
 
+def ddp_ceiling(dp: dict, model: str, world: int) -> float | None:
+    """The most any backend can reach, as a multiple of gloo's samples/s (Note [The ceiling of a DDP step])."""
+    c, g = _ddp_col(dp, "ceiling", model, world), _ddp_col(dp, "gloo", model, world)
+    if not c or not g:
+        return None
+    bound = c["step_s"]
+    rate = link_bytes_per_second(dp["link"]) if dp["link"] else None
+    if rate:
+        bound = max(bound, 4 * c["params"] * 2 * (world - 1) / world / rate)
+    return g["step_s"] / bound
+
+
 def ddp_round_ratios(dp: dict, model: str, world: int) -> list:
     """cyxwiz's samples/s over gloo's, round by round (the rounds ran side by side)."""
     a, b = _ddp_col(dp, "cyxwiz", model, world), _ddp_col(dp, "gloo", model, world)
@@ -368,6 +405,8 @@ def ddp_table(dp: dict, markdown: bool = False) -> str:
     headers.append("cyxwiz/gloo (target)")
     if "cyxwiz-shm" in libs:
         headers.append("cyxwiz-shm/gloo")
+    if "ceiling" in libs:
+        headers.append("ceiling/gloo")
     rows = []
     for model in dp["models"]:
         for world in dp["worlds"]:
@@ -379,6 +418,8 @@ def ddp_table(dp: dict, markdown: bool = False) -> str:
             row.append(ratio_text(r, lambda v, g=goal: v >= g) + ("" if r is None else f" (>= {goal}x)"))
             if "cyxwiz-shm" in libs:
                 row.append(ratio_text(ddp_ratio(dp, model, world, "cyxwiz-shm")))
+            if "ceiling" in libs:
+                row.append(ratio_text(ddp_ceiling(dp, model, world)))
             rows.append(row)
     title = (f"PyTorch DDP training, {where}: global samples/s (best of {dp['rounds']} round(s)) and time per step, "
              f"batch {dp['batch_per_rank']}/rank, {dp['optimizer']}, 1 thread/rank, "
@@ -390,6 +431,11 @@ def ddp_table(dp: dict, markdown: bool = False) -> str:
                    | {f"{c['lib']} {c['model']} ({c['world']} ranks): warning ({c['warning']})"
                       for c in dp["columns"] if c.get("warning")})
     notes.append("models: " + "; ".join(f"{k} = {v}" for k, v in dp["models"].items()))
+    if "ceiling" in libs:
+        notes.append("ceiling/gloo: the most any backend can reach, gloo's step time over the step without "
+                     "communication" + (f" or the {dp['link']} link's time for 2(p-1)/p x the gradient bytes, "
+                                        "whichever is longer" if dp["link"] else "")
+                     + " (Note [The ceiling of a DDP step])")
     return text + "\n\n" + "\n".join(("- " if markdown else "  ") + n for n in notes)
 
 
@@ -440,10 +486,11 @@ def targets(payload: dict) -> list:
             for world in dp["worlds"]:
                 r, goal = ddp_ratio(dp, model, world), ddp_goal(model, dp["link"])
                 met = (lambda v, g=goal: v >= g)
+                top = ddp_ceiling(dp, model, world)
                 rows.append([f"DDP samples/s, cyxwiz vs gloo, {model}, {where}", str(world),
                              "n/a" if r is None else f"{shown(r, met):.2f}x" + (
                                  f" (rounds: {', '.join(ddp_round_ratios(dp, model, world))})"
-                                 if dp["rounds"] > 1 else ""),
+                                 if dp["rounds"] > 1 else "") + ("" if top is None else f", ceiling {top:.2f}x"),
                              f">= {goal}x", verdict(None if r is None else met(r))])
     if payload.get("ddp_link_skipped"):
         rows.append([f"DDP over {payload.get('link') or LINK} links", "-", "n/a", "-",

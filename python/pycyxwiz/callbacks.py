@@ -196,9 +196,11 @@ class ModelCheckpoint(Callback):
 
     Both are trainer checkpoints (trainer.load_checkpoint reads them; written atomically, by rank 0
     unless config.save_on_master_only is False, packed and written on a background thread: complete
-    by the next epoch's save and when fit returns). With save_last, fit's auto_resume (on by default
-    where fit writes checkpoints) resumes from last.ckpt when it is the newest checkpoint, and the
-    best score so far is part of every checkpoint, so a restarted job keeps comparing against it.
+    by the next epoch's save and when fit returns; an epoch that writes both writes the file once, and
+    best.ckpt and last.ckpt are two names of it until last.ckpt is next replaced). With save_last,
+    fit's auto_resume (on by default where fit writes checkpoints) resumes from last.ckpt when it is
+    the newest checkpoint, and the best score so far is part of every checkpoint, so a restarted job
+    keeps comparing against it.
     Runs after the other callbacks, so its files hold their state of the same epoch.
     """
 

@@ -19,6 +19,7 @@ SHA-256 costs about 2 ms per MiB here, next to the fsync that every save already
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
@@ -26,7 +27,7 @@ import os
 import socket
 import time
 import zipfile
-from typing import Dict
+from typing import Any, Dict, List, Sequence, Union, cast
 
 import numpy as np
 
@@ -37,20 +38,112 @@ _HEX = 64  # hex digits of a SHA-256
 
 def pack(members: Dict[str, np.ndarray]) -> bytes:
     """The file's bytes: every array as ``name.npy``, the manifest, and the whole-file digest."""
+    return b"".join(pieces(members))
+
+
+# Note [Packing without copies]
+# A checkpoint is written after every epoch by ModelCheckpoint, on a writer thread while training goes on
+# (Note [Checkpoints written in the background] in _train.py). Packing it through io.BytesIO copied every
+# byte four times with the GIL held (the .npy bytes, the zip, the body without its digest, the body with
+# it), and each such copy of a few MB keeps the training thread from taking the GIL back after its step.
+# So pieces() lets zipfile lay the file out over a list of buffers (_Pieces): an array's bytes are a view
+# of the array itself, never copied in Python; zipfile's own CRC-32 and our SHA-256s run on those views
+# and release the GIL, and os.writev hands the list to the kernel in one call. The bytes are the same as
+# zipfile.writestr of each member's np.save output (tests/test_checkpoint_writer.py compares with that).
+def pieces(members: Dict[str, np.ndarray]) -> List[memoryview]:
+    """The file's bytes as a list of buffers (the arrays' own memory among them: keep them unchanged until
+    the pieces are written). b"".join(pieces(m)) == pack(m)."""
     digests = {}
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+    out = _Pieces()
+    with zipfile.ZipFile(cast(Any, out), "w", zipfile.ZIP_STORED) as z:
         for name, arr in members.items():
-            one = io.BytesIO()
-            np.lib.format.write_array(one, np.ascontiguousarray(arr), allow_pickle=False)
-            raw = one.getvalue()
-            z.writestr(name + ".npy", raw)
-            digests[name] = hashlib.sha256(raw).hexdigest()
+            arr = np.ascontiguousarray(arr)
+            header = _npy_header(arr)
+            body = arr.reshape(-1).view(np.uint8).data   # the array's memory, not a copy
+            info = zipfile.ZipInfo(name + ".npy", date_time=time.localtime(time.time())[:6])
+            info.compress_type = zipfile.ZIP_STORED
+            info.external_attr = 0o600 << 16
+            info.file_size = len(header) + body.nbytes
+            with z.open(info, "w") as dest:
+                dest.write(header)
+                dest.write(body)
+            h = hashlib.sha256(header)
+            h.update(body)
+            digests[name] = h.hexdigest()
         z.writestr(MANIFEST, json.dumps({"algorithm": "sha256", "members": digests}, sort_keys=True))
         z.comment = _TAG + b"0" * _HEX
-    data = buf.getvalue()
-    body = data[:-_HEX]
-    return body + hashlib.sha256(body).hexdigest().encode()
+    parts = out.parts
+    if parts[-1].nbytes < _HEX:   # zipfile writes the comment last, in one piece; if not, join the pieces
+        parts = [memoryview(b"".join(parts))]
+    last = parts[-1]
+    h = hashlib.sha256()
+    for part in parts[:-1]:
+        h.update(part)
+    h.update(last[:-_HEX])
+    parts[-1] = memoryview(bytes(last[:-_HEX]) + h.hexdigest().encode())  # the digest over the placeholder
+    return parts
+
+
+def _npy_header(arr: np.ndarray) -> bytes:
+    """The header np.save writes before arr's bytes (version 1.0 unless it would exceed 65535 bytes)."""
+    d = np.lib.format.header_data_from_array_1_0(arr)
+    head = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(head, d)
+    except ValueError:
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, d)
+    return head.getvalue()
+
+
+def _bytes_of(data: Any) -> memoryview:
+    """A flat byte view of any buffer (bytes, a memoryview of an array's memory), no copy."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class _Pieces:
+    """A seekable file for zipfile's writer that keeps what it is given as a list of buffers, by reference.
+    zipfile appends, and once per member goes back to rewrite the member's local header (same length) with its
+    CRC; such a rewrite replaces that piece. Any other overwrite (not seen from zipfile) flattens the list."""
+
+    def __init__(self) -> None:
+        self.parts: List[memoryview] = []
+        self._starts: List[int] = []
+        self._size = 0
+        self._pos = 0
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data: Any) -> int:
+        view = _bytes_of(data)
+        n = view.nbytes
+        if self._pos == self._size:
+            if n:
+                self.parts.append(view)
+                self._starts.append(self._size)
+                self._size += n
+        else:
+            i = bisect.bisect_left(self._starts, self._pos)
+            if i < len(self.parts) and self._starts[i] == self._pos and self.parts[i].nbytes == n:
+                self.parts[i] = memoryview(bytes(view))
+            else:
+                flat = bytearray(b"".join(self.parts))
+                end = self._pos + n
+                if end > len(flat):
+                    flat.extend(bytes(end - len(flat)))
+                flat[self._pos:end] = view
+                self.parts, self._starts, self._size = [memoryview(flat)], [0], len(flat)
+        self._pos += n
+        return n
 
 
 def is_proven(data: bytes) -> bool:
@@ -169,10 +262,54 @@ def remove_stale_temporaries(directory: str) -> None:
 
 
 _counter = 0
+_IOV = 512  # buffers per os.writev call (IOV_MAX is 1024 on Linux)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Temporary file in the same directory, fsync, rename, fsync the directory."""
+def atomic_write(path: Union[str, Sequence[str]], data: Union[bytes, Sequence[Any]]) -> None:
+    """Writes `data` (bytes, or a list of buffers such as pieces() returns) to `path`, or to each of several
+    paths, atomically: a temporary file in the same directory, fsync, rename, fsync the directory. Several
+    paths in one directory get the file once: it is written and fsynced once and hard-linked to each name
+    (Note [One file for best.ckpt and last.ckpt]); where links are refused, each name is written in turn."""
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+    written: Dict[str, str] = {}  # directory -> a name there that holds the data (the first written)
+    for p in paths:
+        d = os.path.dirname(os.path.abspath(p))
+        if d in written and _link_into(written[d], p):
+            continue
+        _write_one(p, parts)
+        written.setdefault(d, p)
+
+
+# Note [One file for best.ckpt and last.ckpt]
+# When the monitored score improves, ModelCheckpoint writes the same checkpoint to best.ckpt and last.ckpt.
+# Writing it twice cost a second write and fsync of the whole file. Since a checkpoint file is never changed
+# in place (every save renames a new file over the old name), the two names can share one inode: the second
+# is a hard link made under a temporary name and renamed over the target, so each name still changes
+# atomically from its old complete file to its new one. The next save of last.ckpt alone replaces only
+# that name; best.ckpt keeps the inode. File systems without hard links get a second copy.
+def _link_into(src: str, path: str) -> bool:
+    global _counter
+    d = os.path.dirname(os.path.abspath(path))
+    _counter += 1
+    tmp = os.path.join(d, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{_counter}.ckpt")
+    try:
+        os.link(src, tmp)
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(d)
+    return True
+
+
+def _write_one(path: str, parts: List[Any]) -> None:
     global _counter
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -181,10 +318,11 @@ def atomic_write(path: str, data: bytes) -> None:
     tmp = os.path.join(d, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{_counter}.ckpt")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            _write_all(fd, parts)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -192,6 +330,28 @@ def atomic_write(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+    _fsync_dir(d)
+
+
+def _write_all(fd: int, parts: List[Any]) -> None:
+    """Every byte of parts to fd: os.writev (the GIL released, no copy), resuming after short writes; os.write
+    of each where there is no writev (Windows)."""
+    views = [v for v in map(_bytes_of, parts) if v.nbytes]
+    writev = getattr(os, "writev", None)
+    i = 0
+    while i < len(views):
+        batch = views[i:i + _IOV]
+        n = writev(fd, batch) if writev is not None else os.write(fd, batch[0])
+        for v in batch:
+            if n >= v.nbytes:
+                n -= v.nbytes
+                i += 1
+                continue
+            views[i] = v[n:]  # a short write: go on from there
+            break
+
+
+def _fsync_dir(d: str) -> None:
     try:
         dfd = os.open(d, os.O_RDONLY)
         try:
