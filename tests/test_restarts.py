@@ -187,7 +187,7 @@ def test_a_save_killed_mid_write_leaves_a_file_the_next_save_removes(tmp_path):
 
 # ---- the trainer resumes by itself ------------------------------------------------------
 
-def fit_in(directory, epochs, auto_resume=None):
+def fit_in(directory, epochs, auto_resume=None, verbose=True):
     Xtr, ytr, _, _ = digits.split()
     trainer = D.DistributedTrainer(mlp_with_dropout(3, 24), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     c = config(epochs=epochs, batch_size=16, checkpoint_every_n_epochs=1, checkpoint_dir=directory,
@@ -195,7 +195,7 @@ def fit_in(directory, epochs, auto_resume=None):
     out = io.StringIO()
     import contextlib
     with contextlib.redirect_stdout(out):
-        c.verbose = True
+        c.verbose = verbose
         h = trainer.fit(Xtr, ytr, c)
     return trainer.model.flat_parameters().copy(), h.epochs, out.getvalue()
 
@@ -212,6 +212,20 @@ def test_the_first_fit_resumes_from_the_newest_checkpoint_by_itself(tmp_path):
     # auto_resume=False starts over: the same as a fresh run of 4 epochs.
     again = ranks.run(fit_in, 2, args=(part, 4, False))
     assert np.array_equal(again[0][0], full[0][0]) and "resuming" not in again[0][2]
+
+
+def test_a_fit_resumed_after_a_finished_run_says_there_is_nothing_left_even_quietly(tmp_path):
+    d = str(tmp_path / "c")
+    first = ranks.run(fit_in, 2, args=(d, 2))
+    again = ranks.run(fit_in, 2, args=(d, 2, None, False))  # the same job started again, verbose=False
+    for (w1, e1, _), (w2, e2, _) in zip(first, again):
+        assert np.array_equal(w1, w2) and e1 == e2 == [1, 2]  # nothing trained
+    assert again[0][2] == (f"resuming from {os.path.join(d, 'epoch_0002.ckpt')} (2 of 2 epochs done); nothing left "
+                           "to train (that run finished; raise config.epochs to train more); config.auto_resume = "
+                           "False starts over\n")
+    assert again[1][2] == ""  # rank 1 says nothing
+    more = ranks.run(fit_in, 2, args=(d, 3, None, False))  # asked for more: says how much is left
+    assert "(2 of 3 epochs done); 1 epoch left to train;" in more[0][2] and more[0][1] == [1, 2, 3]
 
 
 def skip_damaged(directory):

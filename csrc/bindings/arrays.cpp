@@ -510,6 +510,34 @@ py::array float_array(py::handle obj, std::string_view who, const char* expected
   return a;
 }
 
+// Note [One rule for input arrays]
+// fit(X, y) always took what NumPy users pass (float64 from np.random, lists, slices) and converted it
+// once, while model.forward refused all but float32 C-contiguous arrays. One rule now, the NumPy one
+// (np.add(x, 1) takes any real dtype; scikit-learn's fit and predict convert): an array the core only
+// reads is converted to float32 as np.ascontiguousarray(x, dtype=np.float32) would, which costs nothing
+// when it already is one. Arrays the core writes in place (collectives, EMA shadows, flat views) stay
+// strict (float_array): a silent copy there would lose the write. Complex, object and string arrays are
+// refused by name. fit applies the same rule in Python (_as_inputs in distributed/_train.py).
+py::array float_input(py::handle obj, std::string_view who, const char* expected, size_t min_ndim) {
+  if (py::isinstance<py::array>(obj)) {
+    auto a = py::reinterpret_borrow<py::array>(obj);
+    if (py::dtype::of<float>().equal(a.dtype()) && (a.flags() & py::array::c_style))
+      return float_array(obj, who, expected, min_ndim);
+  }
+  py::module_ np = py::module_::import("numpy");
+  py::array a;
+  try {
+    a = np.attr("asarray")(obj);
+  } catch (py::error_already_set&) {
+    CX_THROW(TypeMismatch, who, ": expected an array of real numbers of shape ", expected, ", got ", describe(obj));
+  }
+  const char kind = a.dtype().kind();
+  CX_CHECK(kind == 'f' || kind == 'i' || kind == 'u' || kind == 'b', TypeMismatch, who,
+           ": expected an array of real numbers of shape ", expected, " (it is converted to float32), got ",
+           describe(a), py::isinstance<py::array>(obj) ? "" : " (from " + describe(obj) + ")");
+  return float_array(np.attr("ascontiguousarray")(a, py::arg("dtype") = "float32"), who, expected, min_ndim);
+}
+
 nn::Shape shape_of(const py::array& a) { return nn::Shape(a.shape(), a.shape() + a.ndim()); }
 
 py::array_t<float> to_numpy(const nn::Tensor& t) {

@@ -74,6 +74,11 @@ std::string describe(py::handle obj);
 // obj as a float32, C-contiguous ndarray with at least min_ndim dimensions, else a TypeError / ValueError saying
 // "<who>: expected ... of shape <expected>". Never copies: the core reads (and may keep reading) its memory.
 py::array float_array(py::handle obj, std::string_view who, const char* expected, size_t min_ndim = 2);
+// An array the core only reads (a model's input, a grad_output, a loss's output or targets, fit's X): anything
+// np.asarray makes an array of real numbers (float16/32/64, integers, bools; a list) is taken as
+// np.ascontiguousarray(obj, dtype=np.float32) would give it (a float32 C-contiguous array as it is, no copy),
+// else TypeError (Note [One rule for input arrays] in arrays.cpp).
+py::array float_input(py::handle obj, std::string_view who, const char* expected, size_t min_ndim = 2);
 
 nn::Shape shape_of(const py::array& a);
 

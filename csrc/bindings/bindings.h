@@ -16,6 +16,9 @@ struct StateDict;
 namespace cx::distributed {
 class Store;
 }
+namespace cx::train {
+class DistributedDataParallel;
+}
 
 namespace cx::bindings {
 namespace py = pybind11;
@@ -36,6 +39,8 @@ template <typename T, typename... Bases>
 using shared_class = py::class_<T, Bases..., std::shared_ptr<T>>;
 
 void bind_errors(py::module_& m);  // errors.cpp: the exception types and the C++ -> Python mapping
+// errors.cpp: DDPConfig.nonfinite = "warn"'s text of the last step, as a RuntimeWarning (GIL held).
+void warn_nonfinite(train::DistributedDataParallel& d);
 
 // m is _core.dist
 void bind_process_group(py::module_& m);  // process_group.cpp: BackendType, DistributedConfig, init, get_*

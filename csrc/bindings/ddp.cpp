@@ -96,6 +96,19 @@ void bind_config(py::module_& m) {
           "(cast, all-reduced in that type, cast back: half the bytes) or 'powersgd' (low-rank matrices with error "
           "feedback; options in .powersgd). Checked when DDP is built.")
       .def_readwrite("powersgd", &DDPConfig::powersgd, "PowerSGDConfig: options of comm_hook = 'powersgd'.")
+      .def_property(
+          "nonfinite", [](const DDPConfig& c) { return c.nonfinite; },
+          [](DDPConfig& c, py::object v) {
+            if (!py::isinstance<py::str>(v))
+              throw py::type_error("DDPConfig.nonfinite must be a str ('raise', 'skip', 'warn' or 'off'), got " +
+                                   std::string(py::str(py::type::of(v).attr("__name__"))));
+            c.nonfinite = v.cast<std::string>();
+            parse_nonfinite(c.nonfinite, "DDPConfig.nonfinite");
+          },
+          "What a step whose gradient, averaged over the ranks, holds NaN or inf does: 'raise' (default: "
+          "NonFiniteError on every rank naming the step, the parameters and the ranks whose own gradient was "
+          "already bad; the step is not taken), 'skip' (the optimizer step is not taken, on every rank alike, and "
+          "counted in ddp.skipped_steps), 'warn' (RuntimeWarning, the step is taken) or 'off' (no check).")
       .def("__repr__", [](const DDPConfig& c) {
         std::ostringstream os;
         os << "DDPConfig(broadcast_parameters=" << (c.broadcast_parameters ? "True" : "False")
@@ -104,6 +117,7 @@ void bind_config(py::module_& m) {
            << ", find_unused_parameters=" << (c.find_unused_parameters ? "True" : "False")
            << ", first_bucket_mb=" << c.first_bucket_mb << ", comm_hook='" << c.comm_hook << "'";
         if (c.comm_hook == "powersgd") os << ", powersgd=" << powersgd_repr(c.powersgd);
+        os << ", nonfinite='" << c.nonfinite << "'";
         os << ")";
         return os.str();
       });
@@ -122,7 +136,7 @@ void bind_config(py::module_& m) {
 }
 
 py::array ddp_forward(DistributedDataParallel& d, py::handle x) {
-  auto a = float_array(x, "DistributedDataParallel.forward", "(batch, features)");
+  auto a = float_input(x, "DistributedDataParallel.forward", "(batch, features)");
   const nn::Tensor* out;
   {
     py::gil_scoped_release nogil;
@@ -149,7 +163,7 @@ void def_training(DDPClass& c) {
       .def(
           "backward",
           [](DistributedDataParallel& d, py::handle g, bool input_grad) -> py::object {
-            auto a = float_array(g, "DistributedDataParallel.backward", "(batch, outputs) like forward's output", 1);
+            auto a = float_input(g, "DistributedDataParallel.backward", "(batch, outputs) like forward's output", 1);
             const nn::Tensor* gx;
             {
               py::gil_scoped_release nogil;
@@ -167,6 +181,7 @@ void def_training(DDPClass& c) {
               py::gil_scoped_release nogil;
               d.sync_gradients();
             }
+            warn_nonfinite(d);
             const auto& m = *d.model();
             return py::array_t<float>(static_cast<py::ssize_t>(m.num_parameters()), m.flat_grads());  // copies
           },
@@ -177,10 +192,15 @@ void def_training(DDPClass& c) {
       .def(
           "update_parameters",
           [](DistributedDataParallel& d, nn::Optimizer& opt) {
-            py::gil_scoped_release nogil;
-            d.update_parameters(opt);
+            {
+              py::gil_scoped_release nogil;
+              d.update_parameters(opt);
+            }
+            warn_nonfinite(d);
           },
-          py::arg("optimizer"), "sync_gradients() if needed, optimizer.step(model), then zero the gradients.")
+          py::arg("optimizer"),
+          "sync_gradients() if needed, optimizer.step(model) (not with config.nonfinite = 'skip' when the averaged "
+          "gradient is not finite), then zero the gradients.")
       .def(
           "no_sync", [](std::shared_ptr<DistributedDataParallel> d) { return NoSync{std::move(d)}; },
           "Context manager: backward() inside it accumulates gradients without communicating.\n\n"
@@ -265,6 +285,18 @@ void def_inspection(DDPClass& c) {
       .def_property_readonly("allreduce_count", &DistributedDataParallel::allreduce_count,
                              "Bucket all-reduces launched so far.")
       .def_property_readonly("config", &DistributedDataParallel::config)
+      .def_property(
+          "nonfinite", [](const DistributedDataParallel& d) { return std::string(d.nonfinite()); },
+          [](DistributedDataParallel& d, const std::string& v) { d.set_nonfinite(v); },
+          "config.nonfinite, settable between steps (every rank alike): 'raise', 'skip', 'warn' or 'off'.")
+      .def_property_readonly("skipped_steps", &DistributedDataParallel::skipped_steps,
+                             "Optimizer steps not taken because the averaged gradient was not finite "
+                             "(nonfinite = 'skip').")
+      .def_property("_agree_by_message", nullptr, &DistributedDataParallel::set_agree_by_message,
+                    "Benchmarks and tests only (Note [Non-finite gradients]): agree on the verdict by a small "
+                    "all-reduce behind the last bucket (True, the default) or by each rank reading the average.")
+      .def_property_readonly("nonfinite_steps", &DistributedDataParallel::nonfinite_steps,
+                             "Steps whose averaged gradient was not finite (whatever nonfinite did about them).")
       .def("is_master", &DistributedDataParallel::is_master)
       .def("get_rank", &DistributedDataParallel::rank)
       .def("get_world_size", &DistributedDataParallel::world_size)

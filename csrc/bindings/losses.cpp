@@ -27,11 +27,11 @@ constexpr const char* kBackwardDoc =
     "Without autograd, dividing the float that forward() returns changes no gradient: pass the scale here.";
 
 // Loss targets: dense float32 of the output's shape.
-py::array dense_target(py::handle t, const char* who) { return float_array(t, who, "(batch, ...) like the output", 1); }
+py::array dense_target(py::handle t, const char* who) { return float_input(t, who, "(batch, ...) like the output", 1); }
 
 // CrossEntropyLoss.forward: the target's dtype picks the overload (int64 / int32 labels, float32 one-hot).
 float cross_entropy_forward(CrossEntropyLoss& loss, py::handle out, py::handle target) {
-  auto o = float_array(out, "CrossEntropyLoss.forward", "(batch, classes)");
+  auto o = float_input(out, "CrossEntropyLoss.forward", "(batch, classes)");
   Shape os = shape_of(o);
   const float* op = static_cast<const float*>(o.data());
   if (py::isinstance<py::array>(target)) {
@@ -48,7 +48,7 @@ float cross_entropy_forward(CrossEntropyLoss& loss, py::handle out, py::handle t
                  : loss.forward(op, os, static_cast<const int32_t*>(t.data()), n);
     }
     if (py::dtype::of<float>().equal(t.dtype())) {
-      auto tt = float_array(t, "CrossEntropyLoss.forward", "(batch, classes)", 1);
+      auto tt = float_input(t, "CrossEntropyLoss.forward", "(batch, classes)", 1);
       py::gil_scoped_release nogil;
       return loss.forward(op, os, static_cast<const float*>(tt.data()), shape_of(tt));
     }
@@ -62,7 +62,7 @@ float cross_entropy_forward(CrossEntropyLoss& loss, py::handle out, py::handle t
 // forward(output, target) of a loss whose targets are dense float32 like the output (MSELoss, BCEWithLogitsLoss).
 template <typename L>
 float dense_forward(L& loss, py::handle out, py::handle target, const char* who) {
-  auto o = float_array(out, who, "(batch, ...)", 1);
+  auto o = float_input(out, who, "(batch, ...)", 1);
   auto t = dense_target(target, who);
   py::gil_scoped_release nogil;
   return loss.forward(static_cast<const float*>(o.data()), shape_of(o), static_cast<const float*>(t.data()),

@@ -40,7 +40,7 @@ void def_compute(ModelClass& c) {
           "forward",
           [](py::object self, py::handle x) {
             auto& model = self.cast<SequentialModel&>();
-            auto a = float_array(x, "SequentialModel.forward", "(batch, features)");
+            auto a = float_input(x, "SequentialModel.forward", "(batch, features)");
             const Tensor* out;
             {
               py::gil_scoped_release nogil;
@@ -56,7 +56,7 @@ void def_compute(ModelClass& c) {
       .def(
           "backward",
           [](SequentialModel& model, py::handle g, bool input_grad) -> py::object {
-            auto a = float_array(g, "SequentialModel.backward", "(batch, outputs) like the output of forward()");
+            auto a = float_input(g, "SequentialModel.backward", "(batch, outputs) like the output of forward()");
             const Tensor* gx;
             {
               py::gil_scoped_release nogil;
@@ -72,7 +72,12 @@ void def_compute(ModelClass& c) {
           "train", [](py::object self, bool mode) { self.cast<SequentialModel&>().train(mode); return self; },
           py::arg("mode") = true)
       .def("eval", [](py::object self) { self.cast<SequentialModel&>().eval(); return self; })
-      .def_property_readonly("training", &SequentialModel::training);
+      .def_property_readonly("training", &SequentialModel::training)
+      .def_property("detect_anomaly", &SequentialModel::detect_anomaly, &SequentialModel::set_detect_anomaly,
+                    "Anomaly mode (as torch.autograd.detect_anomaly), off by default: forward and backward check "
+                    "every layer's output and gradients and raise cx.distributed.NonFiniteError naming the first "
+                    "layer (index and type) that turned finite values into inf/NaN. Costs a read of every "
+                    "activation and gradient.\n\n    model.detect_anomaly = True");
 }
 
 // Parameters, gradients, generator states and the gradient-ready hook.

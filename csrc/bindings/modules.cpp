@@ -38,7 +38,7 @@ void bind_module_base(py::module_& m) {
       .def(
           "forward",
           [](Module& self, py::handle x, bool training) {
-            auto a = float_array(x, self.type_name() + ".forward", "(batch, features)");
+            auto a = float_input(x, self.type_name() + ".forward", "(batch, features)");
             const Tensor* out;
             {
               py::gil_scoped_release nogil;
@@ -48,7 +48,7 @@ void bind_module_base(py::module_& m) {
           },
           py::arg("x"), py::arg("training") = true)
       .def("backward", [](Module& self, py::handle g) {
-        auto a = float_array(g, self.type_name() + ".backward", "(batch, features)");
+        auto a = float_input(g, self.type_name() + ".backward", "(batch, features)");
         const Tensor* out;
         {
           py::gil_scoped_release nogil;

@@ -49,13 +49,14 @@ void def_steps(CoreClass& c) {
       .def(
           "train_batch",
           [](TrainerCore& c, py::handle X, py::handle y, DistributedBatchIterator& it) {
-            auto x = float_array(X, "DistributedTrainer.fit: X", "(samples, features)", 1);
+            auto x = float_input(X, "DistributedTrainer.fit: X", "(samples, features)", 1);
             Targets t = targets_of(y, "DistributedTrainer.fit");
             BatchStats s;
             {
               py::gil_scoped_release nogil;
               s = c.train_batch(static_cast<const float*>(x.data()), shape_of(x), t, it);
             }
+            warn_nonfinite(c.ddp());
             return stats_tuple(s);
           },
           py::arg("X"), py::arg("y"), py::arg("batch_iter"),
@@ -63,13 +64,14 @@ void def_steps(CoreClass& c) {
       .def(
           "train_rows",
           [](TrainerCore& c, py::handle X, py::handle y) {
-            auto x = float_array(X, "DistributedTrainer.fit: a Dataset's X batch", "(samples, features)", 1);
+            auto x = float_input(X, "DistributedTrainer.fit: a Dataset's X batch", "(samples, features)", 1);
             Targets t = targets_of(y, "DistributedTrainer.fit: a Dataset's y batch");
             BatchStats s;
             {
               py::gil_scoped_release nogil;
               s = c.train_rows(static_cast<const float*>(x.data()), shape_of(x), t);
             }
+            warn_nonfinite(c.ddp());
             return stats_tuple(s);
           },
           py::arg("X"), py::arg("y"),
@@ -77,7 +79,7 @@ void def_steps(CoreClass& c) {
       .def(
           "evaluate_rows",
           [](TrainerCore& c, py::handle X, py::handle y, size_t batch) {
-            auto x = float_array(X, "DistributedTrainer.evaluate: a Dataset's X batch", "(samples, features)", 1);
+            auto x = float_input(X, "DistributedTrainer.evaluate: a Dataset's X batch", "(samples, features)", 1);
             Targets t = targets_of(y, "DistributedTrainer.evaluate: a Dataset's y batch");
             const nn::Shape shape = shape_of(x);
             CX_CHECK(t.rows == shape[0], InvalidArgument, "DistributedTrainer.evaluate: a batch of ", shape[0],
@@ -95,7 +97,7 @@ void def_steps(CoreClass& c) {
       .def(
           "evaluate",
           [](TrainerCore& c, py::handle X, py::handle y, size_t batch) {
-            auto x = float_array(X, "DistributedTrainer.evaluate: X", "(samples, features)", 1);
+            auto x = float_input(X, "DistributedTrainer.evaluate: X", "(samples, features)", 1);
             Targets t = targets_of(y, "DistributedTrainer.evaluate");
             BatchStats s;
             {
@@ -122,6 +124,8 @@ void def_steps(CoreClass& c) {
 // The device, host copies and the host collectives of the trainer's bookkeeping.
 void def_host_side(CoreClass& c) {
   c.def_property_readonly("ddp", &TrainerCore::ddp_ptr)
+      .def("set_nonfinite", &TrainerCore::set_nonfinite, py::arg("mode"),
+           "DistributedTrainingConfig.nonfinite: the DDP's nonfinite from now on (the GPU refuses 'skip'/'warn').")
       .def("set_shard_optimizer_state", &TrainerCore::set_shard_optimizer_state,
            py::call_guard<py::gil_scoped_release>(), py::arg("on"),
            "Collective: ZeRO-1 on or off (the optimizer's state is cut to this rank's shard, or gathered whole).")

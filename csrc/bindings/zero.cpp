@@ -64,8 +64,11 @@ void def_join(py::module_& m) {
           [](DistributedDataParallel& d, ZeroRedundancyOptimizer& z) {
             CX_CHECK(z.ddp().get() == &d, InvalidArgument, "DistributedDataParallel.update_parameters (rank ",
                      d.rank(), "): this ZeroRedundancyOptimizer wraps another DistributedDataParallel");
-            py::gil_scoped_release nogil;
-            z.step();
+            {
+              py::gil_scoped_release nogil;
+              z.step();
+            }
+            warn_nonfinite(d);
           },
           py::arg("optimizer"), "With a ZeroRedundancyOptimizer of this DDP: zero.step().");
 }
@@ -84,7 +87,14 @@ void def_zero(py::module_& m) {
        py::arg("ddp"), py::arg("optimizer"),
        "Shards `optimizer` (SGD, Adam, AdamW, RMSprop) over ddp's ranks; its state, if any, is cut to this rank's "
        "shard. Collective in use: every rank makes one and steps it.")
-      .def("step", [](ZeroRedundancyOptimizer& z) { z.step(); }, py::call_guard<py::gil_scoped_release>(),
+      .def("step",
+           [](ZeroRedundancyOptimizer& z) {
+             {
+               py::gil_scoped_release nogil;
+               z.step();
+             }
+             warn_nonfinite(*z.ddp());
+           },
            "Collective: reduce-scatter the gradients, step this rank's shard, all-gather the parameters, zero the "
            "gradients.")
       .def("zero_grad", [](ZeroRedundancyOptimizer& z) { z.ddp()->model()->zero_grad(); },

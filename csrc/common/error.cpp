@@ -51,6 +51,7 @@ void rethrow_as(ErrorKind kind, const std::string& msg) {
     case ErrorKind::kInvalidArgument: throw InvalidArgument(msg);
     case ErrorKind::kType: throw TypeMismatch(msg);
     case ErrorKind::kIo: throw IoError(msg);
+    case ErrorKind::kNonFinite: throw NonFiniteError(msg);
     default: throw Error(msg);
   }
 }

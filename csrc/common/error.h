@@ -33,6 +33,9 @@ enum class ErrorKind : int {
   // script, fit or a collective) and aborted the group saying why; its peers
   // raise PeerFailed naming that rank.
   kPeerFailed = 8,
+  // A gradient or activation went NaN/inf (DDPConfig.nonfinite = "raise", anomaly
+  // mode): cx.distributed.NonFiniteError, a FloatingPointError.
+  kNonFinite = 9,
 };
 
 class Error : public std::runtime_error {
@@ -65,6 +68,9 @@ struct IoError : Error {
 };
 struct PeerFailed : Error {
   explicit PeerFailed(const std::string& m) : Error(m, ErrorKind::kPeerFailed) {}
+};
+struct NonFiniteError : Error {
+  explicit NonFiniteError(const std::string& m) : Error(m, ErrorKind::kNonFinite) {}
 };
 
 // Rebuilds an error of the right kind from (kind, message): used when an error

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common/env.h"
@@ -124,6 +125,42 @@ double sum_squares(const float* x, size_t n) {
 
 __attribute__((target_clones("avx2", "default"))) void scale(float* x, size_t n, float s) {
   for (size_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+// Note [Finding non-finite values by their bits]
+// A float is inf or NaN exactly when its exponent bits are all ones, so with
+// the sign bit cleared its bit pattern, read as an integer, is >= 0x7f800000;
+// and for finite floats that integer orders like |x|. One integer max over
+// the bits thus answers both "is any value non-finite?" and "how large is the
+// largest one?" in a single pass with no branch and no floating-point
+// compare (which NaN would poison); it vectorises to one AND and one MAX per
+// eight lanes. DistributedDataParallel runs it over every bucket it reduces
+// (Note [Non-finite gradients] in train/nonfinite.h).
+__attribute__((target_clones("avx2", "default"))) uint32_t max_abs_bits(const float* __restrict x, size_t n) {
+  uint32_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      uint32_t b;
+      std::memcpy(&b, x + i + l, sizeof b);
+      b &= 0x7fffffffu;
+      acc[l] = acc[l] > b ? acc[l] : b;
+    }
+  uint32_t m = 0;
+  for (; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, sizeof b);
+    b &= 0x7fffffffu;
+    m = m > b ? m : b;
+  }
+  for (uint32_t a : acc) m = m > a ? m : a;
+  return m;
+}
+
+size_t count_nonfinite(const float* x, size_t n) {
+  size_t c = 0;
+  for (size_t i = 0; i < n; ++i) c += !std::isfinite(x[i]);
+  return c;
 }
 
 // ---- image rows: eight float lanes, added up in double (the order fixed, whatever the target) ----

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace cx::nn::kernels {
 
@@ -27,6 +28,14 @@ void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentu
 // sum of squares in double (for global-norm clipping).
 double sum_squares(const float* x, size_t n);
 void scale(float* x, size_t n, float s);
+
+// The largest |x[i]|'s bit pattern with the sign cleared: >= kNonFiniteBits
+// exactly when some x[i] is inf or NaN (Note [Finding non-finite values by
+// their bits] in kernels.cpp). 0 for n == 0.
+constexpr uint32_t kNonFiniteBits = 0x7f800000u;
+uint32_t max_abs_bits(const float* x, size_t n);
+// How many of x[0..n) are inf or NaN.
+size_t count_nonfinite(const float* x, size_t n);
 
 // Reductions over one row of an image (a channel's plane): n floats summed in
 // eight float lanes, which the compiler vectorises, then added up in double.

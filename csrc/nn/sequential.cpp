@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "nn/kernels.h"
 #include "nn/registry.h"
 #include "nn/serialize.h"
 
@@ -106,6 +107,14 @@ std::vector<Shape> SequentialModel::shapes_for(const Shape& shape) const {
   }
 }
 
+namespace {
+bool finite(const float* x, size_t n) { return kernels::max_abs_bits(x, n) < kernels::kNonFiniteBits; }
+
+std::string layer_name(const SequentialModel& m, size_t i) {
+  return detail::concat("layer ", i, " (", m.module(i)->type_name(), ")");
+}
+}  // namespace
+
 const Tensor& SequentialModel::forward(const float* x, const Shape& shape) {
   have_forward_ = false;
   shapes_ = shapes_for(shape);
@@ -115,9 +124,19 @@ const Tensor& SequentialModel::forward(const float* x, const Shape& shape) {
   input_ = x;
   in_shape_ = shape;
   const float* cur = x;
+  if (detect_anomaly_) {
+    const size_t in = numel(shape);
+    CX_CHECK(finite(x, in), NonFiniteError, "detect_anomaly: the input of ", layer_name(*this, 0), " in forward holds ",
+             kernels::count_nonfinite(x, in), " non-finite values (of ", in, "): the data itself is not finite");
+  }
   for (size_t i = 0; i < n; ++i) {
     modules_[i]->forward(cur, shapes_[i], acts_[i].data(), training_);
     cur = acts_[i].data();
+    // Note: the input of layer i was checked (the data, or layer i-1's output), so this one is to blame.
+    CX_CHECK(!detect_anomaly_ || finite(cur, acts_[i].numel()), NonFiniteError, "detect_anomaly: ",
+             layer_name(*this, i), " produced ", kernels::count_nonfinite(cur, acts_[i].numel()),
+             " non-finite values (of ", acts_[i].numel(), ") in its forward output from a finite input",
+             modules_[i]->num_params() ? "; look at its parameters (a weight already inf/NaN?)" : "");
   }
   have_forward_ = true;
   return acts_.back();
@@ -131,6 +150,12 @@ const Tensor* SequentialModel::backward(const float* grad_output, const Shape& s
   const size_t n = modules_.size();
   const float* gy = grad_output;
   int slot = 0;
+  if (detect_anomaly_) {
+    const size_t go = numel(shape);
+    CX_CHECK(finite(gy, go), NonFiniteError, "detect_anomaly: the gradient of the output (the loss's backward) "
+             "holds ", kernels::count_nonfinite(gy, go), " non-finite values (of ", go, "), before ",
+             layer_name(*this, n - 1), "'s backward");
+  }
   for (size_t k = n; k-- > 0;) {
     Module& m = *modules_[k];
     bool need_gx = k > 0 || input_grad;
@@ -148,10 +173,33 @@ const Tensor* SequentialModel::backward(const float* grad_output, const Shape& s
       static const ParamDone kNoop = [](size_t) {};
       m.backward(x, acts_[k].data(), shapes_[k], gy, gx, kNoop);
     }
+    if (detect_anomaly_) check_backward(k, gx);
     gy = gx;
     slot ^= 1;
   }
   return input_grad ? &gbuf_[slot ^ 1] : nullptr;
+}
+
+// Anomaly mode: layer k's backward got a finite gradient of its output (checked
+// before it); were its parameter gradients and its input gradient finite?
+void SequentialModel::check_backward(size_t k, const float* gx) const {
+  const auto slices = param_slices();
+  const size_t base = first_param_[k];
+  for (size_t i = 0; i < modules_[k]->param_specs().size(); ++i) {
+    auto [off, cnt] = slices[base + i];
+    CX_CHECK(finite(flat_grads() + off, cnt), NonFiniteError, "detect_anomaly: ", layer_name(*this, k),
+             " produced a non-finite gradient for its parameter '", modules_[k]->param_specs()[i].name, "' (",
+             kernels::count_nonfinite(flat_grads() + off, cnt), " of ", cnt,
+             " values) in backward from a finite gradient of its output",
+             "; its forward input or saved values may be huge, or the gradient was already inf/NaN before this "
+             "backward (zero_grad)");
+  }
+  if (gx) {
+    const size_t m = numel(shapes_[k]);
+    CX_CHECK(finite(gx, m), NonFiniteError, "detect_anomaly: ", layer_name(*this, k), " produced ",
+             kernels::count_nonfinite(gx, m), " non-finite values (of ", m,
+             ") in the gradient of its input in backward from a finite gradient of its output");
+  }
 }
 
 std::vector<uint64_t> SequentialModel::rng_states() const {

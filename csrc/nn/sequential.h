@@ -101,6 +101,12 @@ class SequentialModel {
   void train(bool on = true) { training_ = on; }
   void eval() { training_ = false; }
   bool training() const { return training_; }
+  // Anomaly mode (as torch.autograd.detect_anomaly): forward and backward check
+  // every layer's output and gradients and raise NonFiniteError naming the
+  // first layer (index and type) that turned finite values into inf/NaN.
+  // Off by default: it reads every activation and gradient once more.
+  void set_detect_anomaly(bool on) { detect_anomaly_ = on; }
+  bool detect_anomaly() const { return detect_anomaly_; }
 
   float* flat_params() { return params_->data() + base_; }
   float* flat_grads() { return grads_->data() + base_; }
@@ -152,6 +158,8 @@ class SequentialModel {
   size_t base_ = 0;                 // Note [Models inside a module]
   const void* holder_ = nullptr;
   bool training_ = true;
+  bool detect_anomaly_ = false;
+  void check_backward(size_t k, const float* gx) const;  // anomaly mode, after layer k's backward
   GradReadyHook hook_;
   const void* hook_owner_ = nullptr;
 

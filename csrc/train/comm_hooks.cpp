@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "nn/blas.h"
+#include "nn/kernels.h"
 #include "nn/rng.h"
 
 namespace cx::train {
@@ -189,6 +190,25 @@ class HalfHook : public CommHook {
 // which DDP has learned k. The iteration count (for start_powerSGD_iter)
 // advances once per sync_gradients that reduced something.
 
+// Note [PowerSGD and non-finite values]
+// One NaN or inf in a rank's gradient would otherwise live on in PowerSGD's
+// state: in that rank's residual (added to every later gradient) and, through
+// the average, in Q (warm start: the next step's power iteration starts from
+// it, on every rank). So a step never hands such values on:
+//   - the loop that adds the residual to the gradient also takes the largest
+//     |D| as bits (Note [Finding non-finite values by their bits] in
+//     nn/kernels.cpp): no extra pass. If this rank's D held inf/NaN, the
+//     residual it leaves for the matrix is zero. (P^ is always finite:
+//     orthonormalise zeroes a column it cannot normalise; so with a finite D,
+//     Ql and the residual are finite.)
+//   - after the Q all-reduce each bucket's Q (m*r floats per matrix, small) is
+//     checked; the average is the same on every rank, so every rank finds the
+//     same and re-draws that bucket's Q from the seed, as at the start.
+// And when DDP's check (DDPConfig.nonfinite other than "off") finds the step's
+// averaged gradient not finite, reset_nonfinite() zeroes every residual and
+// re-draws every Q on every rank. tests/test_comm_hooks.py injects a NaN and
+// checks the state after the step.
+
 // Orthonormalises the r columns of the n x r row-major matrix p in place:
 // modified Gram-Schmidt in float64, run twice (one pass leaves an error of
 // cond(P) times the rounding; the second removes it). A column that is
@@ -257,9 +277,17 @@ class PowerSgdHook : public CommHook {
     for (const Matrix& mx : pl.mats) {
       float* d = g + mx.offset;
       const size_t nm = static_cast<size_t>(mx.n) * mx.m;
-      if (cfg_.use_error_feedback) {
+      if (cfg_.use_error_feedback) {  // Note [PowerSGD and non-finite values]: the check rides in the add
         const float* e = error_.data() + mx.err_off;
-        for (size_t i = 0; i < nm; ++i) d[i] += e[i];
+        uint32_t bits = 0;
+        for (size_t i = 0; i < nm; ++i) {
+          d[i] += e[i];
+          uint32_t bi;
+          std::memcpy(&bi, d + i, sizeof bi);
+          bi &= 0x7fffffffu;
+          bits = bits > bi ? bits : bi;
+        }
+        bad_d_[&mx - pl.mats.data() + pl.mat_begin] = bits >= nn::kernels::kNonFiniteBits;
       }
       nn::gemm(false, false, mx.n, mx.r, mx.m, 1.0f, d, mx.m, q_.data() + mx.q_off, mx.r, 0.0f,
                buf + pl.plain_count + mx.p_off, mx.r);
@@ -291,8 +319,12 @@ class PowerSgdHook : public CommHook {
         nn::gemm(true, false, mx.m, mx.r, mx.n, 1.0f, d, mx.m, ph, mx.r, 0.0f, ql, mx.r);
         if (cfg_.use_error_feedback) {
           float* e = error_.data() + mx.err_off;
-          std::memcpy(e, d, static_cast<size_t>(mx.n) * mx.m * sizeof(float));
-          nn::gemm(false, true, mx.n, mx.m, mx.r, -1.0f, ph, mx.r, ql, mx.r, 1.0f, e, mx.m);
+          if (bad_d_[&mx - pl.mats.data() + pl.mat_begin]) {  // Note [PowerSGD and non-finite values]
+            std::fill(e, e + static_cast<size_t>(mx.n) * mx.m, 0.0f);
+          } else {
+            std::memcpy(e, d, static_cast<size_t>(mx.n) * mx.m * sizeof(float));
+            nn::gemm(false, true, mx.n, mx.m, mx.r, -1.0f, ph, mx.r, ql, mx.r, 1.0f, e, mx.m);
+          }
         }
       }
       if (pl.q_count)
@@ -305,6 +337,9 @@ class PowerSgdHook : public CommHook {
       for (const Matrix& mx : pl.mats)
         nn::gemm(false, true, mx.n, mx.m, mx.r, 1.0f, pl.buf.data() + pl.plain_count + mx.p_off, mx.r,
                  q_.data() + mx.q_off, mx.r, 0.0f, g + mx.offset, mx.m);
+      // Note [PowerSGD and non-finite values]: the same Q on every rank, so the same decision.
+      if (pl.q_count && nn::kernels::max_abs_bits(q_.data() + pl.q_begin, pl.q_count) >= nn::kernels::kNonFiniteBits)
+        init_q(pl);
     }
     err.rethrow();
   }
@@ -312,6 +347,11 @@ class PowerSgdHook : public CommHook {
   bool busy() const override { return !pending_.empty(); }
 
   void end_step() override { ++iteration_; }
+
+  void reset_nonfinite() override {  // Note [PowerSGD and non-finite values]
+    std::fill(error_.begin(), error_.end(), 0.0f);
+    q_ready_ = false;
+  }
 
   CommHookKind kind() const override { return CommHookKind::kPowerSgd; }
 
@@ -358,6 +398,7 @@ class PowerSgdHook : public CommHook {
     std::vector<Matrix> mats;
     std::vector<float> buf;  // uncompressed values, then every matrix's P
     size_t q_begin = 0, q_count = 0;  // the bucket's Q's, contiguous in q_
+    size_t mat_begin = 0;             // index of mats[0] in bad_d_
   };
   struct Pending {
     size_t bucket;
@@ -410,6 +451,12 @@ class PowerSgdHook : public CommHook {
     }
     q_.assign(q_total, 0.0f);
     error_.assign(cfg_.use_error_feedback ? err_total : 0, 0.0f);
+    size_t mats = 0;
+    for (Plan& pl : plans_) {
+      pl.mat_begin = mats;
+      mats += pl.mats.size();
+    }
+    bad_d_.assign(mats, 0);
   }
 
   // A standard normal Q for every matrix of a bucket, the same on every rank:
@@ -442,6 +489,7 @@ class PowerSgdHook : public CommHook {
   int64_t iteration_ = 0;     // completed steps (sync_gradients that reduced something)
   std::vector<Pending> pending_;
   std::vector<double> tmp_;
+  std::vector<char> bad_d_;   // per matrix: this rank's D held inf/NaN this step
 };
 
 }  // namespace

@@ -63,6 +63,9 @@ class CommHook {
   virtual void finish() = 0;
   virtual bool busy() const = 0;  // launched buckets not finished yet
   virtual void end_step() {}
+  // The step's averaged gradient was not finite (Note [Non-finite gradients] in nonfinite.h): drop
+  // any state that step fed (PowerSGD: Q and the residuals). Every rank calls it alike.
+  virtual void reset_nonfinite() {}
   virtual CommHookKind kind() const = 0;
   // PowerSGD only; the others have no state (iteration 0, empty arrays).
   virtual CommHookState state() const { return {}; }

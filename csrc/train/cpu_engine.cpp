@@ -28,7 +28,8 @@ BatchStats CpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   } else {
     if (clip_.on()) {
       ddp_->sync_gradients();  // the average over ranks, then update_parameters has nothing left to sync
-      clip_gradients(model_->flat_grads(), model_->num_parameters(), clip_, nullptr, group_->rank());
+      if (!ddp_->step_skipped())  // a skipped step's gradient is not finite: nothing to clip
+        clip_gradients(model_->flat_grads(), model_->num_parameters(), clip_, nullptr, group_->rank());
     }
     ddp_->update_parameters(*opt_);
   }

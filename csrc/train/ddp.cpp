@@ -4,6 +4,8 @@
 #include <cstring>
 #include <sstream>
 
+#include <cfloat>
+
 #include "common/error.h"
 #include "nn/kernels.h"
 #include "nn/rng.h"
@@ -27,15 +29,6 @@ bool has_sync_batchnorm(nn::Module& m) {
     for (size_t i = 0; i < inner->size(); ++i)
       if (has_sync_batchnorm(*inner->module(i))) return true;
   return false;
-}
-
-// "2 (layer 2 Linear.weight)": parameter tensor i as a message names it.
-std::string param_name(const nn::SequentialModel& m, size_t i) {
-  auto [mi, pi] = m.param_owners().at(i);
-  std::ostringstream os;
-  os << i << " (layer " << mi << " " << m.module(mi)->type_name() << "." << m.module(mi)->param_specs()[pi].name
-     << ")";
-  return os.str();
 }
 
 // FNV-1a over the bytes: equal tensors hash equal; a differing bit differs.
@@ -87,6 +80,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::SequentialM
   const CommHookKind hook = parse_comm_hook(cfg_.comm_hook, who);
   if (hook == CommHookKind::kPowerSgd) check_powersgd_config(cfg_.powersgd, who);
   cfg_.comm_hook = comm_hook_name(hook);
+  nonfinite_ = parse_nonfinite(cfg_.nonfinite, "DistributedDataParallel (rank " + std::to_string(group_->rank()) +
+                                                   "): DDPConfig.nonfinite");
+  cfg_.nonfinite = nonfinite_name(nonfinite_);
+  check_ = std::make_unique<NonFiniteCheck>(model_, sched_.buckets(), group_->size(), group_->rank());
 
   if (cfg_.broadcast_parameters) broadcast_parameters();
   fork_rng_streams();
@@ -238,6 +235,7 @@ std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) 
 }
 
 void DistributedDataParallel::sync_gradients_joined() {
+  if (checking()) check_->scan_all(model_->flat_grads());
   const int active = join_signal(true, kJoinSync).first;
   float* g = model_->flat_grads();
   if (num_elems_) {
@@ -245,6 +243,8 @@ void DistributedDataParallel::sync_gradients_joined() {
     nn::kernels::scale(g, num_elems_, 1.0f / static_cast<float>(active));
   }
   ++launched_total_;
+  ++steps_;
+  skip_pending_ = false;
 }
 
 void DistributedDataParallel::join_end() {
@@ -322,6 +322,7 @@ void DistributedDataParallel::wait_in_flight() {
 
 void DistributedDataParallel::launch(size_t b) {
   const Bucket& bk = sched_.buckets()[b];
+  if (checking()) check_->scan(b, model_->flat_grads());  // Note [Non-finite gradients]
   if (hook_)
     hook_->launch(b);  // comm_hooks.h
   else if (bk.count)
@@ -391,15 +392,84 @@ void DistributedDataParallel::sync_gradients() {
     std::fill(dirty_.begin(), dirty_.end(), 0);
     backwards_since_sync_ = 0;
     any_unsynced_ = false;
+    // The active ranks hold the same average: each reads it (no agreement message a joined rank could not answer).
+    if (checking()) act_on(check_->decide_local(model_->flat_grads()));
     return;
   }
   for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
+  // Note [Non-finite gradients]: with by_message_, the agreement travels right behind the last bucket.
+  const bool check = checking();
+  if (check && by_message_) {
+    std::vector<double>& msg = check_->pack();
+    if (group_->size() > 1)
+      in_flight_.push_back(group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64,
+                                              distributed::ReduceOp::kSum, true));
+  }
   wait_in_flight();
   if (hook_) hook_->end_step();
   if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;
   backwards_since_sync_ = 0;
   any_unsynced_ = false;
+  ++steps_;
+  skip_pending_ = false;
+  if (check && by_message_) {
+    const double limit = hook_ && hook_->kind() == CommHookKind::kFp16 ? 65504.0 * group_->size() : FLT_MAX / 2;
+    act_on(check_->decide(model_->flat_grads(), limit));
+  } else if (check) {
+    // The average is the same bytes on every rank: each reads it and every rank finds the same. Only a bad
+    // step communicates, to learn whose own gradient was bad (every rank gets here alike).
+    NonFiniteVerdict v = check_->decide_local(model_->flat_grads());
+    if (v.bad) check_->name_ranks(v, *group_);
+    act_on(v);
+  }
+}
+
+void DistributedDataParallel::set_nonfinite(const std::string& mode) {
+  const NonFiniteMode m = parse_nonfinite(mode, "DistributedDataParallel.nonfinite (rank " +
+                                                    std::to_string(group_->rank()) + ")");
+  CX_CHECK(!any_unsynced_ || m == nonfinite_, InvalidArgument, "DistributedDataParallel.nonfinite (rank ",
+           group_->rank(), "): cannot change while a step's gradients wait to be reduced; set it between steps");
+  nonfinite_ = m;
+  cfg_.nonfinite = nonfinite_name(m);
+}
+
+bool DistributedDataParallel::act_on(const NonFiniteVerdict& v) {
+  if (!v.bad) return true;
+  ++nonfinite_steps_;
+  if (hook_) hook_->reset_nonfinite();  // Note [PowerSGD and non-finite values] in comm_hooks.cpp
+  const std::string who = "DistributedDataParallel (rank " + std::to_string(group_->rank()) + ")";
+  const bool fp16 = hook_ && hook_->kind() == CommHookKind::kFp16;
+  switch (nonfinite_) {
+    case NonFiniteMode::kRaise:
+      CX_THROW(NonFiniteError, check_->describe(v, who, steps_, fp16,
+                                                "The optimizer step was not taken. Look for a NaN or inf in this "
+                                                "step's input rows, or lower the learning rate; DDPConfig.nonfinite "
+                                                "= 'skip' skips such steps (what a loss scaler needs)."));
+    case NonFiniteMode::kSkip:
+      ++skipped_steps_;
+      skip_pending_ = true;
+      return false;
+    case NonFiniteMode::kWarn:
+      warning_ = check_->describe(v, who, steps_, fp16, "The step is taken (DDPConfig.nonfinite = 'warn').");
+      return true;
+    case NonFiniteMode::kOff: break;
+  }
+  return true;
+}
+
+void DistributedDataParallel::check_own_gradients() {
+  if (checking()) check_->scan_all(model_->flat_grads());
+}
+
+bool DistributedDataParallel::conclude_sharded(size_t shard_offset, size_t shard_count) {
+  ++steps_;
+  skip_pending_ = false;
+  if (!checking()) return true;
+  std::vector<double>& msg = check_->pack(model_->flat_grads(), shard_offset, shard_count, true);
+  if (group_->size() > 1)
+    group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
+  return act_on(check_->decide(model_->flat_grads(), 0.0, true));
 }
 
 void DistributedDataParallel::update_parameters(nn::Optimizer& opt) {
@@ -407,7 +477,11 @@ void DistributedDataParallel::update_parameters(nn::Optimizer& opt) {
            "): this DDP's optimizer state is sharded by a ZeroRedundancyOptimizer; pass that wrapper "
            "(ddp.update_parameters(zero) or zero.step()), not the ", opt.type_name(), " optimizer inside it");
   sync_gradients();
-  opt.step(*model_);
+  if (skip_pending_) {  // DDPConfig.nonfinite = "skip": not taken, on every rank alike
+    skip_pending_ = false;
+  } else {
+    opt.step(*model_);
+  }
   model_->zero_grad();
 }
 

@@ -138,6 +138,7 @@
 #include "nn/sequential.h"
 #include "train/buckets.h"
 #include "train/comm_hooks.h"
+#include "train/nonfinite.h"
 
 namespace cx::train {
 
@@ -149,6 +150,9 @@ struct DDPConfig {
   double first_bucket_mb = 1.0;      // cap of bucket 0 (Note [Bucket order])
   std::string comm_hook = "none";    // "none", "fp16", "bf16", "powersgd" (comm_hooks.h)
   PowerSGDConfig powersgd;           // options of the "powersgd" hook
+  // What a step whose averaged gradient holds NaN/inf does (Note [Non-finite gradients] in nonfinite.h):
+  // "raise" (NonFiniteError on every rank), "skip" (no optimizer step, on every rank), "warn" or "off".
+  std::string nonfinite = "raise";
 };
 
 // One parameter tensor that differs between ranks.
@@ -206,6 +210,27 @@ class DistributedDataParallel {
   // Makes register_comm_hook refuse any hook but "none", saying `why`.
   void refuse_comm_hooks(std::string why) { hooks_refused_ = std::move(why); }
 
+  // DDPConfig.nonfinite from the next sync on (every rank alike; InvalidArgument naming the choices).
+  void set_nonfinite(const std::string& mode);
+  const char* nonfinite() const { return nonfinite_name(nonfinite_); }
+  // Steps whose averaged gradient was not finite, and of those the ones not taken ("skip").
+  uint64_t nonfinite_steps() const { return nonfinite_steps_; }
+  uint64_t skipped_steps() const { return skipped_steps_; }
+  // "skip" decided that the gradients synced last must not be stepped on: update_parameters
+  // (and ZeRO's step) then zero them instead, and clear this.
+  bool step_skipped() const { return skip_pending_; }
+  void clear_skip() { skip_pending_ = false; }
+  // The "warn" text of the last sync (then empty): the binding issues it as a RuntimeWarning.
+  std::string take_warning() { return std::move(warning_); }
+  // ZeRO-1 (zero.cpp): this rank's own gradients, about to be reduce-scattered, are scanned...
+  void check_own_gradients();
+  // ...and after it, with this rank's shard of the average in place, every rank agrees (collective);
+  // false when the step must not be taken ("skip"); NonFiniteError with "raise".
+  bool conclude_sharded(size_t shard_offset, size_t shard_count);
+  // How ranks agree on a step's verdict (Note [Non-finite gradients]): true (the default), a small
+  // all-reduce behind the last bucket; false, each rank reads the average. Benchmarks compare the two.
+  void set_agree_by_message(bool on) { by_message_ = on; }
+
   void set_require_sync(bool on) { require_sync_ = on; }
   bool require_sync() const { return require_sync_; }
 
@@ -257,6 +282,9 @@ class DistributedDataParallel {
   std::pair<int, int> join_signal(bool active, int kind);
   void broadcast_buffers_from(int root);
   void sync_gradients_joined();
+  bool checking() const { return nonfinite_ != NonFiniteMode::kOff; }
+  // Acts on a verdict (Note [Non-finite gradients]); false when the step is skipped.
+  bool act_on(const NonFiniteVerdict& v);
 
   std::shared_ptr<nn::SequentialModel> model_;
   DDPConfig cfg_;
@@ -279,6 +307,14 @@ class DistributedDataParallel {
   int join_authority_ = 0;            // lowest rank of the last non-empty active set
   bool join_signalled_ = false;       // a signal reported active ranks since join_begin
   std::vector<double> join_buf_;
+
+  NonFiniteMode nonfinite_ = NonFiniteMode::kRaise;
+  std::unique_ptr<NonFiniteCheck> check_;
+  uint64_t steps_ = 0;                // syncs that reduced something (the step a NonFiniteError names)
+  uint64_t nonfinite_steps_ = 0, skipped_steps_ = 0;
+  bool skip_pending_ = false;
+  bool by_message_ = true;
+  std::string warning_;
 
   std::unique_ptr<CommHook> hook_;    // null: the float32 AVG all-reduce of launch()
   std::string hooks_refused_;

@@ -50,6 +50,8 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
              "with NCCL. Use comm_hook = 'none' with the NCCL backend, or train on the CPU backend to use the hook");
     DDPConfig host_cfg = cfg;
     host_cfg.broadcast_parameters = false;
+    check_gpu_nonfinite(cfg.nonfinite);
+    host_cfg.nonfinite = "off";  // the host DDP moves no gradients
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
     ddp_->refuse_comm_hooks(detail::concat("is not supported on the GPU (cuda:", group_->config().local_rank,
                                            ", BackendType.NCCL): the trainer's GPU engine reduces the gradients "
@@ -63,6 +65,19 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     cpu_engine_ = cpu.get();
     engine_ = std::move(cpu);
   }
+}
+
+void TrainerCore::check_gpu_nonfinite(const std::string& mode) {
+  const NonFiniteMode m = parse_nonfinite(mode, "DistributedTrainer: nonfinite");
+  CX_CHECK(m == NonFiniteMode::kRaise || m == NonFiniteMode::kOff, InvalidArgument, "DistributedTrainer (rank ",
+           group_->rank(), "): nonfinite = '", nonfinite_name(m), "' is not supported on the GPU yet (cuda:",
+           group_->config().local_rank, ", BackendType.NCCL): the GPU engine does not scan its gradients; there "
+           "fit's per-step loss check stops a NaN ('raise'). Use 'raise' or 'off', or train on the CPU backend");
+}
+
+void TrainerCore::set_nonfinite(const std::string& mode) {
+  if (cpu_engine_) ddp_->set_nonfinite(mode);
+  else check_gpu_nonfinite(mode);
 }
 
 void TrainerCore::set_shard_optimizer_state(bool on) {

@@ -55,10 +55,12 @@ ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
   }
 }
 
-void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
-  if (!ddp_->take_unsynced()) return;  // nothing new, or sync_gradients() already averaged it all
+bool ZeroRedundancyOptimizer::reduce_scatter_gradients() {
+  // nothing new, or sync_gradients() already averaged it all (and checked it: Note [Non-finite gradients])
+  if (!ddp_->take_unsynced()) return !ddp_->step_skipped();
   const int world = group_->size();
   float* g = ddp_->model()->flat_grads();
+  ddp_->check_own_gradients();
   if (world > 1) {
     float* own = g + shard_.offset;
     std::vector<const void*> ins(static_cast<size_t>(world));
@@ -73,6 +75,7 @@ void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
     if (tail)
       group_->all_reduce(g + n_ - tail, tail, distributed::DataType::kFloat32, distributed::ReduceOp::kAvg, false);
   }
+  return ddp_->conclude_sharded(shard_.offset, shard_.count);  // collective: the same answer on every rank
 }
 
 void ZeroRedundancyOptimizer::all_gather_shards(const float* mine, float* out) {
@@ -100,7 +103,11 @@ void ZeroRedundancyOptimizer::step(const GradClip& clip) {
   CX_CHECK(ddp_->model()->num_parameters() == n_, InvalidArgument, "ZeroRedundancyOptimizer.step (rank ", rank,
            "): the model changed after the optimizer was wrapped (", n_, " parameters then, ",
            ddp_->model()->num_parameters(), " now)");
-  reduce_scatter_gradients();
+  if (!reduce_scatter_gradients()) {  // DDPConfig.nonfinite = "skip": not taken, on every rank alike
+    ddp_->clear_skip();
+    ddp_->model()->zero_grad();
+    return;
+  }
   float* p = ddp_->model()->flat_params();
   float* g = ddp_->model()->flat_grads();
   if (clip.on()) clip_gradients(g + shard_.offset, shard_.count, clip, group_, rank);

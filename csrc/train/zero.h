@@ -80,7 +80,8 @@ class ZeroRedundancyOptimizer {
   size_t scratch_floats() const { return scratch_.size(); }
 
  private:
-  void reduce_scatter_gradients();
+  // false when the step must not be taken (DDPConfig.nonfinite = "skip").
+  bool reduce_scatter_gradients();
   void all_gather_parameters();
   // out (n floats, every rank) gets every rank's `mine` (its shard's floats).
   void all_gather_shards(const float* mine, float* out);

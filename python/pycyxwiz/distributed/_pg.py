@@ -72,9 +72,11 @@ def _logged(fn: _F) -> _F:
                 _d._set_call_site("")
             ms = (time.perf_counter() - t0) * 1e3
             if _DETAIL and is_initialized():
-                rec = _d._flight_record()
-                what = rec[-1]["describe"] if rec else name
-                logger.debug("rank %d: %s: %s, %.3f ms", get_rank(), name, what, ms)
+                # The flight record is built whole (a dict per entry, about 1 ms): only for a line that is shown.
+                if logger.isEnabledFor(logging.DEBUG):
+                    rec = _d._flight_record()
+                    what = rec[-1]["describe"] if rec else name
+                    logger.debug("rank %d: %s: %s, %.3f ms", get_rank(), name, what, ms)
             else:
                 shapes = [getattr(a, "shape", None) for a in args]
                 logger.info("rank %s: %s %s %.3f ms", get_rank() if is_initialized() else "?", name,

@@ -76,10 +76,12 @@ __all__ = [
 ]
 
 
-class NonFiniteError(FloatingPointError):
-    """A loss (or gradient) that is NaN or infinite, named where it arose: DistributedTrainer.fit raises it on the
-    rank whose batch's loss was not finite, naming the epoch, the batch and that batch's sample rows; every other
-    rank raises DistributedConnectionError "rank R failed: NonFiniteError: ..."."""
+# A loss, gradient or layer output that is NaN or infinite, named where it arose (a FloatingPointError and a
+# DistributedError). DDP's check (DDPConfig.nonfinite = "raise") raises it on every rank at once, naming the step,
+# the parameters and the ranks whose own gradient was bad, and fit adds the epoch, the batch and this rank's rows;
+# fit's per-step loss check raises it on the rank whose loss was not finite (every other rank then raises
+# DistributedConnectionError "rank R failed: NonFiniteError: ..."); model.detect_anomaly names the layer.
+NonFiniteError = _core.NonFiniteError
 
 
 def join(ddp: Any) -> Any:
@@ -117,7 +119,7 @@ class DistributedTrainingConfig:
     __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
                  "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
                  "resume_from", "auto_resume", "drop_last", "scheduler", "check_every_n_steps", "on_divergence",
-                 "shard_optimizer_state", "grad_clip_norm", "grad_clip_value")
+                 "shard_optimizer_state", "grad_clip_norm", "grad_clip_value", "nonfinite", "detect_anomaly")
 
     def __init__(self, **kw: Any) -> None:
         self.epochs: int = 10
@@ -145,6 +147,14 @@ class DistributedTrainingConfig:
         # first when both are set); None: no clipping. CPU backend only for now.
         self.grad_clip_norm: Optional[float] = None
         self.grad_clip_value: Optional[float] = None
+        # A step whose gradient averaged over the ranks holds NaN/inf (Note [Non-finite gradients] in
+        # csrc/train/nonfinite.h): "raise" (NonFiniteError on every rank naming the step, epoch, batch,
+        # parameters and the ranks whose own gradient was bad), "skip" (the step is not taken, on every rank,
+        # counted in history.skipped_steps), "warn" or "off"; None: the trainer's DDPConfig.nonfinite ("raise").
+        self.nonfinite: Optional[str] = None
+        # Anomaly mode (as torch.autograd.detect_anomaly) during fit: the first layer whose output or gradient
+        # went NaN/inf is named (model.detect_anomaly). Costs a read of every activation and gradient.
+        self.detect_anomaly: bool = False
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -175,6 +185,8 @@ class DistributedTrainingHistory:
         self.stopped_early: bool = False       # a callback stopped fit (trainer.stop_training) before config.epochs
         self.stop_reason: str = ""             # why (EarlyStopping says which score stopped improving since when)
         self.stopped_epoch: int = 0            # the last epoch trained when it stopped early
+        self.skipped_steps: int = 0            # steps not taken: the averaged gradient was not finite
+        #                                        (DistributedTrainingConfig.nonfinite = "skip")
 
     def plot(self, path: Any) -> str:
         """Draws loss and accuracy per epoch (training, and validation where there is some) into an image file.
@@ -246,7 +258,13 @@ def _as_data(X: Any, y: Any, who: str) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def _as_inputs(X: Any, who: str) -> np.ndarray:
+    """X as float32 C-contiguous, by the rule model.forward follows too (Note [One rule for input arrays] in
+    csrc/bindings/arrays.cpp): any array of real numbers (float16/32/64, integers, bools; a list) is converted as
+    np.ascontiguousarray(X, dtype=np.float32) would; complex, object and string data are refused."""
     X = np.asarray(X)
+    if X.dtype.kind not in "fiub":
+        raise TypeError(f"{who}: expected an array of real numbers of shape (samples, features) (it is converted to "
+                        f"float32), got {X.dtype} array of shape {X.shape}")
     if X.ndim < 2:
         raise ValueError(f"{who}: X must have shape (samples, features), got shape {X.shape}")
     return np.ascontiguousarray(X, dtype=np.float32)
@@ -482,6 +500,8 @@ class DistributedTrainer:
         # ZeRO-1 on or off before a checkpoint is loaded, so its state lands sharded (collective).
         self._core.set_shard_optimizer_state(bool(config.shard_optimizer_state))
         self._core.set_grad_clip(float(config.grad_clip_norm or 0.0), float(config.grad_clip_value or 0.0))
+        if config.nonfinite is not None:
+            self._core.set_nonfinite(config.nonfinite)
         resumed_by_itself = False
         if resume_from:
             self.load_checkpoint(resume_from)
@@ -514,14 +534,24 @@ class DistributedTrainer:
 
         out = _Progress(config.verbose and self.is_master())
         if resumed_by_itself:
-            out.line(f"resuming from {resume_from} (epoch {self._epochs_done()}, batch {self._position}; "
-                     f"config.auto_resume = False starts over)")
+            # One line on rank 0 even with verbose = False: a resumed run that has nothing left trains nothing,
+            # and should say so.
+            end, left = self._fit_start + config.epochs, self._fit_start + config.epochs - self._epoch
+            at = f", epoch {self._epoch + 1} from batch {self._position + 1}" if self._position else ""
+            what = (f"{left} epoch{'s' if left != 1 else ''} left to train" if left > 0 else
+                    "nothing left to train (that run finished; raise config.epochs to train more)")
+            (out if config.verbose else _Progress(self.is_master())).line(
+                f"resuming from {resume_from} ({self._epoch} of {end} epochs done{at}); {what}; "
+                f"config.auto_resume = False starts over")
         if self.device:
             out.line(f"training on {self.device}")
         # The model, BatchNorm statistics and optimizer state as the host objects hold them now
         # (GPU training: Note [The model on the GPU]; nothing to do on the CPU).
         self._core.sync_from_host()
         self._in_fit = True
+        anomaly = self.model.detect_anomaly
+        self.model.detect_anomaly = anomaly or bool(config.detect_anomaly)
+        skipped_before = self.ddp.skipped_steps
         try:
             for cb in cbs:
                 _callbacks._call(cb, "on_train_begin", self)
@@ -538,6 +568,9 @@ class DistributedTrainer:
             except Exception:
                 pass
             raise
+        finally:
+            self.model.detect_anomaly = anomaly
+            history.skipped_steps += self.ddp.skipped_steps - skipped_before
         self._in_fit = False
         self._end_background_saves()
         self._end_averages(cbs)
@@ -723,14 +756,38 @@ class DistributedTrainer:
             for Xb, yb in loaded:
                 yield self._core.train_rows(Xb, yb)
 
-    def _raise_nonfinite(self, loss_sum: float, epoch: int, done: int, batches: DistributedBatchIterator,
-                         drop_last: bool) -> None:
-        """The step of batch `done` (from 0 in the epoch) had a loss that is not finite: name it, with its rows."""
+    def _rows_of(self, done: int, batches: DistributedBatchIterator, drop_last: bool) -> str:
+        """This rank's sample rows of batch `done` (from 0 in the epoch), as a message shows them."""
         at = DistributedBatchIterator(batches.sampler, batches.batch_size, drop_last=drop_last)
         at.set_position(done)
         rows = np.sort(self._core.next_indices(at))
-        shown = ", ".join(str(int(i)) for i in rows[:20]) + (f", ... ({rows.size} rows)" if rows.size > 20 else "")
-        raise NonFiniteError(
+        return ", ".join(str(int(i)) for i in rows[:20]) + (f", ... ({rows.size} rows)" if rows.size > 20 else "")
+
+    @contextlib.contextmanager
+    def _naming_batch(self, where, batches: DistributedBatchIterator, drop_last: bool):
+        """A NonFiniteError from a step (DDP's check, anomaly mode) gets the epoch, the batch and this rank's rows
+        (where() gives (epoch, batch index from 0) of the step running)."""
+        try:
+            yield
+        except NonFiniteError as e:
+            if getattr(e, "_named", False):
+                raise
+            epoch, done = where()
+            raise NonFiniteError(f"{e} [fit: epoch {epoch + 1}, batch {done + 1}; its sample rows (indices into the "
+                                 f"training data) on this rank: [{self._rows_of(done, batches, drop_last)}]]") \
+                from None
+
+    def _raise_nonfinite(self, loss_sum: float, epoch: int, done: int, batches: DistributedBatchIterator,
+                         drop_last: bool) -> None:
+        """The step of batch `done` (from 0 in the epoch) had a loss that is not finite: name it, with its rows."""
+        err = NonFiniteError(self._nonfinite_text(loss_sum, epoch, done, batches, drop_last))
+        err._named = True  # _naming_batch leaves it as it is
+        raise err
+
+    def _nonfinite_text(self, loss_sum: float, epoch: int, done: int, batches: DistributedBatchIterator,
+                        drop_last: bool) -> str:
+        shown = self._rows_of(done, batches, drop_last)
+        return (
             f"rank {self.get_rank()}: the loss of epoch {epoch + 1}, batch {done + 1} was {loss_sum} (not finite); "
             f"its sample rows (indices into the training data) on this rank: [{shown}]. Look for a NaN or inf in "
             "those rows, or lower the learning rate if the model diverged (the step was taken: restore a "
@@ -762,10 +819,20 @@ class DistributedTrainer:
             total = batches.num_batches()
             done = batches.position()
             lr = self.optimizer.lr
-            with contextlib.closing(self._steps_of(train, batches, config.drop_last)) as steps:
+            with contextlib.closing(self._steps_of(train, batches, config.drop_last)) as steps, \
+                    self._naming_batch(lambda: (epoch, done), batches, config.drop_last):
+                skipped = self.ddp.skipped_steps
                 for bl, bc, bn in steps:
                     if not math.isfinite(bl):  # one float per step: free next to the step itself
-                        self._raise_nonfinite(bl, epoch, done, batches, config.drop_last)
+                        if self.ddp.skipped_steps != skipped:  # nonfinite = "skip": not taken, not counted
+                            skipped = self.ddp.skipped_steps
+                            bl = bc = bn = 0.0
+                        elif self.ddp.nonfinite == "warn":
+                            warnings.warn(self._nonfinite_text(bl, epoch, done, batches, config.drop_last),
+                                          RuntimeWarning, stacklevel=2)
+                            bl = bc = bn = 0.0
+                        else:
+                            self._raise_nonfinite(bl, epoch, done, batches, config.drop_last)
                     ls, cs, ns = ls + bl, cs + bc, ns + bn
                     if cbs:
                         lr = self.optimizer.lr  # this step's, before a per-step scheduler moves it
@@ -886,6 +953,12 @@ class DistributedTrainer:
         if c.auto_resume not in (None, True, False):
             raise ValueError(f"DistributedTrainingConfig.auto_resume must be None, True or False, got "
                              f"{c.auto_resume!r}")
+        if c.nonfinite is not None and c.nonfinite not in ("raise", "skip", "warn", "off"):
+            raise ValueError(f"DistributedTrainingConfig.nonfinite must be 'raise', 'skip', 'warn', 'off' or None "
+                             f"(the DDPConfig's), got {c.nonfinite!r}")
+        if not isinstance(c.detect_anomaly, bool):
+            raise ValueError(f"DistributedTrainingConfig.detect_anomaly must be True or False, got "
+                             f"{c.detect_anomaly!r}")
         if c.on_divergence not in ("warn", "raise"):
             raise ValueError(f"DistributedTrainingConfig.on_divergence must be 'warn' or 'raise', got "
                              f"{c.on_divergence!r}")

@@ -7,6 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._core import _pybind11_type
+from ._pg import DistributedError
 from .._nn import BCEWithLogitsLoss, CrossEntropyLoss, LRScheduler, MSELoss, Optimizer, SequentialModel, _StateDict
 from ..callbacks import Callback
 from ..data import Dataset
@@ -22,7 +23,7 @@ __all__ = [
     "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer", "NonFiniteError",
 ]
 
-class NonFiniteError(FloatingPointError): ...
+class NonFiniteError(DistributedError, FloatingPointError): ...  # a NaN/inf named: step, parameters, ranks, layer
 
 class PowerSGDConfig(metaclass=_pybind11_type):
     matrix_approximation_rank: int  # 1
@@ -44,6 +45,10 @@ class DDPConfig(metaclass=_pybind11_type):
     def comm_hook(self) -> str: ...  # "none", "fp16", "bf16", "powersgd"
     @comm_hook.setter
     def comm_hook(self, value: Optional[str]) -> None: ...  # None means "none"
+    @property
+    def nonfinite(self) -> str: ...  # "raise" (default), "skip", "warn" or "off"
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None: ...
     def __init__(self) -> None: ...
 
 class DistributedDataParallel(metaclass=_pybind11_type):
@@ -78,6 +83,14 @@ class DistributedDataParallel(metaclass=_pybind11_type):
     def allreduce_count(self) -> int: ...
     @property
     def config(self) -> DDPConfig: ...
+    @property
+    def nonfinite(self) -> str: ...     # config.nonfinite, settable between steps
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None: ...
+    @property
+    def skipped_steps(self) -> int: ...     # steps not taken: averaged gradient not finite ("skip")
+    @property
+    def nonfinite_steps(self) -> int: ...   # steps whose averaged gradient was not finite
     def is_master(self) -> bool: ...
     def get_rank(self) -> int: ...
     def get_world_size(self) -> int: ...
@@ -159,6 +172,8 @@ class DistributedTrainingConfig:
     shard_optimizer_state: bool     # False; True: ZeRO-1
     grad_clip_norm: Optional[float]   # None; clip the averaged gradient's global L2 norm to it
     grad_clip_value: Optional[float]  # None; clamp each element of it to [-v, v]
+    nonfinite: Optional[str]        # None: the DDPConfig's ("raise"); "raise", "skip", "warn" or "off"
+    detect_anomaly: bool            # False; True: name the first layer whose output or gradient went inf/NaN
     def __init__(self, **kw: Any) -> None: ...
 
 class DistributedTrainingHistory:
@@ -177,6 +192,7 @@ class DistributedTrainingHistory:
     stopped_early: bool
     stop_reason: str
     stopped_epoch: int
+    skipped_steps: int          # steps not taken: the averaged gradient was not finite (nonfinite = "skip")
     def __init__(self) -> None: ...
     def plot(self, path: _Path) -> str: ...   # needs matplotlib
 

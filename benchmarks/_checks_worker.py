@@ -1,0 +1,103 @@
+"""One rank of the checks-cost benchmark (benchmarks.checks): the same trainer, the same data, fit with
+the non-finite gradient check off, on ("raise": the verdict agreed by a small all-reduce, the default) and
+on with each rank reading the average instead ("read"), in turn, in one process.
+
+    python -m benchmarks._checks_worker --lib pycyxwiz --out DIR --model mlp --rounds 6 --samples-per-rank 4096
+
+The MLP and the CNN are benchmarks.train's and benchmarks.cnn's (784-256-10 with Adam, batch 64; the
+ResNet-8-like network with SGD, batch 32). One untimed warm-up epoch, then `rounds` rounds of one epoch
+per setting, the order rotating each round (so no setting always runs first); each epoch is timed between
+two barriers and the parent takes the slowest rank's.
+
+With --collective, instead: `calls` all_reduces of 8 floats (and of 256 KiB) through cx.distributed, the
+cost of CX_DEBUG=DETAIL's call-site comparison (the parent runs this job with CX_DEBUG off and DETAIL,
+alternating).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from benchmarks._worker_io import run_rank
+
+
+def build(cx, which: str):
+    if which == "mlp":
+        from benchmarks import _train_worker as w
+        model = cx.SequentialModel()
+        model.add(cx.LinearModule(w.IN, w.HIDDEN))
+        model.add(cx.ReLUModule())
+        model.add(cx.LinearModule(w.HIDDEN, w.OUT))
+        return model, cx.AdamOptimizer(w.LR), w.BATCH, w.make_data
+    from benchmarks import _cnn_worker as c
+    cx.manual_seed(0)
+    return c.cx_resnet8(cx), cx.SGDOptimizer(c.LR, momentum=0.9), 32, c.make_data
+
+
+def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
+    cx = comm.cx
+    model, opt, batch, make_data = build(cx, which)
+    X, y = make_data(samples_per_rank * comm.world)
+    trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), opt)
+
+    def epoch(mode: str) -> float:
+        trainer.ddp._agree_by_message = mode != "read"
+        config = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=batch, verbose=False,
+                                                          nonfinite="off" if mode == "off" else "raise",
+                                                          check_every_n_steps=0)
+        comm.barrier()
+        t0 = time.perf_counter()
+        trainer.fit(X, y, config)
+        seconds = time.perf_counter() - t0
+        comm.barrier()
+        return seconds
+
+    epoch("off")  # warm-up
+    modes = ("off", "raise", "read")
+    times: dict = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes[r % 3:] + modes[:r % 3]:  # each setting first, second and third in turn
+            times[mode].append(epoch(mode))
+    return {"times": times, "batch": batch, "samples": samples_per_rank}
+
+
+def run_collective(comm, calls: int) -> dict:
+    cx = comm.cx
+    out = {}
+    for name, n in (("8 floats", 8), ("256 KiB", 65536)):
+        x = np.ones(n, np.float32)
+        for _ in range(50):
+            cx.distributed.all_reduce(x)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            cx.distributed.all_reduce(x)
+        out[name] = (time.perf_counter() - t0) / calls
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True, choices=["pycyxwiz"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--samples-per-rank", type=int, default=4096)
+    ap.add_argument("--collective", action="store_true")
+    ap.add_argument("--calls", type=int, default=2000)
+    a = ap.parse_args(argv)
+
+    def body(comm, report):
+        if a.collective:
+            report.add(run_collective(comm, a.calls))
+        else:
+            report.add(run_checks(comm, a.model, a.rounds, a.samples_per_rank))
+
+    return run_rank(a.out, a.lib, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""What the safety checks cost: the non-finite gradient check (DDPConfig.nonfinite, Note [Non-finite
+gradients] in csrc/train/nonfinite.h) on the MLP and CNN training benchmarks, and CX_DEBUG=DETAIL's
+call-site comparison on a loop of all_reduces.
+
+    python -m benchmarks.checks                       # 2 ranks; MLP and CNN; 6 rounds each
+    python -m benchmarks.checks --rounds 10 --skip-cnn
+
+Training: one job per model; in it the same trainer fits one epoch with the check off, one with it on
+(agreed by a small all-reduce, the default) and one with it on where each rank reads the average, in turn
+(benchmarks/_checks_worker.py), and the ratio on/off is taken per round (the slowest rank's
+epoch time each); the table gives the median and the range of the per-round ratios. CX_DEBUG: jobs with
+CX_DEBUG off and DETAIL alternate (`--debug-rounds` pairs), each timing a loop of all_reduces; the ratio
+is per pair. Ratios only: the machine is shared and absolute times move 10-30% from run to run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+if __package__ in (None, ""):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._launch import run_ranks
+from benchmarks._report import format_table, write_json
+
+
+def train_ratios(model: str, world: int, rounds: int, samples: int, timeout_s: float) -> dict:
+    run = run_ranks("pycyxwiz", "benchmarks._checks_worker",
+                    ["--model", model, "--rounds", str(rounds), "--samples-per-rank", str(samples)], world, timeout_s)
+    if not run.ok:
+        return {"model": model, "ok": False, "reason": run.reason}
+    per_rank = [r["steps"][0]["times"] for r in run.ranks]
+    out = {"model": model, "ok": True, "load": run.load}
+    off = [max(t["off"][i] for t in per_rank) for i in range(rounds)]
+    out["off_s"] = off
+    for mode in ("raise", "read"):
+        on = [max(t[mode][i] for t in per_rank) for i in range(rounds)]
+        ratios = [b / a for a, b in zip(off, on)]
+        out[mode] = {"on_s": on, "ratios": ratios, "median_ratio": statistics.median(ratios),
+                     "best_ratio": min(on) / min(off)}
+    return out
+
+
+def debug_ratios(world: int, pairs: int, calls: int, timeout_s: float) -> dict:
+    rows = []
+    for _ in range(pairs):
+        pair = {}
+        for level in ("OFF", "DETAIL"):
+            run = run_ranks("pycyxwiz", "benchmarks._checks_worker", ["--collective", "--calls", str(calls)], world,
+                            timeout_s, extra_env={"CX_DEBUG": level})
+            if not run.ok:
+                return {"ok": False, "reason": run.reason}
+            pair[level] = {k: max(r["steps"][0][k] for r in run.ranks) for k in run.ranks[0]["steps"][0]}
+        rows.append(pair)
+    out = {"ok": True, "pairs": rows}
+    for size in rows[0]["OFF"]:
+        off = [p["OFF"][size] for p in rows]
+        det = [p["DETAIL"][size] for p in rows]
+        out[size] = {"off_us": statistics.median(off) * 1e6, "detail_us": statistics.median(det) * 1e6,
+                     "median_ratio": statistics.median(d / o for o, d in zip(off, det)),
+                     "extra_us": statistics.median(d - o for o, d in zip(off, det)) * 1e6}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--mlp-samples", type=int, default=4096)
+    ap.add_argument("--cnn-samples", type=int, default=256)
+    ap.add_argument("--skip-cnn", action="store_true")
+    ap.add_argument("--skip-train", action="store_true", help="only the CX_DEBUG part")
+    ap.add_argument("--debug-rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=2000)
+    a = ap.parse_args(argv)
+    payload: dict = {"benchmark": "checks", "world": a.world, "rounds": a.rounds, "train": [], "debug": None}
+    rows = []
+    for model, samples in (("mlp", a.mlp_samples), ("cnn", a.cnn_samples)):
+        if a.skip_train or (model == "cnn" and a.skip_cnn):
+            continue
+        print(f"  {model}: {a.rounds} rounds of one epoch off / on ...", flush=True)
+        r = train_ratios(model, a.world, a.rounds, samples, 1800)
+        payload["train"].append(r)
+        if r["ok"]:
+            for mode, what in (("raise", "'raise' vs 'off'"), ("read", "'raise', each rank reading, vs 'off'")):
+                m = r[mode]
+                rows.append([f"{model} fit, {what}", f"{m['median_ratio']:.3f}",
+                             f"{min(m['ratios']):.3f} - {max(m['ratios']):.3f}", f"{m['best_ratio']:.3f}"])
+        else:
+            rows.append([model, "n/a", r["reason"], ""])
+    if a.debug_rounds:
+        print(f"  CX_DEBUG off / DETAIL: {a.debug_rounds} pairs of jobs ...", flush=True)
+        d = debug_ratios(a.world, a.debug_rounds, a.calls, 600)
+        payload["debug"] = d
+        if d["ok"]:
+            for size in ("8 floats", "256 KiB"):
+                rows.append([f"all_reduce {size}, CX_DEBUG=DETAIL vs off", f"{d[size]['median_ratio']:.3f}",
+                             f"+{d[size]['extra_us']:.1f} us a call", ""])
+    print(format_table(["what (2 ranks)", "median ratio", "range / extra", "best/best"], rows))
+    write_json("checks", payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+#include "train/nonfinite.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <sstream>
+
+#include "common/error.h"
+#include "nn/kernels.h"
+
+namespace cx::train {
+
+using nn::kernels::kNonFiniteBits;
+
+NonFiniteMode parse_nonfinite(const std::string& name, const std::string& who) {
+  std::string s;
+  for (char c : name) s.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  if (s == "raise") return NonFiniteMode::kRaise;
+  if (s == "skip") return NonFiniteMode::kSkip;
+  if (s == "warn") return NonFiniteMode::kWarn;
+  if (s == "off") return NonFiniteMode::kOff;
+  CX_THROW(InvalidArgument, who, ": unknown value '", name,
+           "'; choose 'raise' (NonFiniteError on every rank, the default), 'skip' (the optimizer step is not taken, "
+           "on every rank alike), 'warn' (a RuntimeWarning, the step is taken) or 'off' (no check)");
+}
+
+const char* nonfinite_name(NonFiniteMode m) {
+  switch (m) {
+    case NonFiniteMode::kSkip: return "skip";
+    case NonFiniteMode::kWarn: return "warn";
+    case NonFiniteMode::kOff: return "off";
+    case NonFiniteMode::kRaise: break;
+  }
+  return "raise";
+}
+
+std::string param_name(const nn::SequentialModel& m, size_t i) {
+  auto [mi, pi] = m.param_owners().at(i);
+  std::ostringstream os;
+  os << i << " (layer " << mi << " " << m.module(mi)->type_name() << "." << m.module(mi)->param_specs()[pi].name
+     << ")";
+  return os.str();
+}
+
+NonFiniteCheck::NonFiniteCheck(std::shared_ptr<nn::SequentialModel> model, std::vector<Bucket> buckets, int world,
+                               int rank)
+    : model_(std::move(model)), buckets_(std::move(buckets)), world_(world), rank_(rank) {
+  own_bits_.assign(buckets_.size(), 0);
+}
+
+std::vector<std::pair<size_t, size_t>> NonFiniteCheck::count_params(const float* g, size_t first, size_t last,
+                                                                    size_t lo, size_t hi) const {
+  std::vector<std::pair<size_t, size_t>> out;
+  const auto slices = model_->param_slices();
+  for (size_t i = first; i <= last && i < slices.size(); ++i) {
+    const size_t a = std::max(slices[i].first, lo), b = std::min(slices[i].first + slices[i].second, hi);
+    if (a >= b) continue;
+    const size_t c = nn::kernels::count_nonfinite(g + a, b - a);
+    if (c) out.emplace_back(i, c);
+  }
+  return out;
+}
+
+void NonFiniteCheck::scan(size_t b, const float* g) {
+  const Bucket& bk = buckets_[b];
+  const uint32_t bits = nn::kernels::max_abs_bits(g + bk.offset, bk.count);
+  if (bits >= kNonFiniteBits) {  // rare: which parameters (a bucket reduced twice in a step is counted once)
+    for (auto& pc : count_params(g, bk.first_param, bk.last_param, 0, static_cast<size_t>(-1))) {
+      auto it = std::find_if(own_.begin(), own_.end(), [&](auto& o) { return o.first == pc.first; });
+      if (it == own_.end()) own_.push_back(pc);
+    }
+  }
+  own_bits_[b] = std::max(own_bits_[b], bits);
+}
+
+void NonFiniteCheck::scan_all(const float* g) {
+  for (size_t b = 0; b < buckets_.size(); ++b) scan(b, g);
+}
+
+std::vector<double>& NonFiniteCheck::pack(const float* g, size_t shard_offset, size_t shard_count, bool shard) {
+  const size_t w = static_cast<size_t>(world_), nb = buckets_.size();
+  msg_.assign(w + 2 * nb + (shard ? model_->param_slices().size() : 0), 0.0);
+  size_t bad = 0;
+  for (size_t b = 0; b < nb; ++b) {
+    const uint32_t bits = own_bits_[b];
+    if (bits >= kNonFiniteBits) {
+      ++bad;
+      msg_[w + b] = 1.0;
+    } else {
+      float m;
+      std::memcpy(&m, &bits, sizeof m);
+      msg_[w + nb + b] = m;
+    }
+  }
+  msg_[static_cast<size_t>(rank_)] = static_cast<double>(bad);
+  if (shard && shard_count) {
+    const uint32_t bits = nn::kernels::max_abs_bits(g + shard_offset, shard_count);
+    if (bits >= kNonFiniteBits)
+      for (auto [i, c] : count_params(g, 0, model_->param_slices().size() - 1, shard_offset,
+                                      shard_offset + shard_count))
+        msg_[w + 2 * nb + i] = static_cast<double>(c);
+  }
+  return msg_;
+}
+
+void NonFiniteCheck::reset() {
+  std::fill(own_bits_.begin(), own_bits_.end(), 0u);
+  own_.clear();
+}
+
+NonFiniteVerdict NonFiniteCheck::decide(const float* g, double limit, bool shard) {
+  NonFiniteVerdict v;
+  const size_t w = static_cast<size_t>(world_), nb = buckets_.size();
+  for (int r = 0; r < world_; ++r)
+    if (msg_[static_cast<size_t>(r)] > 0.5) v.ranks.push_back(r);
+  if (shard) {
+    for (size_t i = 0; w + 2 * nb + i < msg_.size(); ++i)
+      if (msg_[w + 2 * nb + i] > 0.5) v.params.emplace_back(i, static_cast<size_t>(msg_[w + 2 * nb + i] + 0.5));
+  } else {
+    for (size_t b = 0; b < nb; ++b) {
+      if (!(msg_[w + b] > 0.5 || msg_[w + nb + b] >= limit)) continue;  // provably finite after the average
+      const Bucket& bk = buckets_[b];
+      if (nn::kernels::max_abs_bits(g + bk.offset, bk.count) < kNonFiniteBits) continue;
+      for (auto& pc : count_params(g, bk.first_param, bk.last_param, 0, static_cast<size_t>(-1)))
+        v.params.push_back(pc);
+    }
+    std::sort(v.params.begin(), v.params.end());
+  }
+  v.bad = !v.params.empty();
+  v.own = own_;
+  std::sort(v.own.begin(), v.own.end());
+  reset();
+  return v;
+}
+
+NonFiniteVerdict NonFiniteCheck::decide_local(const float* g) {
+  NonFiniteVerdict v;
+  v.ranks_known = false;
+  const size_t n = model_->num_parameters();
+  if (nn::kernels::max_abs_bits(g, n) >= kNonFiniteBits)
+    v.params = count_params(g, 0, model_->param_slices().size() - 1, 0, n);
+  v.bad = !v.params.empty();
+  v.own = own_;
+  std::sort(v.own.begin(), v.own.end());
+  reset();
+  return v;
+}
+
+void NonFiniteCheck::name_ranks(NonFiniteVerdict& v, distributed::ProcessGroup& group) {
+  std::vector<double> bad(static_cast<size_t>(world_), 0.0);
+  bad[static_cast<size_t>(rank_)] = static_cast<double>(v.own.size());
+  if (world_ > 1)
+    group.all_reduce(bad.data(), bad.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
+  v.ranks.clear();
+  for (int r = 0; r < world_; ++r)
+    if (bad[static_cast<size_t>(r)] > 0.5) v.ranks.push_back(r);
+  v.ranks_known = true;
+}
+
+namespace {
+std::string list_params(const nn::SequentialModel& m, const std::vector<std::pair<size_t, size_t>>& ps) {
+  std::ostringstream os;
+  for (size_t k = 0; k < ps.size() && k < 10; ++k)
+    os << (k ? ", " : "") << param_name(m, ps[k].first) << ": " << ps[k].second << " of "
+       << m.param_slices()[ps[k].first].second << " values";
+  if (ps.size() > 10) os << ", ... (" << ps.size() << " tensors)";
+  return os.str();
+}
+}  // namespace
+
+std::string NonFiniteCheck::describe(const NonFiniteVerdict& v, const std::string& who, uint64_t step, bool fp16,
+                                     const std::string& outcome) const {
+  std::ostringstream os;
+  os << who << ": step " << step << ": the gradient averaged over the " << world_
+     << (world_ == 1 ? " rank" : " ranks") << " is not finite (NaN or inf) in parameters ["
+     << list_params(*model_, v.params) << "]. ";
+  if (!v.ranks_known) {
+    os << "Inside join() the ranks whose own gradient was bad are not compared; ";
+  } else if (v.ranks.empty()) {
+    if (fp16)
+      os << "Every rank's own gradient was finite: the fp16 communication hook overflowed (the gradients, divided "
+            "by the world size, exceed float16's range of 65504). Use comm_hook = 'bf16' (float32's range), or "
+            "scale the loss down. ";
+    else
+      os << "Every rank's own gradient was finite: their sum overflowed float32. ";
+  } else {
+    os << "The ranks whose own gradient was already not finite: [";
+    for (size_t k = 0; k < v.ranks.size(); ++k) os << (k ? ", " : "") << v.ranks[k];
+    os << "]. ";
+  }
+  if (v.own.empty())
+    os << "This rank's own gradient was finite. ";
+  else
+    os << "This rank's own gradient was not finite in [" << list_params(*model_, v.own) << "]. ";
+  os << outcome;
+  return os.str();
+}
+
+}  // namespace cx::train

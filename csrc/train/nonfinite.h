@@ -1,0 +1,130 @@
+// defines: NonFiniteMode (DDPConfig.nonfinite) and NonFiniteCheck, how
+// DistributedDataParallel finds, agrees on and names a step whose gradient
+// went NaN or inf.
+//
+// Note [Non-finite gradients]
+// A NaN or inf in one rank's gradient becomes, through the average, a NaN or
+// inf in every rank's parameters at the next step, and a sum of finite
+// gradients can still overflow (float16 tops out at 65504). Each step:
+//   - own contribution: when a bucket is handed to its reduction (launch(), on
+//     the thread running backward, the moment the bucket's last gradient is
+//     written, so it is still in cache), one pass over it computes the largest
+//     |g| as bits (nn::kernels::max_abs_bits: Note [Finding non-finite values
+//     by their bits]), which says at once whether any value is inf/NaN. Only a
+//     bucket found bad is looked at again, parameter by parameter, to name
+//     them. The plain path has no loop of its own over the bytes to fuse this
+//     into (the ring reduces in place inside distributed/algorithms/), so this
+//     is the one read DDP adds; the PowerSGD hook folds its own check into the
+//     loop that adds the residual (comm_hooks.cpp).
+//   - agreement (the default): sync_gradients queues one SUM all-reduce of
+//     world + 2 * buckets float64s right behind the last bucket (a few hundred
+//     bytes on the group's comm thread, so it follows the buckets without a
+//     gap): slot r is rank r's count of bad buckets, then per bucket how many
+//     ranks sent non-finite values and the sum over ranks of max |g|. Every
+//     rank gets the same numbers and so takes the same decision: no rank steps
+//     while another skips. (Appending a flag word to each bucket instead would
+//     need a packing copy, since buckets are slices of the flat gradient
+//     buffer reduced in place: more bytes touched than this message.)
+//   - the averaged gradient: a bucket can only hold inf/NaN after the average
+//     if some rank sent one, or if the sum over ranks of max |g| reaches the
+//     wire type's range (float32's, or 65504 * world for the fp16 hook, which
+//     divides by world before the cast); only such buckets are read again,
+//     parameter by parameter. The result is the same bytes on every rank
+//     (the all-gather copies it; replicas that differ would be a bug that
+//     check_every_n_steps reports), so every rank names the same parameters.
+//     Under ZeRO-1 each rank holds only its shard of the average: it counts
+//     its shard's non-finite values per parameter (one pass over 1/world of
+//     the buffer) and those counts ride in the same message.
+//   - the alternative (ddp._agree_by_message = False, kept for the benchmark):
+//     no message; every rank reads the whole average (the same bytes
+//     everywhere, so the same verdict) and only a bad step communicates, to
+//     name the ranks. It trades the small all-reduce's latency for a second
+//     pass over the gradients; benchmarks/checks.py found no clear winner on
+//     a busy 2-core machine (README "Benchmarks"), so the message, which reads
+//     the gradients once, is the default.
+// The one pass over each rank's own gradient is what a fused check in the
+// ring (counting as the reduce-scatter reads each chunk) would save; that
+// lives in distributed/algorithms/ and is left for a change there.
+// DDPConfig.nonfinite then: "raise" (NonFiniteError on every rank, the step
+// not taken), "skip" (the optimizer step is not taken, on every rank alike,
+// and counted: ddp.skipped_steps), "warn" (RuntimeWarning, the step taken),
+// "off" (no scan, no message). Measured cost: README "Benchmarks" (benchmarks/checks.py).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "distributed/process_group.h"
+#include "nn/sequential.h"
+#include "train/buckets.h"
+
+namespace cx::train {
+
+enum class NonFiniteMode { kRaise, kSkip, kWarn, kOff };
+
+// "raise", "skip", "warn", "off" (case-insensitive); InvalidArgument naming
+// `who` and the choices otherwise.
+NonFiniteMode parse_nonfinite(const std::string& name, const std::string& who);
+const char* nonfinite_name(NonFiniteMode m);
+
+// What one step's check found; the same on every rank (but `own`).
+struct NonFiniteVerdict {
+  bool bad = false;                                  // the averaged gradient holds inf or NaN
+  std::vector<std::pair<size_t, size_t>> params;     // (parameter tensor, non-finite values) of the average
+  std::vector<int> ranks;                            // ranks whose own gradient was not finite (empty: unknown
+  bool ranks_known = true;                           //   or none; ranks_known false under join())
+  std::vector<std::pair<size_t, size_t>> own;        // this rank's own non-finite parameters (index, values)
+};
+
+class NonFiniteCheck {
+ public:
+  NonFiniteCheck(std::shared_ptr<nn::SequentialModel> model, std::vector<Bucket> buckets, int world, int rank);
+
+  // Bucket b's own contribution in `g` (the flat gradient buffer), about to be reduced.
+  void scan(size_t b, const float* g);
+  // Every bucket's (ZeRO-1 and join(), which reduce the whole buffer at once).
+  void scan_all(const float* g);
+  // The numbers to SUM over ranks (float64): world + 2 * buckets, then, with
+  // `shard` (ZeRO-1), one per parameter tensor: the non-finite values of this
+  // rank's shard [offset, offset+count) of the averaged gradient `g`.
+  std::vector<double>& pack(const float* g = nullptr, size_t shard_offset = 0, size_t shard_count = 0,
+                            bool shard = false);
+  // The verdict from the summed message (in place of pack()'s buffer) and the
+  // averaged gradient `g` (the same on every rank unless `shard`); `limit`: a
+  // bucket whose summed max |g| reaches it may have overflowed. Resets the
+  // scan for the next step.
+  NonFiniteVerdict decide(const float* g, double limit, bool shard = false);
+  // join(): no agreement message; the averaged gradient (the same on every
+  // active rank) is read whole. Resets the scan.
+  NonFiniteVerdict decide_local(const float* g);
+  // A bad step found by decide_local on every rank: one SUM all-reduce of world float64s names the ranks
+  // whose own gradient was bad (collective; every rank calls it for the same step).
+  void name_ranks(NonFiniteVerdict& v, distributed::ProcessGroup& group);
+
+  // The error/warning text: who ("DistributedDataParallel (rank R)"), step,
+  // what was found, the likely cause (`fp16`: the fp16 hook was on) and what
+  // `taken` says of the step.
+  std::string describe(const NonFiniteVerdict& v, const std::string& who, uint64_t step, bool fp16,
+                       const std::string& outcome) const;
+
+ private:
+  std::vector<std::pair<size_t, size_t>> count_params(const float* g, size_t first, size_t last, size_t lo,
+                                                      size_t hi) const;
+  void reset();
+
+  std::shared_ptr<nn::SequentialModel> model_;
+  std::vector<Bucket> buckets_;
+  int world_, rank_;
+  std::vector<uint32_t> own_bits_;                   // per bucket: max |g| bits since the last verdict
+  std::vector<std::pair<size_t, size_t>> own_;       // this rank's non-finite parameters since then
+  std::vector<double> msg_;
+};
+
+// The parameter tensor as a message names it: "2 (layer 2 Linear.weight)".
+std::string param_name(const nn::SequentialModel& m, size_t i);
+
+}  // namespace cx::train

@@ -1,0 +1,412 @@
+"""Non-finite gradients found and named (DDPConfig.nonfinite, Note [Non-finite gradients] in
+csrc/train/nonfinite.h): a NaN or inf injected into one rank's own gradient is named on every rank
+(the step, the parameter, the rank), "skip" leaves every rank's parameters unchanged and equal, "warn"
+warns and steps; with ZeRO-1 and the communication hooks too; the fp16 hook's overflow is named as
+such; PowerSGD carries no NaN past the step; anomaly mode names the layer. Real ranks over 127.0.0.1.
+"""
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+import ranks
+
+import pycyxwiz as cx
+
+D = cx.distributed
+
+SIZES = (6, 16, 12, 3)  # three Linear layers: parameters 0..5 (weight, bias of each)
+
+
+def make_model(seed=1):
+    cx.set_num_threads(1)
+    m = cx.SequentialModel()
+    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
+        if i:
+            m.add(cx.TanhModule())
+        m.add(cx.LinearModule(a, b, seed=seed + 10 * i))
+    return m
+
+
+def param_offset(model, index):
+    return int(sum(p.size for p in model.parameters()[:index]))
+
+
+def inject_body(mode, bad_rank, value, param, hook="none", zero=False, overlap=False, steps=3, at=1,
+                by_message=True):
+    """Trains `steps` SGD steps; at step `at` rank `bad_rank`'s own gradient of parameter tensor `param`
+    gets `value` (after backward, before the reduction: under no_sync, or, with `overlap`, through a
+    grad_output whose first element is `value`, so the buckets launched during backward carry it).
+    Returns per step: (error text or "", warning texts, parameters after the step), and skipped_steps."""
+    r = D.get_rank()
+    model = make_model()
+    cfg = D.DDPConfig()
+    cfg.bucket_size_mb, cfg.first_bucket_mb = 1e-4, 1e-4  # a bucket per parameter tensor
+    cfg.nonfinite, cfg.comm_hook = mode, hook
+    if hook == "powersgd":
+        cfg.powersgd.start_powerSGD_iter = 0
+        cfg.powersgd.min_compression_rate = 0.0
+    ddp = D.DistributedDataParallel(model, cfg)
+    ddp._agree_by_message = by_message  # the two ways ranks agree (Note [Non-finite gradients])
+    opt = cx.SGDOptimizer(0.1)
+    step_with = D.ZeroRedundancyOptimizer(ddp, opt) if zero else opt
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(100 + r)
+    out = []
+    for s in range(steps):
+        x = rng.standard_normal((4, SIZES[0])).astype(np.float32)
+        t = rng.standard_normal((4, SIZES[-1])).astype(np.float32)
+        loss.forward(ddp.forward(x), t)
+        g = loss.backward().copy()
+        if overlap:
+            if s == at and r == bad_rank:
+                g[0, 0] = value
+            ddp.backward(g, input_grad=False)
+        else:
+            with ddp.no_sync():
+                ddp.backward(g, input_grad=False)
+            if s == at and r == bad_rank:
+                o = param_offset(model, param)
+                model.flat_gradients()[o:o + 1] = value
+        err = ""
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                ddp.update_parameters(step_with)
+            except D.NonFiniteError as e:
+                assert isinstance(e, FloatingPointError) and isinstance(e, D.DistributedError)
+                err = str(e)
+                model.zero_grad()
+        out.append((err, [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)],
+                    model.flat_parameters().copy()))
+    return out, ddp.skipped_steps, ddp.nonfinite_steps
+
+
+def check_equal_params(res, step):
+    p0 = res[0][0][step][2]
+    for other in res[1:]:
+        assert np.array_equal(other[0][step][2], p0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("value, by_message", [(np.nan, True), (np.inf, True), (np.nan, False)])
+def test_raise_names_the_step_the_parameter_and_the_bad_rank_on_every_rank(world, value, by_message):
+    bad = world - 1
+    res = ranks.run(inject_body, world, args=("raise", bad, value, 2, "none", False, False, 3, 1, by_message),
+                    timeout=120)
+    for r, (out, skipped, seen) in enumerate(res):
+        err = out[1][0]
+        assert err.startswith(f"DistributedDataParallel (rank {r}): step 2: the gradient averaged over the {world} "
+                              "ranks is not finite (NaN or inf) in parameters [2 (layer 2 Linear.weight): 1 of "
+                              "192 values]"), err
+        assert f"The ranks whose own gradient was already not finite: [{bad}]." in err, err
+        own = ("This rank's own gradient was not finite in [2 (layer 2 Linear.weight): 1 of 192 values]"
+               if r == bad else "This rank's own gradient was finite.")
+        assert own in err, err
+        assert "The optimizer step was not taken" in err and "'skip'" in err, err
+        assert out[0][0] == "" and out[2][0] == ""  # the steps before and after are fine
+        assert (skipped, seen) == (0, 1)
+        # Not taken: the parameters are those after step 0
+        assert np.array_equal(out[1][2], out[0][2])
+    for s in range(3):
+        check_equal_params(res, s)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_skip_leaves_every_rank_s_parameters_unchanged_and_equal_and_counts_it(world):
+    res = ranks.run(inject_body, world, args=("skip", 0, np.nan, 5), timeout=120)
+    for out, skipped, seen in res:
+        assert [o[0] for o in out] == ["", "", ""] and all(not o[1] for o in out)
+        assert np.array_equal(out[1][2], out[0][2])        # step 1 skipped
+        assert not np.array_equal(out[2][2], out[1][2])    # step 2 taken
+        assert np.isfinite(out[2][2]).all()
+        assert (skipped, seen) == (1, 1)
+    for s in range(3):
+        check_equal_params(res, s)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_warn_warns_on_every_rank_and_takes_the_step(world):
+    res = ranks.run(inject_body, world, args=("warn", 1, np.inf, 0, "none", False, False, 2), timeout=120)
+    for r, (out, skipped, seen) in enumerate(res):
+        assert [o[0] for o in out] == ["", ""]
+        assert out[0][1] == []
+        (msg,) = out[1][1]
+        assert msg.startswith(f"DistributedDataParallel (rank {r}): step 2: ") and "[1]" in msg, msg
+        assert "0 (layer 0 Linear.weight): 1 of 96 values" in msg and "The step is taken" in msg, msg
+        assert not np.isfinite(out[1][2]).all()  # taken: the inf went into the weights
+        assert (skipped, seen) == (0, 1)
+
+
+def test_gradients_of_buckets_launched_during_backward_are_checked_too():
+    """A NaN in rank 1's grad_output spreads to every gradient of that rank during backward; the buckets
+    launched while backward runs carry it, and every rank names all six tensors and rank 1."""
+    res = ranks.run(overlap_body, 2, timeout=120)
+    for r, out in enumerate(res):
+        err = out[1][0]
+        assert f"(rank {r}): step 2:" in err and "[1]." in err, err
+        for i, (layer, name) in enumerate([(0, "weight"), (0, "bias"), (2, "weight"), (2, "bias"), (4, "weight"),
+                                           (4, "bias")]):
+            assert f"{i} (layer {layer} Linear.{name})" in err, err
+
+
+def overlap_body():
+    return inject_body("raise", 1, np.nan, 0, overlap=True)[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_zero1_agrees_on_the_shards_and_names_the_parameter(world, mode):
+    res = ranks.run(zero_body, world, args=(mode,), timeout=120)
+    for r, (out, skipped, seen) in enumerate(res):
+        if mode == "raise":
+            err = out[1][0]
+            assert err.startswith(f"DistributedDataParallel (rank {r}): step 2: ") and \
+                "4 (layer 4 Linear.weight): 1 of 36 values" in err and "[0]." in err, err
+        else:
+            assert [o[0] for o in out] == ["", "", ""] and skipped == 1
+        assert np.array_equal(out[1][2], out[0][2]) and np.isfinite(out[2][2]).all()
+    for s in range(3):
+        check_equal_params(res, s)
+
+
+def zero_body(mode):
+    return inject_body(mode, 0, np.nan, 4, zero=True)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_hooks_agree_and_skip_alike(hook):
+    res = ranks.run(hook_body, 2, args=(hook,), timeout=120)
+    for out, skipped, seen in res:
+        assert [o[0] for o in out] == ["", "", ""] and skipped == 1
+        assert np.array_equal(out[1][2], out[0][2]) and np.isfinite(out[2][2]).all()
+    for s in range(3):
+        check_equal_params(res, s)
+
+
+def hook_body(hook):
+    return inject_body("skip", 1, np.nan, 2, hook=hook)
+
+
+def bad_values_are_refused_by_name():
+    cfg = D.DDPConfig()
+    errors = []
+    for bad in ("Raise!", "ignore"):
+        try:
+            cfg.nonfinite = bad
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        cfg.nonfinite = 1
+    except TypeError as e:
+        errors.append(str(e))
+    ddp = D.DistributedDataParallel(make_model(), D.DDPConfig())
+    try:
+        ddp.nonfinite = "sometimes"
+    except ValueError as e:
+        errors.append(str(e))
+    cfg.nonfinite = "SKIP"
+    ddp.nonfinite = "warn"
+    return errors, D.DistributedDataParallel(make_model(), cfg).nonfinite, ddp.nonfinite, repr(cfg)
+
+
+def test_bad_values_are_refused_by_name():
+    (errors, made, set_, rep), = ranks.run(bad_values_are_refused_by_name, 1)
+    assert errors[0].startswith("DDPConfig.nonfinite: unknown value 'Raise!'; choose 'raise'"), errors[0]
+    assert "'skip'" in errors[1] and "'warn'" in errors[1] and "'off'" in errors[1], errors[1]
+    assert errors[2].startswith("DDPConfig.nonfinite must be a str"), errors[2]
+    assert "DistributedDataParallel.nonfinite (rank 0): unknown value 'sometimes'" in errors[3], errors[3]
+    assert (made, set_) == ("skip", "warn") and "nonfinite='SKIP'" in rep
+
+
+# ---- fp16 overflow, PowerSGD state ---------------------------------------------------------------
+
+def fp16_overflow_body(mode):
+    """Every rank's gradient holds 1e5 * world in one element: finite in float32, above float16's range after
+    the division by world. The average is inf; nobody's own gradient was bad."""
+    r, p = D.get_rank(), D.get_world_size()
+    model = make_model()
+    cfg = D.DDPConfig()
+    cfg.comm_hook, cfg.nonfinite = "fp16", mode
+    ddp = D.DistributedDataParallel(model, cfg)
+    loss = cx.MSELoss()
+    x = np.ones((2, SIZES[0]), np.float32)
+    loss.forward(ddp.forward(x), np.zeros((2, SIZES[-1]), np.float32))
+    with ddp.no_sync():
+        ddp.backward(loss.backward(), input_grad=False)
+    model.flat_gradients()[0] = 1e5 * p
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        try:
+            ddp.update_parameters(cx.SGDOptimizer(0.1))
+            return "", [str(x.message) for x in w]
+        except D.NonFiniteError as e:
+            return str(e), []
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn"])
+def test_fp16_overflow_says_so_and_suggests_bf16(mode):
+    for err, warned in ranks.run(fp16_overflow_body, 2, args=(mode,), timeout=120):
+        msg = err if mode == "raise" else warned[0]
+        assert "0 (layer 0 Linear.weight): 1 of 96 values" in msg, msg
+        assert "Every rank's own gradient was finite: the fp16 communication hook overflowed" in msg, msg
+        assert "comm_hook = 'bf16'" in msg, msg
+
+
+def powersgd_state_body(mode):
+    """PowerSGD from step 0 with error feedback; rank 1's D gets a NaN at step 1. After that step, and at
+    every later one, Q and every rank's residual are finite, and the averaged gradient is finite again."""
+    r = D.get_rank()
+    model = make_model()
+    cfg = D.DDPConfig()
+    cfg.comm_hook, cfg.nonfinite = "powersgd", mode
+    cfg.powersgd.start_powerSGD_iter = 0
+    cfg.powersgd.min_compression_rate = 0.0
+    ddp = D.DistributedDataParallel(model, cfg)
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(7 + r)
+    out = []
+    warnings.simplefilter("ignore", RuntimeWarning)  # "warn": the step's warning is not what this test checks
+    for s in range(4):
+        x = rng.standard_normal((4, SIZES[0])).astype(np.float32)
+        loss.forward(ddp.forward(x), rng.standard_normal((4, SIZES[-1])).astype(np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        if s == 1 and r == 1:
+            model.flat_gradients()[3] = np.nan  # in layer 0's weight, a compressed matrix
+        synced = ddp.sync_gradients()
+        _, q, err = ddp._comm_hook_state()
+        out.append((bool(np.isfinite(synced).all()), bool(np.isfinite(q).all()), bool(np.isfinite(err).all()),
+                    float(np.abs(err).sum())))
+        model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["off", "warn"])
+def test_powersgd_never_carries_a_non_finite_residual_or_q_past_the_step(mode):
+    for r, out in enumerate(ranks.run(powersgd_state_body, 2, args=(mode,), timeout=120)):
+        assert out[1][0] is False                     # the NaN step's average is not finite
+        for s in range(4):
+            assert out[s][1] and out[s][2], (r, s, out)  # Q and residual finite after every step
+        assert out[2][0] and out[3][0], out             # later steps are finite again
+        assert out[3][3] > 0                            # error feedback is still at work afterwards
+
+
+# ---- the trainer ---------------------------------------------------------------------------------
+
+def fit_nan_row(mode):
+    from pycyxwiz.datasets import load_digits
+    X, y = load_digits()
+    X = X.copy()
+    X[17, 5] = np.nan
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(64, 16, seed=1))
+    m.add(cx.ReLUModule())
+    m.add(cx.LinearModule(16, 10, seed=2))
+    cfg = D.DistributedTrainingConfig(epochs=2, batch_size=64, verbose=False, nonfinite=mode)
+    t = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05))
+    h = t.fit(X, y, cfg)
+    return h.skipped_steps, bool(np.isfinite(m.flat_parameters()).all())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fit_raises_on_every_rank_naming_the_step_batch_and_rows(world):
+    outs = ranks.spawn(fit_nan_row, world, args=(None,), timeout=180)
+    assert all(o.exc_type == "NonFiniteError" for o in outs), [(o.exc_type, o.message[:200]) for o in outs]
+    rows = {}
+    for o in outs:
+        msg = o.message
+        m = re.search(r"The ranks whose own gradient was already not finite: \[(\d+)\]", msg)
+        assert m, msg
+        assert re.search(r"\[fit: epoch 1, batch \d+; its sample rows \(indices into the training data\) on "
+                         r"this rank: \[", msg), msg
+        rows[o.rank] = msg[msg.rindex("rank: [") + 7:msg.rindex("]]")]
+    bad = int(m.group(1))
+    assert re.search(r"(^|, )17(,|$)", rows[bad]), rows[bad]
+    assert all(not re.search(r"(^|, )17(,|$)", v) for k, v in rows.items() if k != bad)
+
+
+def test_fit_skip_counts_the_skipped_steps_in_history():
+    for skipped, finite in ranks.run(fit_nan_row, 2, args=("skip",), timeout=180):
+        assert skipped == 2 and finite  # the NaN row is in one batch per epoch
+
+
+def test_trainer_config_refuses_bad_values_by_name():
+    cfg = D.DistributedTrainingConfig(nonfinite="never")
+    with pytest.raises(ValueError, match=r"DistributedTrainingConfig.nonfinite must be 'raise', 'skip', 'warn', "
+                                         r"'off' or None .*'never'"):
+        D.DistributedTrainer._check_config(cfg)
+    with pytest.raises(ValueError, match="detect_anomaly must be True or False, got 'yes'"):
+        D.DistributedTrainer._check_config(D.DistributedTrainingConfig(detect_anomaly="yes"))
+
+
+# ---- anomaly mode --------------------------------------------------------------------------------
+
+def test_anomaly_mode_names_the_layer_whose_forward_output_went_non_finite():
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(3, 4, seed=1))
+    m.add(cx.TanhModule())
+    m.add(cx.LinearModule(4, 2, seed=2))
+    w = m.parameters()[2]
+    w[0, 0] = np.inf
+    x = np.ones((2, 3), np.float32)
+    assert not np.isfinite(m.forward(x)).all()  # off: no check
+    m.detect_anomaly = True
+    with pytest.raises(D.NonFiniteError, match=r"detect_anomaly: layer 2 \(Linear\) produced \d+ non-finite "
+                                              r"values \(of 4\) in its forward output from a finite input"):
+        m.forward(x)
+    x[1, 2] = np.nan
+    with pytest.raises(D.NonFiniteError, match=r"the input of layer 0 \(Linear\) in forward holds 1 non-finite"):
+        m.forward(x)
+
+
+def test_anomaly_mode_names_the_layer_whose_gradient_went_non_finite():
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(3, 4, seed=1))
+    m.add(cx.TanhModule())
+    m.add(cx.LinearModule(4, 2, seed=2))
+    m.detect_anomaly = True
+    x = np.full((2, 3), 1e30, np.float32)  # finite; tanh saturates, so forward stays finite
+    m.parameters()[0][...] = 1e-30
+    out = m.forward(x)
+    assert np.isfinite(out).all()
+    g = np.full_like(out, 1e30)  # finite; layer 2's weight gradient (sum of 1e30 * tanh) is finite,
+    m.parameters()[2][...] = 1e30  # but layer 2's input gradient 1e30 * 1e30 overflows
+    with pytest.raises(D.NonFiniteError, match=r"detect_anomaly: layer 2 \(Linear\) produced 8 non-finite values "
+                                              r"\(of 8\) in the gradient of its input in backward"):
+        m.backward(g)
+    g[0, 0] = np.nan
+    with pytest.raises(D.NonFiniteError, match=r"the gradient of the output \(the loss's backward\) holds 1 "
+                                              r"non-finite values"):
+        m.backward(g)
+
+
+def fit_anomaly():
+    X = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32)
+    y = (np.arange(64) % 3).astype(np.int64)
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(5, 8, seed=1))
+    m.add(cx.ReLUModule())
+    m.add(cx.LinearModule(8, 3, seed=2))
+    if D.get_rank() == 1:
+        m.parameters()[2][0, 0] = np.nan  # rank 1's layer 2 (broadcast_parameters=False keeps it)
+    ddp_cfg = D.DDPConfig()
+    ddp_cfg.broadcast_parameters = False
+    cfg = D.DistributedTrainingConfig(epochs=1, batch_size=8, verbose=False, detect_anomaly=True)
+    t = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05), ddp_cfg)
+    try:
+        t.fit(X, y, cfg)
+    finally:
+        assert m.detect_anomaly is False  # fit switches it back
+
+
+def test_fit_with_detect_anomaly_names_the_layer_and_the_batch():
+    outs = ranks.spawn(fit_anomaly, 2, timeout=120)
+    bad = next(o for o in outs if o.rank == 1)
+    assert bad.exc_type == "NonFiniteError", (bad.exc_type, bad.message[:300])
+    assert bad.message.startswith("detect_anomaly: layer 2 (Linear) produced"), bad.message
+    assert "[fit: epoch 1, batch 1; its sample rows" in bad.message, bad.message
+    other = next(o for o in outs if o.rank == 0)
+    assert other.exc_type == "DistributedConnectionError" and "rank 1 failed: NonFiniteError: detect_anomaly: " \
+        "layer 2 (Linear)" in other.message, other.message[:300]
