@@ -92,6 +92,16 @@ def check_correct(values, world):
         np.testing.assert_array_equal(v, expected_sum(world))
 
 
+def sum_beside(stranger, port, world, start_delay):
+    """A job with the secret sums its ranks on `port` while `stranger` runs in a thread of the test."""
+    t = threading.Thread(target=stranger)
+    t.start()
+    values = ranks.run(sum_of_ranks, world=world, env={"CX_AUTH_TOKEN": SECRET, "MASTER_PORT": port},
+                       start_delay=start_delay)
+    t.join(30)
+    check_correct(values, world)
+
+
 def test_a_job_with_a_secret_runs_and_its_store_proves_the_secret():
     port = ranks.free_port()
     seen = {}
@@ -107,12 +117,7 @@ def test_a_job_with_a_secret_runs_and_its_store_proves_the_secret():
         with s:
             seen["wrong"] = w.authenticate(s, b"guess")[0]
 
-    t = threading.Thread(target=stranger)
-    t.start()
-    values = ranks.run(sum_of_ranks, world=3, env={"CX_AUTH_TOKEN": SECRET, "MASTER_PORT": port},
-                       start_delay={1: 1.0})
-    t.join(30)
-    check_correct(values, 3)
+    sum_beside(stranger, port, world=3, start_delay={1: 1.0})
     assert seen == {"right": True, "wrong": False}
 
 
@@ -134,6 +139,38 @@ def test_a_rank_with_another_secret_is_refused_by_name_on_every_rank(theirs, cap
     if theirs:  # rank 0 said so at once, long before its deadline, without ending the job
         err = capfd.readouterr().err
         assert "cut off a connection from 127.0.0.1" in err and "failed authentication: wrong secret?" in err, err
+        # ... and so did rank 1, told through the store while it waited for rank 2 (its deadline ended its wait)
+        assert "pycyxwiz: warning: rank 1: a connection from 127.0.0.1:" in err, err
+
+
+def test_a_failed_handshake_is_told_at_once_to_the_waiting_ranks_and_the_job_goes_on(capfd):
+    # Rank 1 waits for rank 2 (started 4 s late) while a stranger fails the store's handshake: rank 1
+    # prints the warning while it waits, and the job then finishes with the right sums.
+    port = ranks.free_port()
+    told = {}
+
+    def joined():  # how many ranks have joined, as the store answers a PROBE (WORLD_SIZE 0: no job's)
+        s = w.connect(port)
+        with s:
+            s.sendall(w.frame(w.PROBE, value=struct.pack("<i", 0)))
+            status, v = w.read_reply(s)
+            return struct.unpack("<iiI", v)[1]
+
+    def stranger():
+        end = time.monotonic() + 30
+        while joined() < 2 and time.monotonic() < end:  # ranks 0 and 1 are in, rank 2 not yet
+            time.sleep(0.05)
+        s = w.connect(port)
+        with s:
+            told["server_ok"] = w.authenticate(s, b"a-wrong-secret")[0]
+
+    sum_beside(stranger, port, world=3, start_delay={2: 4.0})
+    assert told == {"server_ok": False}
+    err = capfd.readouterr().err
+    warning = "pycyxwiz: warning: rank 1: a connection from 127.0.0.1:"
+    assert err.count(warning) == 1, err
+    assert "failed authentication: wrong secret?" in err.split(warning)[1].splitlines()[0]
+    assert "the job goes on" in err.split(warning)[1].splitlines()[0]
 
 
 # ---- strangers at the store --------------------------------------------------------------------------

@@ -6,22 +6,12 @@ import numpy as np
 import pytest
 
 import ranks
+from models import IN, OUT, mlp3 as make_model
 
 import pycyxwiz as cx
 
 D = cx.distributed
 
-IN, HID, OUT = 20, 48, 5
-
-
-def make_model(seed):
-    m = cx.SequentialModel()
-    m.add(cx.LinearModule(IN, HID, seed=seed))
-    m.add(cx.ReLUModule())
-    m.add(cx.LinearModule(HID, HID, seed=seed + 100))
-    m.add(cx.TanhModule())
-    m.add(cx.LinearModule(HID, OUT, seed=seed + 200))
-    return m
 
 
 def data(total, seed=5):

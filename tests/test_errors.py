@@ -144,42 +144,6 @@ def test_group_is_poisoned_after_a_timeout_and_can_be_restarted():
     assert y0 == y1 == [3.0, 3.0, 3.0]
 
 
-# ---- mismatched collectives ------------------------------------------------------------
-
-def mismatched(kind):
-    r, p = D.get_rank(), D.get_world_size()
-    odd = r == p // 2  # one rank disagrees
-    try:
-        if kind == "count":
-            D.all_reduce(np.ones(20 if odd else 10, np.float32))
-        elif kind == "dtype":
-            D.all_reduce(np.ones(10, np.float64 if odd else np.float32))
-        elif kind == "op":
-            D.all_reduce(np.ones(10, np.float32), op=D.ReduceOp.MAX if odd else D.ReduceOp.SUM)
-        elif kind == "collective":
-            if odd:
-                D.broadcast(np.ones(10, np.float32), src=0)
-            else:
-                D.all_reduce(np.ones(10, np.float32))
-        elif kind == "large":
-            D.all_reduce(np.ones((1 << 20) + (7 if odd else 0), np.float32))
-        return "no error"
-    except ValueError as e:
-        return type(e).__name__, str(e)
-
-
-@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "large"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_mismatched_collectives_raise_value_error_on_every_rank(kind, world):
-    outs = ranks.run(mismatched, world, args=(kind,), env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 10000}, timeout=60)
-    for name, msg in outs:
-        assert name == "CollectiveMismatchError"
-        assert "mismatched collectives" in msg and " called " in msg and " but rank " in msg, msg
-    want = {"count": "count=20", "dtype": "float64", "op": "MAX", "collective": "broadcast",
-            "large": f"count={(1 << 20) + 7}"}[kind]
-    assert any(want in m for _, m in outs)
-
-
 # ---- bad arrays: refused before any byte is sent, group stays usable ----------------------
 
 def bad_arrays():

@@ -168,6 +168,40 @@ def test_a_peers_report_is_shown_cut_and_without_control_characters():
 
 # ---- divergence -----------------------------------------------------------------------------
 
+def mismatched(kind):
+    r, p = D.get_rank(), D.get_world_size()
+    odd = r == p // 2  # one rank disagrees
+    try:
+        if kind == "count":
+            D.all_reduce(np.ones(20 if odd else 10, np.float32))
+        elif kind == "dtype":
+            D.all_reduce(np.ones(10, np.float64 if odd else np.float32))
+        elif kind == "op":
+            D.all_reduce(np.ones(10, np.float32), op=D.ReduceOp.MAX if odd else D.ReduceOp.SUM)
+        elif kind == "collective":
+            if odd:
+                D.broadcast(np.ones(10, np.float32), src=0)
+            else:
+                D.all_reduce(np.ones(10, np.float32))
+        elif kind == "large":
+            D.all_reduce(np.ones((1 << 20) + (7 if odd else 0), np.float32))
+        return "no error"
+    except ValueError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "large"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_mismatched_collectives_raise_value_error_on_every_rank(kind, world):
+    outs = ranks.run(mismatched, world, args=(kind,), env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 10000}, timeout=60)
+    for name, msg in outs:
+        assert name == "CollectiveMismatchError"
+        assert "mismatched collectives" in msg and " called " in msg and " but rank " in msg, msg
+    want = {"count": "count=20", "dtype": "float64", "op": "MAX", "collective": "broadcast",
+            "large": f"count={(1 << 20) + 7}"}[kind]
+    assert any(want in m for _, m in outs)
+
+
 def broadcast_from_self():
     x = np.full(4, float(D.get_rank()), np.float32)
     return timed(lambda: D.broadcast(x, src=D.get_rank()))  # every rank believes it is the source

@@ -14,20 +14,12 @@ import pytest
 
 import digits
 import ranks
+from models import mlp_with_dropout
 
 import pycyxwiz as cx
 from pycyxwiz.distributed import _ckpt_file
 
 D = cx.distributed
-
-
-def mlp_with_dropout(seed=3, hidden=24):
-    m = cx.SequentialModel()
-    m.add(cx.LinearModule(64, hidden, seed=seed))
-    m.add(cx.ReLUModule())
-    m.add(cx.DropoutModule(0.3, seed=seed + 7))
-    m.add(cx.LinearModule(hidden, 10, seed=seed + 1))
-    return m
 
 
 def config(**kw):
@@ -38,7 +30,7 @@ def config(**kw):
 
 def small_checkpoint(path):
     Xtr, ytr, _, _ = digits.split()
-    trainer = D.DistributedTrainer(mlp_with_dropout(hidden=8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    trainer = D.DistributedTrainer(mlp_with_dropout(3, 8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     trainer.fit(Xtr[:64], ytr[:64], config(epochs=1, batch_size=32))
     trainer.save_checkpoint(path)
     with open(path, "rb") as f:
@@ -113,7 +105,7 @@ def test_a_missing_renamed_or_altered_member_is_an_oserror_naming_it(tmp_path, d
 
 
 def load_damaged(path):
-    trainer = D.DistributedTrainer(mlp_with_dropout(hidden=8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    trainer = D.DistributedTrainer(mlp_with_dropout(3, 8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     trainer.load_checkpoint(path)
 
 
@@ -145,7 +137,7 @@ def test_a_version_1_file_still_loads_but_a_stripped_version_2_does_not(tmp_path
 
 
 def save_into(directory):
-    trainer = D.DistributedTrainer(mlp_with_dropout(hidden=8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    trainer = D.DistributedTrainer(mlp_with_dropout(3, 8), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
     trainer.config = config()
     trainer.save_checkpoint(os.path.join(directory, "model.ckpt"))
     return sorted(os.listdir(directory))
@@ -197,7 +189,7 @@ def test_a_save_killed_mid_write_leaves_a_file_the_next_save_removes(tmp_path):
 
 def fit_in(directory, epochs, auto_resume=None, verbose=True):
     Xtr, ytr, _, _ = digits.split()
-    trainer = D.DistributedTrainer(mlp_with_dropout(), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
+    trainer = D.DistributedTrainer(mlp_with_dropout(3, 24), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     c = config(epochs=epochs, batch_size=16, checkpoint_every_n_epochs=1, checkpoint_dir=directory,
                auto_resume=auto_resume)
     out = io.StringIO()
@@ -369,7 +361,7 @@ def test_a_rank_of_another_start_is_refused_by_name():
 def resume_other_architecture(directory, case):
     Xtr, ytr, _, _ = digits.split()
     hidden = 24 if case == "saved" else 40
-    trainer = D.DistributedTrainer(mlp_with_dropout(hidden=hidden), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
+    trainer = D.DistributedTrainer(mlp_with_dropout(3, hidden), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     c = config(epochs=1, batch_size=64, checkpoint_every_n_epochs=1, checkpoint_dir=directory)
     if case == "bad value":
         c.auto_resume = "yes"

@@ -13,6 +13,7 @@ import pytest
 
 import digits
 import ranks
+from models import mlp_with_dropout
 
 import pycyxwiz as cx
 
@@ -102,18 +103,9 @@ def test_resume_from_checkpoint_gives_the_weights_of_an_uninterrupted_run(tmp_pa
     assert sorted(os.listdir(tmp_path / "b")) == ["epoch_0003.ckpt", "epoch_0004.ckpt"]
 
 
-def mlp_with_dropout(seed=0, hidden=64):
-    m = cx.SequentialModel()
-    m.add(cx.LinearModule(64, hidden, seed=seed))
-    m.add(cx.ReLUModule())
-    m.add(cx.DropoutModule(0.3, seed=seed + 7))
-    m.add(cx.LinearModule(hidden, 10, seed=seed + 1))
-    return m
-
-
 def fit_dropout_with_checkpoints(ckpt_dir, epochs, resume_from):
     Xtr, ytr, _, _ = digits.split()
-    model = mlp_with_dropout(seed=9)
+    model = mlp_with_dropout(9, 64)
     initial_rng = model.get_rng_state().copy()
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     forked_rng = model.get_rng_state().copy()

@@ -6,6 +6,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -29,6 +30,9 @@ nn::StateDict optimizer_state_from_py(const py::dict& d);
 // external_store.cpp: a Python store (torch.distributed's Store: set, check, get) as the core's Store; `ip` is
 // the address this rank's peers reach it at.
 std::unique_ptr<distributed::Store> external_store(py::object store, const std::string& ip, int rank);
+
+// modules.cpp: a layer's `seed` argument: None takes the next seed of cx.manual_seed's sequence.
+uint64_t seed_or_next(const py::object& seed);
 
 // A class held by shared_ptr (what the core's objects share between Python and C++).
 template <typename T, typename... Bases>

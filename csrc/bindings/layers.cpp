@@ -19,8 +19,6 @@ namespace {
 template <typename T>
 using module_class = shared_class<T, Module>;
 
-uint64_t seed_or_next(const py::object& seed) { return seed.is_none() ? next_module_seed() : seed.cast<uint64_t>(); }
-
 // stride=None: the window's size, as PyTorch's pooling.
 int64_t stride_or_kernel(const py::object& stride, int64_t kernel_size) {
   return stride.is_none() ? kernel_size : stride.cast<int64_t>();

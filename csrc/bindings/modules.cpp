@@ -26,9 +26,6 @@ py::list module_views(Module& m, bool grads) {
   return out;
 }
 
-uint64_t seed_or_next(const py::object& seed) {
-  return seed.is_none() ? next_module_seed() : seed.cast<uint64_t>();
-}
 
 void bind_module_base(py::module_& m) {
   shared_class<Module>(m, "Module", "Base class of every layer.")
@@ -155,6 +152,10 @@ void bind_sync_batchnorm(py::module_& m) {
 }
 
 }  // namespace
+
+uint64_t seed_or_next(const py::object& seed) {
+  return seed.is_none() ? next_module_seed() : seed.cast<uint64_t>();
+}
 
 void bind_modules(py::module_& m) {
   m.def(

@@ -12,7 +12,7 @@ using namespace cx::distributed;
 
 namespace {
 
-void bind_config(py::module_& m) {
+void bind_distributed_config(py::module_& m) {
   py::class_<Config>(m, "DistributedConfig",
                      "Where this process sits in the job. from_environment() reads RANK, WORLD_SIZE, LOCAL_RANK, "
                      "MASTER_ADDR, MASTER_PORT, DISTRIBUTED_BACKEND, DISTRIBUTED_TIMEOUT_MS (timeout_ms: how long "
@@ -53,7 +53,7 @@ void bind_process_group(py::module_& m) {
   py::enum_<BackendType>(m, "BackendType", "Transport of the process group.")
       .value("CPU", BackendType::kCpu)
       .value("NCCL", BackendType::kNccl);
-  bind_config(m);
+  bind_distributed_config(m);
 
   m.def(
       "init",

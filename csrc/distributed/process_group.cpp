@@ -11,6 +11,7 @@
 
 #include "distributed/backend/cpu_backend.h"
 #include "distributed/backend/nccl/nccl_backend.h"
+#include "distributed/diagnostics.h"
 #include "distributed/net/auth.h"
 #include "distributed/store/store.h"
 
@@ -42,171 +43,6 @@ void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
     body_ = nullptr;
   }
   cv_.notify_all();
-}
-
-// ---- FlightRecord -------------------------------------------------------------
-
-namespace {
-
-constexpr uint32_t kRecordMagic = 0x32525843;  // "CXR2"
-
-int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-// One step of the fingerprint: a 64-bit mix (splitmix64's finalizer) of the
-// running value and one word of the descriptor.
-uint64_t mix(uint64_t h, uint64_t v) {
-  uint64_t z = h + v + 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-uint64_t fold(uint64_t h, const OpDesc& d) {
-  h = mix(h, static_cast<uint64_t>(d.kind) | static_cast<uint64_t>(d.dtype) << 8 |
-                 static_cast<uint64_t>(d.op) << 16 | static_cast<uint64_t>(static_cast<uint32_t>(d.root)) << 32);
-  h = mix(h, d.count);
-  h = mix(h, d.seq);
-  return d.site ? mix(h, d.site) : h;  // Note [Call sites in CX_DEBUG=DETAIL]
-}
-
-struct Writer {
-  std::string out;
-  template <typename T>
-  void put(T v) {
-    out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-  }
-};
-
-struct Reader {
-  const std::string& in;
-  size_t at = 0;
-  bool ok = true;
-  template <typename T>
-  T get() {
-    T v{};
-    if (at + sizeof(T) > in.size()) {
-      ok = false;
-      return v;
-    }
-    std::memcpy(&v, in.data() + at, sizeof(T));
-    at += sizeof(T);
-    return v;
-  }
-};
-
-const char* state_name(FlightEntry::State s) {
-  switch (s) {
-    case FlightEntry::kQueued: return "queued";
-    case FlightEntry::kRunning: return "running";
-    case FlightEntry::kDone: return "done";
-    case FlightEntry::kFailed: return "failed";
-  }
-  return "?";
-}
-
-std::string describe_entry(const FlightEntry& e, int64_t now) {
-  std::ostringstream os;
-  os << e.desc.describe() << " " << state_name(e.state);
-  if (e.state == FlightEntry::kDone || e.state == FlightEntry::kFailed) {
-    os << " after " << (e.end_us - e.start_us) / 1000.0 << " ms";
-  } else if (e.state == FlightEntry::kRunning) {
-    os << " for " << (now - e.start_us) / 1000 << " ms";
-  }
-  return os.str();
-}
-
-std::string join_ranks(const std::vector<int>& v) {
-  std::ostringstream os;
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  return os.str();
-}
-
-}  // namespace
-
-std::string FlightRecord::encode() const {
-  Writer w;
-  w.put<uint32_t>(kRecordMagic);
-  w.put<int32_t>(rank);
-  w.put<uint8_t>(failed ? 1 : 0);
-  w.put<uint64_t>(fingerprint);
-  w.put<uint64_t>(collectives);
-  w.put<uint32_t>(static_cast<uint32_t>(sent.size()));
-  for (size_t i = 0; i < sent.size(); ++i) {
-    w.put<uint64_t>(sent[i]);
-    w.put<uint64_t>(recvd[i]);
-  }
-  w.put<uint32_t>(static_cast<uint32_t>(entries.size()));
-  for (const auto& e : entries) {
-    w.put<uint64_t>(e.op);
-    w.put<uint8_t>(static_cast<uint8_t>(e.desc.kind));
-    w.put<uint8_t>(static_cast<uint8_t>(e.desc.dtype));
-    w.put<uint8_t>(static_cast<uint8_t>(e.desc.op));
-    w.put<uint8_t>(static_cast<uint8_t>(e.state));
-    w.put<int32_t>(e.desc.root);
-    w.put<uint64_t>(e.desc.count);
-    w.put<uint64_t>(e.desc.seq);
-    w.put<uint64_t>(e.fingerprint);
-    w.put<int64_t>(e.submit_us);
-    w.put<int64_t>(e.start_us);
-    w.put<int64_t>(e.end_us);
-    const std::string site = e.desc.site ? call_site_text(e.desc.site).substr(0, 256) : "";
-    w.put<uint32_t>(e.desc.site);
-    w.put<uint16_t>(static_cast<uint16_t>(site.size()));
-    w.out += site;
-  }
-  const std::string err = error.substr(0, 4096);
-  w.put<uint32_t>(static_cast<uint32_t>(err.size()));
-  w.out += err;
-  return w.out;
-}
-
-std::optional<FlightRecord> FlightRecord::decode(const std::string& bytes) {
-  Reader r{bytes};
-  FlightRecord f;
-  if (r.get<uint32_t>() != kRecordMagic) return std::nullopt;
-  f.rank = r.get<int32_t>();
-  f.failed = r.get<uint8_t>() != 0;
-  f.fingerprint = r.get<uint64_t>();
-  f.collectives = r.get<uint64_t>();
-  const uint32_t world = r.get<uint32_t>();
-  if (!r.ok || world > (1u << 20)) return std::nullopt;
-  for (uint32_t i = 0; i < world && r.ok; ++i) {
-    f.sent.push_back(r.get<uint64_t>());
-    f.recvd.push_back(r.get<uint64_t>());
-  }
-  const uint32_t n = r.get<uint32_t>();
-  if (!r.ok || n > 4096) return std::nullopt;
-  for (uint32_t i = 0; i < n && r.ok; ++i) {
-    FlightEntry e;
-    e.op = r.get<uint64_t>();
-    e.desc.kind = static_cast<CollectiveKind>(r.get<uint8_t>());
-    e.desc.dtype = static_cast<DataType>(r.get<uint8_t>());
-    e.desc.op = static_cast<ReduceOp>(r.get<uint8_t>());
-    e.state = static_cast<FlightEntry::State>(r.get<uint8_t>() & 3);
-    e.desc.root = r.get<int32_t>();
-    e.desc.count = r.get<uint64_t>();
-    e.desc.seq = r.get<uint64_t>();
-    e.fingerprint = r.get<uint64_t>();
-    e.submit_us = r.get<int64_t>();
-    e.start_us = r.get<int64_t>();
-    e.end_us = r.get<int64_t>();
-    e.desc.site = r.get<uint32_t>();
-    const uint16_t len = r.get<uint16_t>();
-    if (!r.ok || r.at + len > bytes.size()) return std::nullopt;
-    const std::string site = bytes.substr(r.at, len);
-    bool printable = true;
-    for (unsigned char ch : site) printable = printable && ch >= 0x20 && ch < 0x7f;
-    if (e.desc.site && printable) call_site_id(site);  // so that describe() names a peer's site
-    r.at += len;
-    f.entries.push_back(e);
-  }
-  const uint32_t elen = r.get<uint32_t>();
-  if (!r.ok || r.at + elen > bytes.size()) return std::nullopt;
-  f.error = bytes.substr(r.at, elen);
-  return f;
 }
 
 // ---- ProcessGroup -------------------------------------------------------------
@@ -432,7 +268,7 @@ void ProcessGroup::fail(Work& w, ErrorKind kind, const std::string& msg) {
     w.finish(std::make_pair(kind, msg));
     return;
   }
-  auto why = explain(kind, msg);
+  auto why = diagnostics::explain(*store_, flight_record(), cfg_.world_size, kind, msg);
   {
     std::lock_guard<std::mutex> lk(mu_);
     poison_ = why;
@@ -463,112 +299,7 @@ FlightRecord ProcessGroup::flight_record() {
 }
 
 void ProcessGroup::publish_record(const std::string& key) {
-  try {
-    store_->set(key, flight_record().encode(), Deadline::after_ms(200));
-  } catch (const Error&) {
-    // rank 0 (the store) is gone: the peers will say "no record" of us
-  }
-}
-
-namespace {
-
-// The first collective (by number) that `a` and `b` both recorded and called
-// differently; nullopt if their records agree where they overlap.
-std::optional<uint64_t> first_difference(const FlightRecord& a, const FlightRecord& b) {
-  std::optional<uint64_t> first;
-  for (const auto& x : a.entries) {
-    if (x.desc.kind == CollectiveKind::kSendRecv) continue;
-    for (const auto& y : b.entries) {
-      if (y.desc.kind == CollectiveKind::kSendRecv || y.desc.seq != x.desc.seq) continue;
-      if (!(x.desc == y.desc) && (!first || x.desc.seq < *first)) first = x.desc.seq;
-    }
-  }
-  return first;
-}
-
-const FlightEntry* find_collective(const FlightRecord& r, uint64_t seq) {
-  for (const auto& e : r.entries)
-    if (e.desc.kind != CollectiveKind::kSendRecv && e.desc.seq == seq) return &e;
-  return nullptr;
-}
-
-// "the first call that differs is collective #5: rank 0 called ..., rank 1 called ..."
-std::string name_difference(const std::vector<std::optional<FlightRecord>>& recs, uint64_t seq) {
-  std::ostringstream os;
-  os << "the first call that differs is collective #" << seq << ": ";
-  bool any = false;
-  for (const auto& r : recs) {
-    if (!r) continue;
-    os << (any ? ", " : "") << "rank " << r->rank;
-    if (const FlightEntry* e = find_collective(*r, seq)) {
-      OpDesc d = e->desc;
-      std::string s = d.describe();
-      os << " called " << s.substr(0, s.find(" as collective #"));
-    } else if (r->collectives < seq) {
-      os << " had called only " << r->collectives << " collective(s)";
-    } else {
-      os << " called it too long ago to be in its record";
-    }
-    any = true;
-  }
-  return os.str();
-}
-
-std::string what_each_was_doing(const std::vector<std::optional<FlightRecord>>& recs) {
-  std::ostringstream os;
-  const int64_t now = now_us();
-  os << " What each rank was last doing (flight recorder, newest last):";
-  for (size_t j = 0; j < recs.size(); ++j) {
-    os << " [rank " << j << ": ";
-    if (!recs[j]) {
-      os << "no record: it did not answer through the store in time (dead, or not in a collective)]";
-      continue;
-    }
-    const auto& es = recs[j]->entries;
-    if (es.empty()) os << "no collective yet";
-    const size_t from = es.size() > 3 ? es.size() - 3 : 0;
-    for (size_t i = from; i < es.size(); ++i) os << (i > from ? "; " : "") << describe_entry(es[i], now);
-    os << "]";
-  }
-  return os.str();
-}
-
-}  // namespace
-
-std::pair<ErrorKind, std::string> ProcessGroup::explain(ErrorKind kind, const std::string& msg) {
-  const int world = cfg_.world_size;
-  std::vector<std::optional<FlightRecord>> recs(static_cast<size_t>(world));
-  recs[cfg_.rank] = flight_record();
-  const Deadline dl = Deadline::after_ms(kGatherMs);
-  int missing = world - 1;
-  try {
-    while (missing > 0 && !dl.expired()) {
-      for (int j = 0; j < world; ++j) {
-        if (recs[j]) continue;
-        if (auto v = store_->try_get("cx/fr/" + std::to_string(j), Deadline::after_ms(200))) {
-          recs[j] = FlightRecord::decode(*v);
-          if (recs[j]) --missing;
-        }
-      }
-      if (missing > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  } catch (const Error&) {
-    // the store is gone (rank 0 exited): what we have is all there is
-  }
-  std::optional<uint64_t> first;
-  for (int j = 0; j < world; ++j) {
-    if (j == cfg_.rank || !recs[j]) continue;
-    auto d = first_difference(*recs[cfg_.rank], *recs[j]);
-    if (d && (!first || *d < *first)) first = d;
-  }
-  if (first) {
-    return {ErrorKind::kMismatch,
-            detail::concat("mismatched collectives: rank ", cfg_.rank, " and its peers called different collectives: ",
-                           name_difference(recs, *first),
-                           ". Every rank must call the same collectives in the same order with the same count, dtype, "
-                           "op and root. (Rank ", cfg_.rank, "'s error: ", msg, ")", what_each_was_doing(recs))};
-  }
-  return {kind, msg + (!msg.empty() && msg.back() == '.' ? "" : ".") + what_each_was_doing(recs)};
+  diagnostics::publish(*store_, key, flight_record());
 }
 
 void ProcessGroup::comm_loop() {
@@ -599,7 +330,11 @@ void ProcessGroup::shutdown(Check check) {
   if (comm_.joinable()) comm_.join();
   std::optional<Error> check_error;
   try {
-    final_check(check);
+    if (store_ && cfg_.world_size > 1 && check != Check::kNone) {
+      diagnostics::check_at_finalize(*store_, flight_record(), cfg_.world_size, check == Check::kFull,
+                                     check == Check::kFull ? cfg_.operation_timeout_ms : kAtExitWaitMs,
+                                     cfg_.operation_timeout_ms, kFlightEntries);
+    }
   } catch (const Error& e) {
     check_error = e;
   }
@@ -622,114 +357,6 @@ void ProcessGroup::shutdown(Check check) {
   store_.reset();
   server_.reset();
   if (check_error) rethrow_as(check_error->kind(), check_error->what());
-}
-
-void ProcessGroup::final_check(Check check) {
-  if (!store_ || cfg_.world_size < 2 || check == Check::kNone) return;
-  const int world = cfg_.world_size, me = cfg_.rank;
-  FlightRecord mine = flight_record();
-  publish_record("cx/fin/" + std::to_string(me));
-  std::vector<std::optional<FlightRecord>> recs(static_cast<size_t>(world));
-  recs[me] = mine;
-  std::optional<Error> err;
-  const bool full = check == Check::kFull;
-  // Polls (never a parked GET, which a deadline would leave answered later on
-  // this connection) until every key of `prefix` is there or `dl` passes; the
-  // store's record of a failed rank ends the wait at once.
-  auto poll_all = [&](const std::string& prefix, int from, const Deadline& dl, auto&& got) {
-    std::vector<int> missing;
-    for (int j = from; j < world; ++j)
-      if (j != me) missing.push_back(j);
-    int pause_ms = 1;
-    while (!missing.empty()) {
-      std::vector<int> still;
-      for (int j : missing) {
-        auto v = store_->try_get(prefix + std::to_string(j), Deadline::after_ms(1000));
-        if (v) {
-          got(j, *v);
-        } else {
-          still.push_back(j);
-        }
-      }
-      missing.swap(still);
-      if (missing.empty() || dl.expired()) break;
-      store_->check_failed(Deadline::after_ms(1000));
-      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
-      pause_ms = std::min(pause_ms * 2, 50);
-    }
-    return missing;
-  };
-  if (!mine.failed) {
-    // kFull waits, like a barrier, up to the operation deadline for every rank to finalize too.
-    const Deadline dl = Deadline::after_ms(full ? cfg_.operation_timeout_ms : kAtExitWaitMs);
-    try {
-      auto missing = poll_all("cx/fin/", 0, dl, [&](int j, const std::string& v) { recs[j] = FlightRecord::decode(v); });
-      if (full && !missing.empty()) {
-        err = TimeoutError(detail::concat("finalize() timed out: rank ", me, " waited ", dl.timeout_ms,
-                                          " ms for rank(s) ", join_ranks(missing),
-                                          " to call finalize() too (stuck, or still calling collectives this rank "
-                                          "does not; raise DISTRIBUTED_OPERATION_TIMEOUT_MS if only slow)"));
-      }
-    } catch (const Error& e) {
-      err = e;
-    }
-  }
-  try {
-    store_->set("cx/fin-read/" + std::to_string(me), "", Deadline::after_ms(1000));
-    if (me == 0) {
-      // The store lives in this process: it stays until every rank has read what it needs.
-      const Deadline dl = Deadline::after_ms(mine.failed || err || !full ? 2000 : cfg_.operation_timeout_ms);
-      poll_all("cx/fin-read/", 1, dl, [](int, const std::string&) {});
-    }
-  } catch (const Error&) {
-    // a rank that died: it has nothing left to read
-  }
-  if (err) throw *err;
-  if (mine.failed) return;  // this rank has raised its error already
-  std::ostringstream problems;
-  ErrorKind kind = ErrorKind::kMismatch;
-  for (int j = 0; j < world; ++j) {
-    if (j == me || !recs[j]) continue;
-    const FlightRecord& r = *recs[j];
-    if (r.failed) {
-      kind = ErrorKind::kPeerFailed;
-      problems << " rank " << j << " failed earlier: " << r.error << ".";
-      continue;
-    }
-    if (r.fingerprint != mine.fingerprint || r.collectives != mine.collectives) {
-      std::optional<uint64_t> d = first_difference(mine, r);
-      problems << " rank " << me << " called " << mine.collectives << " collective(s), rank " << j << " "
-               << r.collectives << ", and they differ: ";
-      if (d) {
-        problems << name_difference({mine, r}, *d) << ".";
-      } else if (r.collectives != mine.collectives) {
-        problems << "the first call that differs is collective #" << std::min(r.collectives, mine.collectives) + 1
-                 << ", which one rank never called.";
-      } else {
-        problems << "the first call that differs is older than the last " << kFlightEntries
-                 << " operations kept.";
-      }
-    }
-    if (static_cast<size_t>(me) < r.recvd.size() && mine.sent[j] > r.recvd[me]) {
-      problems << " rank " << me << " sent " << mine.sent[j] - r.recvd[me] << " message(s) to rank " << j
-               << " that rank " << j << " never received (unmatched send: every send needs a recv on its peer).";
-    }
-    if (static_cast<size_t>(me) < r.sent.size() && r.sent[me] > mine.recvd[j]) {
-      problems << " rank " << j << " sent " << r.sent[me] - mine.recvd[j] << " message(s) to rank " << me
-               << " that rank " << me << " never received (unmatched send: every send needs a recv on its peer).";
-    }
-    if (static_cast<size_t>(me) < r.sent.size() && r.sent[me] < mine.recvd[j]) {
-      problems << " rank " << me << " received more messages from rank " << j << " than it sent.";
-    }
-  }
-  const std::string p = problems.str();
-  if (p.empty()) return;
-  if (kind == ErrorKind::kMismatch) {
-    CX_THROW(MismatchError, "mismatched collectives found by finalize() on rank ", me, ":", p,
-             " Every rank must call the same collectives in the same order with the same count, dtype, op and "
-             "root.");
-  }
-  rethrow_as(kind, detail::concat("finalize() on rank ", me, ":", p));
 }
 
 void ProcessGroup::abort(const std::string& why) {
@@ -762,44 +389,7 @@ void ProcessGroup::monitored_barrier(int64_t timeout_ms) {
     cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
     n = ++monitored_;
   }
-  if (!store_) return;
-  const int world = cfg_.world_size, me = cfg_.rank;
-  const std::string base = "cx/mb/" + std::to_string(n) + "/";
-  const Deadline dl = Deadline::after_ms(timeout_ms);
-  store_->set(base + std::to_string(me), "", dl);
-  auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
-  if (me == 0) {
-    std::vector<int> missing;
-    for (int j = 1; j < world; ++j) missing.push_back(j);
-    while (!missing.empty()) {
-      std::vector<int> still;
-      for (int j : missing)
-        if (!store_->try_get(base + std::to_string(j), Deadline::after_ms(1000))) still.push_back(j);
-      missing.swap(still);
-      if (missing.empty() || dl.expired()) break;
-      pause();
-    }
-    store_->set(base + "result", join_ranks(missing), Deadline::after_ms(1000));
-    if (!missing.empty()) {
-      CX_THROW(TimeoutError, "monitored_barrier: rank(s) ", join_ranks(missing), " did not arrive within ", timeout_ms,
-               " ms (rank 0 waited for all ", world, " ranks; those are stuck, slower, or not calling "
-               "monitored_barrier)");
-    }
-    return;
-  }
-  // Rank 0 answers once its own wait is over: allow it that, and some more.
-  const Deadline verdict = Deadline::after_ms(timeout_ms + std::max<int64_t>(2000, timeout_ms / 2));
-  for (;;) {
-    if (auto v = store_->try_get(base + "result", Deadline::after_ms(1000))) {
-      if (v->empty()) return;
-      CX_THROW(TimeoutError, "monitored_barrier: rank 0 reports that rank(s) ", *v, " did not arrive within ",
-               timeout_ms, " ms (seen from rank ", me, ")");
-    }
-    if (verdict.expired()) break;
-    pause();
-  }
-  CX_THROW(TimeoutError, "monitored_barrier: rank ", me, " had no answer from rank 0 within ", verdict.timeout_ms,
-           " ms: rank 0 did not arrive (stuck, slower, or not calling monitored_barrier)");
+  if (store_) diagnostics::monitored_barrier(*store_, cfg_.rank, cfg_.world_size, n, timeout_ms);
 }
 
 std::string ProcessGroup::describe_setup() const {

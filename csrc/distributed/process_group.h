@@ -56,6 +56,7 @@
 #include "common/error.h"
 #include "distributed/backend/backend.h"
 #include "distributed/config.h"
+#include "distributed/flight_record.h"
 
 namespace cx::distributed {
 
@@ -81,30 +82,6 @@ class Work {
   OpDesc desc_;
   Backend::Body body_;
   uint64_t op_ = 0;  // number among all operations of the group (its flight-record slot)
-};
-
-// One operation in the flight recorder (Note [Flight recorder]).
-struct FlightEntry {
-  enum State : uint8_t { kQueued = 0, kRunning = 1, kDone = 2, kFailed = 3 };
-  uint64_t op = 0;           // number among all operations of this rank (0: empty slot)
-  OpDesc desc;
-  uint64_t fingerprint = 0;  // after this collective (send/recv: unchanged)
-  int64_t submit_us = 0, start_us = 0, end_us = 0;  // wall clock, microseconds
-  State state = kQueued;
-};
-
-// What one rank tells the others of itself (in the store, on failure and at finalize).
-struct FlightRecord {
-  int rank = -1;
-  bool failed = false;       // its group was poisoned
-  uint64_t fingerprint = 0;
-  uint64_t collectives = 0;  // how many it submitted
-  std::vector<uint64_t> sent, recvd;  // point-to-point messages per peer
-  std::vector<FlightEntry> entries;   // oldest first
-  std::string error;                  // its error, if failed
-
-  std::string encode() const;
-  static std::optional<FlightRecord> decode(const std::string& bytes);
 };
 
 class ProcessGroup {
@@ -179,7 +156,6 @@ class ProcessGroup {
   std::string describe_setup() const;
 
   static constexpr size_t kFlightEntries = 64;
-  static constexpr int kGatherMs = 500;
 
  private:
   void refuse_if_inherited() const;
@@ -195,11 +171,9 @@ class ProcessGroup {
   void record_locked(Work& w);  // under mu_: the flight entry and the fingerprint
   void set_state(const Work& w, FlightEntry::State s);
   FlightRecord record_locked_snapshot() const;
-  // Failure of `w` (Note [Flight recorder]): poison, publish, abort, explain.
+  // Failure of `w` (Note [Flight recorder]): poison, publish, abort, explain (diagnostics.h).
   void fail(Work& w, ErrorKind kind, const std::string& msg);
   void publish_record(const std::string& key);
-  std::pair<ErrorKind, std::string> explain(ErrorKind kind, const std::string& msg);
-  void final_check(Check check);
   Backend& backend();  // throws once the group has been finalized
   void execute(Work& w, bool on_submitter);
   void comm_loop();

@@ -27,7 +27,6 @@ import ctypes
 import os
 import queue
 import re
-import secrets
 import signal
 import socket
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Deque, Dict, IO, List, Optional, Sequence
 
 from . import _failure
+from ._env import job_secret_env
 
 DEFAULT_PORT = 29500
 BAR_ENV = "CX_PROGRESS_BAR"  # the rank may draw a progress bar: Note [Redraws through the launcher]
@@ -328,17 +328,6 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
     out.flush()
 
 
-def _job_secret(nnodes: int) -> dict:
-    """The job secret for the ranks' environment (README, "Threat model"): one made here for a
-    job of one node unless the user gave one (CX_AUTH_TOKEN, CX_AUTH_TOKEN_FILE) or CX_AUTH=off.
-    Nodes of a multi-node job must share theirs, so that one is the user's to set on every node."""
-    if os.environ.get("CX_AUTH_TOKEN") or os.environ.get("CX_AUTH_TOKEN_FILE") or os.environ.get("CX_AUTH") == "off":
-        return {}
-    if nnodes > 1:
-        return {}  # a rank on a real interface then says how to set one
-    return {"CX_AUTH_TOKEN": secrets.token_hex(32)}
-
-
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
         master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
         module: bool = False, log_dir: Optional[str] = None, tee: bool = False,
@@ -370,10 +359,10 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         max_restarts = _max_restarts_from_env()
     if max_restarts < 0:
         raise SystemExit(f"launch: --max-restarts must be >= 0, got {max_restarts}")
-    secret_env = _job_secret(nnodes)  # one per job: every start of it shares it
+    secret_env = job_secret_env(nnodes)  # one per job: every start of it shares it
+    job = _Job(argv, nproc, nnodes, node_rank, addr, port, threads_env, secret_env, show_ranks, prefix, log_dir, tee)
     for restart in range(max_restarts + 1):
-        code, failed = _run_group(argv, nproc, nnodes, node_rank, addr, port, threads_env, secret_env, show_ranks,
-                                  prefix, log_dir, tee, restart)
+        code, failed = _Group(job, restart).run()
         if not failed or restart == max_restarts:
             if failed and max_restarts:
                 print(f"[launch] giving up after {max_restarts} restart(s)", file=sys.stderr, flush=True)
@@ -407,83 +396,169 @@ def _max_restarts_from_env() -> int:
     return int(text)
 
 
-def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: str, port: int,
-               threads_env: Dict[str, str], secret_env: Dict[str, str], show_ranks: Optional[set],
-               prefix: bool, log_dir: Optional[str], tee: bool, restart: int):
-    """Starts this node's ranks and watches them; returns (exit code, whether a rank failed)."""
-    world = nnodes * nproc
-    scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
-    logs = Path(log_dir) if log_dir else None
-    if logs is not None and restart:
-        logs = logs / f"restart_{restart}"  # each start's output apart
-    console = logs is None or tee
-    screen = _Console(sys.stdout)
-    shown = [node_rank * nproc + local for local in range(nproc)
-             if show_ranks is None or node_rank * nproc + local in show_ranks]
-    # Note [Redraws through the launcher]: the rank shown first may draw a progress bar.
-    redrawing = shown[0] if console and shown and _is_tty(sys.stdout) else None
+@dataclass
+class _Job:
+    """What every start of this node's ranks shares (run()'s arguments, resolved)."""
+    argv: List[str]
+    nproc: int
+    nnodes: int
+    node_rank: int
+    addr: str
+    port: int
+    threads_env: Dict[str, str]
+    secret_env: Dict[str, str]
+    show_ranks: Optional[set]
+    prefix: bool
+    log_dir: Optional[str]
+    tee: bool
 
-    # Every rank is started before any thread is: the preexec_fn runs between fork and exec,
-    # where another thread's lock could be held.
-    ranks: List[_Rank] = []
-    arm = _die_with_launcher(os.getpid())
-    for local in range(nproc):
-        rank = node_rank * nproc + local
-        folder = logs / f"rank_{rank}" if logs else Path(scratch.name)
-        folder.mkdir(parents=True, exist_ok=True)
-        error_file = str(folder / ("error.json" if logs else f"error_{rank}.json"))
+
+class _Group:
+    """One start of this node's ranks: start() them, watch() until they end or one fails, stop() the
+    rest, report() the cause. run() makes one per start (Note [Restarts])."""
+
+    def __init__(self, job: _Job, restart: int):
+        self.job, self.restart = job, restart
+        self.scratch = tempfile.TemporaryDirectory(prefix="cx-launch-")
+        logs = Path(job.log_dir) if job.log_dir else None
+        if logs is not None and restart:
+            logs = logs / f"restart_{restart}"  # each start's output apart
+        self.logs = logs
+        self.console = logs is None or job.tee
+        self.screen = _Console(sys.stdout)
+        first = job.node_rank * job.nproc
+        shown = [first + local for local in range(job.nproc) if job.show_ranks is None or first + local in job.show_ranks]
+        # Note [Redraws through the launcher]: the rank shown first may draw a progress bar.
+        self.redrawing = shown[0] if self.console and shown and _is_tty(sys.stdout) else None
+        self.ranks: List[_Rank] = []
+        self.pumps: List[threading.Thread] = []
+        self.exits: "queue.Queue[_Rank]" = queue.Queue()
+
+    def run(self) -> tuple:
+        """Returns (exit code, whether a rank failed and the user did not stop the job)."""
         try:
-            os.unlink(error_file)  # a report of an earlier run in the same --log-dir
-        except FileNotFoundError:
-            pass
+            self.start()
+            code, failed, interrupted = self.watch()
+            drained = time.monotonic() + 2  # a rank's child may hold its pipes open: do not wait for it long
+            for t in self.pumps:
+                t.join(max(0.0, drained - time.monotonic()))
+            self.screen.end()
+            if failed:
+                code = self.report()
+            return code, failed and not interrupted
+        finally:
+            self.scratch.cleanup()
+
+    def _env(self, rank: int, local: int, error_file: str) -> Dict[str, str]:
+        job = self.job
         env = dict(os.environ)
-        env.update(threads_env)
-        env.update(secret_env)
-        env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1", RESTART_COUNT=str(restart))
+        env.update(job.threads_env)
+        env.update(job.secret_env)
+        env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(job.nnodes * job.nproc),
+                   LOCAL_WORLD_SIZE=str(job.nproc), MASTER_ADDR=job.addr, MASTER_PORT=str(job.port),
+                   PYTHONUNBUFFERED="1", RESTART_COUNT=str(self.restart))
         env[_failure.ENV] = error_file
-        if rank == redrawing:
+        if rank == self.redrawing:
             env.setdefault(BAR_ENV, "1")  # unless the user chose (CX_PROGRESS_BAR=0: plain lines)
-        try:
-            p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True, preexec_fn=arm)
-        except OSError as e:
-            for r in ranks:
-                os.killpg(r.proc.pid, signal.SIGKILL)
-                r.proc.wait()
-            raise SystemExit(f"launch: cannot start {argv[0]!r}: {e.strerror}"
-                             + (" (not found on PATH)" if isinstance(e, FileNotFoundError) else ""))
-        ranks.append(_Rank(rank, p, error_file))
-    if threads_env and restart == 0:
-        print(f"[launch] OMP_NUM_THREADS={threads_env['OMP_NUM_THREADS']} for each rank ({_cpus()} CPUs, {nproc} "
-              "ranks on this node); set OMP_NUM_THREADS to choose another value", file=sys.stderr, flush=True)
+        return env
 
-    pumps: List[threading.Thread] = []
-    exits: "queue.Queue[_Rank]" = queue.Queue()
-    for r in ranks:
-        show = console and (show_ranks is None or r.rank in show_ranks)
+    def start(self) -> None:
+        """Starts every rank, then the threads that pass on their output and wait for their exits."""
+        job = self.job
+        # Every rank is started before any thread is: the preexec_fn runs between fork and exec,
+        # where another thread's lock could be held.
+        arm = _die_with_launcher(os.getpid())
+        for local in range(job.nproc):
+            rank = job.node_rank * job.nproc + local
+            folder = self.logs / f"rank_{rank}" if self.logs else Path(self.scratch.name)
+            folder.mkdir(parents=True, exist_ok=True)
+            error_file = str(folder / ("error.json" if self.logs else f"error_{rank}.json"))
+            try:
+                os.unlink(error_file)  # a report of an earlier run in the same --log-dir
+            except FileNotFoundError:
+                pass
+            try:
+                p = subprocess.Popen(job.argv, env=self._env(rank, local, error_file), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=arm)
+            except OSError as e:
+                for r in self.ranks:
+                    os.killpg(r.proc.pid, signal.SIGKILL)
+                    r.proc.wait()
+                raise SystemExit(f"launch: cannot start {job.argv[0]!r}: {e.strerror}"
+                                 + (" (not found on PATH)" if isinstance(e, FileNotFoundError) else ""))
+            self.ranks.append(_Rank(rank, p, error_file))
+        if job.threads_env and self.restart == 0:
+            print(f"[launch] OMP_NUM_THREADS={job.threads_env['OMP_NUM_THREADS']} for each rank ({_cpus()} CPUs, "
+                  f"{job.nproc} ranks on this node); set OMP_NUM_THREADS to choose another value", file=sys.stderr,
+                  flush=True)
+        for r in self.ranks:
+            self._follow(r)
+
+    def _follow(self, r: _Rank) -> None:
+        show = self.console and (self.job.show_ranks is None or r.rank in self.job.show_ranks)
         r.shown = bool(show)
-        pre = f"[rank {r.rank}] " if prefix else ""
+        pre = f"[rank {r.rank}] " if self.job.prefix else ""
         for stream, out, name, tail in ((r.proc.stdout, sys.stdout, "stdout", None),
                                         (r.proc.stderr, sys.stderr, "stderr", r.tail)):
-            log = open(logs / f"rank_{r.rank}" / f"{name}.log", "wb") if logs else None
-            if r.rank == redrawing and name == "stdout":
-                t = threading.Thread(target=_pump_redraws, args=(stream, pre, screen, log), daemon=True)
+            log = open(self.logs / f"rank_{r.rank}" / f"{name}.log", "wb") if self.logs else None
+            if r.rank == self.redrawing and name == "stdout":
+                t = threading.Thread(target=_pump_redraws, args=(stream, pre, self.screen, log), daemon=True)
             else:
-                t = threading.Thread(target=_pump, args=(stream, pre, out if show else None, screen, log, tail),
+                t = threading.Thread(target=_pump, args=(stream, pre, out if show else None, self.screen, log, tail),
                                      daemon=True)
             t.start()
-            pumps.append(t)
+            self.pumps.append(t)
+        threading.Thread(target=self._wait, args=(r,), daemon=True).start()
 
-        def wait(r: _Rank = r) -> None:
-            r.rc = r.proc.wait()
-            r.exit_time = time.time()
-            exits.put(r)
+    def _wait(self, r: _Rank) -> None:
+        r.rc = r.proc.wait()
+        r.exit_time = time.time()
+        self.exits.put(r)
 
-        threading.Thread(target=wait, daemon=True).start()
+    def watch(self) -> tuple:
+        """Waits for the ranks; on the first failure, a grace period, then stop() the rest.
+        Returns (exit code, a rank failed, the user or a scheduler stopped the job)."""
+        old = signal.signal(signal.SIGTERM, _on_sigterm)
+        failed = False
+        try:
+            running = len(self.ranks)
+            while running:
+                try:
+                    r = self.exits.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                running -= 1
+                if r.rc != 0:
+                    # The others fail too within milliseconds once they find this rank gone (and the
+                    # rank that caused it may still be exiting): a moment for them to finish on their
+                    # own, so their exit codes and reports are their own; then stop whoever is left.
+                    failed = True
+                    grace = time.monotonic() + STOP_GRACE_S
+                    while running and time.monotonic() < grace:
+                        try:
+                            self.exits.get(timeout=max(0.0, grace - time.monotonic()))
+                            running -= 1
+                        except queue.Empty:
+                            break
+                    self.stop()
+                    return 0, True, False
+            return 0, False, False
+        except KeyboardInterrupt:
+            self.screen.line(sys.stderr, "[launch] interrupted; stopping all ranks\n")
+            self.stop(signal.SIGINT)
+            return 130, failed, True  # 128 + SIGINT, as a shell reports Ctrl-C; the user's stop: never restarted
+        except _Terminated:
+            # A scheduler or `kill` stopping the job: the ranks get SIGTERM too (a grace period, then
+            # SIGKILL), and the launcher exits as a process killed by SIGTERM would be reported.
+            self.screen.line(sys.stderr, "[launch] terminated (SIGTERM); stopping all ranks\n")
+            self.stop(signal.SIGTERM)
+            return 128 + signal.SIGTERM, failed, True
+        finally:
+            signal.signal(signal.SIGTERM, old)
 
-    def stop_all(sig=signal.SIGTERM) -> None:
-        for r in ranks:
+    def stop(self, sig=signal.SIGTERM) -> None:
+        """Signals every rank still running, and SIGKILLs those still there 5 s later."""
+        for r in self.ranks:
             if r.proc.poll() is None:
                 r.signalled = True
                 try:
@@ -491,7 +566,7 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 5
-        for r in ranks:
+        for r in self.ranks:
             try:
                 r.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -501,64 +576,21 @@ def _run_group(argv: List[str], nproc: int, nnodes: int, node_rank: int, addr: s
                     pass
                 r.proc.wait()
 
-    def on_signal(signum, frame):
-        raise _Terminated
-
-    old = signal.signal(signal.SIGTERM, on_signal)
-    code = 0
-    failed = interrupted = False
-    try:
-        running = len(ranks)
-        while running:
-            try:
-                r = exits.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            running -= 1
-            if r.rc != 0:
-                # The others fail too within milliseconds once they find this rank gone (and the
-                # rank that caused it may still be exiting): a moment for them to finish on their
-                # own, so their exit codes and reports are their own; then stop whoever is left.
-                failed = True
-                grace = time.monotonic() + STOP_GRACE_S
-                while running and time.monotonic() < grace:
-                    try:
-                        exits.get(timeout=max(0.0, grace - time.monotonic()))
-                        running -= 1
-                    except queue.Empty:
-                        break
-                stop_all()
-                break
-    except KeyboardInterrupt:
-        screen.line(sys.stderr, "[launch] interrupted; stopping all ranks\n")
-        stop_all(signal.SIGINT)
-        code = 130  # 128 + SIGINT, as a shell reports Ctrl-C
-        interrupted = True  # the user's stop: never restarted
-    except _Terminated:
-        # A scheduler or `kill` stopping the job: the ranks get SIGTERM too (a grace period, then
-        # SIGKILL), and the launcher exits as a process killed by SIGTERM would be reported.
-        screen.line(sys.stderr, "[launch] terminated (SIGTERM); stopping all ranks\n")
-        stop_all(signal.SIGTERM)
-        code = 128 + signal.SIGTERM
-        interrupted = True
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    drained = time.monotonic() + 2  # a rank's child may hold its pipes open: do not wait for it long
-    for t in pumps:
-        t.join(max(0.0, drained - time.monotonic()))
-    screen.end()
-    if failed:
-        for r in ranks:  # the waiter threads record rc and exit time; the stopped ones have exited by now
+    def report(self) -> int:
+        """Names the rank that failed first, and what became of the others; returns the exit code."""
+        for r in self.ranks:  # the waiter threads record rc and exit time; the stopped ones have exited by now
             if r.rc is None:
                 r.rc = r.proc.wait()
                 r.exit_time = r.exit_time or time.time()
             r.report = _failure.read(r.error_file)
-        bad = [r for r in ranks if r.rc != 0]
+        bad = [r for r in self.ranks if r.rc != 0]
         cause = _root_cause([r for r in bad if not r.stopped or r.report] or bad)
         _report(cause, [r for r in bad if r is not cause], sys.stderr)
-        code = cause.rc if cause.rc and cause.rc > 0 else 128 - (cause.rc or -1)
-    scratch.cleanup()
-    return code, failed and not interrupted
+        return cause.rc if cause.rc and cause.rc > 0 else 128 - (cause.rc or -1)
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

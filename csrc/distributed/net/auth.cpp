@@ -165,4 +165,29 @@ bool proof_ok(const std::string& got, const std::string& secret, const char* rol
                                      reinterpret_cast<const uint8_t*>(want.data()), want.size());
 }
 
+Handshake::Client::Client(std::string secret, std::string context)
+    : secret_(std::move(secret)), context_(std::move(context)), nonce_(fresh_nonce()) {}
+
+std::optional<std::string> Handshake::Client::answer(const std::string& challenge) const {
+  if (challenge.size() != kNonceBytes + kProofBytes) return std::nullopt;
+  const std::string server_nonce = challenge.substr(0, kNonceBytes);
+  if (!proof_ok(challenge.substr(kNonceBytes), secret_, kServerRole, context_, nonce_, server_nonce)) {
+    return std::nullopt;
+  }
+  return proof(secret_, kClientRole, context_, nonce_, server_nonce);
+}
+
+Handshake::Server::Server(std::string secret, std::string context)
+    : secret_(std::move(secret)), context_(std::move(context)) {}
+
+std::string Handshake::Server::challenge(const std::string& client_nonce) {
+  client_nonce_ = client_nonce;
+  server_nonce_ = fresh_nonce();
+  return server_nonce_ + proof(secret_, kServerRole, context_, client_nonce_, server_nonce_);
+}
+
+bool Handshake::Server::verify(const std::string& client_proof) const {
+  return started() && proof_ok(client_proof, secret_, kClientRole, context_, client_nonce_, server_nonce_);
+}
+
 }  // namespace cx::distributed::net

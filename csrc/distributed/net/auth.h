@@ -1,6 +1,8 @@
 // defines: the job secret (where it comes from, when it is required) and the
-// pieces of the challenge-response every connection of a job runs with it: the
-// store's (store/store.h) and each rank-to-rank one (transport/mesh_transport.cpp).
+// challenge-response every connection of a job runs with it, as a client half
+// and a server half (Handshake): the store's (store/store.h) and each
+// rank-to-rank one (transport/mesh_transport.cpp). Each carries the halves'
+// messages in frames of its own; the halves know nothing of sockets.
 //
 // Note [Job secret]
 // Who may join a job and speak in it is decided by one shared secret, never by
@@ -22,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace cx::distributed::net {
@@ -50,5 +53,35 @@ constexpr const char* kClientRole = "cx-auth-1 connector";
 // Constant-time: does `got` equal proof(...)?
 bool proof_ok(const std::string& got, const std::string& secret, const char* role, const std::string& context,
               const std::string& client_nonce, const std::string& server_nonce);
+
+// Note [Job secret]'s challenge-response for one connection, whose purpose
+// `context` names. The messages, in order:
+//   client -> server: client.nonce()                       (kNonceBytes)
+//   server -> client: server.challenge(client nonce)       (kNonceBytes + kProofBytes: its nonce, its proof)
+//   client -> server: *client.answer(server's challenge)   (kProofBytes; nullopt: the server failed the proof)
+//   server: server.verify(client's answer)                 (false: the client does not know the secret)
+struct Handshake {
+  class Client {
+   public:
+    Client(std::string secret, std::string context);
+    const std::string& nonce() const { return nonce_; }
+    // The client's proof, or nullopt when the server does not know the secret.
+    std::optional<std::string> answer(const std::string& challenge) const;
+
+   private:
+    std::string secret_, context_, nonce_;
+  };
+  class Server {
+   public:
+    Server() = default;
+    Server(std::string secret, std::string context);
+    bool started() const { return !server_nonce_.empty(); }  // challenge() has been called
+    std::string challenge(const std::string& client_nonce);
+    bool verify(const std::string& client_proof) const;
+
+   private:
+    std::string secret_, context_, client_nonce_, server_nonce_;
+  };
+};
 
 }  // namespace cx::distributed::net

@@ -174,6 +174,22 @@ Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, con
   }
 }
 
+void accept_waiting(int listen_fd, const std::function<void(Fd fd, std::string addr)>& take,
+                    const std::function<bool()>& make_room) {
+  for (;;) {
+    sockaddr_in a{};
+    socklen_t len = sizeof(a);
+    int c = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&a), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if ((errno == EMFILE || errno == ENFILE) && make_room()) continue;
+      return;  // EAGAIN: all taken
+    }
+    tune_socket(c);
+    take(Fd(c), addr_to_string(a));
+  }
+}
+
 Fd accept_until(int listen_fd, const Deadline& dl) {
   for (;;) {
     pollfd p{listen_fd, POLLIN, 0};

@@ -5,6 +5,7 @@
 
 #include <netinet/in.h>
 
+#include <functional>
 #include <string>
 
 #include "distributed/types.h"
@@ -57,6 +58,14 @@ Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, con
 
 // Accepts one connection before the deadline; returns an invalid Fd on timeout.
 Fd accept_until(int listen_fd, const Deadline& dl);
+
+// Accepts every connection waiting on the non-blocking `listen_fd` (each
+// non-blocking, close-on-exec and tuned), handing each with its ip:port to
+// `take`. Out of descriptors it asks `make_room` to close a connection (the
+// caller's oldest newcomer: Note [A store strangers cannot stall] in
+// store/store.h): true if it did (then it accepts on), false to stop.
+void accept_waiting(int listen_fd, const std::function<void(Fd fd, std::string addr)>& take,
+                    const std::function<bool()>& make_room);
 
 void set_nonblocking(int fd, bool on);
 void tune_socket(int fd);  // TCP_NODELAY, large buffers, keepalive

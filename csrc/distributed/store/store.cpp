@@ -24,7 +24,9 @@ constexpr size_t kHeader = 16;
 enum Cmd : uint8_t {
   kHello = 1, kSet = 2, kGet = 3, kDone = 4, kProbe = 5, kAuth1 = 6, kAuth2 = 7, kTryGet = 8, kFail = 9, kBye = 10
 };
-enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2, kMissing = 3, kFailed = 4 };
+// kWarning: a line for the rank to print, ahead of the reply to its request (Note [Failed handshakes are
+// told to the waiting ranks] in store.h).
+enum Status : uint8_t { kOk = 0, kRetry = 1, kRefused = 2, kMissing = 3, kFailed = 4, kWarning = 5 };
 
 // Note [A store strangers cannot stall] in store.h.
 constexpr uint32_t kMaxPreAuthValue = 64;
@@ -38,6 +40,7 @@ constexpr size_t kMaxQueuedReply = 64 * 1024;
 constexpr size_t kMaxBytesPerRank = 4u << 20;
 constexpr size_t kMaxBytesTotal = 64u << 20;
 constexpr size_t kMaxLogged = 1024;
+constexpr size_t kMaxWarnings = 16;
 constexpr const char* kStoreContext = "store";
 
 void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -113,6 +116,11 @@ std::optional<StoreInfo> probe_store(const std::string& host, int port, int worl
   }
 }
 
+struct StoreServer::Frame {
+  uint8_t cmd = 0;
+  std::string key, value;
+};
+
 struct StoreServer::Client {
   net::Fd fd;
   std::string addr;            // the peer's ip:port, for the log
@@ -123,7 +131,8 @@ struct StoreServer::Client {
   int rank = -1;               // >= 0: a member
   bool authed = false;
   int frames = 0;              // frames received before membership
-  std::string client_nonce, server_nonce;  // between AUTH1 and AUTH2
+  size_t warned = 0;           // how many of warnings_ it has been sent
+  net::Handshake::Server handshake;  // Note [Job secret]: AUTH1 starts it, AUTH2 ends it
   Clock::time_point accepted, partial_since, write_stalled_since;
   size_t queued() const { return in.size() + out.size() - out_off; }
   bool done = false;           // it said DONE or BYE: its end of stream is a normal exit
@@ -163,6 +172,27 @@ void StoreServer::cut(Client& c, const std::string& why) {
     std::fflush(stderr);
   }
   c.fd.reset();
+}
+
+void StoreServer::auth_failed(Client& c, const std::string& why) {
+  auth_failures_.fetch_add(1);
+  const std::string ip = c.addr.substr(0, c.addr.rfind(':'));
+  const bool first = c.fd.valid() && !logged_.count(ip);
+  const std::string addr = c.addr;
+  cut(c, why);
+  // Note [Failed handshakes are told to the waiting ranks]: once per address, as cut() logs.
+  if (!first || warnings_.size() >= kMaxWarnings) return;
+  warnings_.push_back(detail::concat("a connection from ", addr, " failed authentication: wrong secret? (at rank "
+                                     "0's store: a rank of this job with another CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE, "
+                                     "or a stranger; the job goes on)"));
+  for (auto& m : clients_) {
+    if (m->fd.valid() && m->rank > 0 && !m->waiting_key.empty()) warn(*m);
+  }
+}
+
+void StoreServer::warn(Client& c) {
+  if (c.rank <= 0) return;  // rank 0 is this process: cut() has said it on its stderr
+  for (; c.warned < warnings_.size(); ++c.warned) reply(c, kWarning, warnings_[c.warned]);
 }
 
 size_t StoreServer::bytes_in_use() const {
@@ -226,236 +256,253 @@ void StoreServer::answer_waiters(const std::string& key) {
   }
 }
 
+StoreServer::Parse StoreServer::next_frame(Client& c, Frame& f) {
+  if (c.in.size() < kHeader) return Parse::kMore;
+  if (get_u32(c.in.data()) != kMagic) {
+    cut(c, "it does not speak the store's protocol");
+    return Parse::kDrop;
+  }
+  f.cmd = static_cast<uint8_t>(c.in[4]);
+  const uint32_t klen = get_u32(&c.in[8]), vlen = get_u32(&c.in[12]);
+  const bool member = c.rank >= 0;
+  if (!member && (klen > kMaxPreAuthValue || vlen > kMaxPreAuthValue || c.frames >= kMaxPreAuthFrames)) {
+    cut(c, "it sent more than a newcomer may before joining");
+    return Parse::kDrop;
+  }
+  if (klen > kMaxKey || vlen > kMaxValue) {  // refuse before allocating
+    cut(c, detail::concat("it announced a frame larger than the store takes (key ", klen, ", value ", vlen,
+                          " bytes)"));
+    return Parse::kDrop;
+  }
+  if (c.in.size() < kHeader + klen + vlen) {
+    if (c.partial_since == Clock::time_point{}) c.partial_since = Clock::now();
+    return Parse::kMore;
+  }
+  c.partial_since = Clock::time_point{};
+  if (!member) ++c.frames;
+  f.key = c.in.substr(kHeader, klen);
+  f.value = c.in.substr(kHeader + klen, vlen);
+  c.in.erase(0, kHeader + klen + vlen);
+  return Parse::kFrame;
+}
+
+// Note [A store strangers cannot stall]: what a connection may ask before it is a member.
+bool StoreServer::admit(Client& c, uint8_t cmd) {
+  if (c.rank < 0 && cmd != kAuth1 && cmd != kAuth2 && cmd != kProbe && cmd != kHello) {
+    reply(c, kRefused, "the store of rank 0 takes this only from a rank that has joined the job");
+    flush(c);
+    cut(c, detail::concat("it sent command ", int(cmd), " before joining the job"));
+    return false;
+  }
+  if (cmd == kHello && !c.authed) {
+    reply(c, kRefused, "the store of rank 0 takes HELLO only after the job secret's handshake");
+    flush(c);
+    cut(c, "it sent HELLO without the job secret's handshake");
+    return false;
+  }
+  return true;
+}
+
 bool StoreServer::handle(Client& c) {
   for (;;) {
-    if (c.in.size() < kHeader) return true;
-    if (get_u32(c.in.data()) != kMagic) {
-      cut(c, "it does not speak the store's protocol");
-      return false;
-    }
-    uint8_t cmd = static_cast<uint8_t>(c.in[4]);
-    uint32_t klen = get_u32(&c.in[8]), vlen = get_u32(&c.in[12]);
-    const bool member = c.rank >= 0;
-    if (!member && (klen > kMaxPreAuthValue || vlen > kMaxPreAuthValue || c.frames >= kMaxPreAuthFrames)) {
-      cut(c, "it sent more than a newcomer may before joining");
-      return false;
-    }
-    if (klen > kMaxKey || vlen > kMaxValue) {  // refuse before allocating
-      cut(c, detail::concat("it announced a frame larger than the store takes (key ", klen, ", value ", vlen,
-                            " bytes)"));
-      return false;
-    }
-    if (c.in.size() < kHeader + klen + vlen) {
-      if (c.partial_since == Clock::time_point{}) c.partial_since = Clock::now();
-      return true;
-    }
-    c.partial_since = Clock::time_point{};
-    if (!member) ++c.frames;
-    std::string key = c.in.substr(kHeader, klen);
-    std::string value = c.in.substr(kHeader + klen, vlen);
-    c.in.erase(0, kHeader + klen + vlen);
-    if (!member && cmd != kAuth1 && cmd != kAuth2 && cmd != kProbe && cmd != kHello) {
-      reply(c, kRefused, "the store of rank 0 takes this only from a rank that has joined the job");
-      flush(c);
-      cut(c, detail::concat("it sent command ", int(cmd), " before joining the job"));
-      return false;
-    }
-    if (cmd == kHello && !c.authed) {
-      reply(c, kRefused, "the store of rank 0 takes HELLO only after the job secret's handshake");
-      flush(c);
-      cut(c, "it sent HELLO without the job secret's handshake");
-      return false;
-    }
-    switch (cmd) {
-      case kAuth1: {  // Note [Job secret]: the server proves itself first
-        if (value.size() != net::kNonceBytes || !c.server_nonce.empty()) {
-          cut(c, "a malformed job-secret handshake");
-          return false;
-        }
-        c.client_nonce = value;
-        c.server_nonce = net::fresh_nonce();
-        reply(c, kOk, c.server_nonce + net::proof(secret_, net::kServerRole, kStoreContext, c.client_nonce,
-                                                  c.server_nonce));
-        break;
-      }
-      case kAuth2: {
-        if (c.server_nonce.empty() || c.authed ||
-            !net::proof_ok(value, secret_, net::kClientRole, kStoreContext, c.client_nonce, c.server_nonce)) {
-          reply(c, kRefused, "the store of rank 0 refused this process: it does not know the job's secret "
-                             "(every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE)");
-          flush(c);
-          auth_failures_.fetch_add(1);
-          cut(c, "it failed authentication: wrong secret? (a rank of this job with another CX_AUTH_TOKEN or "
-                 "CX_AUTH_TOKEN_FILE, or a stranger; the job goes on)");
-          return false;
-        }
-        c.authed = true;
-        c.client_nonce.clear();
-        reply(c, kOk, "");
-        break;
-      }
-      case kHello: {
-        if (value.size() != 12) return false;
-        int32_t rank, world, generation;
-        std::memcpy(&rank, value.data(), 4);
-        std::memcpy(&world, value.data() + 4, 4);
-        std::memcpy(&generation, value.data() + 8, 4);
-        if (closing_) {
-          reply(c, kRetry, "");
-          flush(c);
-          return false;
-        }
-        if (world != world_size_) {
-          const std::string why = detail::concat("rank ", rank, " was started with WORLD_SIZE=", world,
-                                                 " but rank 0 has WORLD_SIZE=", world_size_,
-                                                 ": every rank must be given the same WORLD_SIZE");
-          reply(c, kRefused, why);
-          fail(ErrorKind::kInvalidArgument, why);  // the others would wait for it in vain
-          flush(c);
-          return false;
-        }
-        if (rank < 0 || rank >= world_size_) {
-          reply(c, kRefused, detail::concat("RANK=", rank, " is not in 0..", world_size_ - 1));
-          flush(c);
-          return false;
-        }
-        if (generation != generation_) {  // Config::generation; not a failure of this group: it stays open
-          const bool stale = generation < generation_;
-          reply(c, kRefused, detail::concat("rank ", rank, " (RESTART_COUNT=", generation, ") and rank 0 (RESTART_COUNT=",
-                                            generation_, ") belong to different starts of this job: ",
-                                            stale ? "this rank is left over from an earlier start"
-                                                  : "rank 0 is left over from an earlier start",
-                                            "; every rank of a restarted job must be started again by its launcher"));
-          flush(c);
-          return false;
-        }
-        if (claimed_.count(rank)) {
-          reply(c, kRefused, detail::concat("RANK=", rank, " is already taken by another process: ",
-                                            "two processes were started with RANK=", rank,
-                                            " (each rank must be unique in 0..", world_size_ - 1, ")"));
-          flush(c);
-          return false;
-        }
-        claimed_.insert(rank);
-        c.rank = rank;
-        if (rank > 0) others_.fetch_add(1);
-        reply(c, kOk, "");
-        break;
-      }
-      case kSet: {
-        auto it = data_.find(key);
-        const size_t old = it != data_.end() && it->second.first == c.rank ? it->second.second.size() : 0;
-        const size_t mine = stored_by_rank_[c.rank] - old + value.size();
-        const size_t total = bytes_in_use() - old + value.size();
-        if (mine > kMaxBytesPerRank || total > kMaxBytesTotal) {
-          reply(c, kRefused,
-                detail::concat("the store of rank 0 refused to store '", key.substr(0, 64), "' (", value.size(),
-                               " bytes) for rank ", c.rank, ": that would make ", mine,
-                               " bytes stored by this rank (at most ", kMaxBytesPerRank, ") and ", total,
-                               " in the whole store (at most ", kMaxBytesTotal,
-                               "); the store only carries setup data (addresses, ids)"));
-          break;
-        }
-        if (it != data_.end()) {
-          stored_by_rank_[it->second.first] -= it->second.second.size();
-          stored_ -= it->second.second.size();
-        }
-        stored_by_rank_[c.rank] += value.size();
-        stored_ += value.size();
-        data_[key] = {c.rank, std::move(value)};
-        reply(c, kOk, "");
-        answer_waiters(key);
-        break;
-      }
-      case kGet: {
-        auto it = data_.find(key);
-        if (it != data_.end()) {
-          reply(c, kOk, it->second.second);
-        } else if (!failure_.empty()) {
-          reply(c, kFailed, failure_);
-        } else {
-          c.waiting_key = key;
-        }
-        break;
-      }
-      case kTryGet: {  // never parks: the value, or kMissing; of the empty key: has the group failed?
-        auto it = data_.find(key);
-        if (it != data_.end()) {
-          reply(c, kOk, it->second.second);
-        } else if (key.empty() && !failure_.empty()) {
-          reply(c, kFailed, failure_);
-        } else {
-          reply(c, kMissing, "");
-        }
-        break;
-      }
-      case kFail:  // Note [Failures reach every rank through the store]
-        if (value.empty()) return false;
-        reply(c, kOk, "");
-        fail(static_cast<ErrorKind>(value[0]), value.substr(1));
-        break;
-      case kBye:  // the client is closing in order (no reply): its end of stream is no crash
-        c.done = true;
-        break;
-      case kDone:
-        c.done = true;
-        closing_ = true;
-        reply(c, kOk, "");
-        break;
-      case kProbe: {  // Note [Who holds MASTER_PORT]: read-only, claims nothing
-        if (value.size() != 4) return false;
-        int32_t asker;
-        std::memcpy(&asker, value.data(), 4);
-        if (asker == world_size_) turned_away_.fetch_add(1);  // a second RANK=0 of this job, it seems
-        char v[kProbeReply];
-        int32_t w = world_size_, joined = static_cast<int32_t>(claimed_.size());
-        std::memcpy(v, &w, 4);
-        std::memcpy(v + 4, &joined, 4);
-        put_u32(v + 8, closing_ ? 1 : 0);
-        reply(c, kOk, std::string(v, kProbeReply));
-        break;
-      }
-      default:
-        cut(c, detail::concat("it sent an unknown command (", int(cmd), ")"));
-        return false;
-    }
-    if (!c.fd.valid()) return false;
+    Frame f;
+    const Parse p = next_frame(c, f);
+    if (p != Parse::kFrame) return p == Parse::kMore;
+    if (!admit(c, f.cmd) || !dispatch(c, f) || !c.fd.valid()) return false;
   }
 }
 
+bool StoreServer::dispatch(Client& c, Frame& f) {
+  switch (f.cmd) {
+    case kAuth1: return on_auth1(c, f);
+    case kAuth2: return on_auth2(c, f);
+    case kHello: return on_hello(c, f);
+    case kSet: return on_set(c, f);
+    case kGet: return on_get(c, f);
+    case kTryGet: return on_try_get(c, f);
+    case kFail:  // Note [Failures reach every rank through the store]
+      if (f.value.empty()) return false;
+      reply(c, kOk, "");
+      fail(static_cast<ErrorKind>(f.value[0]), f.value.substr(1));
+      return true;
+    case kBye:  // the client is closing in order (no reply): its end of stream is no crash
+      c.done = true;
+      return true;
+    case kDone:
+      c.done = true;
+      closing_ = true;
+      reply(c, kOk, "");
+      return true;
+    case kProbe: return on_probe(c, f);
+    default:
+      cut(c, detail::concat("it sent an unknown command (", int(f.cmd), ")"));
+      return false;
+  }
+}
+
+bool StoreServer::on_auth1(Client& c, const Frame& f) {  // Note [Job secret]: the server proves itself first
+  if (f.value.size() != net::kNonceBytes || c.handshake.started()) {
+    cut(c, "a malformed job-secret handshake");
+    return false;
+  }
+  reply(c, kOk, c.handshake.challenge(f.value));
+  return true;
+}
+
+bool StoreServer::on_auth2(Client& c, const Frame& f) {
+  if (!c.handshake.started() || c.authed || !c.handshake.verify(f.value)) {
+    reply(c, kRefused, "the store of rank 0 refused this process: it does not know the job's secret "
+                       "(every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE)");
+    flush(c);
+    auth_failed(c, "it failed authentication: wrong secret? (a rank of this job with another CX_AUTH_TOKEN or "
+                   "CX_AUTH_TOKEN_FILE, or a stranger; the job goes on)");
+    return false;
+  }
+  c.authed = true;
+  reply(c, kOk, "");
+  return true;
+}
+
+bool StoreServer::on_hello(Client& c, const Frame& f) {
+  if (f.value.size() != 12) return false;
+  int32_t rank, world, generation;
+  std::memcpy(&rank, f.value.data(), 4);
+  std::memcpy(&world, f.value.data() + 4, 4);
+  std::memcpy(&generation, f.value.data() + 8, 4);
+  if (closing_) {
+    reply(c, kRetry, "");
+    flush(c);
+    return false;
+  }
+  std::string refusal;
+  const bool wrong_world = world != world_size_;  // the others would wait for it in vain: the group fails
+  if (wrong_world) {
+    refusal = detail::concat("rank ", rank, " was started with WORLD_SIZE=", world, " but rank 0 has WORLD_SIZE=",
+                             world_size_, ": every rank must be given the same WORLD_SIZE");
+  } else if (rank < 0 || rank >= world_size_) {
+    refusal = detail::concat("RANK=", rank, " is not in 0..", world_size_ - 1);
+  } else if (generation != generation_) {  // Config::generation; not a failure of this group: it stays open
+    const bool stale = generation < generation_;
+    refusal = detail::concat("rank ", rank, " (RESTART_COUNT=", generation, ") and rank 0 (RESTART_COUNT=",
+                             generation_, ") belong to different starts of this job: ",
+                             stale ? "this rank is left over from an earlier start"
+                                   : "rank 0 is left over from an earlier start",
+                             "; every rank of a restarted job must be started again by its launcher");
+  } else if (claimed_.count(rank)) {
+    refusal = detail::concat("RANK=", rank, " is already taken by another process: ",
+                             "two processes were started with RANK=", rank, " (each rank must be unique in 0..",
+                             world_size_ - 1, ")");
+  }
+  if (!refusal.empty()) {
+    reply(c, kRefused, refusal);
+    if (wrong_world) fail(ErrorKind::kInvalidArgument, refusal);
+    flush(c);
+    return false;
+  }
+  claimed_.insert(rank);
+  c.rank = rank;
+  if (rank > 0) others_.fetch_add(1);
+  reply(c, kOk, "");
+  return true;
+}
+
+bool StoreServer::on_set(Client& c, Frame& f) {
+  auto it = data_.find(f.key);
+  const size_t old = it != data_.end() && it->second.first == c.rank ? it->second.second.size() : 0;
+  const size_t mine = stored_by_rank_[c.rank] - old + f.value.size();
+  const size_t total = bytes_in_use() - old + f.value.size();
+  if (mine > kMaxBytesPerRank || total > kMaxBytesTotal) {
+    reply(c, kRefused,
+          detail::concat("the store of rank 0 refused to store '", f.key.substr(0, 64), "' (", f.value.size(),
+                         " bytes) for rank ", c.rank, ": that would make ", mine, " bytes stored by this rank (at most ",
+                         kMaxBytesPerRank, ") and ", total, " in the whole store (at most ", kMaxBytesTotal,
+                         "); the store only carries setup data (addresses, ids)"));
+    return true;
+  }
+  if (it != data_.end()) {
+    stored_by_rank_[it->second.first] -= it->second.second.size();
+    stored_ -= it->second.second.size();
+  }
+  stored_by_rank_[c.rank] += f.value.size();
+  stored_ += f.value.size();
+  data_[f.key] = {c.rank, std::move(f.value)};
+  reply(c, kOk, "");
+  answer_waiters(f.key);
+  return true;
+}
+
+bool StoreServer::on_get(Client& c, const Frame& f) {
+  warn(c);
+  auto it = data_.find(f.key);
+  if (it != data_.end()) {
+    reply(c, kOk, it->second.second);
+  } else if (!failure_.empty()) {
+    reply(c, kFailed, failure_);
+  } else {
+    c.waiting_key = f.key;
+  }
+  return true;
+}
+
+bool StoreServer::on_try_get(Client& c, const Frame& f) {  // never parks: the value, or kMissing
+  if (f.key.empty()) warn(c);  // check_failed(): a rank that waits on something else
+  auto it = data_.find(f.key);
+  if (it != data_.end()) {
+    reply(c, kOk, it->second.second);
+  } else if (f.key.empty() && !failure_.empty()) {  // of the empty key: has the group failed?
+    reply(c, kFailed, failure_);
+  } else {
+    reply(c, kMissing, "");
+  }
+  return true;
+}
+
+bool StoreServer::on_probe(Client& c, const Frame& f) {  // Note [Who holds MASTER_PORT]: read-only, claims nothing
+  if (f.value.size() != 4) return false;
+  int32_t asker;
+  std::memcpy(&asker, f.value.data(), 4);
+  if (asker == world_size_) turned_away_.fetch_add(1);  // a second RANK=0 of this job, it seems
+  char v[kProbeReply];
+  int32_t w = world_size_, joined = static_cast<int32_t>(claimed_.size());
+  std::memcpy(v, &w, 4);
+  std::memcpy(v + 4, &joined, 4);
+  put_u32(v + 8, closing_ ? 1 : 0);
+  reply(c, kOk, std::string(v, kProbeReply));
+  return true;
+}
+
 void StoreServer::accept_all() {
-  for (;;) {
-    sockaddr_in a{};
-    socklen_t len = sizeof(a);
-    int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&a), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EMFILE && errno != ENFILE) return;  // EAGAIN: all taken
-    }
-    // Note [A store strangers cannot stall]: make room by cutting the oldest newcomer.
-    size_t newcomers = 0;
+  // Note [A store strangers cannot stall]: room is made by cutting the oldest newcomer.
+  auto oldest_newcomer = [&](size_t* count) {
     Client* oldest = nullptr;
     for (auto& c : clients_) {
       if (c->rank >= 0 || !c->fd.valid()) continue;
-      ++newcomers;
+      if (count) ++*count;
       if (!oldest || c->accepted < oldest->accepted) oldest = c.get();
     }
-    if (fd < 0) {  // out of descriptors
-      if (!oldest) return;
-      cut(*oldest, "too many connections to the store at once: the oldest newcomer is dropped");
-      oldest->fd.reset();
-      continue;
-    }
+    return oldest;
+  };
+  auto take = [&](net::Fd fd, std::string addr) {
+    size_t newcomers = 0;
+    Client* oldest = oldest_newcomer(&newcomers);
     if (newcomers >= kMaxPending && oldest) {
       cut(*oldest, "too many connections to the store at once: the oldest newcomer is dropped");
     }
     auto cl = std::make_unique<Client>();
-    cl->fd.reset(fd);
-    cl->addr = net::addr_to_string(a);
+    cl->fd = std::move(fd);
+    cl->addr = std::move(addr);
     cl->accepted = Clock::now();
-    net::tune_socket(fd);
+    cl->handshake = net::Handshake::Server(secret_, kStoreContext);
     clients_.push_back(std::move(cl));
-  }
+  };
+  auto make_room = [&] {  // out of descriptors
+    Client* oldest = oldest_newcomer(nullptr);
+    if (!oldest) return false;
+    cut(*oldest, "too many connections to the store at once: the oldest newcomer is dropped");
+    oldest->fd.reset();
+    return true;
+  };
+  net::accept_waiting(listen_.get(), take, make_room);
 }
 
 void StoreServer::enforce_deadlines() {
@@ -511,10 +558,9 @@ void StoreServer::serve() {
         c.in.append(buf.data(), static_cast<size_t>(k));
         if (!handle(c)) c.fd.reset();
       } else if (k == 0 || (errno != EAGAIN && errno != EINTR)) {
-        if (c.rank < 0 && !c.server_nonce.empty() && !c.authed) {
-          auth_failures_.fetch_add(1);
-          cut(c, "it failed authentication: wrong secret? It left the job secret's handshake unfinished (a rank "
-                 "with another CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE, or a stranger; the job goes on)");
+        if (c.rank < 0 && c.handshake.started() && !c.authed) {
+          auth_failed(c, "it failed authentication: wrong secret? It left the job secret's handshake unfinished (a "
+                         "rank with another CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE, or a stranger; the job goes on)");
         }
         c.fd.reset();
         if (c.rank > 0 && !c.done) {
@@ -564,8 +610,8 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
     fd_ = net::connect_with_retry(host, port, dl, what);
     // Note [Job secret]: AUTH1 with our nonce; the store proves the secret with its
     // nonce; we prove it and claim our rank in one go (AUTH2 then HELLO).
-    const std::string nonce = net::fresh_nonce();
-    std::string auth1 = header(kAuth1, 0, net::kNonceBytes) + nonce;
+    const net::Handshake::Client handshake(secret, kStoreContext);
+    std::string auth1 = header(kAuth1, 0, net::kNonceBytes) + handshake.nonce();
     char hello[12];
     int32_t r = rank, w = world_size, g = generation;  // Config::generation
     std::memcpy(hello, &r, 4);
@@ -581,18 +627,15 @@ StoreClient::StoreClient(const std::string& host, int port, int rank, int world_
         CX_THROW(ConnectionError, "rank ", rank, ": the store at ", host, ":", port,
                  " does not speak this version's handshake (a pycyxwiz of another version on rank 0?)");
       }
-      const std::string server_nonce = rep.second.substr(0, net::kNonceBytes);
-      if (!net::proof_ok(rep.second.substr(net::kNonceBytes), secret, net::kServerRole, kStoreContext, nonce,
-                         server_nonce)) {
+      const std::optional<std::string> answer = handshake.answer(rep.second);
+      if (!answer) {
         fatal = true;
         CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": the store at ", host, ":", port,
                  " does not know this job's secret: rank 0 was given another CX_AUTH_TOKEN (or none, or this one "
                  "none), or that is not this job's store. Give every rank the same CX_AUTH_TOKEN or "
                  "CX_AUTH_TOKEN_FILE");
       }
-      std::string req = header(kAuth2, 0, net::kProofBytes) +
-                        net::proof(secret, net::kClientRole, kStoreContext, nonce, server_nonce) +
-                        header(kHello, 0, 12) + std::string(hello, 12);
+      std::string req = header(kAuth2, 0, net::kProofBytes) + *answer + header(kHello, 0, 12) + std::string(hello, 12);
       net::send_exact(fd_.get(), req.data(), req.size(), dl, what);
       rep = read_reply(fd_.get(), dl, what, host, port, fatal);
       if (rep.first == kRefused) {
@@ -621,20 +664,26 @@ std::string StoreClient::request(uint8_t cmd, const std::string& key, const std:
   std::string what = "the store of rank 0 at " + host_ + ":" + std::to_string(port_);
   std::string req = header(cmd, static_cast<uint32_t>(key.size()), static_cast<uint32_t>(value.size())) + key + value;
   net::send_exact(fd_.get(), req.data(), req.size(), dl, what);
-  std::string rep(kHeader, '\0');
-  try {
-    net::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
-  } catch (const TimeoutError&) {
-    CX_THROW(TimeoutError, waiting_for);
-  } catch (const ConnectionError& e) {
-    CX_THROW(ConnectionError, "rank ", rank_, " lost the connection to ", what,
-             ": rank 0 exited or crashed (", e.what(), ")");
+  std::string rep(kHeader, '\0'), out;
+  for (;;) {
+    try {
+      net::recv_exact(fd_.get(), rep.data(), kHeader, dl, what);
+    } catch (const TimeoutError&) {
+      CX_THROW(TimeoutError, waiting_for);
+    } catch (const ConnectionError& e) {
+      CX_THROW(ConnectionError, "rank ", rank_, " lost the connection to ", what,
+               ": rank 0 exited or crashed (", e.what(), ")");
+    }
+    if (get_u32(rep.data()) != kMagic) CX_THROW(ConnectionError, "garbled reply from ", what);
+    uint32_t vlen = get_u32(&rep[12]);
+    if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
+    out.assign(vlen, '\0');
+    net::recv_exact(fd_.get(), out.data(), vlen, dl, what);
+    if (static_cast<uint8_t>(rep[4]) != kWarning) break;
+    // Note [Failed handshakes are told to the waiting ranks]; the reply follows.
+    std::fprintf(stderr, "pycyxwiz: warning: rank %d: %s\n", rank_, printable(out, 1024).c_str());
+    std::fflush(stderr);
   }
-  if (get_u32(rep.data()) != kMagic) CX_THROW(ConnectionError, "garbled reply from ", what);
-  uint32_t vlen = get_u32(&rep[12]);
-  if (vlen > kMaxValue) CX_THROW(ConnectionError, "store reply larger than allowed from ", what);
-  std::string out(vlen, '\0');
-  net::recv_exact(fd_.get(), out.data(), vlen, dl, what);
   const auto status = static_cast<uint8_t>(rep[4]);
   if (status == kRefused) CX_THROW(InvalidArgument, "rank ", rank_, ": ", out);
   if (status == kFailed && !out.empty()) {

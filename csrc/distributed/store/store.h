@@ -48,6 +48,18 @@
 //    that says so (the connection stays).
 // A connection cut for misbehaving is logged to rank 0's stderr, once per address.
 //
+// Note [Failed handshakes are told to the waiting ranks]
+// A connection that fails the job secret's handshake (a rank given another
+// secret, or a stranger) is cut off and logged on rank 0's stderr, and every
+// other rank that is waiting on the store hears of it at once: a GET parked then
+// is sent a WARNING frame ahead of its answer (the GET stays parked), and a rank
+// that waits on its listener gets it with its next check_failed(). The rank
+// prints "pycyxwiz: warning: rank R: a connection from ADDR failed
+// authentication: wrong secret? ..." and goes on waiting: a warning ends nothing, so
+// a stranger cannot end the job with it. Once per address (as the log), at most
+// kMaxWarnings in all; a rank that joins later hears of the earlier ones at its
+// first wait.
+//
 // Note [Who holds MASTER_PORT]: when rank 0 cannot bind MASTER_PORT, the process
 // holding it is either a foreign program or a pycyxwiz store: most often that of
 // another process started with RANK=0 in the same job. Only a store speaks our
@@ -103,9 +115,25 @@ class StoreServer {
 
  private:
   struct Client;
+  struct Frame;
+  enum class Parse { kMore, kFrame, kDrop };
   void serve();
   void accept_all();
   bool handle(Client& c);  // false: drop the client
+  // The next whole frame of `c` (kMore: not in yet); kDrop: `c` was cut off for
+  // its announcement (Note [A store strangers cannot stall]).
+  Parse next_frame(Client& c, Frame& f);
+  bool admit(Client& c, uint8_t cmd);  // what a connection may ask before it is a member
+  bool dispatch(Client& c, Frame& f);  // one handler per command; false: drop the client
+  bool on_auth1(Client& c, const Frame& f);
+  bool on_auth2(Client& c, const Frame& f);
+  bool on_hello(Client& c, const Frame& f);
+  bool on_set(Client& c, Frame& f);
+  bool on_get(Client& c, const Frame& f);
+  bool on_try_get(Client& c, const Frame& f);
+  bool on_probe(Client& c, const Frame& f);
+  void auth_failed(Client& c, const std::string& why);  // counts, logs and cuts it; warns the waiting ranks
+  void warn(Client& c);  // the warnings `c` has not had yet, ahead of its next reply
   void reply(Client& c, uint8_t status, const std::string& value);
   void flush(Client& c);
   void answer_waiters(const std::string& key);
@@ -133,6 +161,7 @@ class StoreServer {
   std::map<int, size_t> stored_by_rank_;
   size_t stored_ = 0;
   std::set<std::string> logged_;  // addresses already logged by cut()
+  std::vector<std::string> warnings_;  // Note [Failed handshakes are told to the waiting ranks]
   std::set<int> claimed_;
   bool closing_ = false;  // a rank has finalized: refuse new members
   std::string failure_;   // u8 ErrorKind + why, once the group has failed

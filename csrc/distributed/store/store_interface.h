@@ -9,13 +9,22 @@
 // [Collective fingerprint]). Every call takes a deadline; none waits past it.
 #pragma once
 
+#include <atomic>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "distributed/types.h"
 
 namespace cx::distributed {
+
+// How Store::wait_keys waits.
+struct WaitKeys {
+  int64_t request_ms = 1000;     // the deadline of each look at the store
+  bool stop_on_failure = true;   // ask check_failed() between rounds: a failed rank ends the wait (throws)
+  const std::atomic<bool>* cancel = nullptr;  // set: stop at the next round, with what came
+};
 
 class Store {
  public:
@@ -35,6 +44,14 @@ class Store {
   virtual void done(const Deadline& dl) = 0;
   // The address of this host that its peers reach it at (the mesh publishes it).
   virtual std::string local_ip() const = 0;
+
+  // Polls (never a parked get(), whose answer a deadline would leave to arrive
+  // later on the connection) until every key is set, `dl` passes or how.cancel
+  // is set; returns the values, nullopt for each key still missing. Between
+  // rounds it sleeps 1 ms, doubling up to 50 ms: the waits it serves (flight
+  // records, finalize, monitored_barrier) are not on a collective's path.
+  std::vector<std::optional<std::string>> wait_keys(const std::vector<std::string>& keys, const Deadline& dl,
+                                                    const WaitKeys& how = {});
 };
 
 }  // namespace cx::distributed

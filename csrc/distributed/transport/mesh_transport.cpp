@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -52,7 +53,7 @@ struct Pending {
   std::string addr;
   std::string got;  // bytes received so far
   int peer = -1;    // the rank it claims, once its hello is in
-  std::string client_nonce, server_nonce;
+  net::Handshake::Server handshake;  // started once its hello is in
   Deadline dl;
 };
 
@@ -64,178 +65,218 @@ void log_refused(std::set<std::string>& logged, int rank, const std::string& add
   }
 }
 
+// What the steps of the mesh's setup share: the links made so far (index = rank).
+struct Setup {
+  Store& store;
+  int rank, world;
+  uint64_t nonce;  // the group's (Note [Mesh handshake])
+  const std::string& secret;
+  const Deadline& dl;
+  std::vector<net::Fd> socks;
+  std::vector<std::string> addrs;
+};
+
+// Step 1: listen on an ephemeral port of the address the store reaches us at, and publish it.
+net::Fd publish(Setup& s) {
+  const std::string ip = s.store.local_ip();
+  net::Fd listener = net::listen_on(ip, 0, "listening port");
+  const int port = net::bound_port(listener.get());
+  s.store.set("addr/" + std::to_string(s.rank), ip + ":" + std::to_string(port), s.dl);
+  return listener;
+}
+
+// Step 2, for one lower rank j: connect to its published address and run the
+// connector's half of Note [Mesh handshake].
+void connect_to(Setup& s, int j) {
+  using frame::get;
+  using frame::put;
+  const int rank = s.rank;
+  std::string a = s.store.get("addr/" + std::to_string(j), s.dl,
+                              detail::concat("Timeout waiting for peers: rank ", rank, " waited ", s.dl.timeout_ms,
+                                             " ms for rank ", j, " to publish its address"));
+  auto colon = a.rfind(':');
+  std::string host = a.substr(0, colon);
+  int p = 0;
+  try {
+    p = colon == std::string::npos ? 0 : std::stoi(a.substr(colon + 1));
+  } catch (const std::exception&) {
+  }
+  if (p <= 0 || p > 65535) {
+    CX_THROW(ConnectionError, "rank ", rank, ": the store holds a malformed address for rank ", j, ": '",
+             a.substr(0, 64), "'");
+  }
+  std::string what = detail::concat("rank ", j, " (", a, ")");
+  net::Fd fd = net::connect_with_retry(host, p, s.dl, what);
+  const net::Handshake::Client handshake(s.secret, link_context(s.nonce, rank, j));
+  char hello[kHelloBytes];
+  put<uint32_t>(hello, 0, kHandshakeMagic);
+  put<int32_t>(hello, 4, rank);
+  put<uint64_t>(hello, 8, s.nonce);
+  std::memcpy(hello + 16, handshake.nonce().data(), net::kNonceBytes);
+  net::send_exact(fd.get(), hello, sizeof(hello), s.dl, what);
+  char ack[kAckBytes];
+  net::recv_exact(fd.get(), ack, sizeof(ack), s.dl, what);
+  if (get<uint32_t>(ack, 0) != kHandshakeMagic || get<int32_t>(ack, 4) != j) {
+    CX_THROW(ConnectionError, "rank ", rank, ": the process at ", a, " is not rank ", j, " of this group");
+  }
+  const std::optional<std::string> mine = handshake.answer(std::string(ack + 8, kAckBytes - 8));
+  if (!mine) {
+    CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": the process at ", a,
+             " that answers as rank ", j,
+             " does not know this job's secret: every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE");
+  }
+  net::send_exact(fd.get(), mine->data(), mine->size(), s.dl, what);
+  s.socks[j] = std::move(fd);
+  s.addrs[j] = a;
+}
+
+// Step 3: the higher ranks connect to us. Serves every accepted connection at
+// once, in one poll loop (Note [Mesh handshake]), until each higher rank has a link.
+class Acceptor {
+ public:
+  Acceptor(Setup& s, net::Fd& listener) : s_(s), listener_(listener), expected_(s.world - 1 - s.rank) {}
+
+  void run() {
+    net::set_nonblocking(listener_.get(), true);
+    auto next_store_check = Clock::now() + std::chrono::milliseconds(200);
+    while (expected_ > 0) {
+      if (s_.dl.expired()) timed_out();
+      std::vector<pollfd> fds;
+      fds.push_back({listener_.get(), POLLIN, 0});
+      for (auto& q : pending_) fds.push_back({q.fd.get(), POLLIN, 0});
+      int wait_ms = s_.dl.remaining_ms(100);
+      for (auto& q : pending_) wait_ms = std::min(wait_ms, q.dl.remaining_ms(100));
+      int rc = ::poll(fds.data(), fds.size(), std::max(0, wait_ms));
+      if (rc < 0 && errno != EINTR) CX_THROW(ConnectionError, "rank ", s_.rank, ": poll(): ", std::strerror(errno));
+      // Between polls, ask the store now and then whether a rank failed (Note
+      // [Failures reach every rank through the store] in store/store.h).
+      if (Clock::now() >= next_store_check) {
+        s_.store.check_failed(s_.dl);
+        next_store_check = Clock::now() + std::chrono::milliseconds(200);
+      }
+      for (size_t i = 0; i < pending_.size(); ++i) {
+        Pending& q = pending_[i];
+        if (fds[i + 1].revents) {
+          read(q);
+        } else if (q.dl.expired()) {
+          q.fd.reset();  // silent: drop it
+        }
+      }
+      pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const Pending& q) { return !q.fd.valid(); }),
+                     pending_.end());
+      if (fds[0].revents & POLLIN) accept_new();
+    }
+    net::set_nonblocking(listener_.get(), false);
+  }
+
+ private:
+  [[noreturn]] void timed_out() {
+    std::ostringstream missing;
+    for (int j = s_.rank + 1; j < s_.world; ++j)
+      if (!s_.socks[j].valid()) missing << (missing.tellp() ? ", " : "") << j;
+    CX_THROW(TimeoutError, "Timeout waiting for peers: rank ", s_.rank, " waited ", s_.dl.timeout_ms,
+             " ms for rank(s) ", missing.str(), " to connect. Start all WORLD_SIZE=", s_.world,
+             " processes, or raise DISTRIBUTED_TIMEOUT_MS");
+  }
+
+  // What came on q's socket: its hello (then we answer), or its proof (then it is a link).
+  void read(Pending& q) {
+    const size_t want = q.peer < 0 ? kHelloBytes : net::kProofBytes;
+    char buf[kHelloBytes];
+    ssize_t k = ::recv(q.fd.get(), buf, want - q.got.size(), MSG_DONTWAIT);
+    if (k <= 0) {
+      if (k == 0 || (errno != EAGAIN && errno != EINTR)) q.fd.reset();
+      return;
+    }
+    q.got.append(buf, static_cast<size_t>(k));
+    if (q.got.size() < want) return;
+    if (q.peer < 0) {
+      on_hello(q);
+    } else {
+      on_proof(q);
+    }
+  }
+
+  void on_hello(Pending& q) {
+    using frame::get;
+    using frame::put;
+    const char* h = q.got.data();
+    int32_t j = get<int32_t>(h, 4);
+    if (get<uint32_t>(h, 0) != kHandshakeMagic || get<uint64_t>(h, 8) != s_.nonce || j <= s_.rank || j >= s_.world ||
+        s_.socks[j].valid()) {
+      q.fd.reset();  // stray or stale connection (another job, a previous group): drop it
+      return;
+    }
+    q.peer = j;
+    q.handshake = net::Handshake::Server(s_.secret, link_context(s_.nonce, j, s_.rank));
+    const std::string challenge = q.handshake.challenge(q.got.substr(16, net::kNonceBytes));
+    q.got.clear();
+    char ack[kAckBytes];
+    put<uint32_t>(ack, 0, kHandshakeMagic);
+    put<int32_t>(ack, 4, s_.rank);
+    std::memcpy(ack + 8, challenge.data(), challenge.size());
+    try {
+      net::send_exact(q.fd.get(), ack, sizeof(ack), q.dl, "a connecting peer");
+    } catch (const Error&) {
+      q.fd.reset();
+    }
+  }
+
+  void on_proof(Pending& q) {
+    if (s_.socks[q.peer].valid() || !q.handshake.verify(q.got)) {
+      log_refused(logged_, s_.rank, q.addr,
+                  detail::concat("it claimed to be rank ", q.peer, " but does not know the job's secret"));
+      q.fd.reset();
+      return;
+    }
+    net::set_nonblocking(q.fd.get(), false);
+    s_.socks[q.peer] = std::move(q.fd);
+    s_.addrs[q.peer] = "rank " + std::to_string(q.peer);
+    --expected_;
+  }
+
+  void accept_new() {
+    auto take = [&](net::Fd fd, std::string addr) {
+      if (pending_.size() >= kMaxPendingLinks) pending_.erase(pending_.begin());
+      Pending q;
+      q.fd = std::move(fd);
+      q.addr = std::move(addr);
+      q.dl = Deadline::after_ms(std::min<int64_t>(s_.dl.timeout_ms, kHandshakeMs));
+      pending_.push_back(std::move(q));
+    };
+    auto make_room = [&] {  // out of descriptors: drop the oldest newcomer
+      if (pending_.empty()) return false;
+      pending_.erase(pending_.begin());
+      return true;
+    };
+    net::accept_waiting(listener_.get(), take, make_room);
+  }
+
+  Setup& s_;
+  net::Fd& listener_;
+  int expected_;
+  std::vector<Pending> pending_;
+  std::set<std::string> logged_;
+};
+
 }  // namespace
 
 MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, const std::string& secret,
                              const Deadline& dl, MeshOptions opt)
     : rank_(rank), world_(world), opt_(opt), spin_(opt.spin_us), channels_(static_cast<size_t>(world)) {
-  using frame::get;
-  using frame::put;
-  std::vector<net::Fd> socks(static_cast<size_t>(world));
-  std::vector<std::string> addrs(static_cast<size_t>(world));
-  const std::string ip = store.local_ip();
-  net::Fd listener = net::listen_on(ip, 0, "listening port");
-  const int port = net::bound_port(listener.get());
-  store.set("addr/" + std::to_string(rank), ip + ":" + std::to_string(port), dl);
-
-  // Lower ranks: we connect (Note [Mesh handshake]).
-  for (int j = 0; j < rank; ++j) {
-    std::string a = store.get("addr/" + std::to_string(j), dl,
-                              detail::concat("Timeout waiting for peers: rank ", rank, " waited ", dl.timeout_ms,
-                                             " ms for rank ", j, " to publish its address"));
-    auto colon = a.rfind(':');
-    std::string host = a.substr(0, colon);
-    int p = 0;
-    try {
-      p = colon == std::string::npos ? 0 : std::stoi(a.substr(colon + 1));
-    } catch (const std::exception&) {
-    }
-    if (p <= 0 || p > 65535) {
-      CX_THROW(ConnectionError, "rank ", rank, ": the store holds a malformed address for rank ", j, ": '",
-               a.substr(0, 64), "'");
-    }
-    std::string what = detail::concat("rank ", j, " (", a, ")");
-    net::Fd fd = net::connect_with_retry(host, p, dl, what);
-    const std::string my_nonce = net::fresh_nonce();
-    char hello[kHelloBytes];
-    put<uint32_t>(hello, 0, kHandshakeMagic);
-    put<int32_t>(hello, 4, rank);
-    put<uint64_t>(hello, 8, nonce);
-    std::memcpy(hello + 16, my_nonce.data(), net::kNonceBytes);
-    net::send_exact(fd.get(), hello, sizeof(hello), dl, what);
-    char ack[kAckBytes];
-    net::recv_exact(fd.get(), ack, sizeof(ack), dl, what);
-    if (get<uint32_t>(ack, 0) != kHandshakeMagic || get<int32_t>(ack, 4) != j) {
-      CX_THROW(ConnectionError, "rank ", rank, ": the process at ", a, " is not rank ", j, " of this group");
-    }
-    const std::string their_nonce(ack + 8, net::kNonceBytes);
-    const std::string ctx = link_context(nonce, rank, j);
-    if (!net::proof_ok(std::string(ack + 8 + net::kNonceBytes, net::kProofBytes), secret, net::kServerRole, ctx,
-                       my_nonce, their_nonce)) {
-      CX_THROW(ConnectionError, "authentication failed: rank ", rank, ": the process at ", a,
-               " that answers as rank ", j,
-               " does not know this job's secret: every rank needs the same CX_AUTH_TOKEN or CX_AUTH_TOKEN_FILE");
-    }
-    const std::string mine = net::proof(secret, net::kClientRole, ctx, my_nonce, their_nonce);
-    net::send_exact(fd.get(), mine.data(), mine.size(), dl, what);
-    socks[j] = std::move(fd);
-    addrs[j] = a;
-  }
-  // Higher ranks connect to us: serve every accepted connection at once.
-  int expected = world - 1 - rank;
-  std::vector<Pending> pending;
-  std::set<std::string> logged;
-  net::set_nonblocking(listener.get(), true);
-  auto next_store_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-  while (expected > 0) {
-    if (dl.expired()) {
-      std::ostringstream missing;
-      for (int j = rank + 1; j < world; ++j)
-        if (!socks[j].valid()) missing << (missing.tellp() ? ", " : "") << j;
-      CX_THROW(TimeoutError, "Timeout waiting for peers: rank ", rank, " waited ", dl.timeout_ms,
-               " ms for rank(s) ", missing.str(), " to connect. Start all WORLD_SIZE=", world,
-               " processes, or raise DISTRIBUTED_TIMEOUT_MS");
-    }
-    std::vector<pollfd> fds;
-    fds.push_back({listener.get(), POLLIN, 0});
-    for (auto& q : pending) fds.push_back({q.fd.get(), POLLIN, 0});
-    int wait_ms = dl.remaining_ms(100);
-    for (auto& q : pending) wait_ms = std::min(wait_ms, q.dl.remaining_ms(100));
-    int rc = ::poll(fds.data(), fds.size(), std::max(0, wait_ms));
-    if (rc < 0 && errno != EINTR) CX_THROW(ConnectionError, "rank ", rank, ": poll(): ", std::strerror(errno));
-    // Between polls, ask the store now and then whether a rank failed (Note
-    // [Failures reach every rank through the store] in store/store.h).
-    if (std::chrono::steady_clock::now() >= next_store_check) {
-      store.check_failed(dl);
-      next_store_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-    }
-    for (size_t i = 0; i < pending.size(); ++i) {
-      Pending& q = pending[i];
-      if (!fds[i + 1].revents) {
-        if (q.dl.expired()) q.fd.reset();  // silent: drop it
-        continue;
-      }
-      const size_t want = q.peer < 0 ? kHelloBytes : net::kProofBytes;
-      char buf[kHelloBytes];
-      ssize_t k = ::recv(q.fd.get(), buf, want - q.got.size(), MSG_DONTWAIT);
-      if (k <= 0) {
-        if (k == 0 || (errno != EAGAIN && errno != EINTR)) q.fd.reset();
-        continue;
-      }
-      q.got.append(buf, static_cast<size_t>(k));
-      if (q.got.size() < want) continue;
-      if (q.peer < 0) {
-        const char* h = q.got.data();
-        int32_t j = get<int32_t>(h, 4);
-        if (get<uint32_t>(h, 0) != kHandshakeMagic || get<uint64_t>(h, 8) != nonce || j <= rank || j >= world ||
-            socks[j].valid()) {
-          q.fd.reset();  // stray or stale connection (another job, a previous group): drop it
-          continue;
-        }
-        q.peer = j;
-        q.client_nonce = q.got.substr(16, net::kNonceBytes);
-        q.server_nonce = net::fresh_nonce();
-        q.got.clear();
-        char ack[kAckBytes];
-        put<uint32_t>(ack, 0, kHandshakeMagic);
-        put<int32_t>(ack, 4, rank);
-        std::memcpy(ack + 8, q.server_nonce.data(), net::kNonceBytes);
-        const std::string pr =
-            net::proof(secret, net::kServerRole, link_context(nonce, j, rank), q.client_nonce, q.server_nonce);
-        std::memcpy(ack + 8 + net::kNonceBytes, pr.data(), net::kProofBytes);
-        try {
-          net::send_exact(q.fd.get(), ack, sizeof(ack), q.dl, "a connecting peer");
-        } catch (const Error&) {
-          q.fd.reset();
-        }
-        continue;
-      }
-      if (socks[q.peer].valid() ||
-          !net::proof_ok(q.got, secret, net::kClientRole, link_context(nonce, q.peer, rank), q.client_nonce,
-                         q.server_nonce)) {
-        log_refused(logged, rank, q.addr,
-                    detail::concat("it claimed to be rank ", q.peer, " but does not know the job's secret"));
-        q.fd.reset();
-        continue;
-      }
-      net::set_nonblocking(q.fd.get(), false);
-      socks[q.peer] = std::move(q.fd);
-      addrs[q.peer] = "rank " + std::to_string(q.peer);
-      --expected;
-    }
-    pending.erase(std::remove_if(pending.begin(), pending.end(), [](const Pending& q) { return !q.fd.valid(); }),
-                  pending.end());
-    if (fds[0].revents & POLLIN) {
-      for (;;) {
-        sockaddr_in a{};
-        socklen_t len = sizeof(a);
-        int c = ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&a), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (c < 0) {
-          if (errno == EINTR || errno == ECONNABORTED) continue;
-          if ((errno == EMFILE || errno == ENFILE) && !pending.empty()) {
-            pending.erase(pending.begin());  // out of descriptors: drop the oldest newcomer
-            continue;
-          }
-          break;
-        }
-        if (pending.size() >= kMaxPendingLinks) pending.erase(pending.begin());
-        net::tune_socket(c);
-        Pending q;
-        q.fd.reset(c);
-        q.addr = net::addr_to_string(a);
-        q.dl = Deadline::after_ms(std::min<int64_t>(dl.timeout_ms, kHandshakeMs));
-        pending.push_back(std::move(q));
-      }
-    }
-  }
-  net::set_nonblocking(listener.get(), false);
-  shm::Pairing pairs = shm::negotiate(socks, addrs, rank, nonce, opt_.shm, opt_.shm_ring_bytes, dl);
+  Setup s{store, rank, world, nonce, secret, dl, std::vector<net::Fd>(static_cast<size_t>(world)),
+          std::vector<std::string>(static_cast<size_t>(world))};
+  net::Fd listener = publish(s);
+  for (int j = 0; j < rank; ++j) connect_to(s, j);  // lower ranks: we connect
+  Acceptor(s, listener).run();                      // higher ranks connect to us
+  // Step 4: which pairs share memory; each pair's channel.
+  shm::Pairing pairs = shm::negotiate(s.socks, s.addrs, rank, nonce, opt_.shm, opt_.shm_ring_bytes, dl);
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;
-    net::set_nonblocking(socks[j].get(), true);
+    net::set_nonblocking(s.socks[j].get(), true);
     if (j > rank) {
       // Learn the peer's listening address for messages.
-      addrs[j] = store.get("addr/" + std::to_string(j), dl, "timed out reading a peer address");
+      s.addrs[j] = store.get("addr/" + std::to_string(j), dl, "timed out reading a peer address");
     }
   }
   seg_ = std::move(pairs.own);
@@ -243,10 +284,10 @@ MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, 
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;
     if (pairs.peers[j].ok()) {
-      channels_[j] = std::make_unique<ShmChannel>(rank, j, std::move(socks[j]), std::move(addrs[j]), op_, seg_,
+      channels_[j] = std::make_unique<ShmChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_, seg_,
                                                   std::move(pairs.peers[j]));
     } else {
-      channels_[j] = std::make_unique<TcpChannel>(rank, j, std::move(socks[j]), std::move(addrs[j]), op_);
+      channels_[j] = std::make_unique<TcpChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_);
     }
   }
 }

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import secrets
 import socket
 import time
 import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Optional
+
+from .._env import job_secret_env
 
 __all__ = ["spawn", "SpawnError", "launch_distributed_training"]
 
@@ -52,9 +53,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), timeout: Option
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # The job secret (README, "Threat model"): the user's if given, else one for this job.
-    given = os.environ.get("CX_AUTH_TOKEN") or os.environ.get("CX_AUTH_TOKEN_FILE") or os.environ.get("CX_AUTH") == "off"
-    secret = {} if given else {"CX_AUTH_TOKEN": secrets.token_hex(32)}
+    secret = job_secret_env()  # the user's if given, else one for this job
     procs, conns = [], []
     for r in range(nprocs):
         parent, child = ctx.Pipe(duplex=False)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import math
 import os
 import re
@@ -58,7 +57,7 @@ from .. import callbacks as _callbacks
 from ..data import Dataset
 from ..data import NpyDataset as _NpyDataset
 from ..data._loader import Prefaulter, Prefetcher, Subset
-from . import _ckpt_file, _pg
+from . import _ckpt_contents, _ckpt_file, _pg
 from ._pg import abort_on_error
 
 _d = _core.dist
@@ -102,9 +101,6 @@ def join(ddp: Any) -> Any:
                         f"got {type(ddp).__name__}{hint}")
     return ddp.join()
 
-_CKPT_FORMAT = "pycyxwiz-checkpoint"
-_CKPT_VERSION = 2        # 2: a manifest and a whole-file checksum (Note [Checkpoints you can trust])
-_CKPT_READS = (1, 2)
 _CKPT_NAME = re.compile(r"epoch_\d{4,}\.ckpt")  # what fit writes into checkpoint_dir
 
 
@@ -675,7 +671,7 @@ class DistributedTrainer:
                 try:
                     with open(last, "rb") as f:
                         raw = f.read()
-                    meta = json.loads(_ckpt_file.unpack(raw, last)["meta"].tobytes().decode())
+                    meta = _ckpt_contents.meta_of(_ckpt_file.unpack(raw, last))
                     candidates.append((int(meta["epoch"]), last, raw))
                 except (OSError, KeyError, ValueError) as e:
                     warnings.warn(f"auto_resume: skipping {last}: {e}", RuntimeWarning, stacklevel=3)
@@ -1088,7 +1084,6 @@ class DistributedTrainer:
         arrays.update(cb_arrays)
         sampler = getattr(self, "_fit_sampler", None)
         meta = {
-            "format": _CKPT_FORMAT, "version": _CKPT_VERSION,
             "epoch": self._epoch, "position": self._position, "partial": list(self._partial),
             "fit_start": self._fit_start, "steps": self._steps,
             "world_size": self.get_world_size(),
@@ -1104,8 +1099,7 @@ class DistributedTrainer:
             "comm_hook": hook_meta,
             "callbacks": cb_meta,
         }
-        return dict(meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-                    model=np.frombuffer(_d._model_to_bytes(self.model), np.uint8), **arrays)
+        return _ckpt_contents.members(meta, _d._model_to_bytes(self.model), arrays)
 
     def save_checkpoint(self, path: str) -> Optional[str]:
         """Writes model, optimizer state, epoch, sampler position and history to `path`, atomically.
@@ -1210,33 +1204,18 @@ class DistributedTrainer:
         self._restore(data, path)
 
     def _restore(self, data: bytes, path: str) -> None:
-        z = _ckpt_file.unpack(data, path)  # Note [Checkpoints you can trust]
-        try:
-            meta = json.loads(z["meta"].tobytes().decode())
-            model_bytes = z["model"].tobytes()
-        except (KeyError, ValueError, UnicodeDecodeError) as e:
-            raise OSError(f"load_checkpoint: {path!r} is not a readable pycyxwiz checkpoint ({e}); it may be "
-                          f"truncated or from another program") from None
-        arrays = {k[4:]: v for k, v in z.items() if k.startswith("opt.")}
-        rng_rows = z.get("rng.modules")
-        hook = {k[5:]: v for k, v in z.items() if k.startswith("hook.")}
-        cb_arrays = {k: v for k, v in z.items() if k.startswith("cb.")}
-        if not isinstance(meta, dict) or meta.get("format") != _CKPT_FORMAT or \
-                meta.get("version") not in _CKPT_READS:
-            raise OSError(f"load_checkpoint: {path!r} is not a pycyxwiz checkpoint of version {_CKPT_VERSION}")
-        if meta["version"] >= 2 and not _ckpt_file.is_proven(data):
-            raise OSError(f"load_checkpoint: {path!r} is damaged: it says version {meta['version']} but its "
-                          f"whole-file checksum is missing")
-        _d._model_load_bytes(self.model, model_bytes, path)
+        c = _ckpt_contents.read(data, path)
+        meta = c.meta
+        _d._model_load_bytes(self.model, c.model, path)
         sd = dict(meta["optimizer"])
-        sd.update(arrays)
+        sd.update(c.optimizer)
         if sd.get("type") != self.optimizer.state_dict().get("type"):
             raise ValueError(f"load_checkpoint: {path!r} holds {sd.get('type')} optimizer state but the trainer's "
                              f"optimizer is {self.optimizer!r}")
         self._core.load_optimizer_state_dict(sd)  # under ZeRO-1 each rank keeps its shard
-        if rng_rows is not None:
-            self._restore_rng(rng_rows, meta, path)
-        self._restore_hook(hook, meta, path)
+        if c.rng_rows is not None:
+            self._restore_rng(c.rng_rows, meta, path)
+        self._restore_hook(c.hook, meta, path)
         self.model.zero_grad()
         if self._scheduler is not None and meta.get("scheduler"):
             self._scheduler.load_state_dict(meta["scheduler"])
@@ -1248,7 +1227,7 @@ class DistributedTrainer:
         self._partial = tuple(float(v) for v in meta["partial"])
         self._history = DistributedTrainingHistory._from_json(meta["history"])
         # The next fit hands these to its callbacks (files written before callbacks existed have none).
-        self._loaded_callback_states = (meta.get("callbacks") or {}, cb_arrays)
+        self._loaded_callback_states = (meta.get("callbacks") or {}, c.callbacks)
         if meta.get("world_size") != self.get_world_size() and self._position:
             raise ValueError(f"load_checkpoint: {path!r} was saved mid-epoch with world_size "
                              f"{meta.get('world_size')}; it can only be resumed with the same world size "
