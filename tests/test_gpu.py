@@ -104,6 +104,39 @@ def test_importing_pycyxwiz_loads_no_gpu_library():
     assert "NCCL" in r.stdout
 
 
+# Every entry point pycyxwiz takes from the CUDA driver (csrc/cuda/driver.cpp's load()).
+DRIVER_ENTRY_POINTS = (
+    "cuInit cuDriverGetVersion cuDeviceGetCount cuDeviceGet cuDeviceGetName cuDevicePrimaryCtxRetain "
+    "cuDevicePrimaryCtxRelease_v2 cuCtxSetCurrent cuCtxSynchronize cuStreamCreate cuStreamDestroy_v2 "
+    "cuStreamSynchronize cuStreamWaitEvent cuEventCreate cuEventDestroy_v2 cuEventRecord cuEventQuery "
+    "cuMemAlloc_v2 cuMemFree_v2 cuMemHostAlloc cuMemFreeHost cuPointerGetAttribute cuPointerGetAttributes "
+    "cuModuleLoadData cuModuleUnload cuModuleGetFunction cuLaunchKernel cuMemcpyHtoDAsync_v2 "
+    "cuMemcpyDtoHAsync_v2 cuMemcpyDtoDAsync_v2 cuMemsetD8Async cuGetErrorName cuGetErrorString").split()
+
+
+def test_the_driver_loader_binds_every_entry_point(tmp_path):
+    # A stand-in for libcuda.so.1 (CX_CUDA_DRIVER_LIBRARY) that records each call: the loader must bind every
+    # entry point and reach the driver through them. A loader that bound nothing once jumped to address 0 on
+    # every GPU machine while every CPU test passed (the comment above bind_symbol in csrc/cuda/driver.cpp).
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in driver library")
+    counted = {"cuInit": "(unsigned flags) { (void)flags; calls |= 1; return 0; }",
+               "cuDeviceGetCount": "(int* n) { calls |= 2; *n = 3; return 0; }"}
+    src = ["static int calls;", "int stand_in_calls(void) { return calls; }"]
+    src += [f"int {n}{counted.get(n, '(void) { return 0; }')}" for n in DRIVER_ENTRY_POINTS]
+    (tmp_path / "cuda.c").write_text("\n".join(src) + "\n")
+    lib = tmp_path / "libcuda_stand_in.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "cuda.c")], check=True)
+    code = ("import ctypes, pycyxwiz as cx\n"
+            "n = cx._core.dist._cuda_device_count()\n"
+            f"print(n, ctypes.CDLL({str(lib)!r}).stand_in_calls())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, CX_CUDA_DRIVER_LIBRARY=str(lib)))
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["3", "3"], r.stdout  # 3 devices, and both cuInit and cuDeviceGetCount were called
+
+
 # ---- the loader's errors ----------------------------------------------------------------------
 
 @pytest.mark.skipif(HAVE_GPU, reason="a GPU is visible here")

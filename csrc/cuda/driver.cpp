@@ -14,8 +14,12 @@ namespace {
 
 constexpr const char* kUseCpu = "use BackendType.CPU (DISTRIBUTED_BACKEND=cpu) on this machine";
 
+// Not named `bind`: an unqualified bind(lib, fn, "name", std::string) finds std::bind by argument-dependent
+// lookup wherever <functional> is visible (the layers' precompiled headers make it so), which then wins the
+// overload, builds a binder nobody calls, and leaves every pointer null: the first call into the driver was a
+// jump to address 0 (tests/test_gpu.py::test_the_driver_loader_binds_every_entry_point).
 template <typename F>
-void bind(void* lib, F& fn, const char* name, const std::string& path) {
+void bind_symbol(void* lib, F& fn, const char* name, const std::string& path) {
   void* p = ::dlsym(lib, name);
   if (!p) {
     CX_THROW(Error, "BackendType.NCCL needs an NVIDIA GPU: ", path, " was loaded but has no ", name,
@@ -44,39 +48,39 @@ Loaded load() {
     return out;
   }
   try {
-    bind(lib, d.cuInit, "cuInit", d.path);
-    bind(lib, d.cuDriverGetVersion, "cuDriverGetVersion", d.path);
-    bind(lib, d.cuDeviceGetCount, "cuDeviceGetCount", d.path);
-    bind(lib, d.cuDeviceGet, "cuDeviceGet", d.path);
-    bind(lib, d.cuDeviceGetName, "cuDeviceGetName", d.path);
-    bind(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", d.path);
-    bind(lib, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", d.path);
-    bind(lib, d.cuCtxSetCurrent, "cuCtxSetCurrent", d.path);
-    bind(lib, d.cuCtxSynchronize, "cuCtxSynchronize", d.path);
-    bind(lib, d.cuStreamCreate, "cuStreamCreate", d.path);
-    bind(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", d.path);
-    bind(lib, d.cuStreamSynchronize, "cuStreamSynchronize", d.path);
-    bind(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", d.path);
-    bind(lib, d.cuEventCreate, "cuEventCreate", d.path);
-    bind(lib, d.cuEventDestroy, "cuEventDestroy_v2", d.path);
-    bind(lib, d.cuEventRecord, "cuEventRecord", d.path);
-    bind(lib, d.cuEventQuery, "cuEventQuery", d.path);
-    bind(lib, d.cuMemAlloc, "cuMemAlloc_v2", d.path);
-    bind(lib, d.cuMemFree, "cuMemFree_v2", d.path);
-    bind(lib, d.cuMemHostAlloc, "cuMemHostAlloc", d.path);
-    bind(lib, d.cuMemFreeHost, "cuMemFreeHost", d.path);
-    bind(lib, d.cuPointerGetAttribute, "cuPointerGetAttribute", d.path);
-    bind(lib, d.cuPointerGetAttributes, "cuPointerGetAttributes", d.path);
-    bind(lib, d.cuModuleLoadData, "cuModuleLoadData", d.path);
-    bind(lib, d.cuModuleUnload, "cuModuleUnload", d.path);
-    bind(lib, d.cuModuleGetFunction, "cuModuleGetFunction", d.path);
-    bind(lib, d.cuLaunchKernel, "cuLaunchKernel", d.path);
-    bind(lib, d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", d.path);
-    bind(lib, d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", d.path);
-    bind(lib, d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", d.path);
-    bind(lib, d.cuMemsetD8Async, "cuMemsetD8Async", d.path);
-    bind(lib, d.cuGetErrorName, "cuGetErrorName", d.path);
-    bind(lib, d.cuGetErrorString, "cuGetErrorString", d.path);
+    bind_symbol(lib, d.cuInit, "cuInit", d.path);
+    bind_symbol(lib, d.cuDriverGetVersion, "cuDriverGetVersion", d.path);
+    bind_symbol(lib, d.cuDeviceGetCount, "cuDeviceGetCount", d.path);
+    bind_symbol(lib, d.cuDeviceGet, "cuDeviceGet", d.path);
+    bind_symbol(lib, d.cuDeviceGetName, "cuDeviceGetName", d.path);
+    bind_symbol(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", d.path);
+    bind_symbol(lib, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", d.path);
+    bind_symbol(lib, d.cuCtxSetCurrent, "cuCtxSetCurrent", d.path);
+    bind_symbol(lib, d.cuCtxSynchronize, "cuCtxSynchronize", d.path);
+    bind_symbol(lib, d.cuStreamCreate, "cuStreamCreate", d.path);
+    bind_symbol(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", d.path);
+    bind_symbol(lib, d.cuStreamSynchronize, "cuStreamSynchronize", d.path);
+    bind_symbol(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", d.path);
+    bind_symbol(lib, d.cuEventCreate, "cuEventCreate", d.path);
+    bind_symbol(lib, d.cuEventDestroy, "cuEventDestroy_v2", d.path);
+    bind_symbol(lib, d.cuEventRecord, "cuEventRecord", d.path);
+    bind_symbol(lib, d.cuEventQuery, "cuEventQuery", d.path);
+    bind_symbol(lib, d.cuMemAlloc, "cuMemAlloc_v2", d.path);
+    bind_symbol(lib, d.cuMemFree, "cuMemFree_v2", d.path);
+    bind_symbol(lib, d.cuMemHostAlloc, "cuMemHostAlloc", d.path);
+    bind_symbol(lib, d.cuMemFreeHost, "cuMemFreeHost", d.path);
+    bind_symbol(lib, d.cuPointerGetAttribute, "cuPointerGetAttribute", d.path);
+    bind_symbol(lib, d.cuPointerGetAttributes, "cuPointerGetAttributes", d.path);
+    bind_symbol(lib, d.cuModuleLoadData, "cuModuleLoadData", d.path);
+    bind_symbol(lib, d.cuModuleUnload, "cuModuleUnload", d.path);
+    bind_symbol(lib, d.cuModuleGetFunction, "cuModuleGetFunction", d.path);
+    bind_symbol(lib, d.cuLaunchKernel, "cuLaunchKernel", d.path);
+    bind_symbol(lib, d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", d.path);
+    bind_symbol(lib, d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", d.path);
+    bind_symbol(lib, d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", d.path);
+    bind_symbol(lib, d.cuMemsetD8Async, "cuMemsetD8Async", d.path);
+    bind_symbol(lib, d.cuGetErrorName, "cuGetErrorName", d.path);
+    bind_symbol(lib, d.cuGetErrorString, "cuGetErrorString", d.path);
   } catch (const Error& e) {
     out.error = e.what();
     return out;  // the library stays loaded: unloading a driver is never safe

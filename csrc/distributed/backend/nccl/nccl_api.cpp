@@ -18,7 +18,7 @@ std::vector<std::string> g_dirs;
 const NcclApi* g_api = nullptr;  // never destroyed: NCCL outlives every static destructor
 
 template <typename F>
-bool bind(void* lib, F& fn, const char* name) {
+bool bind_symbol(void* lib, F& fn, const char* name) {
   fn = reinterpret_cast<F>(::dlsym(lib, name));
   return fn != nullptr;
 }
@@ -33,7 +33,7 @@ std::string try_load(const std::string& path, NcclApi* api) {
   api->path = path;
   const char* missing = nullptr;
 #define CX_BIND(name) \
-  if (!missing && !bind(lib, api->name, #name)) missing = #name
+  if (!missing && !bind_symbol(lib, api->name, #name)) missing = #name
   CX_BIND(ncclGetVersion);
   CX_BIND(ncclGetUniqueId);
   CX_BIND(ncclCommInitRank);
@@ -52,7 +52,7 @@ std::string try_load(const std::string& path, NcclApi* api) {
   CX_BIND(ncclGroupEnd);
 #undef CX_BIND
   if (missing) return path + " has no " + missing + " (NCCL older than 2.7?)";
-  bind(lib, api->ncclGetLastError, "ncclGetLastError");
+  bind_symbol(lib, api->ncclGetLastError, "ncclGetLastError");
   if (api->ncclGetVersion(&api->version) != ncclSuccess) return path + ": ncclGetVersion failed";
   return "";
 }
