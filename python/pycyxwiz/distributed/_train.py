@@ -48,7 +48,7 @@ import re
 import sys
 import time
 import warnings
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NoReturn, Optional, Tuple
 
 import numpy as np
 
@@ -473,14 +473,7 @@ class DistributedTrainer:
         """
         train, val, config = self._fit_arguments(X, y, args)
         self._check_config(config)
-        scheduler = scheduler if scheduler is not None else config.scheduler
-        if scheduler is not None:
-            if not isinstance(scheduler, _core.LRScheduler):
-                raise TypeError(f"fit: scheduler must be a cx LRScheduler (StepLR, CosineAnnealingLR, "
-                                f"LinearWarmupLR), got {type(scheduler).__name__}")
-            if scheduler.optimizer is not self.optimizer:
-                raise ValueError(f"fit: the scheduler steps {scheduler.optimizer!r}, not the trainer's optimizer "
-                                 f"{self.optimizer!r}: make it with the trainer's optimizer")
+        scheduler = self._check_scheduler(scheduler if scheduler is not None else config.scheduler)
         cbs = _callbacks._as_list(callbacks)
         self.config = config
         train, val = self._split_validation(train, val, config)
@@ -495,25 +488,13 @@ class DistributedTrainer:
             raise ValueError(f"fit: with drop_last each rank's {sampler.local_size()} samples make no batch of "
                              f"{config.batch_size}; lower batch_size or set drop_last = False")
 
-        resume_from = resume_from if resume_from is not None else config.resume_from
         self._scheduler = scheduler
         # ZeRO-1 on or off before a checkpoint is loaded, so its state lands sharded (collective).
         self._core.set_shard_optimizer_state(bool(config.shard_optimizer_state))
         self._core.set_grad_clip(float(config.grad_clip_norm or 0.0), float(config.grad_clip_value or 0.0))
         if config.nonfinite is not None:
             self._core.set_nonfinite(config.nonfinite)
-        resumed_by_itself = False
-        if resume_from:
-            self.load_checkpoint(resume_from)
-        elif self._auto_resumes(config, cbs):
-            # checkpoint_dir is fit's own folder: looked at where fit writes there, or where asked to.
-            own = config.checkpoint_every_n_epochs > 0 or config.auto_resume is True
-            try:
-                resume_from = self._resume_newest(config.checkpoint_dir if own else None, cbs)
-            except (OSError, ValueError) as e:
-                raise type(e)(f"{e} (config.auto_resume found it in checkpoint_dir {config.checkpoint_dir!r}: set "
-                              f"config.auto_resume = False, or empty that folder, to start over)") from None
-            resumed_by_itself = resume_from is not None
+        resume_from, resumed_by_itself = self._resume(config, cbs, resume_from)
         self._callbacks = cbs
         if not self._resume_pending:
             # A new fit continues where the last one ended (epoch count, so the shuffle goes on).
@@ -534,17 +515,53 @@ class DistributedTrainer:
 
         out = _Progress(config.verbose and self.is_master())
         if resumed_by_itself:
-            # One line on rank 0 even with verbose = False: a resumed run that has nothing left trains nothing,
-            # and should say so.
-            end, left = self._fit_start + config.epochs, self._fit_start + config.epochs - self._epoch
-            at = f", epoch {self._epoch + 1} from batch {self._position + 1}" if self._position else ""
-            what = (f"{left} epoch{'s' if left != 1 else ''} left to train" if left > 0 else
-                    "nothing left to train (that run finished; raise config.epochs to train more)")
-            (out if config.verbose else _Progress(self.is_master())).line(
-                f"resuming from {resume_from} ({self._epoch} of {end} epochs done{at}); {what}; "
-                f"config.auto_resume = False starts over")
+            self._say_resumed(out, config, resume_from)
         if self.device:
             out.line(f"training on {self.device}")
+        self._train(train, val, config, batches, history, out, world, cbs)
+        return history
+
+    def _check_scheduler(self, scheduler: Any) -> Any:
+        if scheduler is not None:
+            if not isinstance(scheduler, _core.LRScheduler):
+                raise TypeError(f"fit: scheduler must be a cx LRScheduler (StepLR, CosineAnnealingLR, "
+                                f"LinearWarmupLR), got {type(scheduler).__name__}")
+            if scheduler.optimizer is not self.optimizer:
+                raise ValueError(f"fit: the scheduler steps {scheduler.optimizer!r}, not the trainer's optimizer "
+                                 f"{self.optimizer!r}: make it with the trainer's optimizer")
+        return scheduler
+
+    def _resume(self, config: DistributedTrainingConfig, cbs: List[_callbacks.Callback],
+                resume_from: Optional[str]) -> Tuple[Optional[str], bool]:
+        """Loads the checkpoint fit resumes from, if any: (its path, whether auto_resume found it)."""
+        resume_from = resume_from if resume_from is not None else config.resume_from
+        if resume_from:
+            self.load_checkpoint(resume_from)
+            return resume_from, False
+        if not self._auto_resumes(config, cbs):
+            return None, False
+        # checkpoint_dir is fit's own folder: looked at where fit writes there, or where asked to.
+        own = config.checkpoint_every_n_epochs > 0 or config.auto_resume is True
+        try:
+            found = self._resume_newest(config.checkpoint_dir if own else None, cbs)
+        except (OSError, ValueError) as e:
+            raise type(e)(f"{e} (config.auto_resume found it in checkpoint_dir {config.checkpoint_dir!r}: set "
+                          f"config.auto_resume = False, or empty that folder, to start over)") from None
+        return found, found is not None
+
+    def _say_resumed(self, out: "_Progress", config: DistributedTrainingConfig, resume_from: Optional[str]) -> None:
+        # One line on rank 0 even with verbose = False: a resumed run that has nothing left trains nothing,
+        # and should say so.
+        end, left = self._fit_start + config.epochs, self._fit_start + config.epochs - self._epoch
+        at = f", epoch {self._epoch + 1} from batch {self._position + 1}" if self._position else ""
+        what = (f"{left} epoch{'s' if left != 1 else ''} left to train" if left > 0 else
+                "nothing left to train (that run finished; raise config.epochs to train more)")
+        (out if config.verbose else _Progress(self.is_master())).line(
+            f"resuming from {resume_from} ({self._epoch} of {end} epochs done{at}); {what}; "
+            f"config.auto_resume = False starts over")
+
+    def _train(self, train, val, config, batches, history, out, world, cbs) -> None:
+        """fit's epochs between the callbacks' on_train_begin and on_train_end, the host objects in step."""
         # The model, BatchNorm statistics and optimizer state as the host objects hold them now
         # (GPU training: Note [The model on the GPU]; nothing to do on the CPU).
         self._core.sync_from_host()
@@ -577,7 +594,6 @@ class DistributedTrainer:
         self._core.sync_to_host()
         for cb in cbs:
             _callbacks._call(cb, "on_train_end", self)
-        return history
 
     def _end_averages(self, cbs: List[_callbacks.Callback]) -> None:
         """The EMAs get the last step's update and are no longer updated (Note [EMA off the critical path])."""
@@ -778,11 +794,25 @@ class DistributedTrainer:
                 from None
 
     def _raise_nonfinite(self, loss_sum: float, epoch: int, done: int, batches: DistributedBatchIterator,
-                         drop_last: bool) -> None:
+                         drop_last: bool) -> NoReturn:
         """The step of batch `done` (from 0 in the epoch) had a loss that is not finite: name it, with its rows."""
         err = NonFiniteError(self._nonfinite_text(loss_sum, epoch, done, batches, drop_last))
         err._named = True  # _naming_batch leaves it as it is
         raise err
+
+    def _nonfinite_loss(self, loss_sum: float, skipped: int, epoch: int, done: int,
+                        batches: DistributedBatchIterator, drop_last: bool) -> Tuple[float, float, float, int]:
+        """A step whose loss was not finite: left out of the epoch's figures where the step was skipped
+        (nonfinite = "skip") or warned of ("warn"), else NonFiniteError naming the batch. (loss, correct, count,
+        skipped steps so far)."""
+        if self.ddp.skipped_steps != skipped:  # nonfinite = "skip": not taken, not counted
+            return 0.0, 0.0, 0.0, self.ddp.skipped_steps
+        if self.ddp.nonfinite == "warn":
+            # stacklevel: this, _fit_epochs, _train, fit, and the caller of fit
+            warnings.warn(self._nonfinite_text(loss_sum, epoch, done, batches, drop_last), RuntimeWarning,
+                          stacklevel=5)
+            return 0.0, 0.0, 0.0, skipped
+        self._raise_nonfinite(loss_sum, epoch, done, batches, drop_last)
 
     def _nonfinite_text(self, loss_sum: float, epoch: int, done: int, batches: DistributedBatchIterator,
                         drop_last: bool) -> str:
@@ -824,15 +854,8 @@ class DistributedTrainer:
                 skipped = self.ddp.skipped_steps
                 for bl, bc, bn in steps:
                     if not math.isfinite(bl):  # one float per step: free next to the step itself
-                        if self.ddp.skipped_steps != skipped:  # nonfinite = "skip": not taken, not counted
-                            skipped = self.ddp.skipped_steps
-                            bl = bc = bn = 0.0
-                        elif self.ddp.nonfinite == "warn":
-                            warnings.warn(self._nonfinite_text(bl, epoch, done, batches, config.drop_last),
-                                          RuntimeWarning, stacklevel=2)
-                            bl = bc = bn = 0.0
-                        else:
-                            self._raise_nonfinite(bl, epoch, done, batches, config.drop_last)
+                        bl, bc, bn, skipped = self._nonfinite_loss(bl, skipped, epoch, done, batches,
+                                                                   config.drop_last)
                     ls, cs, ns = ls + bl, cs + bc, ns + bn
                     if cbs:
                         lr = self.optimizer.lr  # this step's, before a per-step scheduler moves it
@@ -862,26 +885,8 @@ class DistributedTrainer:
                                     (epoch + 1) % config.checkpoint_every_n_epochs == 0):
                 self._hook_errors = self._gather_hook_errors()
             epoch_time = time.perf_counter() - t0
-            history.train_time_seconds += epoch_time
-            history.total_samples += g_count
-            history.train_losses.append(g_loss / g_count)
-            history.train_accuracies.append(g_correct / g_count)
-            history.epochs.append(epoch + 1)
-            logs = {"epoch": epoch + 1, "loss": g_loss / g_count, "accuracy": g_correct / g_count}
-            msg = (f"Epoch {epoch + 1}/{end} - loss {g_loss / g_count:.4f} - "
-                   f"acc {g_correct / g_count:.4f}")
-            if val is not None:
-                with contextlib.ExitStack() as weights:  # EMA(evaluate=True): the averaged weights
-                    for cb in cbs:
-                        if isinstance(cb, _callbacks.EMA):
-                            weights.enter_context(cb._evaluation(self))
-                    vl, va = self._evaluate(val, max(config.batch_size, 256), "fit")
-                history.val_losses.append(vl)
-                history.val_accuracies.append(va)
-                logs["val_loss"], logs["val_accuracy"] = vl, va
-                msg += f" - val_loss {vl:.4f} - val_acc {va:.4f}"
-            msg += f" - {g_count / max(epoch_time, 1e-9):,.0f} samples/s - {epoch_time:.3f}s"
-            out.line(msg)
+            logs = self._record_epoch(epoch, end, (g_loss, g_correct, g_count), epoch_time, val, config, history,
+                                      out, cbs)
             self._epoch, self._position, self._partial = epoch + 1, 0, (0.0, 0.0, 0.0)
             history.epochs_completed = epoch + 1
             if cbs:
@@ -900,6 +905,34 @@ class DistributedTrainer:
                 break
         history.total_time_seconds += time.perf_counter() - start
         history.samples_per_second = history.total_samples / max(history.train_time_seconds, 1e-9)
+
+    def _record_epoch(self, epoch: int, end: int, stats: Tuple[float, float, float], epoch_time: float, val: Any,
+                      config: DistributedTrainingConfig, history: DistributedTrainingHistory, out: "_Progress",
+                      cbs: List[_callbacks.Callback]) -> dict:
+        """An epoch's global figures into history and the progress line (validated first, with the EMA's weights
+        where an EMA(evaluate=True) asks): the epoch's logs."""
+        g_loss, g_correct, g_count = stats
+        history.train_time_seconds += epoch_time
+        history.total_samples += g_count
+        history.train_losses.append(g_loss / g_count)
+        history.train_accuracies.append(g_correct / g_count)
+        history.epochs.append(epoch + 1)
+        logs = {"epoch": epoch + 1, "loss": g_loss / g_count, "accuracy": g_correct / g_count}
+        msg = (f"Epoch {epoch + 1}/{end} - loss {g_loss / g_count:.4f} - "
+               f"acc {g_correct / g_count:.4f}")
+        if val is not None:
+            with contextlib.ExitStack() as weights:  # EMA(evaluate=True): the averaged weights
+                for cb in cbs:
+                    if isinstance(cb, _callbacks.EMA):
+                        weights.enter_context(cb._evaluation(self))
+                vl, va = self._evaluate(val, max(config.batch_size, 256), "fit")
+            history.val_losses.append(vl)
+            history.val_accuracies.append(va)
+            logs["val_loss"], logs["val_accuracy"] = vl, va
+            msg += f" - val_loss {vl:.4f} - val_acc {va:.4f}"
+        msg += f" - {g_count / max(epoch_time, 1e-9):,.0f} samples/s - {epoch_time:.3f}s"
+        out.line(msg)
+        return logs
 
     def _slowest(self, seconds: float) -> float:
         """Collective: the largest of every rank's `seconds` (so the epoch logs are the same everywhere)."""
