@@ -32,10 +32,26 @@ def test_every_variable_the_code_reads_is_in_the_table():
             read |= set(re.findall(r'"([A-Z0-9_]+)"', group))
     for _, text in sources("python/pycyxwiz", ".py"):
         read |= set(re.findall(r'os\.environ(?:\.get\(|\[)"([A-Z0-9_]+)"', text))
+        read |= set(re.findall(r'(?:_env\.)?(?:get|is_set)\("([A-Z0-9_]+)"', text))
         read |= {n for n in re.findall(r'"(CX_[A-Z0-9_]+)"', text)}
     read -= {"PYCYXWIZ_NN_SCALAR"}  # an old name (pycyxwiz/_env.py), not read by the core
     assert len(read) > 25
     assert read <= TABLE, sorted(read - TABLE)
+
+
+def test_python_reads_the_environment_through_one_module():
+    # pycyxwiz/_env.get, checked against the core's table like env::get; writes (a child's environment) are
+    # not reads.
+    readers = [str(p.relative_to(ROOT)) for p, text in sources("python/pycyxwiz", ".py")
+               if p.name != "_env.py" and re.search(r"os\.environ\.get\(|os\.getenv\(|in os\.environ\b", text)]
+    assert readers == []
+    from pycyxwiz import _env
+    try:
+        _env.get("CX_NOT_A_VARIABLE")
+    except KeyError as e:
+        assert "CX_NOT_A_VARIABLE is not in csrc/common/env.cpp's table" in str(e)
+    else:
+        raise AssertionError("_env.get read a variable the table lacks")
 
 
 def test_pycyxwiz_own_variables_have_one_prefix():

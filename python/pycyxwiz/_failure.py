@@ -15,12 +15,14 @@ import sys
 import time
 import traceback
 
+from . import _env
+
 ENV = "CX_ERROR_FILE"
 
 
 def install_from_environment() -> None:
     """Chain a sys.excepthook that records the exception, when the launcher asked for it."""
-    path = os.environ.get(ENV)
+    path = _env.get(ENV)
     if not path or getattr(sys.excepthook, "_cx_records_to", None):
         return
     previous = sys.excepthook

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, Dict, IO, List, Optional, Sequence
 
-from . import _failure
+from . import _env, _failure
 from ._env import job_secret_env
 
 DEFAULT_PORT = 29500
@@ -88,7 +88,7 @@ def nproc_from(text: str) -> int:
         return int(text)
     if text not in ("auto", "cpu", "gpu"):
         raise SystemExit(f"launch: --nproc-per-node expects a number, 'auto', 'cpu' or 'gpu', got {text!r}")
-    gpu = text == "gpu" or (text == "auto" and os.environ.get("DISTRIBUTED_BACKEND", "").lower() == "nccl")
+    gpu = text == "gpu" or (text == "auto" and (_env.get("DISTRIBUTED_BACKEND") or "").lower() == "nccl")
     if not gpu:
         return _cpus()
     from . import _core
@@ -343,8 +343,9 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
     if tee and not log_dir:
         raise SystemExit("launch: --tee shows the output that --log-dir writes to files; give --log-dir too")
     argv = _command(cmd, module)
-    addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
+    addr = master_addr or _env.get("MASTER_ADDR") or "127.0.0.1"
+    given_port = _env.get("MASTER_PORT")
+    port = master_port or (int(given_port) if given_port else None)
     if port is None:
         port = DEFAULT_PORT
         if nnodes == 1 and not _port_free(addr, port):
@@ -352,7 +353,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
             print(f"[launch] port {port} on {addr} is in use; using MASTER_PORT={new}", file=sys.stderr, flush=True)
             port = new
     threads_env = {}
-    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+    if not _env.is_set("OMP_NUM_THREADS") and nproc > 1:
         n = max(1, _cpus() // nproc)
         threads_env["OMP_NUM_THREADS"] = str(n)
     if max_restarts is None:
@@ -388,7 +389,7 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
 # from an earlier start, or a node that restarted once more than the others, fails at init instead
 # of joining a group it does not belong to.
 def _max_restarts_from_env() -> int:
-    text = os.environ.get("CX_MAX_RESTARTS", "").strip()
+    text = (_env.get("CX_MAX_RESTARTS") or "").strip()
     if not text:
         return 0
     if not text.isdigit():

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, TypeVar
 
-from .. import _core
+from .. import _core, _env
 from . import _gpu
 
 _d = _core.dist
@@ -104,7 +104,7 @@ def _configure_debug() -> None:
     """Reads CX_DEBUG (at import and at every init()): with INFO or DETAIL, the collectives of
     cx.distributed log each call (no wrapper, so no cost, when it is off)."""
     global _DEBUG, _DETAIL
-    raw = os.environ.get("CX_DEBUG", "")
+    raw = _env.get("CX_DEBUG") or ""
     level = raw.strip().upper()
     if level not in ("", "OFF", "INFO", "DETAIL"):
         raise ValueError(f"environment variable CX_DEBUG='{raw}' is not valid: expected INFO, DETAIL or OFF")

@@ -18,6 +18,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
+from .. import _env
 from .._env import job_secret_env
 
 __all__ = ["spawn", "SpawnError", "launch_distributed_training"]
@@ -29,7 +30,7 @@ class SpawnError(RuntimeError):
 
 def _entry(fn, rank, nprocs, port, secret, args, conn):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+                      MASTER_ADDR=_env.get("MASTER_ADDR") or "127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(secret)
     try:
         conn.send(("ok", fn(rank, *args)))

@@ -52,7 +52,7 @@ from typing import Any, List, NoReturn, Optional, Tuple
 
 import numpy as np
 
-from .. import _core
+from .. import _core, _env
 from .. import callbacks as _callbacks
 from ..data import Dataset
 from ..data import NpyDataset as _NpyDataset
@@ -333,7 +333,7 @@ def _write_checkpoint(members: dict, paths: List[str]) -> None:
 def _draws_a_bar(stream) -> bool:
     """A bar where stdout is a terminal, or where the launcher shows it on one (CX_PROGRESS_BAR=1:
     Note [Redraws through the launcher] in pycyxwiz/launch.py); CX_PROGRESS_BAR=0: never."""
-    wanted = os.environ.get("CX_PROGRESS_BAR", "")
+    wanted = _env.get("CX_PROGRESS_BAR") or ""
     if wanted in ("0", "1"):
         return wanted == "1"
     return hasattr(stream, "isatty") and stream.isatty()

@@ -23,7 +23,6 @@ pycyxwiz that imports torch (the ``pycyxwiz[torch]`` extra).
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import secrets
 import socket
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .. import _core
+from .. import _core, _env
 
 __all__ = ["ProcessGroupCyxwiz", "BACKEND", "monitored_barrier"]
 
@@ -125,7 +124,7 @@ def _peer_address(store: Any) -> str:
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
-    host = os.environ.get("MASTER_ADDR") or getattr(base, "host", None)
+    host = _env.get("MASTER_ADDR") or getattr(base, "host", None)
     if host:
         try:
             infos = socket.getaddrinfo(host, 1, socket.AF_INET, socket.SOCK_DGRAM)
@@ -143,7 +142,7 @@ def _peer_address(store: Any) -> str:
 def _secret(store: Any, rank: int, timeout: timedelta) -> str:
     """The secret the group's connections prove (Note [Job secret]): CX_AUTH_TOKEN where the job sets one,
     else a random one that rank 0 puts in the store, which keeps out whoever cannot read the store."""
-    token = os.environ.get("CX_AUTH_TOKEN", "").strip()
+    token = (_env.get("CX_AUTH_TOKEN") or "").strip()
     if token:
         return token
     if rank == 0:
