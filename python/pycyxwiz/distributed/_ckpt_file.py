@@ -288,15 +288,15 @@ def atomic_write(path: Union[str, Sequence[str]], data: Union[bytes, Sequence[An
 # is a hard link made under a temporary name and renamed over the target, so each name still changes
 # atomically from its old complete file to its new one. The next save of last.ckpt alone replaces only
 # that name; best.ckpt keeps the inode. File systems without hard links get a second copy.
-def _link_into(src: str, path: str) -> bool:
+def _temporary(d: str) -> str:
+    """A fresh temporary name in folder d (remove_stale_temporaries knows the prefix)."""
     global _counter
-    d = os.path.dirname(os.path.abspath(path))
     _counter += 1
-    tmp = os.path.join(d, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{_counter}.ckpt")
-    try:
-        os.link(src, tmp)
-    except OSError:
-        return False
+    return os.path.join(d, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{_counter}.ckpt")
+
+
+def _replace_or_unlink(tmp: str, path: str) -> None:
+    """Renames tmp over path atomically; on any failure tmp is removed and the error raised."""
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -305,17 +305,25 @@ def _link_into(src: str, path: str) -> bool:
         except OSError:
             pass
         raise
+
+
+def _link_into(src: str, path: str) -> bool:
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = _temporary(d)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        return False
+    _replace_or_unlink(tmp, path)
     _fsync_dir(d)
     return True
 
 
 def _write_one(path: str, parts: List[Any]) -> None:
-    global _counter
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     remove_stale_temporaries(d)
-    _counter += 1
-    tmp = os.path.join(d, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{_counter}.ckpt")
+    tmp = _temporary(d)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
@@ -323,13 +331,13 @@ def _write_one(path: str, parts: List[Any]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+    _replace_or_unlink(tmp, path)
     _fsync_dir(d)
 
 
