@@ -391,3 +391,26 @@ extern "C" __global__ void cx_nn_sgemm(int ta, int tb, int M, int N, int K, floa
     }
   }
 }
+
+// ---------------------------------------------------------------- checks
+
+// counts[p] += the inf/NaN values of parameter p among g[lo, hi), where
+// parameter p holds g[bounds[p], bounds[p+1]) and `first` is a parameter
+// whose range holds lo: the GPU trainer's non-finite check (Note [Non-finite
+// gradients on the GPU] in train/gpu_engine.cpp). One read of each float; a
+// thread walks its parameters forward as its index grows, and an atomic is
+// spent only on a parameter where it found a bad value.
+extern "C" __global__ void cx_nn_count_nonfinite(const float* g, u64 lo, u64 hi, const u64* bounds,
+                                                 unsigned int first, unsigned int* counts) {
+  unsigned int p = first, c = 0;
+  u64 end = bounds[p + 1];
+  for (u64 i = lo + blockIdx.x * (u64)blockDim.x + threadIdx.x; i < hi; i += (u64)blockDim.x * gridDim.x) {
+    if (i >= end) {
+      if (c) atomicAdd(counts + p, c);
+      c = 0;
+      do end = bounds[++p + 1]; while (i >= end);
+    }
+    c += (__float_as_uint(g[i]) & 0x7fffffffu) >= 0x7f800000u;  // exponent all ones: inf or NaN
+  }
+  if (c) atomicAdd(counts + p, c);
+}

@@ -18,17 +18,25 @@ std::unique_ptr<cuda::Device> open_device(const nn::SequentialModel& model, cons
 
 GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
                        std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
-                       const DDPConfig& cfg, const DistributedDataParallel& host_ddp)
+                       const DDPConfig& cfg, std::shared_ptr<DistributedDataParallel> host_ddp)
     : dev_(open_device(*model, *group)),
       model_(std::move(model)),
       loss_(std::move(loss)),
       opt_(std::move(opt)),
       group_(std::move(group)),
-      sched_(host_ddp.buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }),
+      host_ddp_(std::move(host_ddp)),
+      sched_(host_ddp_->buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }),
       broadcast_buffers_(cfg.broadcast_buffers) {
   dm_ = std::make_unique<nn::DeviceModel>(model_, *dev_);
   opt_state_ = opt_->to_device(*dev_, dm_->size());
   stats_.reserve(4 * sizeof(double));
+  const auto slices = model_->param_slices();
+  std::vector<uint64_t> bounds{0};
+  for (const auto& sl : slices) bounds.push_back(sl.first + sl.second);
+  nf_bounds_.reserve(bounds.size() * sizeof(uint64_t));
+  dev_->upload(nf_bounds_.get(), bounds.data(), bounds.size() * sizeof(uint64_t));
+  nf_counts_.reserve(2 * slices.size() * sizeof(uint32_t));
+  nf_host_.resize(2 * slices.size());
   if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
     // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
     group_->broadcast(dm_->params(), dm_->size(), distributed::DataType::kFloat32, 0, false, stream_id(*dev_));
@@ -116,6 +124,8 @@ BatchStats GpuEngine::read_loss(const nn::Shape& os) {
 
 void GpuEngine::launch_bucket(size_t b) {
   const Bucket& bk = sched_.buckets()[b];
+  // This rank's own contribution, read on the stream before NCCL overwrites it with the average.
+  if (checking_ && bk.count) count_nonfinite(bk.offset, bk.offset + bk.count, bk.first_param, 0);
   if (bk.count)  // world size 1 too, as DistributedDataParallel: one code path
     in_flight_.push_back(group_->all_reduce(dm_->grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
                                             distributed::ReduceOp::kAvg, true, stream_id(*dev_)));
@@ -133,6 +143,8 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   // for the whole context; with an NCCL kernel already waiting on peers that
   // could stall. So for a new shape the buckets go out after backward has run.
   const bool overlap = shapes_seen_.count(x_shape[0]) > 0;
+  checking_ = host_ddp_->nonfinite_mode() != NonFiniteMode::kOff;
+  if (checking_) dev_->zero(nf_counts_.get(), nf_host_.size() * sizeof(uint32_t));
   sched_.start(overlap);
   dm_->backward(gout_.f(), [this](size_t p) { sched_.param_ready(p); });
   if (!overlap) {
@@ -141,9 +153,56 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   }
   sched_.launch_rest();
   wait_in_flight();
-  opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads());
+  if (!checking_ || conclude_nonfinite())  // DDPConfig.nonfinite = "skip": not taken, on every rank alike
+    opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads());
   dm_->zero_grad();
   return read_loss(os);
+}
+
+// Note [Non-finite gradients on the GPU]
+// The GPU twin of Note [Non-finite gradients] (nonfinite.h), with the same
+// modes, counters and messages (the host DistributedDataParallel's: its
+// nonfinite mode, skipped_steps, NonFiniteError and warning text). One kernel,
+// cx_nn_count_nonfinite (nn.cu), reads a range of the flat gradient once and
+// counts its inf/NaN values per parameter tensor:
+//   - over each bucket as it is handed to NCCL, queued on the same stream just
+//     before the all-reduce, so it reads this rank's own gradient before the
+//     average overwrites it in place;
+//   - over the whole buffer once NCCL is done: the average, which is the same
+//     bytes on every rank (NCCL's all-gather phase copies it), so every rank
+//     finds the same parameters and takes the same decision with no message.
+// The host reads the 2 x parameters counters once per step, after the
+// all-reduces it already waits for, and before the optimizer is queued (the
+// price of "skip": the update must not run on a bad average). Only a bad step
+// communicates: a one-byte all-gather of "was my own gradient bad" names the
+// ranks, as decide_local + name_ranks do on the CPU.
+void GpuEngine::count_nonfinite(size_t lo, size_t hi, size_t first_param, size_t slot) {
+  if (hi <= lo) return;
+  const size_t params = nf_host_.size() / 2;
+  dev_->launch(dev_->fn("cx_nn_count_nonfinite"), cuda::Device::grid_for(hi - lo), 256,
+               static_cast<const float*>(dm_->grads()), static_cast<unsigned long long>(lo),
+               static_cast<unsigned long long>(hi), static_cast<const unsigned long long*>(nf_bounds_.get()),
+               static_cast<unsigned int>(first_param), static_cast<unsigned int*>(nf_counts_.get()) + slot * params);
+}
+
+bool GpuEngine::conclude_nonfinite() {
+  const size_t params = nf_host_.size() / 2;
+  count_nonfinite(0, dm_->size(), 0, 1);
+  dev_->download(nf_host_.data(), nf_counts_.get(), nf_host_.size() * sizeof(uint32_t));  // waits for the stream
+  NonFiniteVerdict v;
+  for (size_t p = 0; p < params; ++p) {
+    if (nf_host_[p]) v.own.emplace_back(p, nf_host_[p]);
+    if (nf_host_[params + p]) v.params.emplace_back(p, nf_host_[params + p]);
+  }
+  v.bad = !v.params.empty();
+  if (v.bad) {  // every rank alike: the same average everywhere
+    const uint8_t mine = v.own.empty() ? 0 : 1;
+    std::vector<uint8_t> all(static_cast<size_t>(group_->size()));
+    all_gather_host(&mine, all.data(), 1);
+    for (size_t r = 0; r < all.size(); ++r)
+      if (all[r]) v.ranks.push_back(static_cast<int>(r));
+  }
+  return host_ddp_->conclude_device_step(v);
 }
 
 BatchStats GpuEngine::eval_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
