@@ -1,5 +1,7 @@
 #include "train/gpu_engine.h"
 
+#include <cstring>
+
 #include "common/error.h"
 #include "train/buffer_sync.h"
 
@@ -29,14 +31,13 @@ GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr
       broadcast_buffers_(cfg.broadcast_buffers) {
   dm_ = std::make_unique<nn::DeviceModel>(model_, *dev_);
   opt_state_ = opt_->to_device(*dev_, dm_->size());
-  stats_.reserve(4 * sizeof(double));
   const auto slices = model_->param_slices();
   std::vector<uint64_t> bounds{0};
   for (const auto& sl : slices) bounds.push_back(sl.first + sl.second);
   nf_bounds_.reserve(bounds.size() * sizeof(uint64_t));
   dev_->upload(nf_bounds_.get(), bounds.data(), bounds.size() * sizeof(uint64_t));
-  nf_counts_.reserve(2 * slices.size() * sizeof(uint32_t));
-  nf_host_.resize(2 * slices.size());
+  nf_host_.resize(2 * slices.size() + 1);
+  stats_.reserve(stats_bytes());
   if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
     // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
     group_->broadcast(dm_->params(), dm_->size(), distributed::DataType::kFloat32, 0, false, stream_id(*dev_));
@@ -111,13 +112,17 @@ nn::BatchTargets GpuEngine::upload_batch(const float* x, const nn::Shape& x_shap
 void GpuEngine::launch_loss(const float* out, const nn::Shape& os, const nn::BatchTargets& y,
                              const nn::BatchTargets& on_dev) {
   gout_.reserve(nn::numel(os) * sizeof(float));
-  dev_->zero(stats_.get(), 4 * sizeof(double));
+  dev_->zero(stats_.get(), stats_bytes());  // the loss sums and the non-finite counters
   loss_->forward_batch(*dev_, out, os, y, on_dev, gout_.f(), static_cast<double*>(stats_.get()));
 }
 
 BatchStats GpuEngine::read_loss(const nn::Shape& os) {
-  double st[4] = {0, 0, 0, 0};
-  dev_->download(st, stats_.get(), sizeof(st));  // waits for the step
+  // One copy, which waits for the step: the loss sums, and the non-finite counters behind them when checking.
+  host_stats_.resize(stats_bytes());
+  dev_->download(host_stats_.data(), stats_.get(), checking_ ? stats_bytes() : 4 * sizeof(double));
+  double st[4];
+  std::memcpy(st, host_stats_.data(), sizeof(st));
+  if (checking_) std::memcpy(nf_host_.data(), host_stats_.data() + sizeof(st), nf_host_.size() * sizeof(uint32_t));
   const nn::BatchSums sums = loss_->batch_sums(st, os);
   return BatchStats{sums.loss_sum, sums.correct, static_cast<double>(os[0])};
 }
@@ -133,6 +138,8 @@ void GpuEngine::launch_bucket(size_t b) {
 
 BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
   dev_->make_current();
+  const NonFiniteMode mode = host_ddp_->nonfinite_mode();
+  checking_ = mode != NonFiniteMode::kOff;
   const nn::BatchTargets on_dev = upload_batch(x, x_shape, y);
   if (broadcast_buffers_) broadcast_buffers();  // as DistributedDataParallel::forward in training
   const float* out = dm_->forward(x_.f(), x_shape, true);
@@ -143,8 +150,6 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   // for the whole context; with an NCCL kernel already waiting on peers that
   // could stall. So for a new shape the buckets go out after backward has run.
   const bool overlap = shapes_seen_.count(x_shape[0]) > 0;
-  checking_ = host_ddp_->nonfinite_mode() != NonFiniteMode::kOff;
-  if (checking_) dev_->zero(nf_counts_.get(), nf_host_.size() * sizeof(uint32_t));
   sched_.start(overlap);
   dm_->backward(gout_.f(), [this](size_t p) { sched_.param_ready(p); });
   if (!overlap) {
@@ -153,10 +158,22 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   }
   sched_.launch_rest();
   wait_in_flight();
-  if (!checking_ || conclude_nonfinite())  // DDPConfig.nonfinite = "skip": not taken, on every rank alike
-    opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads());
+  // Note [Non-finite gradients on the GPU]: the update reads the average's count and leaves everything as it
+  // was where it is not 0, unless the mode is "warn" (the step is taken).
+  const unsigned int* skip = nullptr;
+  if (checking_) {
+    count_nonfinite(0, dm_->size(), 0, 1);
+    if (mode != NonFiniteMode::kWarn) skip = counters() + nf_host_.size() - 1;
+  }
+  opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads(), skip);
   dm_->zero_grad();
-  return read_loss(os);
+  const BatchStats st = read_loss(os);
+  if (checking_) {
+    checking_ = false;
+    if (skip && nf_host_.back()) opt_->undo_step();  // the kernel left parameters and state: the count goes too
+    conclude_nonfinite();  // raises ("raise"), counts ("skip") or warns ("warn") through the host DDP
+  }
+  return st;
 }
 
 // Note [Non-finite gradients on the GPU]
@@ -171,24 +188,34 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
 //   - over the whole buffer once NCCL is done: the average, which is the same
 //     bytes on every rank (NCCL's all-gather phase copies it), so every rank
 //     finds the same parameters and takes the same decision with no message.
-// The host reads the 2 x parameters counters once per step, after the
-// all-reduces it already waits for, and before the optimizer is queued (the
-// price of "skip": the update must not run on a bad average). Only a bad step
-// communicates: a one-byte all-gather of "was my own gradient bad" names the
-// ranks, as decide_local + name_ranks do on the CPU.
+// The counters sit behind the loss sums in one device block, zeroed with them
+// and read with them by the one wait for the loss each step already has: the
+// check adds no host wait. So the decision "this step is not taken" is made on
+// the device: the optimizer's kernel reads the average's total count and
+// returns at once where it is not 0 ("raise" and "skip"; "warn" takes the
+// step), and once the host has read the counters it takes back the step's
+// count (Optimizer::undo_step, Adam's bias correction) and raises, counts or
+// warns through the host DDP. Only a bad step communicates: a one-byte
+// all-gather of "was my own gradient bad" names the ranks, as decide_local +
+// name_ranks do on the CPU.
+size_t GpuEngine::stats_bytes() const { return 4 * sizeof(double) + nf_host_.size() * sizeof(uint32_t); }
+
+unsigned int* GpuEngine::counters() const {
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(stats_.get()) + 4 * sizeof(double));
+}
+
 void GpuEngine::count_nonfinite(size_t lo, size_t hi, size_t first_param, size_t slot) {
   if (hi <= lo) return;
   const size_t params = nf_host_.size() / 2;
+  unsigned int* c = counters();
   dev_->launch(dev_->fn("cx_nn_count_nonfinite"), cuda::Device::grid_for(hi - lo), 256,
                static_cast<const float*>(dm_->grads()), static_cast<unsigned long long>(lo),
                static_cast<unsigned long long>(hi), static_cast<const unsigned long long*>(nf_bounds_.get()),
-               static_cast<unsigned int>(first_param), static_cast<unsigned int*>(nf_counts_.get()) + slot * params);
+               static_cast<unsigned int>(first_param), c + slot * params, slot == 1 ? c + 2 * params : nullptr);
 }
 
 bool GpuEngine::conclude_nonfinite() {
   const size_t params = nf_host_.size() / 2;
-  count_nonfinite(0, dm_->size(), 0, 1);
-  dev_->download(nf_host_.data(), nf_counts_.get(), nf_host_.size() * sizeof(uint32_t));  // waits for the stream
   NonFiniteVerdict v;
   for (size_t p = 0; p < params; ++p) {
     if (nf_host_[p]) v.own.emplace_back(p, nf_host_[p]);
