@@ -375,6 +375,8 @@ def handles_of_blocking_and_async_calls() -> dict:
     bar = dist.BarrierOptions()
     bar.asyncOp = False
     out["blocking_barrier_returns"] = repr(pg.barrier(bar))
+    by_hand = pg.barrier()  # no options: blocking, and a completed Work as before
+    out["barrier_no_opts"] = isinstance(by_hand, dist.Work) and by_hand.is_completed() and by_hand.wait()
     # Default options (asyncOp True, as DDP's reducer calls the group): a Work, done by the group's thread.
     t2 = torch.full((5,), float(r + 1))
     work = pg.allreduce([t2], dist.AllreduceOptions())
@@ -403,7 +405,7 @@ def handles_of_blocking_and_async_calls() -> dict:
 def test_blocking_calls_return_done_and_async_calls_a_work_whose_future_holds_the_result():
     for r, out in enumerate(ranks.run(handles_of_blocking_and_async_calls, 2, init=False, timeout=60)):
         assert out["blocking_returns"] == "None" and out["blocking_value"] == [3.0] * 5, out
-        assert out["blocking_barrier_returns"] == "None", out
+        assert out["blocking_barrier_returns"] == "None" and out["barrier_no_opts"] is True, out
         assert out["async_is_work"] and out["wait"] is True and out["completed"] is True, out
         assert out["future"] == out["result"] == out["value"] == [3.0] * 5, out
         assert out["late_future_done"] is True and out["late_future"] == [3.0] * 5, out

@@ -75,8 +75,8 @@ def _arr(t: torch.Tensor) -> Any:
 # Note [Per-call cost]
 # A blocking dist.all_reduce of 8 bytes is mostly Python: torch's wrapper (its options object, its checks) and
 # then ours, around a few microseconds in the core. So the group's methods do no more than they must on that
-# path, and each step was measured (perf_counter_ns over 20000 calls, one process, benchmarks/README.md "The
-# torch.distributed backend"):
+# path, and each step was measured (CPU time per call, one process; before and after in benchmarks/README.md,
+# "The backend's cost per call"):
 # - A blocking call (opts.asyncOp False, which only torch's Python wrappers set) returns None rather than a
 #   completed Work: every wrapper of torch.distributed reads None as "done already" (the form torch keeps for
 #   backends that complete in C++), and making a dist._Work costs 1-3 us (its C++ trampoline). Callers that
@@ -464,7 +464,10 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
                          "(dist.recv(t, src=...))")
 
     def barrier(self, opts: Any = None) -> Any:
-        a = opts.asyncOp if opts is not None else False
+        if opts is None:  # pg.barrier() by hand: blocking, with a completed Work to wait on
+            self._g.barrier(False)
+            return _Work(self, None, [])
+        a = opts.asyncOp
         return self._ret(self._g.barrier(a), a, [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
