@@ -77,6 +77,8 @@ algo::AlgoOptions default_options(const Config& cfg) {
   o.halving_doubling_max_bytes = cfg.halving_doubling_max_bytes >= 0
                                      ? static_cast<size_t>(cfg.halving_doubling_max_bytes)
                                      : 2u << 20;  // Note [large all_reduce on one host]
+  o.hierarchical_slice_bytes =
+      cfg.hierarchical_slice_bytes > 0 ? static_cast<size_t>(cfg.hierarchical_slice_bytes) : 0;
   return o;
 }
 
@@ -170,7 +172,11 @@ std::string CpuBackend::describe() const {
                           forced_ ? std::string()
                                   : detail::concat(" from ", kHierarchicalMinBytes, " bytes, broadcast from ",
                                                    opt_.small_broadcast_bytes, " bytes"),
-                          "): ring inside a host, the flat algorithms across hosts by column; flat otherwise: ",
+                          "): ring inside a host, the flat algorithms across hosts by column (all_reduce: direct "
+                          "across hosts, pipelined in slices ",
+                          opt_.hierarchical_slice_bytes ? detail::concat("of ", opt_.hierarchical_slice_bytes, " bytes")
+                                                        : std::string("from the cost model"),
+                          "); flat otherwise: ",
                           flat_description());
   }
   return flat_description();
