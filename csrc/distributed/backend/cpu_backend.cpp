@@ -97,7 +97,8 @@ algo::AlgoOptions default_options(const Config& cfg) {
 // small-broadcast threshold. Measured on 2 hosts of 2 ranks behind 1 Gbit/s links
 // (network namespaces), all_reduce hierarchical / flat: 0.47-0.72x at 8 B-16 KiB
 // (two more steps inside each host, latency-bound), 1.16x at 32 KiB, 2.0x at
-// 64-256 KiB, 1.9x at 1 MiB, 1.2-1.35x at 4-64 MiB. The cost model
+// 64-256 KiB, 1.9x at 1 MiB, 1.2-1.35x at 4-64 MiB with its phases one after
+// the other, 1.50-1.52x pipelined (Note [Pipelined hierarchical all_reduce]). The cost model
 // (benchmarks/cost_model.py) agrees that below 512 KiB, where the flat group
 // runs recursive doubling, every exchange across hosts carries the whole message
 // once per rank of the host, 2-8x the hierarchical cost at 64-1024 ranks.
