@@ -1,9 +1,9 @@
-#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <vector>
 
 #include "distributed/algorithms/algorithms.h"
+#include "distributed/algorithms/scratch.h"
 #include "distributed/algorithms/reduction_kernels.h"
 
 namespace cx::distributed::algo {
@@ -12,19 +12,9 @@ namespace cx::distributed::algo {
 // its running partial of block (r-s-1) mod p to the right and receives the left
 // neighbour's partial of block (r-s-2) mod p, adds its own input for that block
 // and passes it on; after p-1 steps the partial of block r is complete and lands
-// in `out`. The partials live in `out` itself, chunk by chunk: a chunk is received
-// into its place in `out`, our input added, and sent on from there; its next
-// receive is posted only once that send is complete. No scratch.
-//
-// Why not a pool of a few chunk slots (as before): a slot was reused only once
-// the send that carried it was complete, and that send is queued behind our
-// whole step-0 block on the connection to the right, which the neighbour reads
-// only as fast as it posts receives, itself waiting on its slots: once a block
-// outgrew the socket buffers every rank waited on a send nobody read (64 MiB on
-// 4 ranks over TCP hung, on one host and across hosts). Here the receive of
-// (step s, chunk c) waits only on the send of (s-1, c), which the neighbour
-// takes with an earlier receive of its own, so the waits cannot close a cycle.
-// At most one receive per chunk is in flight, so that two never share a place.
+// in `out`. Partials live in a pool of `depth` chunk-sized slots: a slot is
+// reused only once the send that carried it is complete, so scratch stays a few
+// chunks whatever the message size.
 void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t count, DataType dt, ReduceOp op,
                     const AlgoOptions& o) {
   const int p = t.size(), r = t.rank();
@@ -49,7 +39,9 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     range(c, &off, &n);
     t.isend(right, in_at(mod(r - 1), off), n * es);
   }
-  std::vector<Transport::Req> sending(nc, -1);  // the send of out's chunk c still on the wire
+  const size_t depth = static_cast<size_t>(std::max(2, o.depth));
+  char* slots = scratch_space(depth * ce * es);
+  std::vector<Transport::Req> slot_send(depth, -1);
 
   struct Item {
     int step;
@@ -60,17 +52,23 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
 
   std::deque<std::pair<Transport::Req, size_t>> inflight;
-  const size_t window = std::min(nc, static_cast<size_t>(std::max(1, o.depth)));
   size_t next = 0;
   auto post = [&](size_t k) {
-    const size_t c = items[k].chunk;
+    const Item& it = items[k];
     size_t off, n;
-    range(c, &off, &n);
-    if (sending[c] >= 0) t.wait(sending[c]);  // its partial of the step before is still leaving
-    sending[c] = -1;
-    inflight.emplace_back(t.irecv(left, out + off * es, n * es), k);
+    range(it.chunk, &off, &n);
+    char* dst;
+    if (it.step == p - 2) {
+      dst = out + off * es;
+    } else {
+      size_t slot = k % depth;
+      if (slot_send[slot] >= 0) t.wait(slot_send[slot]);  // slot still on the wire
+      slot_send[slot] = -1;
+      dst = slots + slot * ce * es;
+    }
+    inflight.emplace_back(t.irecv(left, dst, n * es), k);
   };
-  while (next < items.size() && inflight.size() < window) post(next++);
+  while (next < items.size() && inflight.size() + 1 < depth) post(next++);
   while (!inflight.empty()) {
     auto [req, k] = inflight.front();
     inflight.pop_front();
@@ -79,11 +77,13 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     const int blk = mod(r - it.step - 2);
     size_t off, n;
     range(it.chunk, &off, &n);
-    reduce_into(out + off * es, in_at(blk, off), n, dt, op);
     if (it.step == p - 2) {
+      reduce_into(out + off * es, in_at(blk, off), n, dt, op);
       finish_avg(out + off * es, n, dt, op, p);
     } else {
-      sending[it.chunk] = t.isend(right, out + off * es, n * es);
+      char* slot = slots + (k % depth) * ce * es;
+      reduce_into(slot, in_at(blk, off), n, dt, op);
+      slot_send[k % depth] = t.isend(right, slot, n * es);
     }
     if (next < items.size()) post(next++);
   }
