@@ -10,13 +10,12 @@ from typing_extensions import Buffer
 
 from .._core import _pybind11_type
 
-__all__ = [
-    "ReduceOp", "BackendType", "DistributedConfig", "Work",
-    "DistributedError", "DistributedTimeoutError", "DistributedConnectionError", "CollectiveMismatchError",
-    "init", "finalize", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_config",
-    "is_master", "is_nccl_available",
-    "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather",
-    "all_to_all", "barrier", "send", "recv", "monitored_barrier", "abort_on_error",
+__all__ = [  # written by tests/stub_check/export_lists.py from pycyxwiz.distributed._pg.__all__
+    "ReduceOp", "BackendType", "DistributedConfig", "Work", "DistributedError", "DistributedTimeoutError",
+    "DistributedConnectionError", "CollectiveMismatchError", "init", "finalize", "is_initialized", "get_rank",
+    "get_world_size", "get_local_rank", "get_config", "is_master", "is_nccl_available", "all_reduce",
+    "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter", "gather", "all_to_all", "barrier",
+    "send", "recv", "monitored_barrier", "abort_on_error",
 ]
 
 # The logger CX_DEBUG=INFO|DETAIL writes to ("pycyxwiz").

@@ -17,10 +17,10 @@ _Loss = Union[CrossEntropyLoss, MSELoss, BCEWithLogitsLoss]
 _Path = Union[str, "PathLike[str]"]
 
 
-__all__ = [
-    "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler", "DistributedBatchIterator",
-    "ZeroRedundancyOptimizer", "join",
-    "DistributedTrainingConfig", "DistributedTrainingHistory", "DistributedTrainer", "NonFiniteError",
+__all__ = [  # written by tests/stub_check/export_lists.py from pycyxwiz.distributed._train.__all__
+    "DDPConfig", "PowerSGDConfig", "DistributedDataParallel", "DistributedSampler",
+    "DistributedBatchIterator", "ZeroRedundancyOptimizer", "join", "DistributedTrainingConfig",
+    "DistributedTrainingHistory", "DistributedTrainer", "NonFiniteError",
 ]
 
 class NonFiniteError(DistributedError, FloatingPointError): ...  # a NaN/inf named: step, parameters, ranks, layer
