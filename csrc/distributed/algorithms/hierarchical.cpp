@@ -88,16 +88,25 @@ ReduceOp summed(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op
 
 }  // namespace
 
+// With a probe (Note [Fused non-finite check] in reduce_probe.h): the in-host
+// reduce-scatter reads every rank's own values (named through the host's
+// members); across hosts only host sums travel, so only the result is tested.
 void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t count, DataType dt, ReduceOp op,
-                             const AlgoOptions& o) {
+                             const AlgoOptions& o, const ProbeView* pv) {
   const int me = t.rank(), per_host = h.per_host, local = h.local_of[me];
-  if (count < static_cast<size_t>(per_host)) return all_reduce(t, buf, count, dt, op, o);  // slices would be empty
-  SubTransport in_host(t, h.ranks[static_cast<size_t>(h.host_of[me])]);
+  if (count < static_cast<size_t>(per_host)) return all_reduce(t, buf, count, dt, op, o, pv);  // empty slices
+  const std::vector<int>& host = h.ranks[static_cast<size_t>(h.host_of[me])];
+  SubTransport in_host(t, host);
   SubTransport across(t, h.column(local));
-  ring_reduce_scatter_inplace(in_host, buf, count, dt, summed(op), o);
   size_t off, n;
   ring_segment(count, per_host, (local + 1) % per_host, &off, &n);
-  all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), o);
+  ProbeView in_v, across_v;
+  if (pv) {
+    in_v = {pv->probe, &host, pv->base, pv->raw, pv->result && h.ranks.size() == 1};
+    across_v = {pv->probe, nullptr, pv->base + off, false, pv->result && h.ranks.size() > 1};
+  }
+  ring_reduce_scatter_inplace(in_host, buf, count, dt, summed(op), o, pv ? &in_v : nullptr);
+  all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), o, pv ? &across_v : nullptr);
   ring_all_gather_inplace(in_host, buf, count, dt, o);
   finish_avg(buf, count, dt, op, t.size());
 }
