@@ -2,14 +2,23 @@
 csrc/train/nonfinite.h): a NaN or inf injected into one rank's own gradient is named on every rank
 (the step, the parameter, the rank), "skip" leaves every rank's parameters unchanged and equal, "warn"
 warns and steps; with ZeRO-1 and the communication hooks too; the fp16 hook's overflow is named as
-such; PowerSGD carries no NaN past the step; anomaly mode names the layer. Real ranks over 127.0.0.1.
+such; PowerSGD carries no NaN past the step; anomaly mode names the layer. The check is fused into the
+all_reduce (Note [Fused non-finite check] in csrc/distributed/reduce_probe.h): each algorithm, shared memory
+and TCP, 2, 3 and 4 ranks, a NaN in every rank's every kind of segment, and two "hosts" (network namespaces);
+a bucket reduced twice in the first accumulation cycle blames only the rank that sent the NaN. Real ranks over
+127.0.0.1.
 """
+import os
+import pickle
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
 import pytest
 
+import hosts
 import ranks
 
 import pycyxwiz as cx
@@ -522,6 +531,53 @@ def check_fused(res, world):
 def test_fused_check_names_each_rank_whatever_segment_its_nan_is_in(world, algo, transport):
     env = dict(ALGOS[algo], **({"CX_SHM": "0"} if transport == "tcp" else {}))
     check_fused(ranks.run(fused_body, world, env=env, timeout=180), world)
+
+
+HOSTS_WORKER = """
+import pickle, sys
+sys.path.insert(0, sys.argv[2])
+import pycyxwiz as cx
+import test_nonfinite as t
+cx.distributed.init()
+res = t.fused_body()
+cx.distributed.finalize()
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(res, f)
+"""
+
+
+def test_fused_check_across_two_hosts_of_two_ranks_hierarchical(tmp_path):
+    """Ranks 0, 1 on host 0 and 2, 3 on host 1 (network namespaces, tests/hosts.py): shared memory inside a host,
+    TCP across; the hierarchical all_reduce tests each rank's own values in the in-host reduce-scatter and the
+    result after the across-host all_reduce of host sums."""
+    if hosts.available() is not None:
+        pytest.skip(str(hosts.available()))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    worker = tmp_path / "worker.py"
+    worker.write_text(HOSTS_WORKER)
+    with hosts.Hosts(2) as h:
+        procs = []
+        for rank in range(4):
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CX_SHM",
+                                                                     "CX_AUTH_TOKEN_FILE")}
+            env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR=h.addrs[0], MASTER_PORT="29400", CX_AUTH_TOKEN="c0ffee" * 10,
+                       DISTRIBUTED_TIMEOUT_MS="60000", OMP_NUM_THREADS="1", **ALGOS["hierarchical"])
+            out = tmp_path / f"rank{rank}.pkl"
+            procs.append((h.popen(rank // 2, [sys.executable, str(worker), str(out), tests], env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+        res = []
+        for p, out in procs:
+            try:
+                text, _ = p.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                for q, _ in procs:
+                    q.kill()
+                    q.communicate()
+                raise AssertionError("a rank hung past 240 s")
+            assert p.returncode == 0, text[-3000:]
+            res.append(pickle.loads(out.read_bytes()))
+    check_fused(res, 4)
 
 
 def test_fused_check_on_four_ranks_halving_doubling_and_ring():

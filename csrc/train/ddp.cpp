@@ -327,7 +327,7 @@ void DistributedDataParallel::launch(size_t b) {
   if (checking() && !fused) check_->scan(b, model_->flat_grads());
   if (hook_)
     hook_->launch(b);  // comm_hooks.h
-  else if (fused)
+  else if (bk.count && fused)
     in_flight_.push_back(group_->all_reduce_probed(model_->flat_grads() + bk.offset, bk.count,
                                                    distributed::ReduceOp::kAvg, check_->probe(b), true));
   else if (bk.count)

@@ -243,7 +243,7 @@ CX_SIMD inline __m256i nonfinite_lanes(__m256 v) {
 }
 
 CX_SIMD void sum_probed_x8(float* __restrict d, const float* __restrict s, size_t n, const SumProbe& k,
-                           std::vector<BadValues>& theirs, size_t* i_out, bool* out_bad) {
+                           ReduceProbe& theirs, size_t* i_out, bool* out_bad) {
   const __m256i want_ours = _mm256_set1_epi32(k.ours >= 0 ? -1 : 0);
   const __m256i want_theirs = _mm256_set1_epi32(k.theirs >= 0 ? -1 : 0);
   __m256i out = _mm256_setzero_si256();
@@ -259,14 +259,7 @@ CX_SIMD void sum_probed_x8(float* __restrict d, const float* __restrict s, size_
       const unsigned ma = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(na)));
       const unsigned mb = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nb)));
       if (ma) record_lanes(*k.probe, k.ours, k.base + i, ma);
-      for (unsigned j = 0; j < 8; ++j)
-        if (mb >> j & 1u) {
-          const size_t e = k.base + i + j;
-          if (!theirs.empty() && theirs.back().end == e)
-            theirs.back().end = e + 1;
-          else
-            theirs.push_back({k.theirs, e, e + 1});
-        }
+      if (mb) record_lanes(theirs, k.theirs, k.base + i, mb);
     }
   }
   *i_out = i;
@@ -317,7 +310,7 @@ inline bool nonfinite(float x) {
 void sum_probed(float* dst, const float* src, size_t n, const SumProbe& k) {
   // The other rank's elements are gathered apart and appended at the end, so
   // that ours and theirs, both bad, do not split each other's ranges.
-  thread_local std::vector<BadValues> theirs;
+  thread_local ReduceProbe theirs;
   theirs.clear();
   size_t i = 0;
   bool out_bad = false;
@@ -329,14 +322,9 @@ void sum_probed(float* dst, const float* src, size_t n, const SumProbe& k) {
     dst[i] = r;
     out_bad |= nonfinite(r);
     if (k.ours >= 0 && nonfinite(a)) k.probe->add(k.ours, k.base + i, k.base + i + 1);
-    if (k.theirs >= 0 && nonfinite(b)) {
-      if (!theirs.empty() && theirs.back().end == k.base + i)
-        ++theirs.back().end;
-      else
-        theirs.push_back({k.theirs, k.base + i, k.base + i + 1});
-    }
+    if (k.theirs >= 0 && nonfinite(b)) theirs.add(k.theirs, k.base + i, k.base + i + 1);
   }
-  for (const BadValues& b : theirs) k.probe->add(b.rank, b.begin, b.end);
+  for (const BadValues& b : theirs.bad) k.probe->add(b.rank, b.begin, b.end);
   if (out_bad && k.finishes) k.probe->result_bad = true;
 }
 
