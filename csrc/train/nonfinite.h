@@ -35,8 +35,8 @@
 //     bucket found bad is looked at again, parameter by parameter, to name
 //     them. The PowerSGD hook folds its own check into the loop that adds the
 //     residual (comm_hooks.cpp).
-//   - agreement (the default): sync_gradients queues one SUM all-reduce of
-//     world + 2 * buckets float64s right behind the last bucket (a few hundred
+//   - agreement (by message, the default): sync_gradients queues one SUM
+//     all-reduce of world + 2 * buckets float64s right behind the last bucket (a few hundred
 //     bytes on the group's comm thread, so it follows the buckets without a
 //     gap): slot r is rank r's count of bad buckets, then per bucket how many
 //     ranks sent non-finite values and the sum over ranks of max |g|. Every
