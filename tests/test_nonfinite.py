@@ -633,3 +633,34 @@ def test_a_nan_average_reduced_again_in_the_first_accumulation_cycle_blames_only
         else:
             assert "This rank's own gradient was finite." in err, err
         assert out[1] == "" and seen == 1, out
+
+
+def bytes_body():
+    """Bytes this rank sends for one synced step's gradient, with the check off and on (the 10 KiB model of
+    fused_body: one bucket)."""
+    cx.set_num_threads(1)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
+    ddp = D.DistributedDataParallel(model, D.DDPConfig())
+    loss = cx.MSELoss()
+    x = np.ones((4, FUSED_IN), np.float32)
+    sent = {}
+    for mode in ("off", "raise", "off", "raise"):
+        ddp.nonfinite = mode
+        loss.forward(ddp.forward(x), np.zeros((4, FUSED_OUT), np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        before = cx._core.dist._bytes_sent()
+        ddp.sync_gradients()
+        sent.setdefault(mode, []).append(cx._core.dist._bytes_sent() - before)
+        model.zero_grad()
+    return sent
+
+
+@pytest.mark.parametrize("world, algo, extra", [(2, "recursive_doubling", 0), (2, "ring", 4), (3, "ring", 8)])
+def test_an_all_finite_step_sends_no_message_of_its_own(world, algo, extra):
+    """Where the reduction carries the result flags (the ring: a 4-byte word after each all-gather step; recursive
+    doubling on a power of two: every rank holds the whole result), the check adds those words and nothing else."""
+    for sent in ranks.run(bytes_body, world, env=ALGOS[algo], timeout=120):
+        assert sent["off"][0] == sent["off"][1] > 0, sent
+        assert sent["raise"] == [sent["off"][0] + extra] * 2, sent

@@ -455,13 +455,12 @@ ProcessGroup::WorkPtr ProcessGroup::all_reduce_probed(float* buf, size_t count, 
                 backend().all_reduce_probed(buf, count, op, &probe, cfg_.rank), async);
 }
 
-ProcessGroup::WorkPtr ProcessGroup::all_reduce_filled(double* buf, size_t count, std::function<void()> fill,
+ProcessGroup::WorkPtr ProcessGroup::all_reduce_filled(double* buf, size_t count, std::function<bool()> fill,
                                                       bool async) {
   Backend::Body run = backend().all_reduce(buf, count, DataType::kFloat64, ReduceOp::kSum, 0);
   return submit(make_desc(CollectiveKind::kAllReduce, DataType::kFloat64, ReduceOp::kSum, -1, count),
                 [fill = std::move(fill), run = std::move(run)] {
-                  fill();
-                  run();
+                  if (fill()) run();
                 },
                 async);
 }

@@ -122,7 +122,8 @@ class ProcessGroup {
   // A SUM all_reduce of float64 `buf` that `fill` writes right before it runs,
   // on the thread that runs it, so after every collective submitted before it
   // (DDP's agreement message, packed from the probes of the buckets ahead of it).
-  WorkPtr all_reduce_filled(double* buf, size_t count, std::function<void()> fill, bool async);
+  // Where `fill` returns false nothing travels: every rank's fill must say the same.
+  WorkPtr all_reduce_filled(double* buf, size_t count, std::function<bool()> fill, bool async);
   WorkPtr broadcast(void* buf, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
   WorkPtr all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
   WorkPtr reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);

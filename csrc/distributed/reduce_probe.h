@@ -32,8 +32,13 @@
 //     only its result. With one host, the reduce-scatter finishes the result.
 //   - anything else (a world of one; a backend without the fused kernels):
 //     probe_whole, one read of our own values before and of the result after.
-// So a rank learns its share of "was the result finite" (an OR across ranks,
-// which DDP's small agreement message already is) and the ranges of elements
+// So a rank learns its share of "was the result finite", and the OR across
+// ranks travels in band where that is cheap: the ring sends one flag word after
+// each all-gather step's segment (pipelined behind the data, no round trip of
+// its own), and recursive doubling on a power of two leaves every rank holding
+// the whole result anyway. Elsewhere (halving-doubling, the fold, hierarchical)
+// the probe says local_only and DDP's small agreement message does the OR.
+// And a rank learns the ranges of elements
 // where a given rank's own values were not finite. Those ranges are recorded
 // only on the rare path (a lane mask is nonzero), exactly once per element, so
 // counting them per parameter names what each rank sent; the all-finite path
@@ -59,11 +64,12 @@ struct ReduceProbe {
   bool blame = true;
   // Out, added to across reductions until the caller clears them (the comm
   // thread writes them; the caller reads after waiting on the work).
-  bool result_bad = false;        // a value this rank finished is inf or NaN
+  bool result_bad = false;        // a value this rank finished is inf or NaN (or, unless
+  bool local_only = false;        //   local_only, any rank did: the algorithm carried the flags)
   std::vector<BadValues> bad;     // rare: where some rank's own values were not finite
 
   void clear() {
-    result_bad = false;
+    result_bad = local_only = false;
     bad.clear();
   }
   // Appends [begin, end) for `rank`, merged with the last range where it continues it.

@@ -409,7 +409,7 @@ void DistributedDataParallel::sync_gradients() {
   if (fused) {  // packed on the comm thread once the buckets ahead of it have filled their probes
     fused_msg_.resize(check_->fused_size());
     in_flight_.push_back(group_->all_reduce_filled(fused_msg_.data(), fused_msg_.size(),
-                                                   [c = check_.get(), m = fused_msg_.data()] { c->pack_fused(m); },
+                                                   [c = check_.get(), m = fused_msg_.data()] { return c->pack_fused(m); },
                                                    true));
   } else if (check && by_message_) {
     std::vector<double>& msg = check_->pack();

@@ -143,22 +143,27 @@ void NonFiniteCheck::reset() {
   std::fill(checked_bad_.begin(), checked_bad_.end(), 0);
 }
 
-void NonFiniteCheck::pack_fused(double* msg) {
+bool NonFiniteCheck::pack_fused(double* msg) {
   const size_t w = static_cast<size_t>(world_);
   std::fill(msg, msg + fused_size(), 0.0);
   std::vector<char> seen(w, 0);
+  summed_ = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     for (const auto& bad : probes_[b].bad) seen[static_cast<size_t>(bad.rank)] = 1;
     if (probes_[b].result_bad) msg[w + b] = 1.0;
+    if (probes_[b].local_only) summed_ = true;  // the same on every rank: the algorithms are
   }
   for (size_t r = 0; r < w; ++r) msg[r] = seen[r];
+  return summed_;
 }
 
 NonFiniteVerdict NonFiniteCheck::decide_fused(const double* msg, const float* g, distributed::ProcessGroup& group) {
   NonFiniteVerdict v;
   const size_t w = static_cast<size_t>(world_), nb = buckets_.size();
-  for (int r = 0; r < world_; ++r)
-    if (msg[static_cast<size_t>(r)] > 0.5) v.ranks.push_back(r);
+  // Without the message (summed_ false), the result flags are every rank's already
+  // and whom to blame comes from the counts below, as it does with it.
+  bool blamed = false;
+  for (int r = 0; summed_ && r < world_; ++r) blamed |= msg[static_cast<size_t>(r)] > 0.5;
   for (size_t b = 0; b < nb; ++b) {
     if (!(msg[w + b] > 0.5) && !checked_bad_[b]) continue;  // every part of it finished finite
     const Bucket& bk = buckets_[b];
@@ -167,7 +172,7 @@ NonFiniteVerdict NonFiniteCheck::decide_fused(const double* msg, const float* g,
   }
   std::sort(v.params.begin(), v.params.end());
   v.bad = !v.params.empty();
-  if (v.bad || !v.ranks.empty()) {
+  if (v.bad || blamed) {
     // Rare: each rank's own non-finite values per parameter, from the ranges
     // the probes recorded (each element by exactly one rank).
     const auto slices = model_->param_slices();
@@ -190,6 +195,10 @@ NonFiniteVerdict NonFiniteCheck::decide_fused(const double* msg, const float* g,
       const double c = counts[static_cast<size_t>(rank_) * np + i];
       if (c > 0.5) v.own.emplace_back(i, static_cast<size_t>(c + 0.5));
     }
+    for (int r = 0; r < world_; ++r)
+      if (std::any_of(counts.begin() + static_cast<std::ptrdiff_t>(r * np),
+                      counts.begin() + static_cast<std::ptrdiff_t>((r + 1) * np), [](double c) { return c > 0.5; }))
+        v.ranks.push_back(r);
   }
   reset();
   return v;

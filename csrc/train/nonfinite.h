@@ -126,8 +126,10 @@ class NonFiniteCheck {
   // bucket's probe is filled: slot r counts the ranks that saw rank r's own
   // values bad, slot world + b the ranks that finished a non-finite part of
   // bucket b's average.
+  // False (and nothing travels, on every rank alike) where every bucket's
+  // reduction carried its result flags to every rank (ReduceProbe::local_only).
   size_t fused_size() const { return static_cast<size_t>(world_) + buckets_.size(); }
-  void pack_fused(double* msg);
+  bool pack_fused(double* msg);
   // The verdict from the summed message; a bad step (rare) reads the flagged
   // buckets of the average and all-reduces world * parameters counts of what
   // each rank sent (collective: every rank gets here alike). Resets.
@@ -155,6 +157,7 @@ class NonFiniteCheck {
   int world_, rank_;
   std::vector<uint32_t> own_bits_;                   // per bucket: max |g| bits since the last verdict
   std::vector<distributed::ReduceProbe> probes_;     // per bucket: what its reductions found (fused path)
+  bool summed_ = false;                              // pack_fused's message travelled
   std::vector<char> reduced_, checked_bad_;          // per bucket: reduced since before_accumulating; its
                                                      //   average was found not finite (this step)
   std::vector<std::pair<size_t, size_t>> own_;       // this rank's non-finite parameters since then

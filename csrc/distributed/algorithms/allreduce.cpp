@@ -52,6 +52,7 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
   int pof2 = 1;
   while (pof2 * 2 <= p) pof2 *= 2;
   const int rem = p - pof2;
+  if (pv && rem) pv->probe->local_only = true;  // the folded ranks do not see the result's flag
 
   int newrank;
   if (r < 2 * rem) {
@@ -150,15 +151,26 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
   auto mod = [p](int x) { return ((x % p) + p) % p; };
 
   // The receive sequence: (step, chunk) in order.
+  // With a probe that finishes the result (Note [Fused non-finite check]), a
+  // flag word follows each all-gather step's segment: the OR of the finished
+  // segments' flags seen so far, so after the last step every rank has all p.
+  bool* flag = first == 0 && count >= static_cast<size_t>(p) ? data.result_flag() : nullptr;
+  std::vector<uint32_t> flag_in(flag ? 2 * p : 0), flag_out(flag ? 2 * p : 0);
   struct Item {
     int step;
     size_t chunk;
+    bool is_flag;
   };
   std::vector<Item> items;
   for (int s = first; s < end; ++s) {
     size_t nc = seg_chunks(mod(r - s - 1));
-    for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
+    for (size_t c = 0; c < nc; ++c) items.push_back({s, c, false});
+    if (flag && s >= p - 1) items.push_back({s, 0, true});
   }
+  auto send_flag = [&](int step) {
+    flag_out[step] = *flag ? 1u : 0u;
+    t.isend(right, &flag_out[step], sizeof(uint32_t));
+  };
 
   const int depth = std::max(1, o.depth);
   char* scratch = scratch_space(static_cast<size_t>(depth) * chunk_elems * es);
@@ -179,6 +191,10 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
   size_t next_post = 0;
   auto post = [&](size_t k) {
     const Item& it = items[k];
+    if (it.is_flag) {
+      inflight.emplace_back(t.irecv(left, &flag_in[it.step], sizeof(uint32_t)), k);
+      return;
+    }
     size_t off, n;
     chunk_range(mod(r - it.step - 1), it.chunk, &off, &n);
     void* dst = it.step < p - 1 ? static_cast<void*>(scratch + (k % depth) * chunk_elems * es)
@@ -192,6 +208,12 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
     inflight.pop_front();
     t.wait(req);
     const Item& it = items[k];
+    if (it.is_flag) {
+      if (flag_in[it.step]) *flag = true;
+      if (next_post < items.size()) post(next_post++);
+      if (it.step + 1 < end) send_flag(it.step + 1);
+      continue;
+    }
     const int seg = mod(r - it.step - 1);
     size_t off, n;
     chunk_range(seg, it.chunk, &off, &n);
@@ -201,6 +223,7 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
       data.gathered(off, n);
     if (next_post < items.size()) post(next_post++);  // its scratch slot (k % depth) is free again
     if (it.step + 1 < end) t.isend(right, data.wire(off), n * es);
+    if (flag && it.step == p - 2 && p - 1 < end && it.chunk + 1 == seg_chunks(seg)) send_flag(p - 1);  // finished
   }
   t.wait_all();
 }
@@ -217,6 +240,7 @@ struct PlainData {
   const ProbeView* pv = nullptr;
   int me = 0, left = 0;
   char* wire(size_t off) const { return buf + off * es; }
+  bool* result_flag() const { return pv && pv->result ? &pv->probe->result_bad : nullptr; }
   void own(size_t, size_t) const {}
   void reduce(size_t off, size_t n, const char* in, bool first, bool last) const {
     reduce_probed(wire(off), in, n, dt, op, pv, off, me, first ? left : -1, last);
@@ -249,6 +273,7 @@ struct CastData {
   DataType wire_dt;
   float scale;
   uint16_t* wire(size_t off) const { return w + off; }
+  bool* result_flag() const { return nullptr; }
   void own(size_t off, size_t n) const { narrow(buf + off, scale, w + off, n, wire_dt); }
   void reduce(size_t off, size_t n, const char* in, bool, bool last) const {
     narrow_sum(buf + off, scale, reinterpret_cast<const uint16_t*>(in), w + off, n, wire_dt);

@@ -77,6 +77,7 @@ void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataTy
   std::vector<size_t> off(static_cast<size_t>(p) + 1);
   for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count / p + (static_cast<size_t>(i) < count % p ? 1 : 0);
   char* scratch = scratch_space(depth * ce * es);
+  if (pv) pv->probe->local_only = true;  // each rank finished one segment; the caller does the OR
 
   // Halving: the partner at step k is r ^ masks[k]; each step keeps the half of
   // the current range on our side of that bit. The doubling steps retrace them

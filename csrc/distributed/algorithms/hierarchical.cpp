@@ -102,6 +102,7 @@ void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t
   ring_segment(count, per_host, (local + 1) % per_host, &off, &n);
   ProbeView in_v, across_v;
   if (pv) {
+    pv->probe->local_only = true;  // the in-host all-gather carries no flags; the caller does the OR
     in_v = {pv->probe, &host, pv->base, pv->raw, pv->result && h.ranks.size() == 1};
     across_v = {pv->probe, nullptr, pv->base + off, false, pv->result && h.ranks.size() > 1};
   }

@@ -67,6 +67,7 @@ class Backend {
       if (probe->blame) probe_whole(*probe, buf, count, 0, rank, true);
       run();
       probe_whole(*probe, buf, count, 0, rank, false);
+      probe->local_only = true;
     };
   }
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
