@@ -14,15 +14,21 @@
 //     learns whether that part is finite, and each rank's own value of each
 //     element is tested exactly once (by itself, or, for what it sends unread,
 //     by the rank that adds it), which records where it was not finite (rare).
-//     sync_gradients queues a SUM all-reduce of world + buckets float64s right
-//     behind the last bucket, packed on the comm thread when the buckets ahead
-//     of it are done (all_reduce_filled): slot r counts the ranks that saw rank
-//     r's own values bad, slot world + b the ranks whose part of bucket b's
-//     average is not finite. Every rank gets the same numbers and takes the
-//     same decision. Only a bad step does more: the flagged buckets of the
-//     average (the same bytes on every rank) are read to name the parameters,
-//     and one all-reduce of world * parameters counts tells each rank which of
-//     its own parameters were bad (decide_fused).
+//     Where the algorithm carried the result flags to every rank (the ring,
+//     recursive doubling on a power of two) every rank already knows, per
+//     bucket, whether the average is finite, and nothing more travels. Else
+//     (halving-doubling, the fold of recursive doubling, hierarchical:
+//     ReduceProbe::local_only, the same on every rank) sync_gradients' SUM
+//     all-reduce of world + buckets float64s right behind the last bucket,
+//     packed on the comm thread when the buckets ahead of it are done
+//     (all_reduce_filled, which sends nothing where no bucket needs it), does
+//     the OR: slot world + b counts the ranks whose part of bucket b's average
+//     is not finite (slot r: the ranks that saw rank r's own values bad).
+//     Every rank gets the same flags and takes the same decision. Only a bad
+//     step does more: the flagged buckets of the average (the same bytes on
+//     every rank) are read to name the parameters, and one all-reduce of
+//     world * parameters counts tells every rank which ranks' own values were
+//     bad, and where (decide_fused).
 //   - a bucket reduced twice in a step (the first accumulation cycle): Note [A
 //     bucket reduced twice] in nonfinite.cpp.
 // Elsewhere (a communication hook, one rank, ZeRO-1, join(), or the benchmark's

@@ -36,7 +36,8 @@ struct AlgoOptions {
 };
 
 // `pv` (float32 SUM/AVG only): test for non-finite values while reducing
-// (Note [Fused non-finite check] in reduce_probe.h).
+// (Note [Fused non-finite check] in reduce_probe.h); the ring then also sends a
+// 4-byte flag word after each all-gather step. Every rank passes one or none.
 void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o,
                 const ProbeView* pv = nullptr);
 void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o,
