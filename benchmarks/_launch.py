@@ -67,11 +67,14 @@ MPI_INSTALL_HINT = (
 # shared memory; "mpi-default" lets Open MPI pick shared memory (vader) likewise.
 LIBRARIES = ("pycyxwiz", "pycyxwiz-shm", "gloo", "mpi-tcp", "mpi-default")
 # Columns for ranks on several hosts (`link` with `per_host` > 1), not run by default: pycyxwiz with
-# shared memory inside a host and its collectives forced flat or hierarchical (CX_ALGORITHM).
-ALGORITHM_COLUMNS = ("pycyxwiz-flat", "pycyxwiz-hier")
+# shared memory inside a host and its collectives forced flat or hierarchical (CX_ALGORITHM);
+# "pycyxwiz-hier-seq" is hierarchical in one slice: its phases one after the other, not pipelined
+# (Note [Pipelined hierarchical all_reduce]).
+ALGORITHM_COLUMNS = ("pycyxwiz-flat", "pycyxwiz-hier", "pycyxwiz-hier-seq")
 LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
            "pycyxwiz-flat": {"CX_SHM": "1", "CX_ALGORITHM": "flat"},
-           "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"}}
+           "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"},
+           "pycyxwiz-hier-seq": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical", "CX_HIER_SLICE_BYTES": str(1 << 40)}}
 MPI_MCA = {
     "mpi-tcp": ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-default": [],

@@ -31,7 +31,8 @@ figures then say what each library loses when its cores are wanted by someone el
 
 With --link RATE every host is a network namespace behind a link shaped to RATE (benchmarks._launch),
 --per-host K ranks on each (shared memory inside a host); columns pycyxwiz-flat and pycyxwiz-hier force
-CX_ALGORITHM=flat / hierarchical (ratio hier/flat).
+CX_ALGORITHM=flat / hierarchical (ratio hier/flat); pycyxwiz-hier-seq is hierarchical in one slice, its
+phases one after the other (ratio seq/flat).
 
 Writes benchmarks/results/partial/<name>.json and <name>.png (name defaults to the op's short name).
 """
@@ -175,6 +176,8 @@ def tables(payload: dict, markdown: bool = False) -> str:
         pairs = [("pycyxwiz", lib, f"cx/{lib}") for lib in libs if has_cx and lib in ("gloo", "mpi-tcp")]
         if "pycyxwiz-hier" in libs and "pycyxwiz-flat" in libs:
             pairs.append(("pycyxwiz-hier", "pycyxwiz-flat", "hier/flat"))
+        if "pycyxwiz-hier-seq" in libs and "pycyxwiz-flat" in libs:
+            pairs.append(("pycyxwiz-hier-seq", "pycyxwiz-flat", "seq/flat"))
         if "mpi-default" in libs:
             if "pycyxwiz-shm" in libs:
                 pairs.append(("pycyxwiz-shm", "mpi-default", "shm/mpi-default"))

@@ -20,6 +20,12 @@ message in bytes, pof2 = the largest power of two <= p):
   hierarchical         2(L-1) shared-memory ring steps of n/L, and in between the all_reduce of n/L among
                        the H ranks of a column, all L columns at once through the NIC (the chosen inner
                        algorithm's cost with L x its bytes per NIC)
+  hier-pipe            the pipelined hierarchical all_reduce (Note [Pipelined hierarchical all_reduce] in
+                       hierarchical.cpp): K slices of s = n/K; per slice the ring halves inside the host
+                       ((L-1) shared-memory steps of s/L each) and a direct reduce-scatter + all-gather across
+                       hosts (2 steps; the NIC carries (H-1)/H s per step); the phases of different slices
+                       overlap, so the time is the slowest phase K times plus the fill (one slice's
+                       reduce-scatter) and the drain (one slice's all-gather); K as pycyxwiz picks it
   tree (reference)     a pipelined binary tree (reduce then broadcast), as NCCL's: 2 log2(p) alpha_n +
                        2 n beta_n (the pipeline's fill ignored); not implemented in pycyxwiz
 
@@ -158,11 +164,38 @@ def hierarchical(H: int, L: int, n: float, net: Link, shm: Link = SHM, inner: st
     return intra + (t if t is not None else ring(H, 1, n / L, wide, shm))
 
 
+# hierarchical.cpp: slice = sqrt(n * SLICE_SCALE * L/(L-1)), pipelined up to PIPELINED_MAX_HOSTS hosts
+SLICE_SCALE = 128 << 10
+PIPELINED_MAX_HOSTS = 8
+
+
+def slices(H: int, L: int, n: float) -> int:
+    """The number of slices pycyxwiz cuts n bytes into (slice_count in hierarchical.cpp)."""
+    if L == 1:
+        return 1
+    return max(1, math.ceil(n / math.sqrt(n * SLICE_SCALE * L / (L - 1))))
+
+
+def hierarchical_pipelined(H: int, L: int, n: float, net: Link, shm: Link = SHM, k: int | None = None) -> float:
+    """The minimum of n / s * (alpha_n + ...) + 2 (L-1) s/L beta_s over s is at s = sqrt(n alpha_n/beta_s
+    L/(L-1)): what slices() computes with this VM's alpha_n/beta_s (~120 KB)."""
+    k = k or slices(H, L, n)
+    s = n / k
+    half = (L - 1) * shm.cost(s / L) if L > 1 else 0.0           # one slice's reduce-scatter (or all-gather)
+    across = 2 * (net.alpha + (H - 1) / H * s * net.beta)         # its trip across hosts, all L columns at once
+    return 2 * half + k * max(across, 2 * half)
+
+
+def pipelines(H: int, L: int, n: float, th: Thresholds = Thresholds()) -> bool:
+    """hierarchical.cpp's `pipelined` (no slice forced)."""
+    return H <= PIPELINED_MAX_HOSTS and n / L > (th.small_2 if H * L <= 2 else th.small)
+
+
 def picked(H: int, L: int, n: float, th: Thresholds = Thresholds()) -> str:
     """What pycyxwiz runs: CX_ALGORITHM=auto (Note [When to go hierarchical] in cpu_backend.cpp)."""
     p = H * L
     if H > 1 and L > 1 and n >= th.hierarchical_from:
-        return "hierarchical/" + th.flat(p, n / L, H)
+        return "hier-pipe" if pipelines(H, L, n, th) else "hierarchical/" + th.flat(p, n / L, H)
     return th.flat(p, n)
 
 
@@ -172,11 +205,13 @@ def cost(name: str, H: int, L: int, n: float, net: Link, shm: Link = SHM) -> flo
         return hierarchical(H, L, n, net, shm, inner)
     if name == "tree":
         return tree(H, L, n, net, shm)
+    if name == "hier-pipe":
+        return hierarchical_pipelined(H, L, n, net, shm) if H <= PIPELINED_MAX_HOSTS else None
     return FLAT[name](H, L, n, net, shm)
 
 
 CANDIDATES = ("ring", "recursive_doubling", "halving_doubling", "hierarchical/ring",
-              "hierarchical/recursive_doubling", "hierarchical/halving_doubling", "halving_doubling_nearest",
+              "hierarchical/recursive_doubling", "hierarchical/halving_doubling", "hier-pipe", "halving_doubling_nearest",
               "tree")
 NOT_IMPLEMENTED = ("tree", "halving_doubling_nearest")
 
@@ -184,13 +219,13 @@ NOT_IMPLEMENTED = ("tree", "halving_doubling_nearest")
 def best(H: int, L: int, n: float, net: Link, shm: Link = SHM, implemented_only: bool = True) -> tuple[str, float]:
     names = [c for c in CANDIDATES if not (implemented_only and c in NOT_IMPLEMENTED)]
     if L == 1 or H == 1:
-        names = [c for c in names if not c.startswith("hierarchical")]
+        names = [c for c in names if not c.startswith("hier")]
     costs = [(c, cost(c, H, L, n, net, shm)) for c in names]
     return min(((c, t) for c, t in costs if t is not None), key=lambda ct: ct[1])
 
 
 SHORT = {"ring": "ring", "recursive_doubling": "RD", "halving_doubling": "HD", "tree": "tree",
-         "halving_doubling_nearest": "HD-near"}
+         "halving_doubling_nearest": "HD-near", "hier-pipe": "hier-pipe"}
 
 
 def short(name: str) -> str:
@@ -260,7 +295,8 @@ def validate(link: str, points, sizes, log=print) -> dict:
         for n in sizes:
             t = _median_time(run, n)
             th = Thresholds()
-            name = ("hierarchical/" + th.flat(H * L, n / L, H)) if col == "hier" else th.flat(H * L, n)
+            name = ((("hier-pipe" if pipelines(H, L, n, th) else "hierarchical/" + th.flat(H * L, n / L, H)))
+                    if col == "hier" else th.flat(H * L, n))
             pred = cost(name, H, L, n, net, shm)
             err = (pred / t - 1) if t else None
             out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n,

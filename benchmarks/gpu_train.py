@@ -4,6 +4,7 @@ against pycyxwiz on the CPU, side by side in one run.
 
     python benchmarks/gpu_train.py                # after pip install . on a GPU machine
     python benchmarks/gpu_train.py --epochs 2 --samples 30000
+    python benchmarks/gpu_train.py --checks       # the non-finite check's cost: nonfinite "raise" vs "off"
 
 Same MLP, data, batch size and optimizer (Adam 1e-3) for all three; every loop copies each
 batch from host memory to the device once (PyTorch: x[idx].to('cuda') with a pinned-free
@@ -40,7 +41,7 @@ def build_cx(cx, sizes):
     return m
 
 
-def run_cx(backend: str, sizes, X, y, batch: int, epochs: int) -> float:
+def run_cx(backend: str, sizes, X, y, batch: int, epochs: int, nonfinite: str = "raise") -> float:
     import pycyxwiz as cx
 
     D = cx.distributed
@@ -51,7 +52,7 @@ def run_cx(backend: str, sizes, X, y, batch: int, epochs: int) -> float:
         model = build_cx(cx, sizes)
         tr = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
         c = D.DistributedTrainingConfig()
-        c.batch_size, c.verbose, c.shuffle = batch, False, True
+        c.batch_size, c.verbose, c.shuffle, c.nonfinite = batch, False, True, nonfinite
         c.epochs = 1
         tr.fit(X[: batch * 20], y[: batch * 20], c)  # warm-up: allocations, cuBLAS handles, NCCL
         c.epochs = epochs
@@ -109,8 +110,13 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=60000)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--no-cpu", action="store_true", help="skip pycyxwiz on the CPU (slow for the big model)")
+    ap.add_argument("--checks", action="store_true",
+                    help="only the GPU trainer with nonfinite='raise' against 'off', alternating (--rounds each)")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     X, y = data(args.samples, 784, 10)
+    if args.checks:
+        return checks(X, y, args.epochs, args.rounds)
     rows = []
     print("== training throughput, global samples/s (world size 1, Adam, CrossEntropy)", flush=True)
     print(f"{'model':>22} {'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx CPU':>10} {'cx/torch':>9} {'GPU/CPU':>8}")
@@ -131,6 +137,30 @@ def main() -> int:
                   flush=True)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "partial", "gpu_train.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+def checks(X, y, epochs: int, rounds: int) -> int:
+    """The cost of the GPU trainer's non-finite check (Note [Non-finite gradients on the GPU]): the same fit with
+    nonfinite "raise" and "off", alternating, best of `rounds` each; ratio of samples/s (1.00x: free)."""
+    print(f"== non-finite check on the GPU: samples/s, best of {rounds} alternating rounds (world size 1, Adam)")
+    print(f"{'model':>22} {'batch':>6} {'off':>10} {'raise':>10} {'raise/off':>10} {'rounds raise/off':>28}")
+    rows = []
+    for sizes in ([784, 256, 10], [784, 2048, 2048, 10]):
+        for batch in (64, 512, 4096):
+            off, on = [], []
+            for _ in range(rounds):
+                off.append(run_cx("nccl", sizes, X, y, batch, epochs, "off"))
+                on.append(run_cx("nccl", sizes, X, y, batch, epochs, "raise"))
+            per = ", ".join(f"{a / b:.3f}" for a, b in zip(on, off))
+            row = dict(model="-".join(map(str, sizes)), batch=batch, off=max(off), raise_=max(on),
+                       ratio=max(on) / max(off), rounds=[a / b for a, b in zip(on, off)])
+            rows.append(row)
+            print(f"{row['model']:>22} {batch:>6} {max(off):>10.0f} {max(on):>10.0f} {row['ratio']:>9.3f}x "
+                  f"{per:>28}", flush=True)
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "partial", "gpu_checks.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 

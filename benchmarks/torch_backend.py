@@ -3,6 +3,7 @@
     python -m benchmarks.torch_backend               # all_reduce and DDP, 2 and 4 ranks, 127.0.0.1 and 1gbit links
     python -m benchmarks.torch_backend --quick       # smoke run: fewer sizes, calls and steps, one round
     python -m benchmarks.torch_backend --parts allreduce --worlds 2
+    python -m benchmarks.torch_backend --parts allreduce --columns paired --sizes 8 64K   # the backend's cost
     python -m benchmarks.torch_backend --no-link     # DDP over 127.0.0.1 only
 
 Two parts, every column its own set of processes (benchmarks._launch), side by side in one run:
@@ -554,13 +555,16 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sizes", nargs="+", help="all_reduce sizes (8, 64K, 1M, ...; default 8 B .. 64 MiB)")
     ap.add_argument("--rounds", type=int, help="rounds per column, best kept (default 2; 1 with --quick)")
+    ap.add_argument("--columns", nargs="+", choices=list(AR_COLUMNS), help="all_reduce columns to run (default: "
+                    "all; e.g. --columns paired for the backend's cost alone)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--link", metavar="RATE", default=LINK, help=f"DDP again with each rank on a host of its own "
                     f"behind links shaped to RATE (default {LINK}; root and iproute2)")
     ap.add_argument("--no-link", action="store_true", help="DDP over 127.0.0.1 only")
     a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes] if a.sizes else None
-    payload = run(a.worlds, sizes, a.quick, a.parts, None if a.no_link else a.link, a.rounds, models=a.models)
+    payload = run(a.worlds, sizes, a.quick, a.parts, None if a.no_link else a.link, a.rounds, ar_cols=a.columns,
+                  models=a.models)
     print()
     print(tables(payload))
     print(f"\nwrote {write_json('torch_backend', payload)}")

@@ -74,7 +74,8 @@ def spawn(fn: Callable, world: int, args: tuple = (), env: Optional[dict] = None
           init: bool = True, per_rank_env: Optional[dict] = None, start_delay: Optional[dict] = None) -> list:
     """Start `world` ranks of fn; return one Outcome per rank (never raises for rank errors).
 
-    A rank still running after `timeout` seconds is killed and reported as hung.
+    A rank still running after `timeout` seconds is killed and reported as hung. start_delay: {rank: seconds
+    to wait before starting it, or a threading.Event it waits for}.
     """
     ctx = mp.get_context("spawn")
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DISTRIBUTED_TIMEOUT_MS": 20000,
@@ -87,7 +88,11 @@ def spawn(fn: Callable, world: int, args: tuple = (), env: Optional[dict] = None
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, args=(fn, r, world, e, args, init, child), daemon=True)
         if start_delay and r in start_delay:
-            time.sleep(start_delay[r])
+            gate = start_delay[r]  # seconds, or an Event: rank r starts once it is set (or after `timeout`)
+            if hasattr(gate, "wait"):
+                gate.wait(timeout)
+            else:
+                time.sleep(gate)
         # The child inherits the environment at start: so what it imports before _child runs (the
         # test module, pycyxwiz, OpenBLAS reading OPENBLAS_NUM_THREADS) already sees e.
         saved = {k: os.environ.get(k) for k in e}

@@ -256,8 +256,33 @@ def test_strangers_without_the_secret_are_cut_off_and_the_job_finishes(when, cap
 # ---- a stranger who sniffed the group's nonce ---------------------------------------------------------
 
 
+def ports_our_ranks_listen_on():
+    """The TCP ports that child processes of this test (its ranks) listen on: a hello sniffed on the
+    loopback may come from another job on the same machine, and only our rank 0's port is the target."""
+    me = str(os.getpid())
+    inodes = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] != me:
+                    continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue  # gone meanwhile
+    ports = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.add(int(cols[1].split(":")[1], 16))
+    return ports
+
+
 def sniff_mesh_hello(stop, found):
-    """Reads loopback traffic for a rank's mesh hello (CXH2 | rank | group nonce | nonce)."""
+    """Reads loopback traffic for a rank's mesh hello (CXH2 | rank | group nonce | nonce) to one of our ranks."""
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
     s.bind(("lo", 0))
     s.settimeout(0.2)
@@ -272,8 +297,12 @@ def sniff_mesh_hello(stop, found):
         tcp = pkt[14 + ihl:]
         payload = tcp[(tcp[12] >> 4) * 4:]
         if len(payload) >= 48 and struct.unpack_from("<I", payload)[0] == w.MESH_MAGIC:
+            port = struct.unpack_from(">H", tcp, 2)[0]  # where the hello went: a rank's data port
+            if port not in ports_our_ranks_listen_on():
+                found["others"] = found.get("others", 0) + 1  # another job's hello on this machine
+                continue
             found["rank"], found["nonce"] = struct.unpack_from("<iQ", payload, 4)
-            found["port"] = struct.unpack_from(">H", tcp, 2)[0]  # where the hello went: a rank's data port
+            found["port"] = port
     s.close()
 
 
@@ -290,11 +319,18 @@ def test_a_stranger_with_a_sniffed_group_nonce_cannot_join_as_a_rank(capfd):
     # The issue's impersonation: a stranger who knows the group's nonce connects to rank 0's data
     # port as the rank that has not come yet, and would add 1000 to every sum. The nonce is not
     # enough: without the secret, rank 0 drops it and the real rank is taken.
-    stop, found, attack = threading.Event(), {}, {}
+    # Rank 2 starts only once the attack is over (attacked): a fixed delay lost the race on a loaded machine.
+    stop, attacked, found, attack = threading.Event(), threading.Event(), {}, {}
     sniffer = threading.Thread(target=sniff_mesh_hello, args=(stop, found))
     sniffer.start()
 
     def impersonate():
+        try:
+            attempt()
+        finally:
+            attacked.set()
+
+    def attempt():
         end = time.monotonic() + 20
         while "nonce" not in found and time.monotonic() < end:
             time.sleep(0.01)
@@ -316,7 +352,7 @@ def test_a_stranger_with_a_sniffed_group_nonce_cannot_join_as_a_rank(capfd):
     t = threading.Thread(target=impersonate)
     t.start()
     try:
-        values = ranks.run(sum_of_ranks, world=3, env={"CX_AUTH_TOKEN": SECRET, "CX_SHM": "0"}, start_delay={2: 2.0})
+        values = ranks.run(sum_of_ranks, world=3, env={"CX_AUTH_TOKEN": SECRET, "CX_SHM": "0"}, start_delay={2: attacked})
     finally:
         stop.set()
         sniffer.join(10)

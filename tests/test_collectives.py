@@ -201,6 +201,26 @@ def test_reduce_scatter_with_tiny_chunks():
         assert fails == []
 
 
+def reduce_scatter_large(n):
+    """Block k of rank j holds (i % 251) + j, so block r's sum is p * (i % 251) + p(p-1)/2, exact in float32."""
+    r, p = D.get_rank(), D.get_world_size()
+    ins = np.tile((np.arange(n, dtype=np.float32) % 251) + r, (p, 1))
+    out = np.empty(n, np.float32)
+    D.reduce_scatter(out, ins)
+    want = p * (np.arange(n, dtype=np.float32) % 251) + p * (p - 1) // 2
+    return bool(np.array_equal(out, want))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_reduce_scatter_of_blocks_larger_than_the_transport_buffers_completes(world, shm):
+    # Note [Reduce-scatter in groups of chunks]: 16 MiB blocks are 32 chunks, more than the slots and the socket or
+    # shared-memory buffers hold; the ring deadlocked there until the operation deadline.
+    outs = ranks.run(reduce_scatter_large, world, args=(4 << 20,), timeout=120,
+                     env={"CX_SHM": shm, "DISTRIBUTED_OPERATION_TIMEOUT_MS": 30000})
+    assert outs == [True] * world
+
+
 # ---- reduce / scatter / gather / all_to_all ------------------------------------------
 
 def rooted_body(n):

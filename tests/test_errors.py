@@ -395,6 +395,8 @@ def test_init_twice_is_refused(monkeypatch):
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_CHUNK_BYTES": "1M"}, "CX_CHUNK_BYTES='1M'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_HD_MAX_BYTES": "-5"}, "CX_HD_MAX_BYTES='-5'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SPIN_US": "fast"}, "CX_SPIN_US='fast'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_HIER_SLICE_BYTES": "0"},
+     "CX_HIER_SLICE_BYTES='0' is not valid: expected bytes (1 .. 2^40)"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_ALGORITHM": "tree"},
      "CX_ALGORITHM='tree' is not valid: expected 'auto', 'flat' or 'hierarchical'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM": "yes"}, "CX_SHM='yes' is not valid: expected 0 (TCP only) or 1"),
@@ -407,7 +409,7 @@ def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, need
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
               "DISTRIBUTED_OPERATION_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
               "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES", "CX_SOCKET_BUFFER_BYTES",
-              "LOCAL_WORLD_SIZE", "CX_ALGORITHM"]:
+              "LOCAL_WORLD_SIZE", "CX_ALGORITHM", "CX_HIER_SLICE_BYTES"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

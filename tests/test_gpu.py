@@ -561,3 +561,69 @@ def test_the_gpu_trainer_refuses_gradient_clipping_and_ema_by_name():
     assert "grad_clip_norm is not supported on the GPU yet" in _refusal_on_the_gpu(clip)
     msg = _refusal_on_the_gpu(lambda cfg: [cx.callbacks.EMA(0.9)])
     assert msg.startswith("callback EMA.on_train_begin: EMA is not supported on the GPU trainer yet"), msg
+
+
+# ---- non-finite gradients on the GPU (Note [Non-finite gradients on the GPU] in csrc/train/gpu_engine.cpp) ----
+
+NAN_FIT = """
+import sys, warnings
+import numpy as np
+import pycyxwiz as cx
+from pycyxwiz.datasets import load_digits
+D = cx.distributed
+mode, out, opt = sys.argv[1], sys.argv[2], sys.argv[3]
+D.init()
+X, y = load_digits()
+X = X.copy()
+X[17, 5] = np.nan
+m = cx.SequentialModel()
+m.add(cx.LinearModule(64, 16, seed=1))
+m.add(cx.ReLUModule())
+m.add(cx.LinearModule(16, 10, seed=2))
+cfg = D.DistributedTrainingConfig(epochs=2, batch_size=64, verbose=False, nonfinite=mode)
+t = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05) if opt == "sgd" else cx.AdamOptimizer(0.01))
+error, skipped = "", -1
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        skipped = t.fit(X, y, cfg).skipped_steps
+    except D.NonFiniteError as e:
+        error = str(e)
+np.savez(out, error=error, skipped=skipped, params=m.flat_parameters(), device=t.device,
+         warnings=np.array([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] or [""]))
+D.finalize()
+"""
+
+
+def _nan_fit(tmp_path, mode, backend, opt):
+    out = tmp_path / f"nan-{mode}-{opt}-{backend}.npz"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND=backend, CX_TIMEOUT_SECONDS="60")
+    r = subprocess.run([sys.executable, "-c", NAN_FIT, mode, str(out), opt], env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = dict(np.load(out))
+    return dict(d, error=str(d["error"]), device=str(d["device"]), skipped=int(d["skipped"]),
+                warnings=[str(w) for w in d["warnings"]])
+
+
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("mode,opt", [("raise", "sgd"), ("skip", "sgd"), ("skip", "adam"), ("warn", "sgd")])
+def test_the_gpu_trainer_finds_non_finite_gradients_as_the_cpu_trainer_does(tmp_path, mode, opt):
+    """A NaN in one input row: the GPU engine's device check gives the CPU DDP's verdict, word for word; a
+    skipped step leaves the optimizer as it was (Adam's step count too: the parameters match the CPU's)."""
+    cpu, gpu_ = _nan_fit(tmp_path, mode, "cpu", opt), _nan_fit(tmp_path, mode, "nccl", opt)
+    assert str(cpu["device"]) == "" and str(gpu_["device"]).startswith("cuda:0 ("), gpu_["device"]
+    if mode == "raise":
+        assert "The ranks whose own gradient was already not finite: [0]" in cpu["error"], cpu["error"]
+        assert str(gpu_["error"]) == str(cpu["error"])
+    elif mode == "skip":
+        assert str(cpu["error"]) == str(gpu_["error"]) == ""
+        assert int(cpu["skipped"]) == int(gpu_["skipped"]) == 2  # the NaN row is in one batch per epoch
+        assert np.isfinite(gpu_["params"]).all()
+        assert _rel(gpu_["params"], cpu["params"]) < 1e-4
+    else:
+        assert str(cpu["error"]) == str(gpu_["error"]) == ""
+        assert any("The step is taken (DDPConfig.nonfinite = 'warn')" in w for w in cpu["warnings"]), cpu["warnings"]
+        assert list(gpu_["warnings"]) == list(cpu["warnings"])

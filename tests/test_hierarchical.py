@@ -14,6 +14,7 @@ import time
 import pytest
 
 import hosts
+from refs import OPS, REDUCE_DTYPES, valid_pair
 
 pytestmark = pytest.mark.skipif(hosts.available() is not None, reason=str(hosts.available()))
 
@@ -77,6 +78,23 @@ WORKER = textwrap.dedent("""
                     if not np.array_equal(y, contribution(root, n, dtype, "MAX")):
                         bad.append(f"broadcast {dtype} n={n} root={root}")
         return {"bad": bad, "digest": digest.hexdigest()}
+
+    def all_reduces():
+        # all_reduce alone, every dtype and op, at the sizes in CX_TEST_SIZES; a digest per call
+        r, p = D.get_rank(), D.get_world_size()
+        bad, digests = [], {}
+        for n in map(int, os.environ["CX_TEST_SIZES"].split(",")):
+            for dtype in REDUCE_DTYPES:
+                kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+                for op in OPS:
+                    if not valid_pair(dtype, op):
+                        continue
+                    x = contribution(r, n, dtype, op)
+                    D.all_reduce(x, op=getattr(D.ReduceOp, op), **kw)
+                    if not np.array_equal(x, expected(p, n, dtype, op)):
+                        bad.append(f"all_reduce {dtype} {op} n={n}")
+                    digests[f"{dtype} {op} n={n}"] = hashlib.sha256(x.tobytes()).hexdigest()
+        return {"bad": bad, "digests": digests}
 
     def loop():
         # All-reduces of 1 MiB; the last rank dies in the middle of them.
@@ -151,6 +169,33 @@ def test_hierarchical_and_flat_give_numpy_results_and_the_same_bits(tmp_path, n_
         assert a["digest"] == b["digest"]  # every output, bit for bit (reduce_scatter differs by rank)
         assert any(f"hierarchical across {n_hosts} hosts of {per_host} ranks" in m for m in a["setup"]), a["setup"]
         assert not any("hierarchical" in m for m in b["setup"]), b["setup"]
+
+
+# Slices of the pipelined all_reduce (Note [Pipelined hierarchical all_reduce]): 1000 bytes cut every size
+# here into many slices of unequal lengths (1000 is no multiple of 8 or 6), and parts of 1 element; the
+# model's slices (no CX_HIER_SLICE_BYTES) cut 262147 float64 (2 MiB) into 3 on 2x2 and 4 on 2x3.
+SLICED_SIZES = "1,5,6,7,13,1000,4097,30001"
+MODEL_SIZES = "4097,262147"
+
+
+@pytest.mark.parametrize("n_hosts,per_host", [(2, 2), (2, 3), (3, 2)])
+def test_pipelined_all_reduce_gives_numpy_results_and_the_flat_bits(tmp_path, n_hosts, per_host):
+    with hosts.Hosts(n_hosts) as h:
+        sliced = run_job(h, tmp_path, "all_reduces", per_host, "sliced", CX_ALGORITHM="hierarchical",
+                         CX_HIER_SLICE_BYTES=1000, CX_CHUNK_BYTES=256, CX_TEST_SIZES=SLICED_SIZES)
+        model = run_job(h, tmp_path, "all_reduces", per_host, "model", CX_ALGORITHM="hierarchical",
+                        CX_TEST_SIZES=MODEL_SIZES)
+        flat = run_job(h, tmp_path, "all_reduces", per_host, "flat", CX_ALGORITHM="flat",
+                       CX_TEST_SIZES=SLICED_SIZES + "," + MODEL_SIZES)
+    for a, b, c in zip(sliced, model, flat):
+        for r in (a, b, c):
+            assert r["ok"] and r["bad"] == [], r
+        pairs = sum(valid_pair(d, op) for d in REDUCE_DTYPES for op in OPS)
+        assert len(a["digests"]) == 8 * pairs and len(b["digests"]) == 2 * pairs
+        assert a["digests"] == {k: c["digests"][k] for k in a["digests"]}
+        assert b["digests"] == {k: c["digests"][k] for k in b["digests"]}
+        assert any("slices of 1000 bytes" in m for m in a["setup"]), a["setup"]
+        assert any("slices from the cost model" in m for m in b["setup"]), b["setup"]
 
 
 @pytest.mark.parametrize("n_hosts,per_host,picked", [(2, 2, True), (3, 1, False)])

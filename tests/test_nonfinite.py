@@ -664,3 +664,28 @@ def test_an_all_finite_step_sends_no_message_of_its_own(world, algo, extra):
     for sent in ranks.run(bytes_body, world, env=ALGOS[algo], timeout=120):
         assert sent["off"][0] == sent["off"][1] > 0, sent
         assert sent["raise"] == [sent["off"][0] + extra] * 2, sent
+
+
+def fit_warn_diverged():
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from pycyxwiz.datasets import load_digits
+        X, y = load_digits()
+        X = X.copy()
+        X[17, 5] = np.nan
+        m = cx.SequentialModel()
+        m.add(cx.LinearModule(64, 16, seed=1))
+        m.add(cx.ReLUModule())
+        m.add(cx.LinearModule(16, 10, seed=2))
+        cfg = D.DistributedTrainingConfig(epochs=2, batch_size=64, verbose=False, nonfinite="warn")
+        h = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05)).fit(X, y, cfg)
+    return h.train_losses, h.train_accuracies, sum(issubclass(w.category, RuntimeWarning) for w in caught)
+
+
+def test_fit_warn_on_a_model_gone_nan_finishes_with_nan_figures():
+    """"warn" takes the bad step, so every later loss is NaN and left out: an epoch with no finite step has NaN
+    figures (it divided by zero)."""
+    for losses, accs, warned in ranks.run(fit_warn_diverged, 2, timeout=180):
+        assert len(losses) == 2 and np.isfinite(losses[0]) and np.isnan(losses[1]) and np.isnan(accs[1])
+        assert warned >= 2 * 14  # the gradient and the loss, every step of the second epoch (14 per rank)

@@ -359,6 +359,91 @@ def test_a_mismatched_call_raises_a_named_error_on_every_rank():
         assert "all_reduce" in o.message and ("10" in o.message and "20" in o.message), o.message
 
 
+def handles_of_blocking_and_async_calls() -> dict:
+    import torch.distributed as dist
+
+    _init()
+    pg = dist.distributed_c10d._get_default_group()
+    r = dist.get_rank()
+    out: dict = {}
+    # Blocking (asyncOp False, as torch's wrappers pass it): done on return, and None stands for "done".
+    blocking = dist.AllreduceOptions()
+    blocking.asyncOp = False
+    t = torch.full((5,), float(r + 1))
+    out["blocking_returns"] = repr(pg.allreduce([t], blocking))
+    out["blocking_value"] = t.tolist()
+    bar = dist.BarrierOptions()
+    bar.asyncOp = False
+    out["blocking_barrier_returns"] = repr(pg.barrier(bar))
+    by_hand = pg.barrier()  # no options: blocking, and a completed Work as before
+    out["barrier_no_opts"] = isinstance(by_hand, dist.Work) and by_hand.is_completed() and by_hand.wait()
+    # Default options (asyncOp True, as DDP's reducer calls the group): a Work, done by the group's thread.
+    t2 = torch.full((5,), float(r + 1))
+    work = pg.allreduce([t2], dist.AllreduceOptions())
+    out["async_is_work"] = isinstance(work, dist.Work)
+    fut = work.get_future()
+    out["wait"] = work.wait()
+    out["completed"] = work.is_completed()
+    out["future"] = fut.wait()[0].tolist()
+    out["result"] = work.result()[0].tolist()
+    out["value"] = t2.tolist()
+    # A future asked for after the collective is done is complete at once, and holds the same tensors.
+    late = work.get_future()
+    out["late_future_done"] = late.done()
+    out["late_future"] = late.wait()[0].tolist()
+    # The async forms of the other collectives through torch's wrappers: a Work each, right values.
+    b = torch.full((3,), float(r + 1))
+    wb = dist.broadcast(b, src=1, async_op=True)
+    out["broadcast_work"] = isinstance(wb, dist.Work) and wb.wait()
+    out["broadcast"] = b.tolist()
+    wbar = dist.barrier(async_op=True)
+    out["barrier_work"] = isinstance(wbar, dist.Work) and wbar.wait() and wbar.is_completed()
+    dist.destroy_process_group()
+    return out
+
+
+def test_blocking_calls_return_done_and_async_calls_a_work_whose_future_holds_the_result():
+    for r, out in enumerate(ranks.run(handles_of_blocking_and_async_calls, 2, init=False, timeout=60)):
+        assert out["blocking_returns"] == "None" and out["blocking_value"] == [3.0] * 5, out
+        assert out["blocking_barrier_returns"] == "None" and out["barrier_no_opts"] is True, out
+        assert out["async_is_work"] and out["wait"] is True and out["completed"] is True, out
+        assert out["future"] == out["result"] == out["value"] == [3.0] * 5, out
+        assert out["late_future_done"] is True and out["late_future"] == [3.0] * 5, out
+        assert out["broadcast_work"] is True and out["broadcast"] == [2.0] * 3, out
+        assert out["barrier_work"] is True, out
+
+
+def mismatched_async_call() -> dict:
+    import torch.distributed as dist
+
+    _init()
+    r = dist.get_rank()
+    work = dist.all_reduce(torch.ones(10 if r == 0 else 20), async_op=True)
+    fut = work.get_future()
+    errs = {}
+    for name, wait in [("wait", work.wait), ("future", fut.wait)]:
+        try:
+            wait()
+            errs[name] = "no error"
+        except Exception as e:  # noqa: BLE001  the message is what is tested
+            errs[name] = f"{type(e).__name__}: {e}"
+    errs["completed"] = work.is_completed()
+    try:  # the group is poisoned: the next (blocking, inline) call raises the same error at once
+        dist.all_reduce(torch.ones(3))
+        errs["next"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        errs["next"] = f"{type(e).__name__}: {e}"
+    return errs
+
+
+def test_a_mismatched_async_call_raises_from_wait_and_the_future_on_every_rank():
+    for errs in ranks.run(mismatched_async_call, 2, init=False, timeout=60):
+        for name in ("wait", "future", "next"):
+            e = errs[name]
+            assert "Error" in e.split(":")[0] and "all_reduce" in e and "10" in e and "20" in e, (name, errs)
+        assert errs["completed"] is True, errs
+
+
 def one_rank_late() -> int:
     from datetime import timedelta
 

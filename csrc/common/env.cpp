@@ -53,6 +53,8 @@ const std::vector<Variable>& variables() {
        "256 KiB through shared memory, else 512 KiB (1 MiB with more ranks than cores)"},
       {"CX_SMALL_ALLREDUCE_BYTES", "at or below: recursive-doubling all_reduce", "128 KiB for 2 ranks, else 512 KiB"},
       {"CX_HD_MAX_BYTES", "at or below, on 4, 8, ... ranks: halving-doubling all_reduce", "2 MiB"},
+      {"CX_HIER_SLICE_BYTES", "slice of the pipelined hierarchical all_reduce",
+       "from the cost model: about sqrt(bytes x 256 KiB) with 2 ranks per host (4 MiB at 64 MiB)"},
       {"CX_SPIN_US", "busy-poll at most this long before sleeping (us); not while others take the core",
        "50 (30 with more ranks than cores)"},
       {"CX_ALGORITHM", "auto, flat or hierarchical: the collectives' shape across hosts",

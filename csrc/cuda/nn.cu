@@ -339,19 +339,25 @@ extern "C" __global__ void cx_nn_bce(const float* x, const float* t, float* g, d
 
 // ---------------------------------------------------------------- optimizers
 // The rules of csrc/cuda/update_rules.h, which the CPU's scalar paths use too.
+// skip (may be null): a device word; nonzero leaves everything as it was (the
+// GPU trainer's non-finite check, Note [Non-finite gradients on the GPU]).
 
 extern "C" __global__ void cx_nn_adam(float* p, const float* g, float* m, float* v, u64 n, float b1, float b2,
-                                      float eps, float step_size, float inv_bc2_sqrt, float l2, float decay) {
+                                      float eps, float step_size, float inv_bc2_sqrt, float l2, float decay,
+                                      const unsigned int* skip) {
+  if (skip && *skip) return;
   CX_LOOP(i, n) cx::nn::rules::adam(p[i], g[i], m[i], v[i], b1, b2, eps, step_size, inv_bc2_sqrt, l2, decay);
 }
 
 extern "C" __global__ void cx_nn_sgd(float* p, const float* g, float* buf, u64 n, float lr, float mu, int nesterov,
-                                     float l2) {
+                                     float l2, const unsigned int* skip) {
+  if (skip && *skip) return;
   CX_LOOP(i, n) cx::nn::rules::sgd(p[i], g[i], buf ? buf + i : nullptr, lr, mu, nesterov != 0, l2);
 }
 
 extern "C" __global__ void cx_nn_rmsprop(float* p, const float* g, float* v, float* buf, u64 n, float lr, float a,
-                                         float eps, float mu, float l2) {
+                                         float eps, float mu, float l2, const unsigned int* skip) {
+  if (skip && *skip) return;
   CX_LOOP(i, n) cx::nn::rules::rmsprop(p[i], g[i], v[i], buf ? buf + i : nullptr, lr, a, eps, mu, l2);
 }
 
@@ -390,4 +396,32 @@ extern "C" __global__ void cx_nn_sgemm(int ta, int tb, int M, int N, int K, floa
       *c = alpha * acc[q] + (beta == 0.0f ? 0.0f : beta * *c);
     }
   }
+}
+
+// ---------------------------------------------------------------- checks
+
+// counts[p] (and *total, unless null) += the inf/NaN values of parameter p among g[lo, hi), where
+// parameter p holds g[bounds[p], bounds[p+1]) and `first` is a parameter
+// whose range holds lo: the GPU trainer's non-finite check (Note [Non-finite
+// gradients on the GPU] in train/gpu_engine.cpp). One read of each float; a
+// thread walks its parameters forward as its index grows, and an atomic is
+// spent only on a parameter where it found a bad value.
+static __device__ void add_count(unsigned int* count, unsigned int* total, unsigned int c) {
+  atomicAdd(count, c);
+  if (total) atomicAdd(total, c);
+}
+
+extern "C" __global__ void cx_nn_count_nonfinite(const float* g, u64 lo, u64 hi, const u64* bounds,
+                                                 unsigned int first, unsigned int* counts, unsigned int* total) {
+  unsigned int p = first, c = 0;
+  u64 end = bounds[p + 1];
+  for (u64 i = lo + blockIdx.x * (u64)blockDim.x + threadIdx.x; i < hi; i += (u64)blockDim.x * gridDim.x) {
+    if (i >= end) {
+      if (c) add_count(counts + p, total, c);
+      c = 0;
+      do end = bounds[++p + 1]; while (i >= end);
+    }
+    c += (__float_as_uint(g[i]) & 0x7fffffffu) >= 0x7f800000u;  // exponent all ones: inf or NaN
+  }
+  if (c) add_count(counts + p, total, c);
 }

@@ -142,6 +142,9 @@ Config Config::from_environment() {
   if (auto v = env::integer("CX_HD_MAX_BYTES", -1, 1LL << 40, "bytes (or -1 for automatic)")) {
     c.halving_doubling_max_bytes = *v;
   }
+  if (auto v = env::integer("CX_HIER_SLICE_BYTES", 1, 1LL << 40, "bytes (1 .. 2^40)")) {
+    c.hierarchical_slice_bytes = *v;
+  }
   if (auto v = env::integer("CX_SPIN_US", 0, 1000000, "microseconds")) c.spin_us = static_cast<int>(*v);
   if (auto v = env::integer("CX_SHM", 0, 1, "0 (TCP only) or 1 (shared memory between ranks on one host)")) {
     c.shm = *v == 1;

@@ -46,6 +46,9 @@ struct Config {
   // all_reduce with a power-of-two world >= 4 uses halving-doubling up to this
   // many bytes, the ring above; -1: automatic. CX_HD_MAX_BYTES.
   int64_t halving_doubling_max_bytes = -1;
+  // Slice of the pipelined hierarchical all_reduce; -1: from the cost model
+  // (Note [Pipelined hierarchical all_reduce]). CX_HIER_SLICE_BYTES.
+  int64_t hierarchical_slice_bytes = -1;
   int spin_us = -1;  // -1: chosen from the number of ranks per core
   // Flat or hierarchical collectives; CX_ALGORITHM=auto|flat|hierarchical. Every
   // rank must use the same.

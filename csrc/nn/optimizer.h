@@ -74,15 +74,22 @@ class Optimizer {
   };
   // Note [Optimizers on the GPU]. to_device: the host's state for n
   // parameters (zeros where it has none yet); throws if it was built for
-  // another size. step: one update of n device parameters from their gradients.
+  // another size. step: one update of n device parameters from their gradients;
+  // with `skip`, a device word read by the kernel: nonzero leaves parameters and
+  // state as they were (the GPU trainer's "skip", decided on the device:
+  // Note [Non-finite gradients on the GPU] in train/gpu_engine.cpp), and the
+  // host learns it later: undo_step() takes back the step's count.
   DeviceArrays to_device(cuda::Device& dev, size_t n);
-  void step(cuda::Device& dev, DeviceArrays& state, float* params, const float* grads);
+  void step(cuda::Device& dev, DeviceArrays& state, float* params, const float* grads,
+            const unsigned int* skip = nullptr);
+  void undo_step() { --t_; }
   void to_host(cuda::Device& dev, const DeviceArrays& state);
 
  protected:
   virtual void update(float* p, const float* g, size_t n) = 0;  // t_ already counts this step
   // The same on the device; state: the DeviceArrays' pointers (null where unused).
-  virtual void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) = 0;
+  virtual void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state,
+                      const unsigned int* skip) = 0;
   // Named state arrays, allocated on the first step.
   virtual std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() = 0;
   virtual void get_hparams(std::map<std::string, double>& s) const = 0;
@@ -102,7 +109,8 @@ class SGDOptimizer : public Optimizer {
 
  protected:
   void update(float* p, const float* g, size_t n) override;
-  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
+  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state,
+              const unsigned int* skip) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
   void set_hparams(const std::map<std::string, double>& s) override;
@@ -131,7 +139,8 @@ class AdamOptimizer : public Optimizer {
 
  protected:
   void update(float* p, const float* g, size_t n) override;
-  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
+  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state,
+              const unsigned int* skip) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
   void set_hparams(const std::map<std::string, double>& s) override;
@@ -159,7 +168,8 @@ class RMSpropOptimizer : public Optimizer {
 
  protected:
   void update(float* p, const float* g, size_t n) override;
-  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) override;
+  void update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state,
+              const unsigned int* skip) override;
   std::vector<std::pair<std::string, std::vector<float>*>> state_arrays() override;
   void get_hparams(std::map<std::string, double>& s) const override;
   void set_hparams(const std::map<std::string, double>& s) override;

@@ -30,11 +30,12 @@ Optimizer::DeviceArrays Optimizer::to_device(cuda::Device& dev, size_t n) {
   return s;
 }
 
-void Optimizer::step(cuda::Device& dev, DeviceArrays& s, float* params, const float* grads) {
+void Optimizer::step(cuda::Device& dev, DeviceArrays& s, float* params, const float* grads,
+                     const unsigned int* skip) {
   std::vector<float*> state;
   for (auto& b : s.arrays) state.push_back(b.f());  // null for an empty Buffer
   ++t_;
-  update(dev, params, grads, s.n, state);
+  update(dev, params, grads, s.n, state, skip);
 }
 
 void Optimizer::to_host(cuda::Device& dev, const DeviceArrays& s) {
@@ -48,24 +49,26 @@ void Optimizer::to_host(cuda::Device& dev, const DeviceArrays& s) {
   n_ = s.n;
 }
 
-void SGDOptimizer::update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) {
+void SGDOptimizer::update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state,
+                          const unsigned int* skip) {
   float* buf = momentum_ != 0.0 ? state[0] : nullptr;  // momentum_buffer
   dev.launch(dev.fn("cx_nn_sgd"), cuda::Device::grid_for(n), 256, p, g, buf, u64(n), static_cast<float>(lr_),
-             static_cast<float>(momentum_), nesterov_ ? 1 : 0, static_cast<float>(weight_decay_));
+             static_cast<float>(momentum_), nesterov_ ? 1 : 0, static_cast<float>(weight_decay_), skip);
 }
 
-void AdamOptimizer::update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state) {
+void AdamOptimizer::update(cuda::Device& dev, float* p, const float* g, size_t n, const std::vector<float*>& state,
+                           const unsigned int* skip) {
   const StepFactors f = step_factors(t_);  // as the CPU's update
   dev.launch(dev.fn("cx_nn_adam"), cuda::Device::grid_for(n), 256, p, g, state[0], state[1], u64(n), f.beta1,
-             f.beta2, f.eps, f.step_size, f.inv_bc2_sqrt, f.l2, f.decay);  // exp_avg, exp_avg_sq
+             f.beta2, f.eps, f.step_size, f.inv_bc2_sqrt, f.l2, f.decay, skip);  // exp_avg, exp_avg_sq
 }
 
 void RMSpropOptimizer::update(cuda::Device& dev, float* p, const float* g, size_t n,
-                              const std::vector<float*>& state) {
+                              const std::vector<float*>& state, const unsigned int* skip) {
   float* buf = momentum_ != 0.0 ? state[1] : nullptr;  // square_avg, momentum_buffer
   dev.launch(dev.fn("cx_nn_rmsprop"), cuda::Device::grid_for(n), 256, p, g, state[0], buf, u64(n),
              static_cast<float>(lr_), static_cast<float>(alpha_), static_cast<float>(eps_),
-             static_cast<float>(momentum_), static_cast<float>(weight_decay_));
+             static_cast<float>(momentum_), static_cast<float>(weight_decay_), skip);
 }
 
 }  // namespace cx::nn

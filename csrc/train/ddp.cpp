@@ -471,6 +471,12 @@ bool DistributedDataParallel::act_on(const NonFiniteVerdict& v) {
   return true;
 }
 
+bool DistributedDataParallel::conclude_device_step(const NonFiniteVerdict& v) {
+  ++steps_;
+  skip_pending_ = false;
+  return act_on(v);
+}
+
 void DistributedDataParallel::check_own_gradients() {
   if (checking()) check_->scan_all(model_->flat_grads());
 }

@@ -213,6 +213,11 @@ class DistributedDataParallel {
   // DDPConfig.nonfinite from the next sync on (every rank alike; InvalidArgument naming the choices).
   void set_nonfinite(const std::string& mode);
   const char* nonfinite() const { return nonfinite_name(nonfinite_); }
+  NonFiniteMode nonfinite_mode() const { return nonfinite_; }
+  // One step of the GPU engine, which scans the device gradients itself (Note [Non-finite gradients on the
+  // GPU] in gpu_engine.cpp): its verdict is counted, raised, skipped or warned of as this object's own check
+  // would (every rank calls it with the same verdict). false: the optimizer step is not taken.
+  bool conclude_device_step(const NonFiniteVerdict& v);
   // Steps whose averaged gradient was not finite, and of those the ones not taken ("skip").
   uint64_t nonfinite_steps() const { return nonfinite_steps_; }
   uint64_t skipped_steps() const { return skipped_steps_; }

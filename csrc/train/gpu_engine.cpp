@@ -1,5 +1,7 @@
 #include "train/gpu_engine.h"
 
+#include <cstring>
+
 #include "common/error.h"
 #include "train/buffer_sync.h"
 
@@ -18,17 +20,24 @@ std::unique_ptr<cuda::Device> open_device(const nn::SequentialModel& model, cons
 
 GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
                        std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
-                       const DDPConfig& cfg, const DistributedDataParallel& host_ddp)
+                       const DDPConfig& cfg, std::shared_ptr<DistributedDataParallel> host_ddp)
     : dev_(open_device(*model, *group)),
       model_(std::move(model)),
       loss_(std::move(loss)),
       opt_(std::move(opt)),
       group_(std::move(group)),
-      sched_(host_ddp.buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }),
+      host_ddp_(std::move(host_ddp)),
+      sched_(host_ddp_->buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }),
       broadcast_buffers_(cfg.broadcast_buffers) {
   dm_ = std::make_unique<nn::DeviceModel>(model_, *dev_);
   opt_state_ = opt_->to_device(*dev_, dm_->size());
-  stats_.reserve(4 * sizeof(double));
+  const auto slices = model_->param_slices();
+  std::vector<uint64_t> bounds{0};
+  for (const auto& sl : slices) bounds.push_back(sl.first + sl.second);
+  nf_bounds_.reserve(bounds.size() * sizeof(uint64_t));
+  dev_->upload(nf_bounds_.get(), bounds.data(), bounds.size() * sizeof(uint64_t));
+  nf_host_.resize(2 * slices.size() + 1);
+  stats_.reserve(stats_bytes());
   if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
     // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
     group_->broadcast(dm_->params(), dm_->size(), distributed::DataType::kFloat32, 0, false, stream_id(*dev_));
@@ -103,19 +112,25 @@ nn::BatchTargets GpuEngine::upload_batch(const float* x, const nn::Shape& x_shap
 void GpuEngine::launch_loss(const float* out, const nn::Shape& os, const nn::BatchTargets& y,
                              const nn::BatchTargets& on_dev) {
   gout_.reserve(nn::numel(os) * sizeof(float));
-  dev_->zero(stats_.get(), 4 * sizeof(double));
+  dev_->zero(stats_.get(), stats_bytes());  // the loss sums and the non-finite counters
   loss_->forward_batch(*dev_, out, os, y, on_dev, gout_.f(), static_cast<double*>(stats_.get()));
 }
 
 BatchStats GpuEngine::read_loss(const nn::Shape& os) {
-  double st[4] = {0, 0, 0, 0};
-  dev_->download(st, stats_.get(), sizeof(st));  // waits for the step
+  // One copy, which waits for the step: the loss sums, and the non-finite counters behind them when checking.
+  host_stats_.resize(stats_bytes());
+  dev_->download(host_stats_.data(), stats_.get(), checking_ ? stats_bytes() : 4 * sizeof(double));
+  double st[4];
+  std::memcpy(st, host_stats_.data(), sizeof(st));
+  if (checking_) std::memcpy(nf_host_.data(), host_stats_.data() + sizeof(st), nf_host_.size() * sizeof(uint32_t));
   const nn::BatchSums sums = loss_->batch_sums(st, os);
   return BatchStats{sums.loss_sum, sums.correct, static_cast<double>(os[0])};
 }
 
 void GpuEngine::launch_bucket(size_t b) {
   const Bucket& bk = sched_.buckets()[b];
+  // This rank's own contribution, read on the stream before NCCL overwrites it with the average.
+  if (checking_ && bk.count) count_nonfinite(bk.offset, bk.offset + bk.count, bk.first_param, 0);
   if (bk.count)  // world size 1 too, as DistributedDataParallel: one code path
     in_flight_.push_back(group_->all_reduce(dm_->grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
                                             distributed::ReduceOp::kAvg, true, stream_id(*dev_)));
@@ -123,6 +138,8 @@ void GpuEngine::launch_bucket(size_t b) {
 
 BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
   dev_->make_current();
+  const NonFiniteMode mode = host_ddp_->nonfinite_mode();
+  checking_ = mode != NonFiniteMode::kOff;
   const nn::BatchTargets on_dev = upload_batch(x, x_shape, y);
   if (broadcast_buffers_) broadcast_buffers();  // as DistributedDataParallel::forward in training
   const float* out = dm_->forward(x_.f(), x_shape, true);
@@ -141,9 +158,78 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   }
   sched_.launch_rest();
   wait_in_flight();
-  opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads());
+  // Note [Non-finite gradients on the GPU]: the update reads the average's count and leaves everything as it
+  // was where it is not 0, unless the mode is "warn" (the step is taken).
+  const unsigned int* skip = nullptr;
+  if (checking_) {
+    count_nonfinite(0, dm_->size(), 0, 1);
+    if (mode != NonFiniteMode::kWarn) skip = counters() + nf_host_.size() - 1;
+  }
+  opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads(), skip);
   dm_->zero_grad();
-  return read_loss(os);
+  const BatchStats st = read_loss(os);
+  if (checking_) {
+    checking_ = false;
+    if (skip && nf_host_.back()) opt_->undo_step();  // the kernel left parameters and state: the count goes too
+    conclude_nonfinite();  // raises ("raise"), counts ("skip") or warns ("warn") through the host DDP
+  }
+  return st;
+}
+
+// Note [Non-finite gradients on the GPU]
+// The GPU twin of Note [Non-finite gradients] (nonfinite.h), with the same
+// modes, counters and messages (the host DistributedDataParallel's: its
+// nonfinite mode, skipped_steps, NonFiniteError and warning text). One kernel,
+// cx_nn_count_nonfinite (nn.cu), reads a range of the flat gradient once and
+// counts its inf/NaN values per parameter tensor:
+//   - over each bucket as it is handed to NCCL, queued on the same stream just
+//     before the all-reduce, so it reads this rank's own gradient before the
+//     average overwrites it in place;
+//   - over the whole buffer once NCCL is done: the average, which is the same
+//     bytes on every rank (NCCL's all-gather phase copies it), so every rank
+//     finds the same parameters and takes the same decision with no message.
+// The counters sit behind the loss sums in one device block, zeroed with them
+// and read with them by the one wait for the loss each step already has: the
+// check adds no host wait. So the decision "this step is not taken" is made on
+// the device: the optimizer's kernel reads the average's total count and
+// returns at once where it is not 0 ("raise" and "skip"; "warn" takes the
+// step), and once the host has read the counters it takes back the step's
+// count (Optimizer::undo_step, Adam's bias correction) and raises, counts or
+// warns through the host DDP. Only a bad step communicates: a one-byte
+// all-gather of "was my own gradient bad" names the ranks, as decide_local +
+// name_ranks do on the CPU.
+size_t GpuEngine::stats_bytes() const { return 4 * sizeof(double) + nf_host_.size() * sizeof(uint32_t); }
+
+unsigned int* GpuEngine::counters() const {
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(stats_.get()) + 4 * sizeof(double));
+}
+
+void GpuEngine::count_nonfinite(size_t lo, size_t hi, size_t first_param, size_t slot) {
+  if (hi <= lo) return;
+  const size_t params = nf_host_.size() / 2;
+  unsigned int* c = counters();
+  dev_->launch(dev_->fn("cx_nn_count_nonfinite"), cuda::Device::grid_for(hi - lo), 256,
+               static_cast<const float*>(dm_->grads()), static_cast<unsigned long long>(lo),
+               static_cast<unsigned long long>(hi), static_cast<const unsigned long long*>(nf_bounds_.get()),
+               static_cast<unsigned int>(first_param), c + slot * params, slot == 1 ? c + 2 * params : nullptr);
+}
+
+bool GpuEngine::conclude_nonfinite() {
+  const size_t params = nf_host_.size() / 2;
+  NonFiniteVerdict v;
+  for (size_t p = 0; p < params; ++p) {
+    if (nf_host_[p]) v.own.emplace_back(p, nf_host_[p]);
+    if (nf_host_[params + p]) v.params.emplace_back(p, nf_host_[params + p]);
+  }
+  v.bad = !v.params.empty();
+  if (v.bad) {  // every rank alike: the same average everywhere
+    const uint8_t mine = v.own.empty() ? 0 : 1;
+    std::vector<uint8_t> all(static_cast<size_t>(group_->size()));
+    all_gather_host(&mine, all.data(), 1);
+    for (size_t r = 0; r < all.size(); ++r)
+      if (all[r]) v.ranks.push_back(static_cast<int>(r));
+  }
+  return host_ddp_->conclude_device_step(v);
 }
 
 BatchStats GpuEngine::eval_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {

@@ -21,6 +21,7 @@
 // saving, predict), from_host() reads them again (after a checkpoint is loaded).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <set>
 #include <string>
@@ -41,7 +42,7 @@ class GpuEngine : public Engine {
  public:
   GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr<nn::Loss> loss,
              std::shared_ptr<nn::Optimizer> opt, std::shared_ptr<distributed::ProcessGroup> group,
-             const DDPConfig& cfg, const DistributedDataParallel& host_ddp);
+             const DDPConfig& cfg, std::shared_ptr<DistributedDataParallel> host_ddp);
   ~GpuEngine() override;
 
   float* input_buffer(size_t floats) override;  // page-locked: the batch's copy is a DMA
@@ -71,6 +72,13 @@ class GpuEngine : public Engine {
   BatchStats read_loss(const nn::Shape& os);
   void launch_bucket(size_t b);
   void wait_in_flight();
+  // Note [Non-finite gradients on the GPU] (gpu_engine.cpp): counts the inf/NaN values of each parameter
+  // among grads[lo, hi) into counters() + slot * parameters (and the last counter, the total);
+  // conclude_nonfinite decides the step from nf_host_ (read with the loss).
+  void count_nonfinite(size_t lo, size_t hi, size_t first_param, size_t slot);
+  bool conclude_nonfinite();
+  size_t stats_bytes() const;       // stats_: 4 doubles of loss sums, then the counters
+  unsigned int* counters() const;
 
   // Declared first so it is destroyed last: every Buffer below frees into its context.
   std::unique_ptr<cuda::Device> dev_;
@@ -86,6 +94,14 @@ class GpuEngine : public Engine {
   cuda::Buffer buffer_pack_;  // broadcast_buffers' message
   cuda::HostBuffer host_x_;   // the trainer gathers each batch's rows here (input_buffer)
 
+  // The non-finite check: parameter bounds in the flat buffer (parameters + 1); the host copy of the counters
+  // (per parameter this rank's own gradient's, then the average's, then the average's total).
+  cuda::Buffer nf_bounds_;
+  std::vector<uint32_t> nf_host_;
+  std::vector<unsigned char> host_stats_;  // read_loss's copy of stats_
+  bool checking_ = false;  // this step's: DDPConfig.nonfinite is not "off"
+
+  std::shared_ptr<DistributedDataParallel> host_ddp_;  // its mode, counters and messages for the check
   BucketScheduler sched_;  // the host DDP's buckets, so both devices cut the gradients the same way
   std::vector<distributed::ProcessGroup::WorkPtr> in_flight_;
   std::set<size_t> shapes_seen_;  // batch sizes that have run a step (Note [First step of a shape])

@@ -50,14 +50,14 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
              "with NCCL. Use comm_hook = 'none' with the NCCL backend, or train on the CPU backend to use the hook");
     DDPConfig host_cfg = cfg;
     host_cfg.broadcast_parameters = false;
-    check_gpu_nonfinite(cfg.nonfinite);
-    host_cfg.nonfinite = "off";  // the host DDP moves no gradients
+    // host_cfg.nonfinite stays: the host DDP moves no gradients, but its mode, counters and messages are the
+    // GPU engine's (Note [Non-finite gradients on the GPU] in gpu_engine.cpp).
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
     ddp_->refuse_comm_hooks(detail::concat("is not supported on the GPU (cuda:", group_->config().local_rank,
                                            ", BackendType.NCCL): the trainer's GPU engine reduces the gradients "
                                            "with NCCL in float32, not this host object; use the CPU backend for "
                                            "communication hooks"));
-    engine_ = std::make_unique<GpuEngine>(model_, loss_, opt_, group_, cfg, *ddp_);
+    engine_ = std::make_unique<GpuEngine>(model_, loss_, opt_, group_, cfg, ddp_);
     ddp_->set_host_gather([e = engine_.get()](const void* in, void* out, size_t n) { e->all_gather_host(in, out, n); });
   } else {
     ddp_ = std::make_shared<DistributedDataParallel>(model_, cfg, group_);
@@ -67,17 +67,8 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
   }
 }
 
-void TrainerCore::check_gpu_nonfinite(const std::string& mode) {
-  const NonFiniteMode m = parse_nonfinite(mode, "DistributedTrainer: nonfinite");
-  CX_CHECK(m == NonFiniteMode::kRaise || m == NonFiniteMode::kOff, InvalidArgument, "DistributedTrainer (rank ",
-           group_->rank(), "): nonfinite = '", nonfinite_name(m), "' is not supported on the GPU yet (cuda:",
-           group_->config().local_rank, ", BackendType.NCCL): the GPU engine does not scan its gradients; there "
-           "fit's per-step loss check stops a NaN ('raise'). Use 'raise' or 'off', or train on the CPU backend");
-}
-
 void TrainerCore::set_nonfinite(const std::string& mode) {
-  if (cpu_engine_) ddp_->set_nonfinite(mode);
-  else check_gpu_nonfinite(mode);
+  ddp_->set_nonfinite(mode);  // the GPU engine reads it too
 }
 
 void TrainerCore::set_shard_optimizer_state(bool on) {

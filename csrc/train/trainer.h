@@ -92,9 +92,8 @@ class TrainerCore {
   void add_ema(float* shadow, size_t n, double decay);
   void settle_ema();
   void clear_ema();
-  // DistributedTrainingConfig.nonfinite: the DDP's DDPConfig.nonfinite from now on. The GPU engine
-  // reduces on the device, where no check runs yet: it refuses 'skip' and 'warn' by name (with
-  // 'raise' fit's per-step loss check is what stops a NaN there).
+  // DistributedTrainingConfig.nonfinite: the DDP's DDPConfig.nonfinite from now on (the GPU engine checks
+  // its device gradients by the same mode: Note [Non-finite gradients on the GPU] in gpu_engine.cpp).
   void set_nonfinite(const std::string& mode);
   // The whole optimizer state (collective while sharded), and loading a whole
   // one (each rank keeps its shard while sharded).
@@ -107,7 +106,6 @@ class TrainerCore {
   distributed::ProcessGroup& group() { return *group_; }
 
  private:
-  void check_gpu_nonfinite(const std::string& mode);
   // The gathered batch's targets (n rows), as the loss takes them.
   nn::BatchTargets batch_targets(size_t n) const;
   void gather(const float* X, const nn::Shape& x_shape, const Targets& y, const int64_t* idx, size_t n);

@@ -33,6 +33,9 @@ struct AlgoOptions {
   size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
   int depth = 4;                          // receives kept in flight
   size_t halving_doubling_max_bytes = 0;  // p a power of two >= 4 and n at most this: halving-doubling
+  // Slice of the pipelined hierarchical all_reduce; 0: from the cost model
+  // (Note [Pipelined hierarchical all_reduce] in hierarchical.cpp).
+  size_t hierarchical_slice_bytes = 0;
 };
 
 // `pv` (float32 SUM/AVG only): test for non-finite values while reducing

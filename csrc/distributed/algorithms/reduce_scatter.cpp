@@ -15,6 +15,23 @@ namespace cx::distributed::algo {
 // in `out`. Partials live in a pool of `depth` chunk-sized slots: a slot is
 // reused only once the send that carried it is complete, so scratch stays a few
 // chunks whatever the message size.
+//
+// Note [Reduce-scatter in groups of chunks]
+// The chunks go around the ring in groups of g = depth/2 (at least 1): every
+// step of one group, then the next group. Done step by step over the whole
+// message instead (every chunk's raw input first, then every chunk's step 1,
+// ...), the ring deadlocked once a block held more chunks than the slots and
+// the transport's buffers together (4 ranks, 64 MiB, over TCP and shared
+// memory alike): a rank's first forwarded partial queued behind all of its raw
+// chunks, which its right neighbour could only take into slots freed by its own
+// forwarded partials, queued behind its own raw chunks, all around the ring.
+// With 2g <= depth the receives of a group's step s+1 never wait for a slot
+// still holding one of its step s partials, so each step's receives can be
+// posted once the step before last was sent, and that needs only the right
+// neighbour to have posted the step before: progress by induction on the step.
+// A group's raw chunks are sent once the previous group's last partial is
+// (the order the right neighbour posts its receives in). Two ranks forward
+// nothing (every receive lands in `out`): all raw chunks go at once.
 void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t count, DataType dt, ReduceOp op,
                     const AlgoOptions& o) {
   const int p = t.size(), r = t.rank();
@@ -34,22 +51,30 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
   auto mod = [p](int x) { return ((x % p) + p) % p; };
   auto in_at = [&](int blk, size_t off) { return static_cast<const char*>(ins[blk]) + off * es; };
 
-  for (size_t c = 0; c < nc; ++c) {  // step 0: our raw input for block r-1
-    size_t off, n;
-    range(c, &off, &n);
-    t.isend(right, in_at(mod(r - 1), off), n * es);
-  }
   const size_t depth = static_cast<size_t>(std::max(2, o.depth));
+  const size_t group = p == 2 ? nc : std::max<size_t>(1, depth / 2);  // Note [Reduce-scatter in groups of chunks]
+  auto send_raw = [&](size_t first) {  // step 0 of the group starting at chunk `first`: our raw input for block r-1
+    for (size_t c = first; c < std::min(nc, first + group); ++c) {
+      size_t off, n;
+      range(c, &off, &n);
+      t.isend(right, in_at(mod(r - 1), off), n * es);
+    }
+  };
+  send_raw(0);
   char* slots = scratch_space(depth * ce * es);
   std::vector<Transport::Req> slot_send(depth, -1);
 
   struct Item {
     int step;
     size_t chunk;
+    bool last_forward;  // the group's last partial passed on: the next group's raw chunks follow it
   };
   std::vector<Item> items;
-  for (int s = 0; s < p - 1; ++s)
-    for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
+  for (size_t g0 = 0; g0 < nc; g0 += group) {
+    const size_t g1 = std::min(nc, g0 + group);
+    for (int s = 0; s < p - 1; ++s)
+      for (size_t c = g0; c < g1; ++c) items.push_back({s, c, s == p - 3 && c == g1 - 1});
+  }
 
   std::deque<std::pair<Transport::Req, size_t>> inflight;
   size_t next = 0;
@@ -84,6 +109,7 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
       char* slot = slots + (k % depth) * ce * es;
       reduce_into(slot, in_at(blk, off), n, dt, op);
       slot_send[k % depth] = t.isend(right, slot, n * es);
+      if (it.last_forward && it.chunk + 1 < nc) send_raw(it.chunk + 1);
     }
     if (next < items.size()) post(next++);
   }

@@ -77,6 +77,8 @@ algo::AlgoOptions default_options(const Config& cfg) {
   o.halving_doubling_max_bytes = cfg.halving_doubling_max_bytes >= 0
                                      ? static_cast<size_t>(cfg.halving_doubling_max_bytes)
                                      : 2u << 20;  // Note [large all_reduce on one host]
+  o.hierarchical_slice_bytes =
+      cfg.hierarchical_slice_bytes > 0 ? static_cast<size_t>(cfg.hierarchical_slice_bytes) : 0;
   return o;
 }
 
@@ -95,7 +97,8 @@ algo::AlgoOptions default_options(const Config& cfg) {
 // small-broadcast threshold. Measured on 2 hosts of 2 ranks behind 1 Gbit/s links
 // (network namespaces), all_reduce hierarchical / flat: 0.47-0.72x at 8 B-16 KiB
 // (two more steps inside each host, latency-bound), 1.16x at 32 KiB, 2.0x at
-// 64-256 KiB, 1.9x at 1 MiB, 1.2-1.35x at 4-64 MiB. The cost model
+// 64-256 KiB, 1.9x at 1 MiB, 1.2-1.35x at 4-64 MiB with its phases one after
+// the other, 1.50-1.52x pipelined (Note [Pipelined hierarchical all_reduce]). The cost model
 // (benchmarks/cost_model.py) agrees that below 512 KiB, where the flat group
 // runs recursive doubling, every exchange across hosts carries the whole message
 // once per rank of the host, 2-8x the hierarchical cost at 64-1024 ranks.
@@ -170,7 +173,11 @@ std::string CpuBackend::describe() const {
                           forced_ ? std::string()
                                   : detail::concat(" from ", kHierarchicalMinBytes, " bytes, broadcast from ",
                                                    opt_.small_broadcast_bytes, " bytes"),
-                          "): ring inside a host, the flat algorithms across hosts by column; flat otherwise: ",
+                          "): ring inside a host, the flat algorithms across hosts by column (all_reduce: direct "
+                          "across hosts, pipelined in slices ",
+                          opt_.hierarchical_slice_bytes ? detail::concat("of ", opt_.hierarchical_slice_bytes, " bytes")
+                                                        : std::string("from the cost model"),
+                          "); flat otherwise: ",
                           flat_description());
   }
   return flat_description();

@@ -151,7 +151,15 @@ class Acceptor {
       // Between polls, ask the store now and then whether a rank failed (Note
       // [Failures reach every rank through the store] in store/store.h).
       if (Clock::now() >= next_store_check) {
-        s_.store.check_failed(s_.dl);
+        // The deadline may run out during the poll just before: then the missing ranks are the news, not a
+        // store that was asked with no time left ("timed out asking the store ..." hid who never came).
+        if (s_.dl.expired()) timed_out();
+        try {
+          s_.store.check_failed(s_.dl);
+        } catch (const Error& e) {
+          if (e.kind() == ErrorKind::kTimeout && s_.dl.expired()) timed_out();
+          throw;
+        }
         next_store_check = Clock::now() + std::chrono::milliseconds(200);
       }
       for (size_t i = 0; i < pending_.size(); ++i) {

@@ -41,6 +41,10 @@ namespace cx::distributed {
 // run, but that run-to-run spread is as large as the effect. Open MPI, which
 // never sleeps, still answers 8 B on 4 ranks 3-10x sooner when its ranks share
 // the cores; a futex wake-up on a loaded machine costs tens to hundreds of us.
+// The 256 KiB loss on 4 ranks is not the budget's halving: without it (same
+// machine, --busy 2, 4 ranks through shared memory, 3 alternating rounds, load
+// 8.5-9.5) 8 B-256 KiB were 0.62-0.70x as fast and 4 MiB 1.30x; with two ranks
+// per core a longer spin takes the core from the peer it waits for.
 class SpinPolicy {
  public:
   using Clock = std::chrono::steady_clock;

@@ -914,12 +914,13 @@ class DistributedTrainer:
         g_loss, g_correct, g_count = stats
         history.train_time_seconds += epoch_time
         history.total_samples += g_count
-        history.train_losses.append(g_loss / g_count)
-        history.train_accuracies.append(g_correct / g_count)
+        # Every step left out (nonfinite "skip" or "warn" on a diverged model): no figure to average, NaN.
+        loss, acc = (g_loss / g_count, g_correct / g_count) if g_count else (math.nan, math.nan)
+        history.train_losses.append(loss)
+        history.train_accuracies.append(acc)
         history.epochs.append(epoch + 1)
-        logs = {"epoch": epoch + 1, "loss": g_loss / g_count, "accuracy": g_correct / g_count}
-        msg = (f"Epoch {epoch + 1}/{end} - loss {g_loss / g_count:.4f} - "
-               f"acc {g_correct / g_count:.4f}")
+        logs = {"epoch": epoch + 1, "loss": loss, "accuracy": acc}
+        msg = f"Epoch {epoch + 1}/{end} - loss {loss:.4f} - acc {acc:.4f}"
         if val is not None:
             with contextlib.ExitStack() as weights:  # EMA(evaluate=True): the averaged weights
                 for cb in cbs:

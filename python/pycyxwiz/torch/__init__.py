@@ -45,13 +45,18 @@ _d = _core.dist
 _to_dlpack = torch.utils.dlpack.to_dlpack
 # torch's ReduceOp.RedOpType numbers SUM, AVG, PRODUCT, MIN, MAX as ours do.
 _OPS = (_d.ReduceOp.SUM, _d.ReduceOp.AVG, _d.ReduceOp.PRODUCT, _d.ReduceOp.MIN, _d.ReduceOp.MAX)
+_SUM = _d.ReduceOp.SUM
+_TORCH_SUM = dist.ReduceOp.SUM
 
 
 def _op(opts: Any) -> Any:
-    n = int(opts.reduceOp.op)
+    r = opts.reduceOp
+    if r == _TORCH_SUM:  # the common case, without reading r.op (a microsecond: Note [Per-call cost])
+        return _SUM
+    n = int(r.op)
     if n < len(_OPS):
         return _OPS[n]
-    raise ValueError(f"ReduceOp.{opts.reduceOp.op.name} is not supported by the cyxwiz backend: it reduces with "
+    raise ValueError(f"ReduceOp.{r.op.name} is not supported by the cyxwiz backend: it reduces with "
                      "SUM, AVG, PRODUCT, MIN and MAX (for BAND/BOR on bool tensors, MIN/MAX do the same)")
 
 
@@ -65,6 +70,27 @@ def _arr(t: torch.Tensor) -> Any:
     if t.layout is not torch.strided:
         raise TypeError(f"the cyxwiz backend takes dense tensors, got a {t.layout} one: pass t.to_dense()")
     return _to_dlpack(t)
+
+
+# Note [Per-call cost]
+# A blocking dist.all_reduce of 8 bytes is mostly Python: torch's wrapper (its options object, its checks) and
+# then ours, around a few microseconds in the core. So the group's methods do no more than they must on that
+# path, and each step was measured (CPU time per call, one process; before and after in benchmarks/README.md,
+# "The backend's cost per call"):
+# - A blocking call (opts.asyncOp False, which only torch's Python wrappers set) returns None rather than a
+#   completed Work: every wrapper of torch.distributed reads None as "done already" (the form torch keeps for
+#   backends that complete in C++), and making a dist._Work costs 1-3 us (its C++ trampoline). Callers that
+#   leave asyncOp at its default (True: DDP's reducer, functional collectives, pg.allreduce by hand) get a Work.
+# - The blocking call already runs on the calling thread when the group's queue is empty (ProcessGroup's
+#   execution model, process_group.h): no hand-off to the communication thread, no futex wake-up. Only
+#   async_op=True goes through that thread, so DDP's buckets still overlap the backward pass.
+# - The tensor goes over as torch._C._to_dlpack's capsule (0.7-0.9 us), not t.__dlpack__() (torch's Python
+#   method of checks: 14 us, both measured alone under load); the checks that matter here (device, layout) are
+#   ours, and the core reads device, dtype, strides and read-only from the capsule, refusing by name what it
+#   cannot take.
+# - ReduceOp.SUM is recognised by one comparison; reading opts.reduceOp.op makes two more pybind objects.
+# - The future of an async Work is made only when get_future() is called (DDP's comm hooks do; a plain
+#   async_op=True call does not).
 
 
 class _Work(dist._Work):
@@ -209,8 +235,10 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
                                  name=f"cyxwiz-futures-{self.rank()}").start()
             self._q.put((work, fut, result))
 
-    def _done(self, work: Any, result: Any) -> _Work:
-        return _Work(self, work, result)
+    def _ret(self, work: Any, async_op: bool, result: Any) -> Optional[_Work]:
+        """What a collective returns: with async_op a Work (the core's `work` running on the group's thread, or
+        None when it ran here), else None, the call being complete (Note [Per-call cost])."""
+        return _Work(self, work, result) if async_op else None
 
     def _cuda(self, tensors: Sequence[torch.Tensor]) -> Any:
         """PyTorch's NCCL backend for this group, for CUDA tensors (made the first time one arrives), or None
@@ -245,12 +273,14 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceOptions()
+        if len(tensors) == 1 and not tensors[0].is_cuda:  # the common call, inlined: Note [Per-call cost]
+            a = opts.asyncOp
+            w = self._g.all_reduce(_arr(tensors[0]), _op(opts), a)
+            return _Work(self, w, tensors) if a else None
         nccl = self._cuda(tensors)
         if nccl is not None:
             return nccl.allreduce(tensors, opts)
         op, a = _op(opts), opts.asyncOp
-        if len(tensors) == 1:
-            return _Work(self, self._g.all_reduce(_arr(tensors[0]), op, a), tensors)
         works = [self._g.all_reduce(_arr(t), op, True) for t in tensors]
         return self._last(works, a, tensors)
 
@@ -262,7 +292,8 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         nccl = self._cuda(tensors)
         if nccl is not None:
             return nccl.broadcast(tensors, opts)
-        return _Work(self, self._g.broadcast(_arr(tensors[opts.rootTensor]), opts.rootRank, opts.asyncOp), tensors)
+        a = opts.asyncOp
+        return self._ret(self._g.broadcast(_arr(tensors[opts.rootTensor]), opts.rootRank, a), a, tensors)
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts: Any = None) -> Any:
@@ -272,7 +303,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
             return nccl.allgather(output_tensors, input_tensors, opts)
         outs = output_tensors[0]
         w = self._g.all_gather([_arr(o) for o in outs], _arr(input_tensors[0]), opts.asyncOp)
-        return _Work(self, w, output_tensors)
+        return self._ret(w, opts.asyncOp, output_tensors)
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], input_list: List[torch.Tensor],
                             opts: Any = None) -> Any:
@@ -287,7 +318,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         if nccl is not None:
             return nccl._allgather_base(output, input, opts)
         self._check_multiple(output, input, "all_gather_into_tensor", "output")
-        return _Work(self, self._g.all_gather(_arr(output), _arr(input), opts.asyncOp), [output])
+        return self._ret(self._g.all_gather(_arr(output), _arr(input), opts.asyncOp), opts.asyncOp, [output])
 
     _allgather_base = all_gather_single
 
@@ -309,7 +340,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
             return nccl.reduce_scatter(output_tensors, input_tensors, opts)
         w = self._g.reduce_scatter(_arr(output_tensors[0]), [_arr(i) for i in input_tensors[0]], _op(opts),
                                    opts.asyncOp)
-        return _Work(self, w, output_tensors)
+        return self._ret(w, opts.asyncOp, output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -317,7 +348,8 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         if nccl is not None:
             return nccl._reduce_scatter_base(output, input, opts)
         self._check_multiple(input, output, "reduce_scatter_tensor", "input")
-        return _Work(self, self._g.reduce_scatter(_arr(output), _arr(input), _op(opts), opts.asyncOp), [output])
+        a = opts.asyncOp
+        return self._ret(self._g.reduce_scatter(_arr(output), _arr(input), _op(opts), a), a, [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -341,12 +373,12 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         if output_split_sizes or input_split_sizes:
             ins = list(input.split(input_split_sizes if input_split_sizes else input.shape[0] // p))
             outs = list(output.split(output_split_sizes if output_split_sizes else output.shape[0] // p))
-            return self._all_to_all_lists(outs, ins, [output])
+            return self._all_to_all_lists(outs, ins, [output], opts.asyncOp)
         if input.dim() == 0 or input.shape[0] % p or input.shape != output.shape:
             raise ValueError(f"all_to_all_single: input and output must have the same shape, with a first dimension "
                              f"divisible by the group size {p}; got {tuple(input.shape)} and {tuple(output.shape)}")
         w = self._g.all_to_all(_arr(output.view(p, -1)), _arr(input.view(p, -1)), opts.asyncOp)
-        return _Work(self, w, [output])
+        return self._ret(w, opts.asyncOp, [output])
 
     alltoall_base = all_to_all_single
 
@@ -356,9 +388,10 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         nccl = self._cuda(input_tensors)
         if nccl is not None:
             return nccl.alltoall(output_tensors, input_tensors, opts)
-        return self._all_to_all_lists(list(output_tensors), list(input_tensors), output_tensors)
+        return self._all_to_all_lists(list(output_tensors), list(input_tensors), output_tensors, opts.asyncOp)
 
-    def _all_to_all_lists(self, outs: List[torch.Tensor], ins: List[torch.Tensor], result: Any) -> _Work:
+    def _all_to_all_lists(self, outs: List[torch.Tensor], ins: List[torch.Tensor], result: Any,
+                          async_op: bool) -> Optional[_Work]:
         """all_to_all of one tensor per peer. Blocks of one size everywhere move in place; blocks of different
         sizes (all_to_all_single's uneven splits, MoE's token counts) move padded to the largest, through two
         scratch tensors. Which of the two it is, and the largest block, the ranks agree on first (one small
@@ -376,7 +409,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         largest, smallest = int(agreed[0]), -int(agreed[1])
         if largest == smallest:
             self._g.all_to_all([_arr(o) for o in outs], [_arr(i) for i in ins], False)
-            return _Work(self, None, result)
+            return self._ret(None, async_op, result)
         send = torch.zeros(p, largest, dtype=ins[0].dtype)
         for k, t in enumerate(ins):
             send[k, :t.numel()] = t.reshape(-1)
@@ -384,7 +417,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         self._g.all_to_all(_arr(recv), _arr(send), False)
         for k, t in enumerate(outs):
             t.copy_(recv[k, :t.numel()].view(t.shape))
-        return _Work(self, None, result)
+        return self._ret(None, async_op, result)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -392,7 +425,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         if nccl is not None:
             return nccl.reduce(tensors, opts)
         w = self._g.reduce(_arr(tensors[opts.rootTensor]), opts.rootRank, _op(opts), opts.asyncOp)
-        return _Work(self, w, tensors)
+        return self._ret(w, opts.asyncOp, tensors)
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                opts: Any = None) -> Any:
@@ -402,7 +435,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
             return nccl.gather(output_tensors, input_tensors, opts)
         outs = [_arr(o) for o in output_tensors[0]] if self.rank() == opts.rootRank else None
         w = self._g.gather(_arr(input_tensors[0]), outs, opts.rootRank, opts.asyncOp)
-        return _Work(self, w, output_tensors)
+        return self._ret(w, opts.asyncOp, output_tensors)
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
                 opts: Any = None) -> Any:
@@ -412,7 +445,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
             return nccl.scatter(output_tensors, input_tensors, opts)
         ins = [_arr(i) for i in input_tensors[0]] if self.rank() == opts.rootRank else None
         w = self._g.scatter(_arr(output_tensors[0]), ins, opts.rootRank, opts.asyncOp)
-        return _Work(self, w, output_tensors)
+        return self._ret(w, opts.asyncOp, output_tensors)
 
     def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int = 0) -> Any:
         nccl = self._cuda(tensors)
@@ -432,8 +465,11 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
                          "(dist.recv(t, src=...))")
 
     def barrier(self, opts: Any = None) -> Any:
-        a = opts.asyncOp if opts is not None else False
-        return _Work(self, self._g.barrier(a), [])
+        if opts is None:  # pg.barrier() by hand: blocking, with a completed Work to wait on
+            self._g.barrier(False)
+            return _Work(self, None, [])
+        a = opts.asyncOp
+        return self._ret(self._g.barrier(a), a, [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 1800.0)
@@ -441,12 +477,12 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
 
     # ---- helpers
 
-    def _last(self, works: List[Any], async_op: bool, result: Any) -> _Work:
+    def _last(self, works: List[Any], async_op: bool, result: Any) -> Optional[_Work]:
         """Several async collectives as one Work: they run in order, so the last one done means all are."""
         if not async_op:
             for w in works:
                 w.wait()
-            return _Work(self, None, result)
+            return None
         return _CoalescedWork(self, works, result)
 
     def _check_multiple(self, big: torch.Tensor, small: torch.Tensor, what: str, name: str) -> None:
