@@ -1,13 +1,21 @@
 """One rank of the checks-cost benchmark (benchmarks.checks): the same trainer, the same data, fit with
-the non-finite gradient check off, on ("raise": the verdict agreed by a small all-reduce, the default) and
-on with each rank reading the average instead ("read"), in turn, in one process.
+the non-finite gradient check off (twice: "off" and "off2", whose ratio shows the noise), on ("raise":
+tested inside the buckets' reductions and agreed by a small all-reduce, the default), on with each bucket
+read before its reduction instead ("scan", the unfused check) and on with each rank reading the average
+("read"), in turn, in one process.
 
     python -m benchmarks._checks_worker --lib pycyxwiz --out DIR --model mlp --rounds 6 --samples-per-rank 4096
 
 The MLP and the CNN are benchmarks.train's and benchmarks.cnn's (784-256-10 with Adam, batch 64; the
 ResNet-8-like network with SGD, batch 32). One untimed warm-up epoch, then `rounds` rounds of one epoch
 per setting, the order rotating each round (so no setting always runs first); each epoch is timed between
-two barriers and the parent takes the slowest rank's.
+two barriers (wall time, and this process's CPU time: every thread, the comm thread's spinning included) and
+the parent takes the slowest rank's wall time and the sum of the ranks' CPU times.
+
+With --steps N, instead: N training steps of the model through DistributedDataParallel directly (forward,
+loss, backward, update_parameters), the setting of each step drawn at random from off, raise, off2, scan
+and read (the same sequence on every rank) and each step timed (wall and CPU): a load that drifts over seconds, as on a shared
+machine, then falls on every setting alike, and the medians of thousands of steps are compared.
 
 With --collective, instead: `calls` all_reduces of 8 floats (and of 256 KiB) through cx.distributed, the
 cost of CX_DEBUG=DETAIL's call-site comparison (the parent runs this job with CX_DEBUG off and DETAIL,
@@ -22,6 +30,9 @@ import time
 import numpy as np
 
 from benchmarks._worker_io import run_rank
+
+
+MODES = ("off", "raise", "off2", "scan", "read")
 
 
 def build(cx, which: str):
@@ -43,25 +54,63 @@ def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
     X, y = make_data(samples_per_rank * comm.world)
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), opt)
 
-    def epoch(mode: str) -> float:
+    def epoch(mode: str) -> tuple:
         trainer.ddp._agree_by_message = mode != "read"
+        trainer.ddp._fused_check = mode != "scan"
         config = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=batch, verbose=False,
-                                                          nonfinite="off" if mode == "off" else "raise",
+                                                          nonfinite="off" if mode.startswith("off") else "raise",
                                                           check_every_n_steps=0)
         comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.fit(X, y, config)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         comm.barrier()
-        return seconds
+        return seconds, cpu
 
     epoch("off")  # warm-up
-    modes = ("off", "raise", "read")
+    modes = MODES
     times: dict = {m: [] for m in modes}
+    cpu: dict = {m: [] for m in modes}
     for r in range(rounds):
-        for mode in modes[r % 3:] + modes[:r % 3]:  # each setting first, second and third in turn
-            times[mode].append(epoch(mode))
-    return {"times": times, "batch": batch, "samples": samples_per_rank}
+        k = r % len(modes)
+        for mode in modes[k:] + modes[:k]:  # each setting first, second, ... in turn
+            wall, c = epoch(mode)
+            times[mode].append(wall)
+            cpu[mode].append(c)
+    return {"times": times, "cpu": cpu, "batch": batch, "samples": samples_per_rank}
+
+
+STEP_MODES = ("off", "raise", "off2", "scan", "read")
+
+
+def run_steps(comm, which: str, steps: int) -> dict:
+    cx = comm.cx
+    model, opt, batch, make_data = build(cx, which)
+    X, y = make_data(batch * 64)
+    ddp = cx.distributed.DistributedDataParallel(model)
+    loss = cx.CrossEntropyLoss()
+    wall: dict = {m: [] for m in STEP_MODES}
+    cpu: dict = {m: [] for m in STEP_MODES}
+    # The setting of each step is drawn (the same sequence on every rank), not cycled: a step's time also
+    # carries what the step before left (a rank behind, a peer asleep), so each setting must follow every
+    # setting equally often, or "off" against "off2" is not an A/A comparison.
+    order = np.random.default_rng(0).integers(0, len(STEP_MODES), steps + 40)
+    for s in range(steps + 40):  # the first 40: warm-up
+        mode = STEP_MODES[order[s]]
+        ddp.nonfinite = "off" if mode.startswith("off") else "raise"
+        ddp._fused_check = mode != "scan"
+        ddp._agree_by_message = mode != "read"
+        b = s % 64
+        xb, yb = X[b * batch:(b + 1) * batch], y[b * batch:(b + 1) * batch]
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss.forward(ddp.forward(xb), yb)
+        ddp.backward(loss.backward(), input_grad=False)
+        ddp.update_parameters(opt)
+        t1, c1 = time.perf_counter(), time.process_time()
+        if s >= 40:
+            wall[mode].append(t1 - t0)
+            cpu[mode].append(c1 - c0)
+    return {"wall": wall, "cpu": cpu, "batch": batch}
 
 
 def run_collective(comm, calls: int) -> dict:
@@ -87,12 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--samples-per-rank", type=int, default=4096)
     ap.add_argument("--collective", action="store_true")
+    ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--calls", type=int, default=2000)
     a = ap.parse_args(argv)
 
     def body(comm, report):
         if a.collective:
             report.add(run_collective(comm, a.calls))
+        elif a.steps:
+            report.add(run_steps(comm, a.model, a.steps))
         else:
             report.add(run_checks(comm, a.model, a.rounds, a.samples_per_rank))
 

@@ -2,14 +2,23 @@
 csrc/train/nonfinite.h): a NaN or inf injected into one rank's own gradient is named on every rank
 (the step, the parameter, the rank), "skip" leaves every rank's parameters unchanged and equal, "warn"
 warns and steps; with ZeRO-1 and the communication hooks too; the fp16 hook's overflow is named as
-such; PowerSGD carries no NaN past the step; anomaly mode names the layer. Real ranks over 127.0.0.1.
+such; PowerSGD carries no NaN past the step; anomaly mode names the layer. The check is fused into the
+all_reduce (Note [Fused non-finite check] in csrc/distributed/reduce_probe.h): each algorithm, shared memory
+and TCP, 2, 3 and 4 ranks, a NaN in every rank's every kind of segment, and two "hosts" (network namespaces);
+a bucket reduced twice in the first accumulation cycle blames only the rank that sent the NaN. Real ranks over
+127.0.0.1.
 """
+import os
+import pickle
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
 import pytest
 
+import hosts
 import ranks
 
 import pycyxwiz as cx
@@ -48,7 +57,8 @@ def inject_body(mode, bad_rank, value, param, hook="none", zero=False, overlap=F
         cfg.powersgd.start_powerSGD_iter = 0
         cfg.powersgd.min_compression_rate = 0.0
     ddp = D.DistributedDataParallel(model, cfg)
-    ddp._agree_by_message = by_message  # the two ways ranks agree (Note [Non-finite gradients])
+    ddp._agree_by_message = by_message is not False  # the two ways ranks agree (Note [Non-finite gradients])
+    ddp._fused_check = by_message != "scan"  # "scan": each bucket read before its reduction, not fused
     opt = cx.SGDOptimizer(0.1)
     step_with = D.ZeroRedundancyOptimizer(ddp, opt) if zero else opt
     loss = cx.MSELoss()
@@ -90,7 +100,7 @@ def check_equal_params(res, step):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("value, by_message", [(np.nan, True), (np.inf, True), (np.nan, False)])
+@pytest.mark.parametrize("value, by_message", [(np.nan, True), (np.inf, True), (np.nan, False), (np.nan, "scan")])
 def test_raise_names_the_step_the_parameter_and_the_bad_rank_on_every_rank(world, value, by_message):
     bad = world - 1
     res = ranks.run(inject_body, world, args=("raise", bad, value, 2, "none", False, False, 3, 1, by_message),
@@ -410,6 +420,250 @@ def test_fit_with_detect_anomaly_names_the_layer_and_the_batch():
     other = next(o for o in outs if o.rank == 0)
     assert other.exc_type == "DistributedConnectionError" and "rank 1 failed: NonFiniteError: detect_anomaly: " \
         "layer 2 (Linear)" in other.message, other.message[:300]
+
+
+# ---- the fused check: every algorithm, both transports, each rank's every segment ---------------
+# Note [Fused non-finite check] in csrc/distributed/reduce_probe.h: the reduction tests the values it adds.
+# One bucket holds a Linear(64, 40)'s weight (elements 0..2559) and bias (2560..2599). In the ring, rank r
+# sends segment r of the bucket unread (its right neighbour tests it) and adds into every other segment itself.
+
+FUSED_IN, FUSED_OUT = 64, 40
+FUSED_COUNT = FUSED_IN * FUSED_OUT + FUSED_OUT
+ALGOS = {
+    "recursive_doubling": {"CX_SMALL_ALLREDUCE_BYTES": str(1 << 20)},
+    "ring": {"CX_SMALL_ALLREDUCE_BYTES": "0", "CX_HD_MAX_BYTES": "0", "CX_CHUNK_BYTES": "1024"},  # chunks
+    "hierarchical": {"CX_ALGORITHM": "hierarchical", "CX_SMALL_ALLREDUCE_BYTES": "0", "CX_HD_MAX_BYTES": "0",
+                     "CX_CHUNK_BYTES": "1024"},
+    "halving_doubling": {"CX_SMALL_ALLREDUCE_BYTES": "0", "CX_HD_MAX_BYTES": str(1 << 20), "CX_CHUNK_BYTES": "1024"},
+}
+
+
+def ring_segment(count, p, seg):
+    base, extra = divmod(count, p)
+    return seg * base + min(seg, extra), base + (1 if seg < extra else 0)
+
+
+def fused_cases(world):
+    """Per step, {rank: [(element, value)]}: nothing; then, for each rank, a NaN at the first element of the
+    segment it sends unread, and an inf at the last element of one it adds into itself (the last segment's
+    last element is the bias); two ranks at once; and every rank's finite 3e38 at one element (the sum overflows)."""
+    cases = [{}]
+    for r in range(world):
+        raw_at, _ = ring_segment(FUSED_COUNT, world, r)
+        off, n = ring_segment(FUSED_COUNT, world, (r + 1) % world)
+        cases.append({r: [(raw_at, np.nan)]})
+        cases.append({r: [(off + n - 1, np.inf)]})
+    cases.append({0: [(ring_segment(FUSED_COUNT, world, 0)[0] + 3, np.nan)], world - 1: [(5, -np.inf)]})
+    cases.append({r: [(7, 3e38)] for r in range(world)})
+    cases.append({})
+    return cases
+
+
+def fused_body():
+    r, p = D.get_rank(), D.get_world_size()
+    cx.set_num_threads(1)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
+    ddp = D.DistributedDataParallel(model, D.DDPConfig())  # one bucket: the model is 10 KiB
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(50 + r)
+    out = []
+    for case in fused_cases(p):
+        x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
+        loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        g = model.flat_gradients()
+        for at, value in case.get(r, []):
+            g[at] = value
+        local = g.copy()
+        err = ""
+        try:
+            synced = ddp.sync_gradients().copy()
+        except D.NonFiniteError as e:
+            err, synced = str(e), None
+        model.zero_grad()
+        out.append((err, local, synced))
+    return out
+
+
+def param_of(element):
+    return ("0 (layer 0 Linear.weight)", FUSED_IN * FUSED_OUT) if element < FUSED_IN * FUSED_OUT else \
+        ("1 (layer 0 Linear.bias)", FUSED_OUT)
+
+
+def check_fused(res, world):
+    for s, case in enumerate(fused_cases(world)):
+        elements = sorted({at for hits in case.values() for at, _ in hits})
+        if not case:
+            locals_ = [res[r][s][1] for r in range(world)]
+            want = np.sum(np.stack(locals_).astype(np.float64), 0) / world  # independent reference
+            for r in range(world):
+                assert res[r][s][0] == "", res[r][s][0]
+                np.testing.assert_allclose(res[r][s][2], want, rtol=1e-5, atol=1e-6)
+                assert np.array_equal(res[r][s][2], res[0][s][2])  # the same bits on every rank
+            continue
+        overflow = all(v == 3e38 for hits in case.values() for _, v in hits)
+        for r in range(world):
+            err = res[r][s][0]
+            assert err.startswith(f"DistributedDataParallel (rank {r}): step {s + 1}: the gradient averaged over the "
+                                  f"{world} ranks is not finite"), (s, err)
+            names = sorted({param_of(e) for e in elements})
+            assert "in parameters [" + ", ".join(f"{n}: {sum(param_of(e) == (n, k) for e in elements)} of {k} values"
+                                                 for n, k in names) + "]" in err, (s, err)
+            if overflow:
+                assert "Every rank's own gradient was finite: their sum overflowed float32." in err, (s, err)
+                assert "This rank's own gradient was finite." in err, (s, err)
+                continue
+            assert f"The ranks whose own gradient was already not finite: {sorted(case)}." in err, (s, err)
+            if r in case:
+                mine = sorted({param_of(at) for at, _ in case[r]})
+                assert "This rank's own gradient was not finite in [" + ", ".join(
+                    f"{n}: {sum(param_of(at) == (n, k) for at, _ in case[r])} of {k} values" for n, k in mine) + \
+                    "]" in err, (s, r, err)
+            else:
+                assert "This rank's own gradient was finite." in err, (s, r, err)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_check_names_each_rank_whatever_segment_its_nan_is_in(world, algo, transport):
+    env = dict(ALGOS[algo], **({"CX_SHM": "0"} if transport == "tcp" else {}))
+    check_fused(ranks.run(fused_body, world, env=env, timeout=180), world)
+
+
+HOSTS_WORKER = """
+import pickle, sys
+sys.path.insert(0, sys.argv[2])
+import pycyxwiz as cx
+import test_nonfinite as t
+cx.distributed.init()
+res = t.fused_body()
+cx.distributed.finalize()
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(res, f)
+"""
+
+
+def test_fused_check_across_two_hosts_of_two_ranks_hierarchical(tmp_path):
+    """Ranks 0, 1 on host 0 and 2, 3 on host 1 (network namespaces, tests/hosts.py): shared memory inside a host,
+    TCP across; the hierarchical all_reduce tests each rank's own values in the in-host reduce-scatter and the
+    result after the across-host all_reduce of host sums."""
+    if hosts.available() is not None:
+        pytest.skip(str(hosts.available()))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    worker = tmp_path / "worker.py"
+    worker.write_text(HOSTS_WORKER)
+    with hosts.Hosts(2) as h:
+        procs = []
+        for rank in range(4):
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CX_SHM",
+                                                                     "CX_AUTH_TOKEN_FILE")}
+            env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR=h.addrs[0], MASTER_PORT="29400", CX_AUTH_TOKEN="c0ffee" * 10,
+                       DISTRIBUTED_TIMEOUT_MS="60000", OMP_NUM_THREADS="1", **ALGOS["hierarchical"])
+            out = tmp_path / f"rank{rank}.pkl"
+            procs.append((h.popen(rank // 2, [sys.executable, str(worker), str(out), tests], env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+        res = []
+        for p, out in procs:
+            try:
+                text, _ = p.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                for q, _ in procs:
+                    q.kill()
+                    q.communicate()
+                raise AssertionError("a rank hung past 240 s")
+            assert p.returncode == 0, text[-3000:]
+            res.append(pickle.loads(out.read_bytes()))
+    check_fused(res, 4)
+
+
+def test_fused_check_on_four_ranks_halving_doubling_and_ring():
+    for algo in ("halving_doubling", "ring"):
+        check_fused(ranks.run(fused_body, 4, env=ALGOS[algo], timeout=240), 4)
+
+
+# ---- Note [A bucket reduced twice]: the first accumulation cycle -------------------------------------
+
+def first_cycle_body(hook, by_message, bad_rank=1):
+    """Step 1 of two micro-batches: DDP does not yet know the period, so it reduces after each backward. Rank
+    `bad_rank`'s first micro-batch is NaN (through its grad_output, so the buckets launched in backward carry
+    it); the second backward adds into the NaN average on every rank. Only `bad_rank` is to blame."""
+    r = D.get_rank()
+    model = make_model()
+    cfg = D.DDPConfig()
+    cfg.bucket_size_mb, cfg.first_bucket_mb = 1e-4, 1e-4  # a bucket per parameter tensor
+    cfg.comm_hook = hook
+    ddp = D.DistributedDataParallel(model, cfg)
+    ddp._agree_by_message = by_message
+    opt = cx.SGDOptimizer(0.1)
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(5 + r)
+    out = []
+    for step in range(2):
+        for micro in range(2):
+            x = rng.standard_normal((4, SIZES[0])).astype(np.float32)
+            loss.forward(ddp.forward(x), rng.standard_normal((4, SIZES[-1])).astype(np.float32))
+            g = loss.backward().copy()
+            if step == 0 and micro == 0 and r == bad_rank:
+                g[0, 0] = np.nan
+            ddp.backward(g, input_grad=False)
+        try:
+            ddp.update_parameters(opt)
+            out.append("")
+        except D.NonFiniteError as e:
+            out.append(str(e))
+            model.zero_grad()
+    return out, ddp.nonfinite_steps
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("hook, by_message", [("none", True), ("none", False), ("bf16", True)])
+def test_a_nan_average_reduced_again_in_the_first_accumulation_cycle_blames_only_the_rank_that_sent_it(
+        world, hook, by_message):
+    res = ranks.run(first_cycle_body, world, args=(hook, by_message), timeout=120)
+    for r, (out, seen) in enumerate(res):
+        err = out[0]
+        assert f"(rank {r}): step 1: the gradient averaged over the {world} ranks is not finite" in err, err
+        assert "The ranks whose own gradient was already not finite: [1]." in err, err
+        if r == 1:
+            assert "This rank's own gradient was not finite in [" in err, err
+        else:
+            assert "This rank's own gradient was finite." in err, err
+        assert out[1] == "" and seen == 1, out
+
+
+def bytes_body():
+    """Bytes this rank sends for one synced step's gradient, with the check off and on (the 10 KiB model of
+    fused_body: one bucket)."""
+    cx.set_num_threads(1)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
+    ddp = D.DistributedDataParallel(model, D.DDPConfig())
+    loss = cx.MSELoss()
+    x = np.ones((4, FUSED_IN), np.float32)
+    sent = {}
+    for mode in ("off", "raise", "off", "raise"):
+        ddp.nonfinite = mode
+        loss.forward(ddp.forward(x), np.zeros((4, FUSED_OUT), np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        before = cx._core.dist._bytes_sent()
+        ddp.sync_gradients()
+        sent.setdefault(mode, []).append(cx._core.dist._bytes_sent() - before)
+        model.zero_grad()
+    return sent
+
+
+@pytest.mark.parametrize("world, algo, extra", [(2, "recursive_doubling", 0), (2, "ring", 4), (3, "ring", 8)])
+def test_an_all_finite_step_sends_no_message_of_its_own(world, algo, extra):
+    """Where the reduction carries the result flags (the ring: a 4-byte word after each all-gather step; recursive
+    doubling on a power of two: every rank holds the whole result), the check adds those words and nothing else."""
+    for sent in ranks.run(bytes_body, world, env=ALGOS[algo], timeout=120):
+        assert sent["off"][0] == sent["off"][1] > 0, sent
+        assert sent["raise"] == [sent["off"][0] + extra] * 2, sent
 
 
 def fit_warn_diverged():

@@ -295,6 +295,10 @@ void def_inspection(DDPClass& c) {
       .def_property("_agree_by_message", nullptr, &DistributedDataParallel::set_agree_by_message,
                     "Benchmarks and tests only (Note [Non-finite gradients]): agree on the verdict by a small "
                     "all-reduce behind the last bucket (True, the default) or by each rank reading the average.")
+      .def_property("_fused_check", nullptr, &DistributedDataParallel::set_fused_check,
+                    "Benchmarks and tests only (Note [Fused non-finite check] in distributed/reduce_probe.h): the "
+                    "buckets' reductions test for non-finite values (True, the default) or each bucket is read "
+                    "before it is reduced.")
       .def_property_readonly("nonfinite_steps", &DistributedDataParallel::nonfinite_steps,
                              "Steps whose averaged gradient was not finite (whatever nonfinite did about them).")
       .def("is_master", &DistributedDataParallel::is_master)

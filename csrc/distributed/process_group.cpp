@@ -447,6 +447,24 @@ ProcessGroup::WorkPtr ProcessGroup::all_reduce(void* buf, size_t count, DataType
                 backend().all_reduce(buf, count, dt, op, stream), async);
 }
 
+ProcessGroup::WorkPtr ProcessGroup::all_reduce_probed(float* buf, size_t count, ReduceOp op, ReduceProbe& probe,
+                                                      bool async) {
+  CX_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument,
+           "all_reduce_probed: SUM or AVG only, not ", op_name(op));
+  return submit(make_desc(CollectiveKind::kAllReduce, DataType::kFloat32, op, -1, count),
+                backend().all_reduce_probed(buf, count, op, &probe, cfg_.rank), async);
+}
+
+ProcessGroup::WorkPtr ProcessGroup::all_reduce_filled(double* buf, size_t count, std::function<bool()> fill,
+                                                      bool async) {
+  Backend::Body run = backend().all_reduce(buf, count, DataType::kFloat64, ReduceOp::kSum, 0);
+  return submit(make_desc(CollectiveKind::kAllReduce, DataType::kFloat64, ReduceOp::kSum, -1, count),
+                [fill = std::move(fill), run = std::move(run)] {
+                  if (fill()) run();
+                },
+                async);
+}
+
 ProcessGroup::WorkPtr ProcessGroup::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt,
                                                     float scale, bool async) {
   CX_CHECK(wire_dt == DataType::kFloat16 || wire_dt == DataType::kBFloat16, InvalidArgument,

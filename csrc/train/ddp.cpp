@@ -322,9 +322,14 @@ void DistributedDataParallel::wait_in_flight() {
 
 void DistributedDataParallel::launch(size_t b) {
   const Bucket& bk = sched_.buckets()[b];
-  if (checking()) check_->scan(b, model_->flat_grads());  // Note [Non-finite gradients]
+  // Note [Non-finite gradients]: the reduction tests the bucket as it reduces it (fused), or it is read here.
+  const bool fused = fused_check();
+  if (checking() && !fused) check_->scan(b, model_->flat_grads());
   if (hook_)
     hook_->launch(b);  // comm_hooks.h
+  else if (bk.count && fused)
+    in_flight_.push_back(group_->all_reduce_probed(model_->flat_grads() + bk.offset, bk.count,
+                                                   distributed::ReduceOp::kAvg, check_->probe(b), true));
   else if (bk.count)
     in_flight_.push_back(group_->all_reduce(model_->flat_grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
                                             distributed::ReduceOp::kAvg, true));
@@ -347,6 +352,7 @@ const nn::Tensor* DistributedDataParallel::backward(const float* grad_output, co
            "): this model has been wrapped by another DistributedDataParallel (or DistributedTrainer) since this "
            "one was made, and only the newest wrapper sees its gradients; use the newest one");
   wait_in_flight();  // in-flight reductions read and write the buffer backward adds into
+  if (checking()) check_->before_accumulating(model_->flat_grads());  // Note [A bucket reduced twice]
   const size_t k = backwards_since_sync_;
   // Note [Accumulation]; sharded (ZeRO-1) or joining: reduced at the step, not during backward.
   const bool launching = require_sync_ && k + 1 >= period_ && !shard_ && !joining_;
@@ -399,8 +405,13 @@ void DistributedDataParallel::sync_gradients() {
   for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
   // Note [Non-finite gradients]: with by_message_, the agreement travels right behind the last bucket.
-  const bool check = checking();
-  if (check && by_message_) {
+  const bool check = checking(), fused = fused_check();
+  if (fused) {  // packed on the comm thread once the buckets ahead of it have filled their probes
+    fused_msg_.resize(check_->fused_size());
+    in_flight_.push_back(group_->all_reduce_filled(fused_msg_.data(), fused_msg_.size(),
+                                                   [c = check_.get(), m = fused_msg_.data()] { return c->pack_fused(m); },
+                                                   true));
+  } else if (check && by_message_) {
     std::vector<double>& msg = check_->pack();
     if (group_->size() > 1)
       in_flight_.push_back(group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64,
@@ -413,7 +424,9 @@ void DistributedDataParallel::sync_gradients() {
   any_unsynced_ = false;
   ++steps_;
   skip_pending_ = false;
-  if (check && by_message_) {
+  if (fused) {
+    act_on(check_->decide_fused(fused_msg_.data(), model_->flat_grads(), *group_));
+  } else if (check && by_message_) {
     const double limit = hook_ && hook_->kind() == CommHookKind::kFp16 ? 65504.0 * group_->size() : FLT_MAX / 2;
     act_on(check_->decide(model_->flat_grads(), limit));
   } else if (check) {

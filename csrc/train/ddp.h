@@ -235,6 +235,7 @@ class DistributedDataParallel {
   // How ranks agree on a step's verdict (Note [Non-finite gradients]): true (the default), a small
   // all-reduce behind the last bucket; false, each rank reads the average. Benchmarks compare the two.
   void set_agree_by_message(bool on) { by_message_ = on; }
+  void set_fused_check(bool on) { fused_ = on; }
 
   void set_require_sync(bool on) { require_sync_ = on; }
   bool require_sync() const { return require_sync_; }
@@ -288,6 +289,11 @@ class DistributedDataParallel {
   void broadcast_buffers_from(int root);
   void sync_gradients_joined();
   bool checking() const { return nonfinite_ != NonFiniteMode::kOff; }
+  // The buckets' own reductions test for non-finite values (Note [Fused non-finite check] in
+  // distributed/reduce_probe.h); otherwise (a hook, one rank, the read-the-average variant) launch() reads them.
+  bool fused_check() const {
+    return checking() && fused_ && by_message_ && !hook_ && !shard_ && !joining_ && group_->size() > 1;
+  }
   // Acts on a verdict (Note [Non-finite gradients]); false when the step is skipped.
   bool act_on(const NonFiniteVerdict& v);
 
@@ -319,6 +325,8 @@ class DistributedDataParallel {
   uint64_t nonfinite_steps_ = 0, skipped_steps_ = 0;
   bool skip_pending_ = false;
   bool by_message_ = true;
+  bool fused_ = true;
+  std::vector<double> fused_msg_;     // the fused path's agreement message
   std::string warning_;
 
   std::unique_ptr<CommHook> hook_;    // null: the float32 AVG all-reduce of launch()

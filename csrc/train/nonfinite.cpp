@@ -46,6 +46,36 @@ NonFiniteCheck::NonFiniteCheck(std::shared_ptr<nn::SequentialModel> model, std::
                                int rank)
     : model_(std::move(model)), buckets_(std::move(buckets)), world_(world), rank_(rank) {
   own_bits_.assign(buckets_.size(), 0);
+  probes_.resize(buckets_.size());
+  reduced_.assign(buckets_.size(), 0);
+  checked_bad_.assign(buckets_.size(), 0);
+}
+
+// Note [A bucket reduced twice]
+// In the first cycle of gradient accumulation DDP does not yet know how many
+// backwards make a step, so it reduces after each (Note [Accumulation] in
+// ddp.h) and the next backward adds into the average. If that average was
+// already not finite, every rank's buffer holds its NaN, and reading it as
+// "own contribution" would blame every rank. So before a backward adds into
+// buckets reduced since the last backward, each rank reads them (the same
+// bytes on every rank, hence the same finding, with no message): a bucket whose
+// average was bad does not blame anyone at its later reductions (the earlier
+// reduction named whoever sent the NaN; its result is still tested). This read
+// happens only when a bucket is reduced twice in a step, i.e. in the first
+// accumulation cycle, never in the steady state.
+void NonFiniteCheck::before_accumulating(const float* g) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!reduced_[b]) continue;
+    reduced_[b] = 0;
+    if (!checked_bad_[b] && nn::kernels::max_abs_bits(g + buckets_[b].offset, buckets_[b].count) >= kNonFiniteBits)
+      checked_bad_[b] = 1;
+  }
+}
+
+distributed::ReduceProbe& NonFiniteCheck::probe(size_t b) {
+  reduced_[b] = 1;
+  probes_[b].blame = !checked_bad_[b];
+  return probes_[b];
 }
 
 std::vector<std::pair<size_t, size_t>> NonFiniteCheck::count_params(const float* g, size_t first, size_t last,
@@ -62,6 +92,8 @@ std::vector<std::pair<size_t, size_t>> NonFiniteCheck::count_params(const float*
 }
 
 void NonFiniteCheck::scan(size_t b, const float* g) {
+  reduced_[b] = 1;
+  if (checked_bad_[b]) return;  // Note [A bucket reduced twice]: decide() reads it
   const Bucket& bk = buckets_[b];
   const uint32_t bits = nn::kernels::max_abs_bits(g + bk.offset, bk.count);
   if (bits >= kNonFiniteBits) {  // rare: which parameters (a bucket reduced twice in a step is counted once)
@@ -106,6 +138,70 @@ std::vector<double>& NonFiniteCheck::pack(const float* g, size_t shard_offset, s
 void NonFiniteCheck::reset() {
   std::fill(own_bits_.begin(), own_bits_.end(), 0u);
   own_.clear();
+  for (auto& p : probes_) p.clear();
+  std::fill(reduced_.begin(), reduced_.end(), 0);
+  std::fill(checked_bad_.begin(), checked_bad_.end(), 0);
+}
+
+bool NonFiniteCheck::pack_fused(double* msg) {
+  const size_t w = static_cast<size_t>(world_);
+  std::fill(msg, msg + fused_size(), 0.0);
+  std::vector<char> seen(w, 0);
+  summed_ = false;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (const auto& bad : probes_[b].bad) seen[static_cast<size_t>(bad.rank)] = 1;
+    if (probes_[b].result_bad) msg[w + b] = 1.0;
+    if (probes_[b].local_only) summed_ = true;  // the same on every rank: the algorithms are
+  }
+  for (size_t r = 0; r < w; ++r) msg[r] = seen[r];
+  return summed_;
+}
+
+NonFiniteVerdict NonFiniteCheck::decide_fused(const double* msg, const float* g, distributed::ProcessGroup& group) {
+  NonFiniteVerdict v;
+  const size_t w = static_cast<size_t>(world_), nb = buckets_.size();
+  // Without the message (summed_ false), the result flags are every rank's already
+  // and whom to blame comes from the counts below, as it does with it.
+  bool blamed = false;
+  for (int r = 0; summed_ && r < world_; ++r) blamed |= msg[static_cast<size_t>(r)] > 0.5;
+  for (size_t b = 0; b < nb; ++b) {
+    if (!(msg[w + b] > 0.5) && !checked_bad_[b]) continue;  // every part of it finished finite
+    const Bucket& bk = buckets_[b];
+    for (auto& pc : count_params(g, bk.first_param, bk.last_param, 0, static_cast<size_t>(-1)))
+      v.params.push_back(pc);
+  }
+  std::sort(v.params.begin(), v.params.end());
+  v.bad = !v.params.empty();
+  if (v.bad || blamed) {
+    // Rare: each rank's own non-finite values per parameter, from the ranges
+    // the probes recorded (each element by exactly one rank).
+    const auto slices = model_->param_slices();
+    const size_t np = slices.size();
+    std::vector<double> counts(w * np, 0.0);
+    for (size_t b = 0; b < nb; ++b) {
+      const Bucket& bk = buckets_[b];
+      for (const auto& bad : probes_[b].bad) {
+        const size_t lo = bk.offset + bad.begin, hi = bk.offset + bad.end;
+        for (size_t i = bk.first_param; i <= bk.last_param && i < np; ++i) {
+          const size_t a = std::max(slices[i].first, lo), e = std::min(slices[i].first + slices[i].second, hi);
+          if (a < e) counts[static_cast<size_t>(bad.rank) * np + i] += static_cast<double>(e - a);
+        }
+      }
+    }
+    if (world_ > 1 && !counts.empty())
+      group.all_reduce(counts.data(), counts.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
+                       false);
+    for (size_t i = 0; i < np; ++i) {
+      const double c = counts[static_cast<size_t>(rank_) * np + i];
+      if (c > 0.5) v.own.emplace_back(i, static_cast<size_t>(c + 0.5));
+    }
+    for (int r = 0; r < world_; ++r)
+      if (std::any_of(counts.begin() + static_cast<std::ptrdiff_t>(r * np),
+                      counts.begin() + static_cast<std::ptrdiff_t>((r + 1) * np), [](double c) { return c > 0.5; }))
+        v.ranks.push_back(r);
+  }
+  reset();
+  return v;
 }
 
 NonFiniteVerdict NonFiniteCheck::decide(const float* g, double limit, bool shard) {
@@ -118,7 +214,8 @@ NonFiniteVerdict NonFiniteCheck::decide(const float* g, double limit, bool shard
       if (msg_[w + 2 * nb + i] > 0.5) v.params.emplace_back(i, static_cast<size_t>(msg_[w + 2 * nb + i] + 0.5));
   } else {
     for (size_t b = 0; b < nb; ++b) {
-      if (!(msg_[w + b] > 0.5 || msg_[w + nb + b] >= limit)) continue;  // provably finite after the average
+      if (!(msg_[w + b] > 0.5 || msg_[w + nb + b] >= limit || checked_bad_[b]))
+        continue;  // provably finite after the average
       const Bucket& bk = buckets_[b];
       if (nn::kernels::max_abs_bits(g + bk.offset, bk.count) < kNonFiniteBits) continue;
       for (auto& pc : count_params(g, bk.first_param, bk.last_param, 0, static_cast<size_t>(-1)))

@@ -5,19 +5,44 @@
 // Note [Non-finite gradients]
 // A NaN or inf in one rank's gradient becomes, through the average, a NaN or
 // inf in every rank's parameters at the next step, and a sum of finite
-// gradients can still overflow (float16 tops out at 65504). Each step:
+// gradients can still overflow (float16 tops out at 65504). Each step, on the
+// plain path (no communication hook, more than one rank: the default), DDP
+// reads nothing itself:
+//   - fused (Note [Fused non-finite check] in distributed/reduce_probe.h): each
+//     bucket goes to all_reduce_probed, whose reduction kernels test the values
+//     they add in the same loop: each rank finishes a part of the average and
+//     learns whether that part is finite, and each rank's own value of each
+//     element is tested exactly once (by itself, or, for what it sends unread,
+//     by the rank that adds it), which records where it was not finite (rare).
+//     Where the algorithm carried the result flags to every rank (the ring,
+//     recursive doubling on a power of two) every rank already knows, per
+//     bucket, whether the average is finite, and nothing more travels. Else
+//     (halving-doubling, the fold of recursive doubling, hierarchical:
+//     ReduceProbe::local_only, the same on every rank) sync_gradients' SUM
+//     all-reduce of world + buckets float64s right behind the last bucket,
+//     packed on the comm thread when the buckets ahead of it are done
+//     (all_reduce_filled, which sends nothing where no bucket needs it), does
+//     the OR: slot world + b counts the ranks whose part of bucket b's average
+//     is not finite (slot r: the ranks that saw rank r's own values bad).
+//     Every rank gets the same flags and takes the same decision. Only a bad
+//     step does more: the flagged buckets of the average (the same bytes on
+//     every rank) are read to name the parameters, and one all-reduce of
+//     world * parameters counts tells every rank which ranks' own values were
+//     bad, and where (decide_fused).
+//   - a bucket reduced twice in a step (the first accumulation cycle): Note [A
+//     bucket reduced twice] in nonfinite.cpp.
+// Elsewhere (a communication hook, one rank, ZeRO-1, join(), or the benchmark's
+// switches ddp._fused_check / _agree_by_message) the check reads for itself:
 //   - own contribution: when a bucket is handed to its reduction (launch(), on
 //     the thread running backward, the moment the bucket's last gradient is
 //     written, so it is still in cache), one pass over it computes the largest
 //     |g| as bits (nn::kernels::max_abs_bits: Note [Finding non-finite values
 //     by their bits]), which says at once whether any value is inf/NaN. Only a
 //     bucket found bad is looked at again, parameter by parameter, to name
-//     them. The plain path has no loop of its own over the bytes to fuse this
-//     into (the ring reduces in place inside distributed/algorithms/), so this
-//     is the one read DDP adds; the PowerSGD hook folds its own check into the
-//     loop that adds the residual (comm_hooks.cpp).
-//   - agreement (the default): sync_gradients queues one SUM all-reduce of
-//     world + 2 * buckets float64s right behind the last bucket (a few hundred
+//     them. The PowerSGD hook folds its own check into the loop that adds the
+//     residual (comm_hooks.cpp).
+//   - agreement (by message, the default): sync_gradients queues one SUM
+//     all-reduce of world + 2 * buckets float64s right behind the last bucket (a few hundred
 //     bytes on the group's comm thread, so it follows the buckets without a
 //     gap): slot r is rank r's count of bad buckets, then per bucket how many
 //     ranks sent non-finite values and the sum over ranks of max |g|. Every
@@ -42,9 +67,6 @@
 //     pass over the gradients; benchmarks/checks.py found no clear winner on
 //     a busy 2-core machine (README "Benchmarks"), so the message, which reads
 //     the gradients once, is the default.
-// The one pass over each rank's own gradient is what a fused check in the
-// ring (counting as the reduce-scatter reads each chunk) would save; that
-// lives in distributed/algorithms/ and is left for a change there.
 // DDPConfig.nonfinite then: "raise" (NonFiniteError on every rank, the step
 // not taken), "skip" (the optimizer step is not taken, on every rank alike,
 // and counted: ddp.skipped_steps), "warn" (RuntimeWarning, the step taken),
@@ -84,8 +106,15 @@ class NonFiniteCheck {
  public:
   NonFiniteCheck(std::shared_ptr<nn::SequentialModel> model, std::vector<Bucket> buckets, int world, int rank);
 
+  // The probe bucket b's reduction fills (the fused path: Note [Fused
+  // non-finite check] in distributed/reduce_probe.h); it blames this rank
+  // unless the bucket holds an earlier average that was already bad.
+  distributed::ReduceProbe& probe(size_t b);
   // Bucket b's own contribution in `g` (the flat gradient buffer), about to be reduced.
   void scan(size_t b, const float* g);
+  // A backward is about to add into the buffer `g`: buckets reduced since the
+  // last call hold an average; note which are not finite (Note [A bucket reduced twice]).
+  void before_accumulating(const float* g);
   // Every bucket's (ZeRO-1 and join(), which reduce the whole buffer at once).
   void scan_all(const float* g);
   // The numbers to SUM over ranks (float64): world + 2 * buckets, then, with
@@ -98,6 +127,19 @@ class NonFiniteCheck {
   // bucket whose summed max |g| reaches it may have overflowed. Resets the
   // scan for the next step.
   NonFiniteVerdict decide(const float* g, double limit, bool shard = false);
+  // The fused path's message (world + buckets float64s, SUM over ranks),
+  // written into `msg` by the comm thread right before it travels, once every
+  // bucket's probe is filled: slot r counts the ranks that saw rank r's own
+  // values bad, slot world + b the ranks that finished a non-finite part of
+  // bucket b's average.
+  // False (and nothing travels, on every rank alike) where every bucket's
+  // reduction carried its result flags to every rank (ReduceProbe::local_only).
+  size_t fused_size() const { return static_cast<size_t>(world_) + buckets_.size(); }
+  bool pack_fused(double* msg);
+  // The verdict from the summed message; a bad step (rare) reads the flagged
+  // buckets of the average and all-reduces world * parameters counts of what
+  // each rank sent (collective: every rank gets here alike). Resets.
+  NonFiniteVerdict decide_fused(const double* msg, const float* g, distributed::ProcessGroup& group);
   // join(): no agreement message; the averaged gradient (the same on every
   // active rank) is read whole. Resets the scan.
   NonFiniteVerdict decide_local(const float* g);
@@ -120,6 +162,10 @@ class NonFiniteCheck {
   std::vector<Bucket> buckets_;
   int world_, rank_;
   std::vector<uint32_t> own_bits_;                   // per bucket: max |g| bits since the last verdict
+  std::vector<distributed::ReduceProbe> probes_;     // per bucket: what its reductions found (fused path)
+  bool summed_ = false;                              // pack_fused's message travelled
+  std::vector<char> reduced_, checked_bad_;          // per bucket: reduced since before_accumulating; its
+                                                     //   average was found not finite (this step)
   std::vector<std::pair<size_t, size_t>> own_;       // this rank's non-finite parameters since then
   std::vector<double> msg_;
 };

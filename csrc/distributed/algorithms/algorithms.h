@@ -22,6 +22,7 @@
 
 #include <cstddef>
 
+#include "distributed/reduce_probe.h"
 #include "distributed/transport/transport.h"
 
 namespace cx::distributed::algo {
@@ -37,18 +38,24 @@ struct AlgoOptions {
   size_t hierarchical_slice_bytes = 0;
 };
 
-void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o);
-void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o);
+// `pv` (float32 SUM/AVG only): test for non-finite values while reducing
+// (Note [Fused non-finite check] in reduce_probe.h); the ring then also sends a
+// 4-byte flag word after each all-gather step. Every rank passes one or none.
+void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o,
+                const ProbeView* pv = nullptr);
+void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o,
+                     const ProbeView* pv = nullptr);
 // p a power of two
 void all_reduce_halving_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
-                                 const AlgoOptions& o);
-void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op);
+                                 const AlgoOptions& o, const ProbeView* pv = nullptr);
+void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
+                                   const ProbeView* pv = nullptr);
 // The two halves of the ring all_reduce, in place, for the hierarchical
 // collectives: after the first, rank r holds segment (r+1) mod p reduced (op
 // applied, AVG divided); the second starts from there. ring_segment: where segment
 // `seg` of `count` elements cut into p lies.
 void ring_reduce_scatter_inplace(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
-                                 const AlgoOptions& o);
+                                 const AlgoOptions& o, const ProbeView* pv = nullptr);
 void ring_all_gather_inplace(Transport& t, void* buf, size_t count, DataType dt, const AlgoOptions& o);
 void ring_segment(size_t count, int p, int seg, size_t* off, size_t* n);
 // buf (float32) becomes the SUM over ranks of its values times `scale`, carried

@@ -23,12 +23,17 @@ Algo choose(const Transport& t, size_t count, size_t es, const AlgoOptions& o) {
 }
 }  // namespace
 
-void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
-  if (t.size() == 1) return;
+void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o,
+                const ProbeView* pv) {
+  if (t.size() == 1) {  // nothing to combine: our values are the result (Note [Fused non-finite check])
+    if (pv && (pv->raw || pv->result))
+      probe_whole(*pv->probe, static_cast<const float*>(buf), count, pv->base, pv->group_rank(0), pv->raw);
+    return;
+  }
   switch (choose(t, count, dtype_size(dt), o)) {
-    case Algo::kRecursiveDoubling: all_reduce_recursive_doubling(t, buf, count, dt, op); break;
-    case Algo::kHalvingDoubling: all_reduce_halving_doubling(t, buf, count, dt, op, o); break;
-    case Algo::kRing: all_reduce_ring(t, buf, count, dt, op, o); break;
+    case Algo::kRecursiveDoubling: all_reduce_recursive_doubling(t, buf, count, dt, op, pv); break;
+    case Algo::kHalvingDoubling: all_reduce_halving_doubling(t, buf, count, dt, op, o, pv); break;
+    case Algo::kRing: all_reduce_ring(t, buf, count, dt, op, o, pv); break;
   }
 }
 
@@ -39,13 +44,15 @@ void all_reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
 // Each combination step joins the same two partial results on both partners, and
 // a op b == b op a bitwise for IEEE +, *, min and max, so every rank ends with
 // identical bits.
-void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op) {
+void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
+                                   const ProbeView* pv) {
   const int p = t.size(), r = t.rank();
   const size_t bytes = count * dtype_size(dt);
   char* scratch = scratch_space(bytes);
   int pof2 = 1;
   while (pof2 * 2 <= p) pof2 *= 2;
   const int rem = p - pof2;
+  if (pv && rem) pv->probe->local_only = true;  // the folded ranks do not see the result's flag
 
   int newrank;
   if (r < 2 * rem) {
@@ -54,7 +61,8 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
       newrank = -1;
     } else {
       t.wait(t.irecv(r - 1, scratch, bytes));
-      reduce_into(buf, scratch, count, dt, op);
+      // Our own values, and the even rank's, which it never reads itself.
+      reduce_probed(buf, scratch, count, dt, op, pv, 0, r, r - 1, false);
       newrank = r / 2;
     }
   } else {
@@ -68,7 +76,9 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
       auto rv = t.irecv(partner, scratch, bytes);
       t.wait(rv);
       t.wait(s);
-      reduce_into(buf, scratch, count, dt, op);
+      // Our own values at our first combination (unless the fold came first); the last one finishes.
+      const bool first = mask == 1 && r >= 2 * rem;
+      reduce_probed(buf, scratch, count, dt, op, pv, 0, first ? r : -1, -1, mask * 2 >= pof2);
     }
   }
   if (r < 2 * rem) {
@@ -106,7 +116,8 @@ void all_reduce_recursive_doubling(Transport& t, void* buf, size_t count, DataTy
 // buffer itself; CastData: Note [Cast on the wire]):
 //   wire(off)                   where element `off` travels from and lands
 //   own(off, n)                 before our own segment's first send
-//   reduce(off, n, in, last)    a reduce-scatter chunk arrived in `in`; `last`: it is now complete
+//   reduce(off, n, in, first, last)  a reduce-scatter chunk arrived in `in` (`first`: at step 0, so it
+//                               holds the left neighbour's own values); `last`: it is now complete
 //   gathered(off, n)            an all-gather chunk arrived at wire(off)
 namespace {
 
@@ -140,15 +151,26 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
   auto mod = [p](int x) { return ((x % p) + p) % p; };
 
   // The receive sequence: (step, chunk) in order.
+  // With a probe that finishes the result (Note [Fused non-finite check]), a
+  // flag word follows each all-gather step's segment: the OR of the finished
+  // segments' flags seen so far, so after the last step every rank has all p.
+  bool* flag = first == 0 && count >= static_cast<size_t>(p) ? data.result_flag() : nullptr;
+  std::vector<uint32_t> flag_in(flag ? 2 * p : 0), flag_out(flag ? 2 * p : 0);
   struct Item {
     int step;
     size_t chunk;
+    bool is_flag;
   };
   std::vector<Item> items;
   for (int s = first; s < end; ++s) {
     size_t nc = seg_chunks(mod(r - s - 1));
-    for (size_t c = 0; c < nc; ++c) items.push_back({s, c});
+    for (size_t c = 0; c < nc; ++c) items.push_back({s, c, false});
+    if (flag && s >= p - 1) items.push_back({s, 0, true});
   }
+  auto send_flag = [&](int step) {
+    flag_out[step] = *flag ? 1u : 0u;
+    t.isend(right, &flag_out[step], sizeof(uint32_t));
+  };
 
   const int depth = std::max(1, o.depth);
   char* scratch = scratch_space(static_cast<size_t>(depth) * chunk_elems * es);
@@ -169,6 +191,10 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
   size_t next_post = 0;
   auto post = [&](size_t k) {
     const Item& it = items[k];
+    if (it.is_flag) {
+      inflight.emplace_back(t.irecv(left, &flag_in[it.step], sizeof(uint32_t)), k);
+      return;
+    }
     size_t off, n;
     chunk_range(mod(r - it.step - 1), it.chunk, &off, &n);
     void* dst = it.step < p - 1 ? static_cast<void*>(scratch + (k % depth) * chunk_elems * es)
@@ -182,29 +208,42 @@ void ring(Transport& t, size_t count, size_t es, const AlgoOptions& o, Data& dat
     inflight.pop_front();
     t.wait(req);
     const Item& it = items[k];
+    if (it.is_flag) {
+      if (flag_in[it.step]) *flag = true;
+      if (next_post < items.size()) post(next_post++);
+      if (it.step + 1 < end) send_flag(it.step + 1);
+      continue;
+    }
     const int seg = mod(r - it.step - 1);
     size_t off, n;
     chunk_range(seg, it.chunk, &off, &n);
     if (it.step < p - 1)
-      data.reduce(off, n, scratch + (k % depth) * chunk_elems * es, it.step == p - 2);
+      data.reduce(off, n, scratch + (k % depth) * chunk_elems * es, it.step == 0, it.step == p - 2);
     else
       data.gathered(off, n);
     if (next_post < items.size()) post(next_post++);  // its scratch slot (k % depth) is free again
     if (it.step + 1 < end) t.isend(right, data.wire(off), n * es);
+    if (flag && it.step == p - 2 && p - 1 < end && it.chunk + 1 == seg_chunks(seg)) send_flag(p - 1);  // finished
   }
   t.wait_all();
 }
 
+// With a probe: every reduce-scatter step adds into our own values (untouched
+// until then), and step 0 brings the left neighbour's own segment, which it
+// sent unread (Note [Fused non-finite check] in reduce_probe.h).
 struct PlainData {
   char* buf;
   size_t es;
   DataType dt;
   ReduceOp op;
   int p;
+  const ProbeView* pv = nullptr;
+  int me = 0, left = 0;
   char* wire(size_t off) const { return buf + off * es; }
+  bool* result_flag() const { return pv && pv->result ? &pv->probe->result_bad : nullptr; }
   void own(size_t, size_t) const {}
-  void reduce(size_t off, size_t n, const char* in, bool last) const {
-    reduce_into(wire(off), in, n, dt, op);
+  void reduce(size_t off, size_t n, const char* in, bool first, bool last) const {
+    reduce_probed(wire(off), in, n, dt, op, pv, off, me, first ? left : -1, last);
     if (last) finish_avg(wire(off), n, dt, op, p);
   }
   void gathered(size_t, size_t) const {}
@@ -234,8 +273,9 @@ struct CastData {
   DataType wire_dt;
   float scale;
   uint16_t* wire(size_t off) const { return w + off; }
+  bool* result_flag() const { return nullptr; }
   void own(size_t off, size_t n) const { narrow(buf + off, scale, w + off, n, wire_dt); }
-  void reduce(size_t off, size_t n, const char* in, bool last) const {
+  void reduce(size_t off, size_t n, const char* in, bool, bool last) const {
     narrow_sum(buf + off, scale, reinterpret_cast<const uint16_t*>(in), w + off, n, wire_dt);
     if (last) widen(w + off, buf + off, n, wire_dt);
   }
@@ -244,15 +284,18 @@ struct CastData {
 
 }  // namespace
 
-void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o) {
-  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, t.size()};
-  ring(t, count, data.es, o, data, 0, 2 * (t.size() - 1));
+void all_reduce_ring(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, const AlgoOptions& o,
+                     const ProbeView* pv) {
+  const int p = t.size();
+  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, p, pv, t.rank(), (t.rank() + p - 1) % p};
+  ring(t, count, data.es, o, data, 0, 2 * (p - 1));
 }
 
 void ring_reduce_scatter_inplace(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op,
-                                 const AlgoOptions& o) {
-  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, t.size()};
-  ring(t, count, data.es, o, data, 0, t.size() - 1);
+                                 const AlgoOptions& o, const ProbeView* pv) {
+  const int p = t.size();
+  PlainData data{static_cast<char*>(buf), dtype_size(dt), dt, op, p, pv, t.rank(), (t.rank() + p - 1) % p};
+  ring(t, count, data.es, o, data, 0, p - 1);
 }
 
 void ring_all_gather_inplace(Transport& t, void* buf, size_t count, DataType dt, const AlgoOptions& o) {

@@ -12,7 +12,8 @@ namespace {
 // Sends buf[give) to `partner` while receiving its copy of buf[keep) into scratch
 // and reducing it in, chunk by chunk (depth chunks in flight). Element ranges.
 void exchange_reduce(Transport& t, int partner, char* buf, size_t give_lo, size_t give_hi, size_t keep_lo,
-                     size_t keep_hi, DataType dt, ReduceOp op, size_t ce, size_t depth, char* scratch) {
+                     size_t keep_hi, DataType dt, ReduceOp op, size_t ce, size_t depth, char* scratch,
+                     const ProbeView* pv, int ours, int theirs, bool finishes) {
   const size_t es = dtype_size(dt);
   for (size_t o = give_lo; o < give_hi; o += ce) t.isend(partner, buf + o * es, (std::min(give_hi, o + ce) - o) * es);
   const size_t n = keep_hi - keep_lo, nc = (n + ce - 1) / ce;
@@ -30,7 +31,8 @@ void exchange_reduce(Transport& t, int partner, char* buf, size_t give_lo, size_
     inflight.pop_front();
     t.wait(req);
     size_t o = keep_lo + c * ce;
-    reduce_into(buf + o * es, scratch + (c % depth) * ce * es, std::min(keep_hi, o + ce) - o, dt, op);
+    reduce_probed(buf + o * es, scratch + (c % depth) * ce * es, std::min(keep_hi, o + ce) - o, dt, op, pv, o, ours,
+                  theirs, finishes);
     if (next < nc) post();
   }
   t.wait_all();
@@ -59,8 +61,11 @@ void exchange_copy(Transport& t, int partner, char* buf, size_t send_lo, size_t 
 // Bytes per rank equal the ring's (2(p-1)/p * n) but in 2 log2 p steps instead of
 // 2(p-1): where ranks share cores every step costs a peer's wake-up, and this
 // wins (Note [large all_reduce on one host] in process_group.cpp).
+// With a probe (Note [Fused non-finite check] in reduce_probe.h): at the first
+// step the half we keep holds our own values and the partner sends its own
+// copy of it, which it never reads; the last step finishes our segment.
 void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp op,
-                                 const AlgoOptions& o) {
+                                 const AlgoOptions& o, const ProbeView* pv) {
   const int p = t.size(), r = t.rank();
   const size_t es = dtype_size(dt);
   char* buf = static_cast<char*>(buf_v);
@@ -72,6 +77,7 @@ void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataTy
   std::vector<size_t> off(static_cast<size_t>(p) + 1);
   for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count / p + (static_cast<size_t>(i) < count % p ? 1 : 0);
   char* scratch = scratch_space(depth * ce * es);
+  if (pv) pv->probe->local_only = true;  // each rank finished one segment; the caller does the OR
 
   // Halving: the partner at step k is r ^ masks[k]; each step keeps the half of
   // the current range on our side of that bit. The doubling steps retrace them
@@ -87,8 +93,9 @@ void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataTy
     const int mid = (lo + hi) / 2;
     const bool upper = (r & mask) != 0;
     Step st{r ^ mask, upper ? mid : lo, upper ? hi : mid, upper ? lo : mid, upper ? mid : hi};
+    const bool first = mask == p / 2;
     exchange_reduce(t, st.partner, buf, off[st.give_lo], off[st.give_hi], off[st.keep_lo], off[st.keep_hi], dt, op,
-                    ce, depth, scratch);
+                    ce, depth, scratch, pv, first ? r : -1, first ? st.partner : -1, mask == 1);
     steps.push_back(st);
     lo = st.keep_lo;
     hi = st.keep_hi;

@@ -144,15 +144,25 @@ namespace {
 constexpr double kSliceScaleBytes = 128 * 1024;
 constexpr int kPipelinedMaxHosts = 8;
 
+// With a probe (Note [Fused non-finite check] in reduce_probe.h): the in-host
+// reduce-scatter reads every rank's own values (named through the host's
+// members); across hosts only host sums travel, so only the result is tested.
 void all_reduce_in_phases(Transport& t, const Hierarchy& h, void* buf, size_t count, DataType dt, ReduceOp op,
-                          const AlgoOptions& o) {
+                          const AlgoOptions& o, const ProbeView* pv) {
   const int me = t.rank(), per_host = h.per_host, local = h.local_of[me];
-  SubTransport in_host(t, h.ranks[static_cast<size_t>(h.host_of[me])]);
+  const std::vector<int>& host = h.ranks[static_cast<size_t>(h.host_of[me])];
+  SubTransport in_host(t, host);
   SubTransport across(t, h.column(local));
-  ring_reduce_scatter_inplace(in_host, buf, count, dt, summed(op), o);
   size_t off, n;
   ring_segment(count, per_host, (local + 1) % per_host, &off, &n);
-  all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), o);
+  ProbeView in_v, across_v;
+  if (pv) {
+    pv->probe->local_only = true;  // the in-host all-gather carries no flags; the caller does the OR
+    in_v = {pv->probe, &host, pv->base, pv->raw, pv->result && h.ranks.size() == 1};
+    across_v = {pv->probe, nullptr, pv->base + off, false, pv->result && h.ranks.size() > 1};
+  }
+  ring_reduce_scatter_inplace(in_host, buf, count, dt, summed(op), o, pv ? &in_v : nullptr);
+  all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), o, pv ? &across_v : nullptr);
   ring_all_gather_inplace(in_host, buf, count, dt, o);
   finish_avg(buf, count, dt, op, t.size());
 }
@@ -171,15 +181,20 @@ size_t slice_count(size_t count, size_t es, int per_host, int n_hosts, const Alg
 
 }  // namespace
 
+// With a probe (Note [Fused non-finite check] in reduce_probe.h): each slice's
+// in-host reduce-scatter reads every rank's own values; the sum of the hosts'
+// parts (or, on one host, the reduce-scatter) finishes the result.
 void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t count, DataType dt, ReduceOp op,
-                             const AlgoOptions& o) {
+                             const AlgoOptions& o, const ProbeView* pv) {
   const int me = t.rank(), per_host = h.per_host, local = h.local_of[me], host = h.host_of[me];
   const int n_hosts = static_cast<int>(h.ranks.size());
-  if (count < static_cast<size_t>(per_host)) return all_reduce(t, buf, count, dt, op, o);  // slices would be empty
+  if (count < static_cast<size_t>(per_host)) return all_reduce(t, buf, count, dt, op, o, pv);  // empty slices
   const size_t es = dtype_size(dt);
   const bool pipelined = n_hosts <= kPipelinedMaxHosts && count >= static_cast<size_t>(per_host) * n_hosts &&
                          (o.hierarchical_slice_bytes > 0 || count * es / per_host > o.small_allreduce_bytes);
-  if (!pipelined) return all_reduce_in_phases(t, h, buf, count, dt, op, o);
+  if (!pipelined) return all_reduce_in_phases(t, h, buf, count, dt, op, o, pv);
+  if (pv) pv->probe->local_only = true;  // the in-host all-gathers carry no flags; the caller does the OR
+  const std::vector<int>& host_ranks = h.ranks[static_cast<size_t>(host)];
   const size_t slices = slice_count(count, es, per_host, n_hosts, o);
   const ReduceOp sop = summed(op);
   char* const base = static_cast<char*>(buf);
@@ -214,7 +229,9 @@ void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t
 
   auto reduce_in_host = [&](size_t k) {
     Slice& sl = s[k];
-    ring_reduce_scatter_inplace(in_host, base + sl.off * es, sl.n, dt, sop, o);
+    ProbeView in_v;
+    if (pv) in_v = {pv->probe, &host_ranks, pv->base + sl.off, pv->raw, pv->result && n_hosts == 1};
+    ring_reduce_scatter_inplace(in_host, base + sl.off * es, sl.n, dt, sop, o, pv ? &in_v : nullptr);
     size_t mine_off, mine_n;
     part(sl, host, &mine_off, &mine_n);
     for (int j = 0; j < n_hosts; ++j) {
@@ -231,8 +248,12 @@ void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t
     sl.reqs.clear();
     size_t mine_off, mine_n;
     part(sl, host, &mine_off, &mine_n);
+    const int last = host == n_hosts - 1 ? n_hosts - 2 : n_hosts - 1;
+    const ProbeView sum_v{pv ? pv->probe : nullptr, nullptr, pv ? pv->base : 0, false, pv && pv->result};
     for (int j = 0; j < n_hosts; ++j) {
-      if (j != host) reduce_into(base + mine_off * es, theirs(k, j), mine_n, dt, sop);
+      if (j != host)
+        reduce_probed(base + mine_off * es, theirs(k, j), mine_n, dt, sop, pv ? &sum_v : nullptr, mine_off, -1, -1,
+                      j == last);
     }
     for (int j = 0; j < n_hosts; ++j) {
       if (j == host) continue;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -82,6 +83,12 @@ uint16_t float_to_bf16(float f) {
 }
 
 namespace {
+
+// The elements (at + j) of the lanes j set in `mask` hold `rank`'s non-finite values.
+void record_lanes(ReduceProbe& p, int rank, size_t at, unsigned mask) {
+  for (unsigned j = 0; j < 8; ++j)
+    if (mask >> j & 1u) p.add(rank, at + j, at + j + 1);
+}
 
 template <typename T, typename F>
 void apply(T* __restrict d, const T* __restrict s, size_t n, F f) {
@@ -229,6 +236,36 @@ CX_SIMD void narrow_sum_x8(const float* own, float scale, const uint16_t* recv, 
   narrow_sum_from<L>(i, own, scale, recv, dst, n);
 }
 
+// Lanes of v that are inf or NaN: |v| (the bits, sign cleared) above FLT_MAX's.
+CX_SIMD inline __m256i nonfinite_lanes(__m256 v) {
+  return _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff)),
+                            _mm256_set1_epi32(0x7f7fffff));
+}
+
+CX_SIMD void sum_probed_x8(float* __restrict d, const float* __restrict s, size_t n, const SumProbe& k,
+                           ReduceProbe& theirs, size_t* i_out, bool* out_bad) {
+  const __m256i want_ours = _mm256_set1_epi32(k.ours >= 0 ? -1 : 0);
+  const __m256i want_theirs = _mm256_set1_epi32(k.theirs >= 0 ? -1 : 0);
+  __m256i out = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(d + i), b = _mm256_loadu_ps(s + i), r = _mm256_add_ps(a, b);
+    _mm256_storeu_ps(d + i, r);
+    out = _mm256_or_si256(out, nonfinite_lanes(r));
+    const __m256i na = _mm256_and_si256(nonfinite_lanes(a), want_ours);
+    const __m256i nb = _mm256_and_si256(nonfinite_lanes(b), want_theirs);
+    const __m256i any = _mm256_or_si256(na, nb);
+    if (__builtin_expect(!_mm256_testz_si256(any, any), 0)) {  // rare: name the elements
+      const unsigned ma = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(na)));
+      const unsigned mb = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nb)));
+      if (ma) record_lanes(*k.probe, k.ours, k.base + i, ma);
+      if (mb) record_lanes(theirs, k.theirs, k.base + i, mb);
+    }
+  }
+  *i_out = i;
+  *out_bad = !_mm256_testz_si256(out, out);
+}
+
 bool have_simd() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return yes;
@@ -260,6 +297,47 @@ void narrow_sum(const float* own, float scale, const uint16_t* recv, uint16_t* d
 namespace {
 void sum_16(uint16_t* d, const uint16_t* s, size_t n, DataType wire) { CX_DISPATCH16(wire, sum_x8, sum_from, d, s, n); }
 }  // namespace
+
+namespace {
+constexpr uint32_t kNonFiniteBits = 0x7f800000u;
+inline bool nonfinite(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return (b & 0x7fffffffu) >= kNonFiniteBits;
+}
+}  // namespace
+
+void sum_probed(float* dst, const float* src, size_t n, const SumProbe& k) {
+  // The other rank's elements are gathered apart and appended at the end, so
+  // that ours and theirs, both bad, do not split each other's ranges.
+  thread_local ReduceProbe theirs;
+  theirs.clear();
+  size_t i = 0;
+  bool out_bad = false;
+#if CX_HAVE_F16C_PATH
+  if (have_simd()) sum_probed_x8(dst, src, n, k, theirs, &i, &out_bad);
+#endif
+  for (; i < n; ++i) {
+    const float a = dst[i], b = src[i], r = a + b;
+    dst[i] = r;
+    out_bad |= nonfinite(r);
+    if (k.ours >= 0 && nonfinite(a)) k.probe->add(k.ours, k.base + i, k.base + i + 1);
+    if (k.theirs >= 0 && nonfinite(b)) theirs.add(k.theirs, k.base + i, k.base + i + 1);
+  }
+  for (const BadValues& b : theirs.bad) k.probe->add(b.rank, b.begin, b.end);
+  if (out_bad && k.finishes) k.probe->result_bad = true;
+}
+
+void probe_whole(ReduceProbe& p, const float* buf, size_t n, size_t base, int rank, bool own) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!nonfinite(buf[i])) continue;
+    if (!own) {
+      p.result_bad = true;
+      return;
+    }
+    p.add(rank, base + i, base + i + 1);
+  }
+}
 
 void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp op) {
   switch (t) {

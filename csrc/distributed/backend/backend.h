@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "common/error.h"
+#include "distributed/algorithms/reduction_kernels.h"  // probe_whole
+#include "distributed/reduce_probe.h"
 #include "distributed/transport/transport.h"
 #include "distributed/types.h"
 
@@ -54,6 +56,19 @@ class Backend {
     (void)buf, (void)wire, (void)count, (void)scale;
     CX_THROW(InvalidArgument, "an all-reduce of float32 carried as ", dtype_name(wire_dt),
              " (the fp16/bf16 communication hooks) runs on the CPU backend only; this group's backend cannot");
+  }
+  // A float32 SUM/AVG all_reduce of host memory that also tests for non-finite
+  // values into `probe` (Note [Fused non-finite check] in reduce_probe.h);
+  // `rank`: ours. By default one read of our values before and of the result
+  // after; the CPU backend tests inside its reduction kernels.
+  virtual Body all_reduce_probed(float* buf, size_t count, ReduceOp op, ReduceProbe* probe, int rank) {
+    Body run = all_reduce(buf, count, DataType::kFloat32, op, 0);
+    return [run = std::move(run), buf, count, probe, rank] {
+      if (probe->blame) probe_whole(*probe, buf, count, 0, rank, true);
+      run();
+      probe_whole(*probe, buf, count, 0, rank, false);
+      probe->local_only = true;
+    };
   }
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;

@@ -229,6 +229,21 @@ Backend::Body CpuBackend::all_reduce(void* buf, size_t count, DataType dt, Reduc
   return [t = t_.get(), o = opt_, buf, count, dt, op] { algo::all_reduce(*t, buf, count, dt, op, o); };
 }
 
+// Note [Fused non-finite check] in reduce_probe.h: the algorithms test while they reduce.
+Backend::Body CpuBackend::all_reduce_probed(float* buf, size_t count, ReduceOp op, ReduceProbe* probe, int) {
+  const DataType dt = DataType::kFloat32;
+  if (hierarchical(count * dtype_size(dt), kHierarchicalMinBytes)) {
+    return [t = t_.get(), h = &*hier_, o = opt_, buf, count, dt, op, probe] {
+      const ProbeView v{probe, nullptr, 0, probe->blame, true};
+      algo::all_reduce_hierarchical(*t, *h, buf, count, dt, op, o, &v);
+    };
+  }
+  return [t = t_.get(), o = opt_, buf, count, dt, op, probe] {
+    const ProbeView v{probe, nullptr, 0, probe->blame, true};
+    algo::all_reduce(*t, buf, count, dt, op, o, &v);
+  };
+}
+
 Backend::Body CpuBackend::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) {
   return [t = t_.get(), o = opt_, buf, wire, count, wire_dt, scale] {
     algo::all_reduce_cast(*t, buf, wire, count, wire_dt, scale, o);

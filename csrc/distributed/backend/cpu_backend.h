@@ -35,6 +35,7 @@ class CpuBackend : public Backend {
                   uintptr_t stream) override;
   Body barrier(uint64_t fingerprint) override;
   Body all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) override;
+  Body all_reduce_probed(float* buf, size_t count, ReduceOp op, ReduceProbe* probe, int rank) override;
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 
