@@ -35,7 +35,8 @@ def test_algorithms_see_the_transport_interface_not_a_transport():
     for p in sorted((CSRC / "distributed" / "algorithms").glob("*")):
         for inc in includes(p):
             if inc.startswith("distributed/") and not inc.startswith("distributed/algorithms/") and \
-                    inc not in ("distributed/transport/transport.h", "distributed/types.h"):
+                    inc not in ("distributed/transport/transport.h", "distributed/types.h",
+                                "distributed/reduce_probe.h"):  # plain data, as types.h
                 wrong.append(f"{p.name} includes {inc}")
     assert wrong == []
 
