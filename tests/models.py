@@ -23,3 +23,17 @@ def mlp_with_dropout(seed, hidden):
     m.add(cx.DropoutModule(0.3, seed=seed + 7))
     m.add(cx.LinearModule(hidden, 10, seed=seed + 1))
     return m
+
+
+def digits_with_a_nan_row():
+    """The digits (a copy) with a NaN at row 17, column 5, and a small MLP for them (64-16-10, ReLU): the
+    non-finite tests' job, on the CPU and on the GPU trainer alike."""
+    from pycyxwiz.datasets import load_digits
+    X, y = load_digits()
+    X = X.copy()
+    X[17, 5] = float("nan")
+    m = cx.SequentialModel()
+    m.add(cx.LinearModule(64, 16, seed=1))
+    m.add(cx.ReLUModule())
+    m.add(cx.LinearModule(16, 10, seed=2))
+    return X, y, m

@@ -569,17 +569,12 @@ NAN_FIT = """
 import sys, warnings
 import numpy as np
 import pycyxwiz as cx
-from pycyxwiz.datasets import load_digits
 D = cx.distributed
 mode, out, opt = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, sys.argv[4])
+import models
 D.init()
-X, y = load_digits()
-X = X.copy()
-X[17, 5] = np.nan
-m = cx.SequentialModel()
-m.add(cx.LinearModule(64, 16, seed=1))
-m.add(cx.ReLUModule())
-m.add(cx.LinearModule(16, 10, seed=2))
+X, y, m = models.digits_with_a_nan_row()
 cfg = D.DistributedTrainingConfig(epochs=2, batch_size=64, verbose=False, nonfinite=mode)
 t = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05) if opt == "sgd" else cx.AdamOptimizer(0.01))
 error, skipped = "", -1
@@ -599,7 +594,7 @@ def _nan_fit(tmp_path, mode, backend, opt):
     out = tmp_path / f"nan-{mode}-{opt}-{backend}.npz"
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND=backend, CX_TIMEOUT_SECONDS="60")
-    r = subprocess.run([sys.executable, "-c", NAN_FIT, mode, str(out), opt], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", NAN_FIT, mode, str(out), opt, os.path.dirname(os.path.abspath(__file__))], env=env, capture_output=True, text=True,
                        timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     d = dict(np.load(out))

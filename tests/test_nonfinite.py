@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import hosts
+import models
 import ranks
 
 import pycyxwiz as cx
@@ -306,14 +307,7 @@ def test_powersgd_never_carries_a_non_finite_residual_or_q_past_the_step(mode):
 # ---- the trainer ---------------------------------------------------------------------------------
 
 def fit_nan_row(mode):
-    from pycyxwiz.datasets import load_digits
-    X, y = load_digits()
-    X = X.copy()
-    X[17, 5] = np.nan
-    m = cx.SequentialModel()
-    m.add(cx.LinearModule(64, 16, seed=1))
-    m.add(cx.ReLUModule())
-    m.add(cx.LinearModule(16, 10, seed=2))
+    X, y, m = models.digits_with_a_nan_row()
     cfg = D.DistributedTrainingConfig(epochs=2, batch_size=64, verbose=False, nonfinite=mode)
     t = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05))
     h = t.fit(X, y, cfg)
@@ -670,14 +664,7 @@ def fit_warn_diverged():
     import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from pycyxwiz.datasets import load_digits
-        X, y = load_digits()
-        X = X.copy()
-        X[17, 5] = np.nan
-        m = cx.SequentialModel()
-        m.add(cx.LinearModule(64, 16, seed=1))
-        m.add(cx.ReLUModule())
-        m.add(cx.LinearModule(16, 10, seed=2))
+        X, y, m = models.digits_with_a_nan_row()
         cfg = D.DistributedTrainingConfig(epochs=2, batch_size=64, verbose=False, nonfinite="warn")
         h = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.05)).fit(X, y, cfg)
     return h.train_losses, h.train_accuracies, sum(issubclass(w.category, RuntimeWarning) for w in caught)

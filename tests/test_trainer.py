@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import digits
+import models
 import ranks
 from models import mlp_with_dropout
 
@@ -369,14 +370,7 @@ def test_trainer_host_collectives_gather_broadcast_and_check_their_arrays():
 
 
 def fit_with_a_nan_row():
-    from pycyxwiz.datasets import load_digits
-    X, y = load_digits()
-    X = X.copy()
-    X[17, 5] = np.nan
-    m = cx.SequentialModel()
-    m.add(cx.LinearModule(64, 16, seed=1))
-    m.add(cx.ReLUModule())
-    m.add(cx.LinearModule(16, 10, seed=2))
+    X, y, m = models.digits_with_a_nan_row()
     cfg = cx.distributed.DistributedTrainingConfig()
     cfg.epochs, cfg.batch_size, cfg.verbose = 2, 64, False
     cfg.nonfinite = "off"  # the gradient check would name it first, on every rank (tests/test_nonfinite.py)
