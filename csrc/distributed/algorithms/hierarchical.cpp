@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
 
 #include "common/error.h"
 #include "distributed/algorithms/reduction_kernels.h"
+#include "distributed/algorithms/scratch.h"
 #include "distributed/algorithms/sub_transport.h"
 
 namespace cx::distributed::algo {
@@ -76,17 +76,9 @@ std::vector<int> Hierarchy::column(int local) const {
 namespace {
 
 // The blocks a hierarchical reduce_scatter or all_gather keeps between its two
-// halves (one per host); like scratch_space, reused on this thread, but apart
-// from it, since the flat algorithms called in between use that one.
-char* between_phases(size_t bytes) {
-  thread_local std::unique_ptr<char[]> buf;
-  thread_local size_t cap = 0;
-  if (bytes > cap) {
-    buf.reset(new char[bytes]);
-    cap = bytes;
-  }
-  return buf.get();
-}
+// halves (one per host): scratch.h's second pool, since the flat algorithms
+// called in between use the first.
+char* between_phases(size_t bytes) { return scratch_space<Pool::kBetweenPhases>(bytes); }
 
 ReduceOp summed(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
 

@@ -13,6 +13,13 @@ namespace cx::distributed::algo {
 // chunks) or small message, never by a large message. Allocating and zeroing a
 // fresh pool on every call cost ~20 us per call at 2 MiB, more than a whole
 // small collective.
+//
+// Pool::kBetweenPhases is a second such buffer: what a collective made of flat
+// ones (hierarchical.cpp) keeps across the flat collectives it calls, which use
+// the first.
+enum class Pool { kStep, kBetweenPhases };
+
+template <Pool P = Pool::kStep>
 inline char* scratch_space(size_t bytes) {
   thread_local std::unique_ptr<char[]> buf;
   thread_local size_t cap = 0;
