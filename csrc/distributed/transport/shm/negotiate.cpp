@@ -7,6 +7,24 @@
 
 namespace cx::distributed::shm {
 
+namespace {
+
+// Each rank's host as a number: hosts numbered 0, 1, ... in the order of their lowest rank.
+std::vector<int> number_hosts(const std::vector<std::string>& keys) {
+  const int world = static_cast<int>(keys.size());
+  std::vector<int> hosts(keys.size(), -1);
+  for (int j = 0, next = 0; j < world; ++j) {
+    if (hosts[j] >= 0) continue;
+    for (int k = j; k < world; ++k) {
+      if (keys[k] == keys[j]) hosts[k] = next;
+    }
+    ++next;
+  }
+  return hosts;
+}
+
+}  // namespace
+
 // Note [Same-host pairs]
 // Two ranks on one host move data through shared memory instead of their TCP
 // connection: each rank makes a segment (shm.h) holding a receive ring per peer,
@@ -62,14 +80,7 @@ Pairing negotiate(const std::vector<net::Fd>& socks, const std::vector<std::stri
     if (enabled && keys[j] == key) local.push_back(j);
   }
   Pairing out;
-  out.hosts.assign(static_cast<size_t>(world), -1);
-  for (int j = 0, next = 0; j < world; ++j) {
-    if (out.hosts[j] >= 0) continue;
-    for (int k = j; k < world; ++k) {
-      if (keys[k] == keys[j]) out.hosts[k] = next;
-    }
-    ++next;
-  }
+  out.hosts = number_hosts(keys);
 
   // 2. Our segment, with the rings of those peers reserved up front: a full
   // /dev/shm (64 MiB in a default Docker container) then means TCP, never a
