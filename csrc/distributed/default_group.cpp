@@ -5,7 +5,7 @@
 namespace cx::distributed {
 
 namespace {
-std::mutex g_mu;
+std::mutex g_group_mu;
 std::shared_ptr<ProcessGroup> g_group;
 bool g_initializing = false;
 
@@ -19,7 +19,7 @@ void forget_if_inherited() {
 
 void init_default_group(const Config& cfg) {
   {
-    std::lock_guard<std::mutex> lk(g_mu);
+    std::lock_guard<std::mutex> lk(g_group_mu);
     forget_if_inherited();  // init() in a forked child makes a group of its own
     if (g_group || g_initializing) {
       CX_THROW(Error, "cx.distributed.init() was already called in this process (rank ",
@@ -29,11 +29,11 @@ void init_default_group(const Config& cfg) {
   }
   try {
     auto pg = std::make_shared<ProcessGroup>(cfg);
-    std::lock_guard<std::mutex> lk(g_mu);
+    std::lock_guard<std::mutex> lk(g_group_mu);
     g_group = std::move(pg);
     g_initializing = false;
   } catch (...) {
-    std::lock_guard<std::mutex> lk(g_mu);
+    std::lock_guard<std::mutex> lk(g_group_mu);
     g_initializing = false;
     throw;
   }
@@ -42,7 +42,7 @@ void init_default_group(const Config& cfg) {
 void finalize_default_group(bool at_exit) {
   std::shared_ptr<ProcessGroup> pg;
   {
-    std::lock_guard<std::mutex> lk(g_mu);
+    std::lock_guard<std::mutex> lk(g_group_mu);
     forget_if_inherited();
     pg = std::move(g_group);
   }
@@ -50,7 +50,7 @@ void finalize_default_group(bool at_exit) {
 }
 
 std::shared_ptr<ProcessGroup> default_group() {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_group_mu);
   return g_group;
 }
 

@@ -7,10 +7,6 @@
 
 namespace cx::train {
 
-namespace {
-constexpr double kMiB = 1024.0 * 1024.0;
-}  // namespace
-
 Shard shard_of(size_t n, int world, int rank) {
   const size_t w = static_cast<size_t>(world), r = static_cast<size_t>(rank);
   const size_t q = n / w;
@@ -33,7 +29,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<DistributedData
            "): cannot be made inside ddp.join(); a finished rank cannot shadow its collectives");
   q_ = n_ / static_cast<size_t>(world);
   shard_ = shard_of(n_, world, rank);
-  const size_t piece = std::max<size_t>(1, static_cast<size_t>(ddp_->config().bucket_size_mb * kMiB) / sizeof(float));
+  const size_t piece = std::max<size_t>(1, static_cast<size_t>(ddp_->config().bucket_size_mb * 1048576.0) / sizeof(float));
   scratch_.resize(std::min(piece, q_));
   // Take the optimizer's state over: whole (an unsharded run, a checkpoint), or none yet.
   const size_t built = opt_->state_params();

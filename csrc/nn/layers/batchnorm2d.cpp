@@ -126,7 +126,7 @@ std::shared_ptr<Module> read_batchnorm2d(ByteReader& r) {
 }
 
 // Note [Layer ids] in registry.h.
-const LayerRegistration kRegistration{16, "BatchNorm2d", read_batchnorm2d};
+const LayerRegistration kBatchNorm2dRegistration{16, "BatchNorm2d", read_batchnorm2d};
 
 }  // namespace
 

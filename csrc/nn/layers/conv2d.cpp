@@ -29,7 +29,7 @@ inline void copy_floats(float* __restrict d, const float* __restrict s, size_t n
   for (; i < n; ++i) d[i] = s[i];
 }
 
-size_t checked(const char* what, int64_t v, int64_t lo) {
+size_t conv_arg(const char* what, int64_t v, int64_t lo) {
   CX_CHECK(v >= lo, InvalidArgument, "Conv2dModule: ", what, " must be >= ", lo, ", got ", v);
   CX_CHECK(v <= kMaxSize, InvalidArgument, "Conv2dModule: ", what, " must be at most ", kMaxSize, ", got ", v);
   return static_cast<size_t>(v);
@@ -49,13 +49,13 @@ size_t extent(const Conv2dGeometry& g) { return g.dilation * (g.k - 1) + 1; }
 Conv2dModule::Conv2dModule(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride,
                            int64_t padding, bool bias, int64_t dilation, int64_t groups, uint64_t seed)
     : bias_(bias) {
-  g_.in = checked("in_channels", in_channels, 1);
-  g_.out = checked("out_channels", out_channels, 1);
-  g_.k = checked("kernel_size", kernel_size, 1);
-  g_.stride = checked("stride", stride, 1);
-  g_.padding = checked("padding", padding, 0);
-  g_.dilation = checked("dilation", dilation, 1);
-  g_.groups = checked("groups", groups, 1);
+  g_.in = conv_arg("in_channels", in_channels, 1);
+  g_.out = conv_arg("out_channels", out_channels, 1);
+  g_.k = conv_arg("kernel_size", kernel_size, 1);
+  g_.stride = conv_arg("stride", stride, 1);
+  g_.padding = conv_arg("padding", padding, 0);
+  g_.dilation = conv_arg("dilation", dilation, 1);
+  g_.groups = conv_arg("groups", groups, 1);
   CX_CHECK(g_.in % g_.groups == 0 && g_.out % g_.groups == 0, InvalidArgument,
            "Conv2dModule: in_channels (", g_.in, ") and out_channels (", g_.out, ") must both be divisible by groups (",
            g_.groups, ")");
@@ -349,7 +349,7 @@ std::shared_ptr<Module> read_conv2d(ByteReader& r) {
 }
 
 // Note [Layer ids] in registry.h.
-const LayerRegistration kRegistration{12, "Conv2d", read_conv2d};
+const LayerRegistration kConv2dRegistration{12, "Conv2d", read_conv2d};
 
 }  // namespace
 

@@ -15,7 +15,7 @@ namespace {
 
 constexpr int64_t kMaxWindow = 1 << 16;
 
-size_t checked(const char* layer, const char* what, int64_t v) {
+size_t window_arg(const char* layer, const char* what, int64_t v) {
   CX_CHECK(v >= 1 && v <= kMaxWindow, InvalidArgument, layer, ": ", what, " must be in [1, ", kMaxWindow, "], got ", v);
   return static_cast<size_t>(v);
 }
@@ -30,7 +30,7 @@ void check_nchw(const Module& m, const Shape& in) {
 // ---------------------------------------------------------------- Pool2d
 
 Pool2dModule::Pool2dModule(const char* layer, int64_t kernel_size, int64_t stride)
-    : k_(checked(layer, "kernel_size", kernel_size)), s_(checked(layer, "stride", stride)) {}
+    : k_(window_arg(layer, "kernel_size", kernel_size)), s_(window_arg(layer, "stride", stride)) {}
 
 std::string Pool2dModule::repr() const {
   std::string s = type_name() + "(kernel_size=" + std::to_string(k_);

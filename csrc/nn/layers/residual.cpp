@@ -181,7 +181,7 @@ std::shared_ptr<Module> read_residual(ByteReader& r) {
 }
 
 // Note [Layer ids] in registry.h.
-const LayerRegistration kRegistration{17, "Residual", read_residual};
+const LayerRegistration kResidualRegistration{17, "Residual", read_residual};
 
 }  // namespace
 

@@ -13,7 +13,7 @@ namespace cx::distributed::nccl {
 
 namespace {
 
-std::mutex g_mu;
+std::mutex g_api_mu;
 std::vector<std::string> g_dirs;
 const NcclApi* g_api = nullptr;  // never destroyed: NCCL outlives every static destructor
 
@@ -69,12 +69,12 @@ std::string NcclApi::error_text(ncclResult_t r, ncclComm_t comm) const {
 }
 
 void set_nccl_search_dirs(std::vector<std::string> dirs) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_api_mu);
   g_dirs = std::move(dirs);
 }
 
 const NcclApi& nccl_api() {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_api_mu);
   if (g_api) return *g_api;
   auto api = std::make_unique<NcclApi>();
   std::vector<std::string> tried;
