@@ -9,7 +9,7 @@ per-batch engine are C++ (csrc/train/). This module holds what is Python by natu
 epoch loop (one C++ call per batch), the progress bar and log lines (rank 0 only), the
 history, and checkpoint files.
 
-Checkpoint file format (version 2): an uncompressed NumPy ``.npz`` archive with
+Checkpoint file format (version 3): an uncompressed NumPy ``.npz`` archive with
 ``meta`` (UTF-8 JSON: format, version, epoch and batch position to resume at, partial
 epoch sums, history, sampler seed/shuffle, world size), ``model`` (the ``.cyxmodel``
 bytes: architecture, parameters, buffers), ``opt.<name>`` (the optimizer's state
@@ -19,8 +19,9 @@ absent in files written before it existed, which then resume with the states as 
 with the PowerSGD communication hook also ``hook.q`` (float32: the warm-start Q of every compressed
 matrix, the same on every rank) and ``hook.error`` (float32, one row per rank: that rank's
 error-feedback residuals), and the hook's iteration count in ``meta``; and ``manifest.json`` with
-the SHA-256 of every member, the zip comment holding the SHA-256 of the whole file (Note
-[Checkpoints you can trust] in _ckpt_file.py; version 1 files had neither).
+the SHA-256 and the place of every member, the zip comment holding the SHA-256 of the rest of the file
+(Note [Checkpoints you can trust] in _ckpt_file.py; version 2 files hashed the whole file, version 1 files
+had neither).
 
 Every rank draws its own dropout masks (Note [Dropout across ranks] in csrc/train/ddp.h),
 so a checkpoint must hold every rank's generator states although only rank 0 writes it.
