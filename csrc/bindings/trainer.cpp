@@ -1,6 +1,7 @@
 // Bindings of the trainer's per-batch engine (_TrainerCore, csrc/train/trainer.h) and of the model bytes its
 // checkpoints hold. DistributedTrainer itself (epoch loop, checks of X and y, checkpoint files) is Python:
 // python/pycyxwiz/distributed/_train.py.
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -167,7 +168,7 @@ void def_host_side(CoreClass& c) {
               py::gil_scoped_release nogil;
               sd = c.optimizer_state_dict();
             }
-            return optimizer_state_to_py(sd);
+            return optimizer_state_to_py(std::move(sd));
           },
           "The whole optimizer state (collective while sharded).")
       .def(
@@ -217,14 +218,17 @@ void bind_checkpoint_helpers(py::module_& m) {
   m.def(
       "_model_to_bytes",
       [](const nn::SequentialModel& model) {
-        std::string s;
+        auto* s = new std::string;
         {
           py::gil_scoped_release nogil;
-          s = model.serialize();
+          *s = model.serialize();
         }
-        return py::bytes(s);
+        py::capsule owner(s, [](void* p) { delete static_cast<std::string*>(p); });
+        return py::array_t<uint8_t>(static_cast<py::ssize_t>(s->size()), reinterpret_cast<const uint8_t*>(s->data()),
+                                    owner);
       },
-      py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers).");
+      py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers), in a uint8 array (not "
+      "copied into a bytes object: a checkpoint takes them every epoch).");
   m.def("_fork_rng_stream", &nn::fork_stream, py::arg("state"), py::arg("stream"),
         "The generator state DDP gives rank `stream` for rank 0's `state` (Note [Dropout across ranks]).");
   m.def(
