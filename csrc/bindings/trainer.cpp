@@ -162,15 +162,27 @@ void def_host_side(CoreClass& c) {
       .def_property_readonly("zero", &TrainerCore::zero, "The ZeroRedundancyOptimizer while sharded, else None.")
       .def(
           "optimizer_state_dict",
-          [](TrainerCore& c) {
+          [](TrainerCore& c, const py::dict& into) {
+            std::map<std::string, nn::Optimizer::Destination> spans;
+            for (auto [k, v] : into) {
+              auto a = py::reinterpret_borrow<py::object>(v);
+              if (!py::isinstance<py::array_t<float>>(a)) continue;
+              auto arr = a.cast<py::array>();
+              if (!(arr.flags() & py::array::c_style) || !arr.writeable()) continue;
+              spans[k.cast<std::string>()] = {static_cast<float*>(arr.mutable_data()), static_cast<size_t>(arr.size())};
+            }
             nn::StateDict sd;
             {
               py::gil_scoped_release nogil;
-              sd = c.optimizer_state_dict();
+              sd = c.optimizer_state_dict(spans);
             }
-            return optimizer_state_to_py(std::move(sd));
+            py::dict d = optimizer_state_to_py(std::move(sd));
+            for (const auto& [name, span] : spans) d[name.c_str()] = into[name.c_str()];
+            return d;
           },
-          "The whole optimizer state (collective while sharded).")
+          py::arg("into") = py::dict(),
+          "The whole optimizer state (collective while sharded). `into`: float32 arrays by state name; one of the "
+          "array's size is filled and returned in place of a new one (not while sharded).")
       .def(
           "load_optimizer_state_dict",
           [](TrainerCore& c, const py::dict& d) { c.load_optimizer_state_dict(optimizer_state_from_py(d)); },

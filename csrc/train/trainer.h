@@ -97,7 +97,9 @@ class TrainerCore {
   void set_nonfinite(const std::string& mode);
   // The whole optimizer state (collective while sharded), and loading a whole
   // one (each rank keeps its shard while sharded).
-  nn::StateDict optimizer_state_dict();
+  // The whole optimizer state (collective while sharded); `into`: Optimizer::state_dict(into), unused while
+  // sharded (the gathered state is in fresh arrays; `into` comes back empty).
+  nn::StateDict optimizer_state_dict(std::map<std::string, nn::Optimizer::Destination>& into);
   void load_optimizer_state_dict(const nn::StateDict& sd);
   const std::shared_ptr<ZeroRedundancyOptimizer>& zero() const { return zero_; }
 
