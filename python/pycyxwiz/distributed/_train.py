@@ -1173,9 +1173,10 @@ class DistributedTrainer:
         if background:
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cx-checkpoint")
-            self._spare = {}
             self._writing = self._writer.submit(_write_checkpoint, members, paths)
-            self._spare = members  # not touched before _finish_writes says the writer is done with them
+            # Not touched before _finish_writes says the writer is done with them (sharded: the gather made
+            # the members before the writer was waited for, so none are reused).
+            self._spare = {} if sharded else members
         else:
             _write_checkpoint(members, paths)
         return list(paths)
