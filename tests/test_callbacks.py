@@ -190,6 +190,36 @@ def test_best_ckpt_holds_the_parameters_of_the_best_monitored_epoch(tmp_path):
         assert files == ["best.ckpt", "last.ckpt"]                # rank 0 writes, rank 1 does not add files
 
 
+def reuse_body():
+    Xtr, ytr, _, _ = data(256, 64)
+    trainer = D.DistributedTrainer(mlp(seed=4), cx.CrossEntropyLoss(), cx.AdamOptimizer(3e-3))
+    ema = C.EMA(0.9)
+    trainer.fit(Xtr, ytr, config(epochs=1, batch_size=32), callbacks=[ema])
+    trainer._callbacks = [ema]
+    before = trainer._checkpoint_members()
+    kept = {k: v.copy() for k, v in before.items()}
+    trainer.fit(Xtr, ytr, config(epochs=1, batch_size=32), callbacks=[ema])
+    trainer._callbacks = [ema]
+    fresh = trainer._checkpoint_members()
+    again = trainer._checkpoint_members(before)       # the arrays of a checkpoint written already, reused
+    reused = [k for k in again if again[k] is before[k]]
+    same = all(np.array_equal(again[k], fresh[k]) for k in fresh if k != "meta")
+    # Arrays that do not fit (size, dtype) are left alone, and new ones made.
+    misfit = {"opt.exp_avg": np.zeros(3, np.float32), "opt.exp_avg_sq": fresh["opt.exp_avg_sq"].astype(np.float64),
+              "cb.EMA.shadow": np.zeros(5, np.float32)}
+    odd = trainer._checkpoint_members(misfit)
+    untouched = not misfit["opt.exp_avg"].any() and not misfit["cb.EMA.shadow"].any()
+    odd_ok = all(odd[k] is not misfit[k] and np.array_equal(odd[k], fresh[k]) for k in misfit)
+    moved = not np.array_equal(kept["opt.exp_avg"], fresh["opt.exp_avg"])
+    return sorted(reused), same, untouched, odd_ok, moved
+
+
+def test_a_save_reuses_the_arrays_of_the_save_before_where_they_fit():
+    (reused, same, untouched, odd_ok, moved), = ranks.run(reuse_body, 1)
+    assert reused == ["cb.EMA.shadow", "opt.exp_avg", "opt.exp_avg_sq"]
+    assert moved and same and untouched and odd_ok
+
+
 # ---- EMA ------------------------------------------------------------------------------------------------
 
 class ParamsPerStep(C.Callback):

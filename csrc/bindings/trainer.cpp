@@ -181,8 +181,8 @@ void def_host_side(CoreClass& c) {
             return d;
           },
           py::arg("into") = py::dict(),
-          "The whole optimizer state (collective while sharded). `into`: float32 arrays by state name; one of the "
-          "array's size is filled and returned in place of a new one (not while sharded).")
+          "The whole optimizer state (collective while sharded). `into`: float32 arrays by state name; one of its "
+          "state's size is filled and returned in place of a new array (not while sharded).")
       .def(
           "load_optimizer_state_dict",
           [](TrainerCore& c, const py::dict& d) { c.load_optimizer_state_dict(optimizer_state_from_py(d)); },
