@@ -150,31 +150,74 @@ class ParamsPerEpoch(C.Callback):
         self.seen[epoch] = (logs["val_loss"], trainer.model.flat_parameters().copy())
 
 
+class MomentumPerEpoch(C.Callback):
+    def __init__(self):
+        self.seen = {}
+
+    def on_epoch_end(self, trainer, epoch, logs):
+        self.seen[epoch] = trainer.optimizer.state_dict()["momentum_buffer"].copy()
+
+
 def checkpoint_body(directory):
     Xtr, ytr, Xv, yv = data()
     model = mlp(seed=3)
     # SGD with a large step: val_loss goes down, then up and down again, so the best epoch is not the last.
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.9, momentum=0.9))
-    ckpt, seen = C.ModelCheckpoint(directory, monitor="val_loss"), ParamsPerEpoch()
-    trainer.fit(Xtr, ytr, Xv, yv, config(epochs=8, batch_size=32), callbacks=[ckpt, seen])
+    ckpt, seen, momentum = C.ModelCheckpoint(directory, monitor="val_loss"), ParamsPerEpoch(), MomentumPerEpoch()
+    trainer.fit(Xtr, ytr, Xv, yv, config(epochs=8, batch_size=32), callbacks=[ckpt, seen, momentum])
     fresh = D.DistributedTrainer(mlp(seed=99), cx.CrossEntropyLoss(), cx.SGDOptimizer(0.9, momentum=0.9))
     fresh.load_checkpoint(os.path.join(directory, "best.ckpt"))
-    best = fresh.model.flat_parameters().copy()
+    best = fresh.model.flat_parameters().copy(), fresh.optimizer.state_dict()["momentum_buffer"].copy()
     fresh.load_checkpoint(os.path.join(directory, "last.ckpt"))
-    last = fresh.model.flat_parameters().copy()
+    last = fresh.model.flat_parameters().copy(), fresh.optimizer.state_dict()["momentum_buffer"].copy()
     return (ckpt.best_score, ckpt.best_epoch, ckpt.best_path, {e: v[0] for e, v in seen.seen.items()},
-            seen.seen, best, last, model.flat_parameters().copy(), sorted(os.listdir(directory)))
+            seen.seen, momentum.seen, best, last, model.flat_parameters().copy(), sorted(os.listdir(directory)))
 
 
 def test_best_ckpt_holds_the_parameters_of_the_best_monitored_epoch(tmp_path):
     d = str(tmp_path / "ckpt")
-    for score, epoch, path, vlosses, seen, best, last, final, files in ranks.run(checkpoint_body, 2, args=(d,)):
+    for score, epoch, path, vlosses, seen, momentum, best, last, final, files in ranks.run(checkpoint_body, 2,
+                                                                                           args=(d,)):
         best_epoch = min(vlosses, key=vlosses.get)
         assert 1 < best_epoch < 8, vlosses                       # the test means something: best is neither end
         assert (epoch, score, path) == (best_epoch, vlosses[best_epoch], os.path.join(d, "best.ckpt"))
-        assert np.array_equal(best, seen[best_epoch][1])
-        assert np.array_equal(last, final) and np.array_equal(last, seen[8][1])
+        assert np.array_equal(best[0], seen[best_epoch][1])
+        assert np.array_equal(last[0], final) and np.array_equal(last[0], seen[8][1])
+        # The optimizer's state too, although each save copies it into the arrays of the save before (Note
+        # [Checkpoints written in the background]): best.ckpt keeps its epoch's.
+        assert not np.array_equal(momentum[best_epoch], momentum[8])
+        assert np.array_equal(best[1], momentum[best_epoch]) and np.array_equal(last[1], momentum[8])
         assert files == ["best.ckpt", "last.ckpt"]                # rank 0 writes, rank 1 does not add files
+
+
+def reuse_body():
+    Xtr, ytr, _, _ = data(256, 64)
+    trainer = D.DistributedTrainer(mlp(seed=4), cx.CrossEntropyLoss(), cx.AdamOptimizer(3e-3))
+    ema = C.EMA(0.9)
+    trainer.fit(Xtr, ytr, config(epochs=1, batch_size=32), callbacks=[ema])
+    trainer._callbacks = [ema]
+    before = trainer._checkpoint_members()
+    kept = {k: v.copy() for k, v in before.items()}
+    trainer.fit(Xtr, ytr, config(epochs=1, batch_size=32), callbacks=[ema])
+    trainer._callbacks = [ema]
+    fresh = trainer._checkpoint_members()
+    again = trainer._checkpoint_members(before)       # the arrays of a checkpoint written already, reused
+    reused = [k for k in again if again[k] is before[k]]
+    same = all(np.array_equal(again[k], fresh[k]) for k in fresh if k != "meta")
+    # Arrays that do not fit (size, dtype) are left alone, and new ones made.
+    misfit = {"opt.exp_avg": np.zeros(3, np.float32), "opt.exp_avg_sq": fresh["opt.exp_avg_sq"].astype(np.float64),
+              "cb.EMA.shadow": np.zeros(5, np.float32)}
+    odd = trainer._checkpoint_members(misfit)
+    untouched = not misfit["opt.exp_avg"].any() and not misfit["cb.EMA.shadow"].any()
+    odd_ok = all(odd[k] is not misfit[k] and np.array_equal(odd[k], fresh[k]) for k in misfit)
+    moved = not np.array_equal(kept["opt.exp_avg"], fresh["opt.exp_avg"])
+    return sorted(reused), same, untouched, odd_ok, moved
+
+
+def test_a_save_reuses_the_arrays_of_the_save_before_where_they_fit():
+    (reused, same, untouched, odd_ok, moved), = ranks.run(reuse_body, 1)
+    assert reused == ["cb.EMA.shadow", "opt.exp_avg", "opt.exp_avg_sq"]
+    assert moved and same and untouched and odd_ok
 
 
 # ---- EMA ------------------------------------------------------------------------------------------------

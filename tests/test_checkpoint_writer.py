@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import time
 import zipfile
 
@@ -14,9 +15,10 @@ import pytest
 from pycyxwiz.distributed import _ckpt_file
 
 
-def reference_pack(members):
-    """What the writer did before: each member np.save'd into memory, zipfile.writestr, then the digest."""
-    digests = {}
+def reference_pack(members, version=3):
+    """What the writer does, the plain way: each member np.save'd into memory, zipfile.writestr, then the digest:
+    version 3's over the members' places and every byte outside them, version 2's over every byte."""
+    digests, spans = {}, {}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         for name, arr in members.items():
@@ -24,11 +26,24 @@ def reference_pack(members):
             np.lib.format.write_array(one, np.ascontiguousarray(arr), allow_pickle=False)
             raw = one.getvalue()
             z.writestr(name + ".npy", raw)
+            spans[name] = [buf.tell() - len(raw), len(raw)]   # writestr leaves the position after the bytes
             digests[name] = hashlib.sha256(raw).hexdigest()
-        z.writestr(_ckpt_file.MANIFEST, json.dumps({"algorithm": "sha256", "members": digests}, sort_keys=True))
-        z.comment = b"cx-sha256:" + b"0" * 64
+        manifest = {"algorithm": "sha256", "members": digests}
+        if version == 3:
+            manifest["spans"] = spans
+        z.writestr(_ckpt_file.MANIFEST, json.dumps(manifest, sort_keys=True))
+        z.comment = (b"cx-sha256-3:" if version == 3 else b"cx-sha256:") + b"0" * 64
     body = buf.getvalue()[:-64]
-    return body + hashlib.sha256(body).hexdigest().encode()
+    if version == 2:
+        return body + hashlib.sha256(body).hexdigest().encode()
+    places = sorted(spans.values())
+    proof = struct.pack("<Q", len(places)) + b"".join(struct.pack("<QQ", s, n) for s, n in places)
+    outside, at = [], 0
+    for start, n in places:
+        outside.append(body[at:start])
+        at = start + n
+    outside.append(body[at:])
+    return body + hashlib.sha256(proof + b"".join(outside)).hexdigest().encode()
 
 
 def members():
@@ -55,6 +70,52 @@ def test_pieces_are_the_bytes_of_the_plain_packing(monkeypatch):
     out = _ckpt_file.unpack(expected, "c.ckpt")
     for name, arr in m.items():
         assert out[name].dtype == arr.dtype and np.array_equal(out[name], arr), name
+
+
+def test_a_version_2_file_still_loads_and_its_flips_are_caught(monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
+    m = members()
+    data = reference_pack(m, version=2)      # what the writer wrote before version 3
+    out = _ckpt_file.unpack(data, "v2.ckpt")
+    for name, arr in m.items():
+        assert out[name].dtype == arr.dtype and np.array_equal(out[name], arr), name
+    # In version 2 the file's digest covers the members too: a consistent zip whose member changed is caught by it.
+    z = zipfile.ZipFile(io.BytesIO(data))
+    start = z.getinfo("model.npy").header_offset
+    for byte in (start + 10, len(data) - 100, len(data) - 1):
+        bad = bytearray(data)
+        bad[byte] ^= 4
+        with pytest.raises(OSError, match="is damaged|not a readable"):
+            _ckpt_file.unpack(bytes(bad), "v2.ckpt")
+
+
+def test_the_file_digest_skips_the_members_bytes_but_proves_where_they_are(monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
+    m = members()
+    data = _ckpt_file.pack(m)
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read(_ckpt_file.MANIFEST))
+    start, n = manifest["spans"]["opt.exp_avg"]
+    one = io.BytesIO()
+    np.lib.format.write_array(one, m["opt.exp_avg"], allow_pickle=False)
+    assert data[start:start + n] == one.getvalue()          # the place of the member's .npy bytes
+    # A member's bytes changed and its CRC and manifest digest changed to match: the manifest is outside the
+    # members, so the file's digest sees it.
+    raw = bytearray(data[start:start + n])
+    raw[-1] ^= 1
+    src = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            if info.filename == "opt.exp_avg.npy":
+                z.writestr(info, bytes(raw))
+            elif info.filename == _ckpt_file.MANIFEST:
+                manifest["members"]["opt.exp_avg"] = hashlib.sha256(raw).hexdigest()
+                z.writestr(info, json.dumps(manifest, sort_keys=True))
+            else:
+                z.writestr(info, src.read(info.filename))
+        z.comment = src.comment
+    with pytest.raises(OSError, match="file's checksum does not"):
+        _ckpt_file.unpack(out.getvalue(), "c.ckpt")
 
 
 def load(path):

@@ -119,7 +119,7 @@ def test_loading_a_damaged_checkpoint_fails_on_every_rank(tmp_path):
         assert "is damaged" in o.message and "'opt.exp_avg'" in o.message
 
 
-def test_a_version_1_file_still_loads_but_a_stripped_version_2_does_not(tmp_path):
+def test_a_version_1_file_still_loads_but_a_stripped_version_2_or_3_does_not(tmp_path):
     (data,) = ranks.run(small_checkpoint, 1, args=(str(tmp_path / "c.ckpt"),))
     members = _ckpt_file.unpack(data, "c.ckpt")
     meta = json.loads(members["meta"].tobytes().decode())
@@ -128,12 +128,13 @@ def test_a_version_1_file_still_loads_but_a_stripped_version_2_does_not(tmp_path
         meta["version"] = 1
         np.savez(f, **{**members, "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)})
     ranks.run(load_damaged, 1, args=(str(old),))
-    stripped = tmp_path / "v2-stripped.ckpt"
-    with open(stripped, "wb") as f:  # the proof removed from a version 2 file
-        meta["version"] = 2
-        np.savez(f, **{**members, "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)})
-    (o,) = ranks.spawn(load_damaged, 1, args=(str(stripped),))
-    assert not o.ok and o.exc_type == "OSError" and "whole-file checksum is missing" in o.message, o.trace
+    for version in (2, 3):
+        stripped = tmp_path / f"v{version}-stripped.ckpt"
+        with open(stripped, "wb") as f:  # the proof removed from a version 2 or 3 file
+            meta["version"] = version
+            np.savez(f, **{**members, "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)})
+        (o,) = ranks.spawn(load_damaged, 1, args=(str(stripped),))
+        assert not o.ok and o.exc_type == "OSError" and "whole-file checksum is missing" in o.message, o.trace
 
 
 def save_into(directory):

@@ -23,8 +23,9 @@ class DistributedDataParallel;
 namespace cx::bindings {
 namespace py = pybind11;
 
-// optimizers.cpp: an optimizer's StateDict as the dict state_dict() returns, and back.
-py::dict optimizer_state_to_py(const nn::StateDict& sd);
+// optimizers.cpp: an optimizer's StateDict as the dict state_dict() returns (its arrays moved into the
+// dict's, not copied), and back.
+py::dict optimizer_state_to_py(nn::StateDict sd);
 nn::StateDict optimizer_state_from_py(const py::dict& d);
 
 // external_store.cpp: a Python store (torch.distributed's Store: set, check, get) as the core's Store; `ip` is

@@ -16,7 +16,7 @@ namespace cx::bindings {
 using namespace cx::nn;
 
 // StateDict -> dict: "step" as an int and "nesterov" as a bool (the C++ side keeps every scalar as a double).
-py::dict optimizer_state_to_py(const StateDict& sd) {
+py::dict optimizer_state_to_py(StateDict sd) {
   py::dict d;
   d["type"] = sd.type;
   for (const auto& [k, v] : sd.scalars) {
@@ -24,10 +24,10 @@ py::dict optimizer_state_to_py(const StateDict& sd) {
     else if (k == "nesterov") d[k.c_str()] = v != 0.0;
     else d[k.c_str()] = v;
   }
-  for (const auto& [k, v] : sd.arrays) {
-    py::array_t<float> a(static_cast<py::ssize_t>(v.size()));
-    std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(float));
-    d[k.c_str()] = a;
+  for (auto& [k, v] : sd.arrays) {  // each array handed over, not copied (a checkpoint takes one every epoch)
+    auto* owned = new std::vector<float>(std::move(v));
+    py::capsule owner(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+    d[k.c_str()] = py::array_t<float>(static_cast<py::ssize_t>(owned->size()), owned->data(), owner);
   }
   return d;
 }

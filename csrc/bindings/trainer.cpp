@@ -1,6 +1,7 @@
 // Bindings of the trainer's per-batch engine (_TrainerCore, csrc/train/trainer.h) and of the model bytes its
 // checkpoints hold. DistributedTrainer itself (epoch loop, checks of X and y, checkpoint files) is Python:
 // python/pycyxwiz/distributed/_train.py.
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -161,15 +162,27 @@ void def_host_side(CoreClass& c) {
       .def_property_readonly("zero", &TrainerCore::zero, "The ZeroRedundancyOptimizer while sharded, else None.")
       .def(
           "optimizer_state_dict",
-          [](TrainerCore& c) {
+          [](TrainerCore& c, const py::dict& into) {
+            std::map<std::string, nn::Optimizer::Destination> spans;
+            for (auto [k, v] : into) {
+              auto a = py::reinterpret_borrow<py::object>(v);
+              if (!py::isinstance<py::array_t<float>>(a)) continue;
+              auto arr = a.cast<py::array>();
+              if (!(arr.flags() & py::array::c_style) || !arr.writeable()) continue;
+              spans[k.cast<std::string>()] = {static_cast<float*>(arr.mutable_data()), static_cast<size_t>(arr.size())};
+            }
             nn::StateDict sd;
             {
               py::gil_scoped_release nogil;
-              sd = c.optimizer_state_dict();
+              sd = c.optimizer_state_dict(spans);
             }
-            return optimizer_state_to_py(sd);
+            py::dict d = optimizer_state_to_py(std::move(sd));
+            for (const auto& [name, span] : spans) d[name.c_str()] = into[name.c_str()];
+            return d;
           },
-          "The whole optimizer state (collective while sharded).")
+          py::arg("into") = py::dict(),
+          "The whole optimizer state (collective while sharded). `into`: float32 arrays by state name; one of its "
+          "state's size is filled and returned in place of a new array (not while sharded).")
       .def(
           "load_optimizer_state_dict",
           [](TrainerCore& c, const py::dict& d) { c.load_optimizer_state_dict(optimizer_state_from_py(d)); },
@@ -217,14 +230,17 @@ void bind_checkpoint_helpers(py::module_& m) {
   m.def(
       "_model_to_bytes",
       [](const nn::SequentialModel& model) {
-        std::string s;
+        auto* s = new std::string;
         {
           py::gil_scoped_release nogil;
-          s = model.serialize();
+          *s = model.serialize();
         }
-        return py::bytes(s);
+        py::capsule owner(s, [](void* p) { delete static_cast<std::string*>(p); });
+        return py::array_t<uint8_t>(static_cast<py::ssize_t>(s->size()), reinterpret_cast<const uint8_t*>(s->data()),
+                                    owner);
       },
-      py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers).");
+      py::arg("model"), "The model as .cyxmodel bytes (architecture, parameters, buffers), in a uint8 array (not "
+      "copied into a bytes object: a checkpoint takes them every epoch).");
   m.def("_fork_rng_stream", &nn::fork_stream, py::arg("state"), py::arg("stream"),
         "The generator state DDP gives rank `stream` for rank 0's `state` (Note [Dropout across ranks]).");
   m.def(

@@ -107,7 +107,7 @@ void def_zero(py::module_& m) {
               py::gil_scoped_release nogil;
               sd = z.state_dict();
             }
-            return optimizer_state_to_py(sd);
+            return optimizer_state_to_py(std::move(sd));
           },
           "Collective: the whole optimizer state (every rank's shard gathered), as the wrapped optimizer's "
           "state_dict() would be without ZeRO; loadable with another world size.")

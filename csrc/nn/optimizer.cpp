@@ -1,5 +1,6 @@
 #include "nn/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -55,13 +56,28 @@ std::vector<std::string> Optimizer::state_array_names() const {
 }
 
 StateDict Optimizer::state_dict() const {
+  std::map<std::string, Destination> none;
+  return state_dict(none);
+}
+
+StateDict Optimizer::state_dict(std::map<std::string, Destination>& into) const {
   StateDict sd;
   sd.type = type_name();
   sd.scalars["lr"] = lr_;
   sd.scalars["step"] = static_cast<double>(t_);
   get_hparams(sd.scalars);
-  for (auto& [name, arr] : const_cast<Optimizer*>(this)->state_arrays())
-    if (!arr->empty()) sd.arrays[name] = *arr;
+  std::map<std::string, Destination> filled;
+  for (auto& [name, arr] : const_cast<Optimizer*>(this)->state_arrays()) {
+    if (arr->empty()) continue;
+    auto it = into.find(name);
+    if (it != into.end() && it->second.size == arr->size()) {
+      std::copy(arr->begin(), arr->end(), it->second.data);
+      filled.insert(*it);
+    } else {
+      sd.arrays[name] = *arr;
+    }
+  }
+  into.swap(filled);
   return sd;
 }
 

@@ -59,6 +59,15 @@ class Optimizer {
   size_t state_numel() const;
 
   StateDict state_dict() const;
+  // The same, with some arrays copied into caller memory instead (a checkpoint's arrays of the save before,
+  // reused: Note [Checkpoints written in the background] in pycyxwiz/distributed/_train.py): an array whose
+  // name is in `into` with its size is copied there and left out of the result's arrays. On return `into`
+  // holds just the arrays it filled.
+  struct Destination {
+    float* data;
+    size_t size;
+  };
+  StateDict state_dict(std::map<std::string, Destination>& into) const;
   // The arrays state_dict() holds once the state is built for n > 0
   // parameters (the same on every rank with these hyper-parameters): ZeRO-1
   // gathers these by name, and a rank with an empty shard holds none.

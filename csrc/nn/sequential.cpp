@@ -251,29 +251,38 @@ std::string SequentialModel::summary() const {
 // ---------------------------------------------------------------- files
 
 std::string SequentialModel::serialize() const {
-  ByteWriter payload;
-  payload.u32(static_cast<uint32_t>(modules_.size()));
-  for (const auto& m : modules_) {
-    write_module(payload, *m);
-    payload.u32(static_cast<uint32_t>(m->param_specs().size()));
-    for (size_t i = 0; i < m->param_specs().size(); ++i) {
-      size_t cnt = numel(m->param_specs()[i].shape);
-      payload.u64(cnt);
-      payload.floats(m->param(i), cnt);
-    }
-    auto bufs = m->buffers();
-    payload.u32(static_cast<uint32_t>(bufs.size()));
-    for (auto* b : bufs) {
-      payload.u64(b->size());
-      payload.floats(b->data(), b->size());
-    }
-  }
+  // One buffer, reserved for the weights up front, its header's length field filled in at the end: a
+  // ModelCheckpoint serializes the model after every epoch, and growing a payload buffer and copying it
+  // into a second one cost more than the weights' copy itself (Note [Checkpoints written in the background]
+  // in pycyxwiz/distributed/_train.py).
+  size_t floats = total_;
+  for (const auto& m : modules_)
+    for (auto* b : m->buffers()) floats += b->size();
   ByteWriter out;
+  out.bytes().reserve(kModelHeaderSize + floats * sizeof(float) + 64 * modules_.size() + 64);
   out.raw(kModelMagic, sizeof kModelMagic);
   out.u32(kModelFormatVersion);
   out.u32(0);
-  out.u64(payload.bytes().size());
-  out.raw(payload.bytes().data(), payload.bytes().size());
+  out.u64(0);  // the payload's length, below
+  out.u32(static_cast<uint32_t>(modules_.size()));
+  for (const auto& m : modules_) {
+    write_module(out, *m);
+    out.u32(static_cast<uint32_t>(m->param_specs().size()));
+    for (size_t i = 0; i < m->param_specs().size(); ++i) {
+      size_t cnt = numel(m->param_specs()[i].shape);
+      out.u64(cnt);
+      out.floats(m->param(i), cnt);
+    }
+    auto bufs = m->buffers();
+    out.u32(static_cast<uint32_t>(bufs.size()));
+    for (auto* b : bufs) {
+      out.u64(b->size());
+      out.floats(b->data(), b->size());
+    }
+  }
+  ByteWriter length;
+  length.u64(out.bytes().size() - kModelHeaderSize);
+  out.bytes().replace(kModelHeaderSize - 8, 8, length.bytes());
   out.u64(fnv1a64(out.bytes().data(), out.bytes().size()));
   return std::move(out.bytes());
 }

@@ -117,9 +117,11 @@ void TrainerCore::clear_ema() {
   if (cpu_engine_) cpu_engine_->averages().clear();
 }
 
-nn::StateDict TrainerCore::optimizer_state_dict() {
+nn::StateDict TrainerCore::optimizer_state_dict(std::map<std::string, nn::Optimizer::Destination>& into) {
   engine_->to_host();
-  return zero_ ? zero_->state_dict() : opt_->state_dict();
+  if (!zero_) return opt_->state_dict(into);
+  into.clear();
+  return zero_->state_dict();
 }
 
 void TrainerCore::load_optimizer_state_dict(const nn::StateDict& sd) {

@@ -95,9 +95,10 @@ class TrainerCore {
   // DistributedTrainingConfig.nonfinite: the DDP's DDPConfig.nonfinite from now on (the GPU engine checks
   // its device gradients by the same mode: Note [Non-finite gradients on the GPU] in gpu_engine.cpp).
   void set_nonfinite(const std::string& mode);
-  // The whole optimizer state (collective while sharded), and loading a whole
-  // one (each rank keeps its shard while sharded).
-  nn::StateDict optimizer_state_dict();
+  // The whole optimizer state (collective while sharded): Optimizer::state_dict(into), whose `into` comes
+  // back empty while sharded (the gathered state is in fresh arrays); and loading a whole one (each rank
+  // keeps its shard while sharded).
+  nn::StateDict optimizer_state_dict(std::map<std::string, nn::Optimizer::Destination>& into);
   void load_optimizer_state_dict(const nn::StateDict& sd);
   const std::shared_ptr<ZeroRedundancyOptimizer>& zero() const { return zero_; }
 

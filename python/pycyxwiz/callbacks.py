@@ -478,10 +478,13 @@ def _keys(cbs: List[Callback]) -> List[str]:
     return out
 
 
-def _states(cbs: List[Callback]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    """(meta entry, arrays) of the callbacks' states for a checkpoint."""
+def _states(cbs: List[Callback], reuse: Optional[Dict[str, np.ndarray]] = None
+            ) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """(meta entry, arrays) of the callbacks' states for a checkpoint. `reuse`: arrays of a checkpoint written
+    already, overwritten where name, shape and dtype match instead of new copies."""
     meta: Dict[str, Any] = {}
     arrays: Dict[str, np.ndarray] = {}
+    reuse = reuse or {}
     for key, cb in zip(_keys(cbs), cbs):
         state = cb.state_dict()
         if not state:
@@ -489,7 +492,14 @@ def _states(cbs: List[Callback]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]
         entry: Dict[str, Any] = {"class": type(cb).__name__}
         for name, value in state.items():
             if isinstance(value, np.ndarray):
-                arrays[f"cb.{key}.{name}"] = value.copy()   # the callback's array may change after the save
+                # The trainer's own copy: the callback's array may change after the save.
+                member = f"cb.{key}.{name}"
+                old = reuse.get(member)
+                if old is not None and old.shape == value.shape and old.dtype == value.dtype:
+                    np.copyto(old, value)
+                    arrays[member] = old
+                else:
+                    arrays[member] = value.copy()
             else:
                 entry[name] = value
         try:

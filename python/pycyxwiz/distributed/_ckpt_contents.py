@@ -18,12 +18,13 @@ import numpy as np
 from . import _ckpt_file
 
 FORMAT = "pycyxwiz-checkpoint"
-VERSION = 2        # 2: a manifest and a whole-file checksum (Note [Checkpoints you can trust])
-READS = (1, 2)
+VERSION = 3        # 2: a manifest and a whole-file checksum; 3: that checksum skips the members' bytes, which
+READS = (1, 2, 3)  # the manifest's prove (Note [Checkpoints you can trust])
 
 
-def members(meta: Dict[str, Any], model_bytes: bytes, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """The members of a checkpoint file: `meta` under this format and version, the model, the arrays."""
+def members(meta: Dict[str, Any], model_bytes: Any, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The members of a checkpoint file: `meta` under this format and version, the model (its .cyxmodel bytes: bytes
+    or a uint8 array, not copied), the arrays."""
     meta = {"format": FORMAT, "version": VERSION, **meta}
     return dict(meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
                 model=np.frombuffer(model_bytes, np.uint8), **arrays)

@@ -13,9 +13,18 @@ flipped in a member's *name* used to load without error: ``opt.exp_avg`` became
     digest itself (directory, headers, manifest): what the manifest cannot see, a flip in the zip
     directory, is caught too. Every single-bit flip is an error (tests/test_restarts.py tries
     every bit of a small checkpoint).
-Files of version 1 (no manifest, no comment) still load. A file whose comment is missing but whose
-meta says version 2 is refused, so deleting the proof does not make a file "version 1".
-SHA-256 costs about 2 ms per MiB here, next to the fsync that every save already pays.
+Version 3 (written now) hashes each member's bytes once, not twice: the manifest also gives each
+member's place in the file (``spans``: offset and length of its ``.npy`` bytes), and the comment's
+digest, tagged ``cx-sha256-3:``, covers that list of places and every byte outside them (local
+headers, manifest, directory, comment), so every byte is proven once, by the file's digest or by
+its member's; the member's digest is in the manifest, which the file's digest proves. Listing the
+places inside the digest (not only in the manifest) means a damaged manifest cannot move a place
+without changing what is hashed. Writing a checkpoint hashed its members' bytes twice before (a
+third of the writer's CPU for the MLP benchmark's 3.3 MB, 7.2 -> 4.9 ms); zipfile's CRC-32 stays (np.load and
+zipfile check it).
+Files of version 1 (no manifest, no comment) and 2 still load. A file whose comment is missing but
+whose meta says version 2 or 3 is refused, so deleting the proof does not make a file "version 1".
+SHA-256 costs about 0.7 ms per MiB here (SHA-NI), CRC-32 about 0.4 ms per MiB.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import io
 import json
 import os
 import socket
+import struct
 import time
 import zipfile
 from typing import Any, Dict, List, Sequence, Union, cast
@@ -32,7 +42,8 @@ from typing import Any, Dict, List, Sequence, Union, cast
 import numpy as np
 
 MANIFEST = "manifest.json"
-_TAG = b"cx-sha256:"
+_TAG = b"cx-sha256-3:"   # version 3: the file's digest skips the members' bytes (Note [Checkpoints you can trust])
+_TAG_V2 = b"cx-sha256:"  # version 2: the file's digest covers every byte before it
 _HEX = 64  # hex digits of a SHA-256
 
 
@@ -53,7 +64,7 @@ def pack(members: Dict[str, np.ndarray]) -> bytes:
 def pieces(members: Dict[str, np.ndarray]) -> List[memoryview]:
     """The file's bytes as a list of buffers (the arrays' own memory among them: keep them unchanged until
     the pieces are written). b"".join(pieces(m)) == pack(m)."""
-    digests = {}
+    digests, spans = {}, {}
     out = _Pieces()
     with zipfile.ZipFile(cast(Any, out), "w", zipfile.ZIP_STORED) as z:
         for name, arr in members.items():
@@ -65,23 +76,43 @@ def pieces(members: Dict[str, np.ndarray]) -> List[memoryview]:
             info.external_attr = 0o600 << 16
             info.file_size = len(header) + body.nbytes
             with z.open(info, "w") as dest:
+                spans[name] = [out.tell(), info.file_size]   # the local header is written: the .npy bytes start
                 dest.write(header)
                 dest.write(body)
             h = hashlib.sha256(header)
             h.update(body)
             digests[name] = h.hexdigest()
-        z.writestr(MANIFEST, json.dumps({"algorithm": "sha256", "members": digests}, sort_keys=True))
+        z.writestr(MANIFEST, json.dumps({"algorithm": "sha256", "members": digests, "spans": spans},
+                                        sort_keys=True))
         z.comment = _TAG + b"0" * _HEX
     parts = out.parts
     if parts[-1].nbytes < _HEX:   # zipfile writes the comment last, in one piece; if not, join the pieces
         parts = [memoryview(b"".join(parts))]
     last = parts[-1]
-    h = hashlib.sha256()
-    for part in parts[:-1]:
-        h.update(part)
-    h.update(last[:-_HEX])
+    h = _outside_digest(parts[:-1] + [last[:-_HEX]], sorted(spans.values()))
     parts[-1] = memoryview(bytes(last[:-_HEX]) + h.hexdigest().encode())  # the digest over the placeholder
     return parts
+
+
+def _outside_digest(parts: Sequence[memoryview], spans: List[List[int]]) -> Any:
+    """The SHA-256 of version 3's file digest: the places of the members' bytes (`spans`, sorted [offset, length]
+    pairs), then every byte of `parts` (the file before its digest, in pieces) outside them."""
+    h = hashlib.sha256(struct.pack("<Q", len(spans)))
+    for start, length in spans:
+        h.update(struct.pack("<QQ", start, length))
+    i, pos = 0, 0   # the next span; the offset of the part
+    for part in parts:
+        end, at = pos + part.nbytes, pos
+        while at < end:
+            while i < len(spans) and spans[i][0] + spans[i][1] <= at:
+                i += 1
+            if i == len(spans) or spans[i][0] >= end:
+                h.update(part[at - pos:])
+                break
+            h.update(part[at - pos:max(spans[i][0], at) - pos])
+            at = min(spans[i][0] + spans[i][1], end)
+        pos = end
+    return h
 
 
 def _npy_header(arr: np.ndarray) -> bytes:
@@ -146,9 +177,17 @@ class _Pieces:
         return n
 
 
+def _version(data: bytes) -> int:
+    """3 or 2 where the file ends with that version's tagged digest (right or wrong), else 1."""
+    for tag, version in ((_TAG, 3), (_TAG_V2, 2)):
+        if len(data) > _HEX + len(tag) and data[-_HEX - len(tag):-_HEX] == tag:
+            return version
+    return 1
+
+
 def is_proven(data: bytes) -> bool:
-    """Whether the file carries the whole-file digest (version 2), right or wrong."""
-    return len(data) > _HEX + len(_TAG) and data[-_HEX - len(_TAG):-_HEX] == _TAG
+    """Whether the file carries a whole-file digest (version 2 or 3), right or wrong."""
+    return _version(data) > 1
 
 
 def unpack(data: bytes, path: str) -> Dict[str, np.ndarray]:
@@ -164,7 +203,8 @@ def unpack(data: bytes, path: str) -> Dict[str, np.ndarray]:
                       f"another program") from None
     with z:
         names = z.namelist()
-        if not is_proven(data):
+        version = _version(data)
+        if version == 1:
             if MANIFEST in names:
                 raise OSError(f"{where} is damaged: it has a manifest but its whole-file checksum is missing")
             return {n[:-4] if n.endswith(".npy") else n: _read(z, n, where) for n in names}  # version 1
@@ -174,6 +214,7 @@ def unpack(data: bytes, path: str) -> Dict[str, np.ndarray]:
         try:
             manifest = json.loads(_member(z, MANIFEST, where).decode())
             expected = dict(manifest["members"])
+            spans = _spans(manifest, expected, len(data)) if version == 3 else None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise OSError(f"{where} is damaged: its member {MANIFEST!r} cannot be read") from None
         present = {n[:-4] if n.endswith(".npy") else n for n in names if n != MANIFEST}
@@ -187,11 +228,29 @@ def unpack(data: bytes, path: str) -> Dict[str, np.ndarray]:
             if hashlib.sha256(raw).hexdigest() != digest:
                 raise OSError(f"{where} is damaged: its member {name!r} does not match its checksum")
             out[name] = _array(raw, name, where)
-        body = data[:-_HEX]
-        if hashlib.sha256(body).hexdigest().encode() != data[-_HEX:]:
+        body = memoryview(data)[:-_HEX]
+        h = hashlib.sha256(body) if spans is None else _outside_digest([body], spans)
+        if h.hexdigest().encode() != data[-_HEX:]:
             raise OSError(f"{where} is damaged: every member matches its checksum but the file's checksum does "
                           f"not (the zip directory or headers changed)")
         return out
+
+
+def _spans(manifest: Dict[str, Any], expected: Dict[str, str], size: int) -> List[List[int]]:
+    """Version 3's places of the members' bytes, sorted; ValueError unless they are one per member, in the file
+    and apart (a damaged manifest; its digest then fails too, but these would not be safe to hash around)."""
+    by_name = manifest["spans"]
+    if not isinstance(by_name, dict) or set(by_name) != set(expected):
+        raise ValueError("spans")
+    spans = sorted([int(v[0]), int(v[1])] for v in by_name.values() if type(v) is list and len(v) == 2)
+    end = 0
+    for start, length in spans:
+        if start < end or length < 0:
+            raise ValueError("spans")
+        end = start + length
+    if len(spans) != len(by_name) or end > size - _HEX:
+        raise ValueError("spans")
+    return spans
 
 
 def _member(z: zipfile.ZipFile, name: str, where: str) -> bytes:
