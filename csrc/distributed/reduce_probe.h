@@ -84,13 +84,16 @@ struct ReduceProbe {
 // One algorithm's view of a probe: `members[r]` is the group rank of the
 // algorithm's transport rank r (null: the same), `base` the index of the
 // algorithm's buffer in the caller's, `raw`: its inputs are ranks' own values,
-// `result`: its last combinations finish the caller's result.
+// `result`: its last combinations finish the caller's result. reduce_scatter
+// (whose inputs are one block per rank, anywhere) records element j of block
+// i at base + i * stride + j.
 struct ProbeView {
   ReduceProbe* probe = nullptr;
   const std::vector<int>* members = nullptr;
   size_t base = 0;
   bool raw = true;
   bool result = true;
+  size_t stride = 0;
 
   int group_rank(int r) const { return members ? (*members)[static_cast<size_t>(r)] : r; }
 };

@@ -107,14 +107,15 @@ class HalfHook : public CommHook {
     scratch_.resize(model_->num_parameters());
   }
 
-  void launch(size_t b) override {
+  void launch(size_t b, distributed::ReduceProbe* probe) override {
     const Bucket& bk = buckets_[b];
     if (!bk.count) return;
     const float scale = 1.0f / static_cast<float>(group_.size());
     const DataType dt = kind_ == CommHookKind::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
     pending_.push_back(group_.all_reduce_cast(model_->flat_grads() + bk.offset, scratch_.data() + bk.offset,
-                                              bk.count, dt, scale, true));
+                                              bk.count, dt, scale, true, probe));
   }
+  bool probes() const override { return true; }
 
   void finish() override {
     std::vector<ProcessGroup::WorkPtr> todo;
@@ -252,7 +253,7 @@ class PowerSgdHook : public CommHook {
     plan();
   }
 
-  void launch(size_t b) override {
+  void launch(size_t b, distributed::ReduceProbe*) override {  // DDP reads the bucket itself
     const Bucket& bk = buckets_[b];
     if (!bk.count) return;
     float* g = model_->flat_grads();

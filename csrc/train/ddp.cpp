@@ -326,7 +326,7 @@ void DistributedDataParallel::launch(size_t b) {
   const bool fused = fused_check();
   if (checking() && !fused) check_->scan(b, model_->flat_grads());
   if (hook_)
-    hook_->launch(b);  // comm_hooks.h
+    hook_->launch(b, fused ? &check_->probe(b) : nullptr);  // comm_hooks.h
   else if (bk.count && fused)
     in_flight_.push_back(group_->all_reduce_probed(model_->flat_grads() + bk.offset, bk.count,
                                                    distributed::ReduceOp::kAvg, check_->probe(b), true));
@@ -477,14 +477,52 @@ bool DistributedDataParallel::conclude_device_step(const NonFiniteVerdict& v) {
   return act_on(v);
 }
 
-void DistributedDataParallel::check_own_gradients() {
+distributed::ReduceProbe* DistributedDataParallel::begin_sharded() {
+  sharded_fused_ = checking() && fused_ && by_message_ && group_->size() > 1;
+  if (sharded_fused_) return &check_->shard_probe();
   if (checking()) check_->scan_all(model_->flat_grads());
+  return nullptr;
+}
+
+void DistributedDataParallel::set_check_path(bool fused, bool by_message) {
+  const int world = group_->size(), rank = group_->rank();
+  CX_CHECK(!any_unsynced_, InvalidArgument, "DistributedDataParallel (rank ", rank,
+           "): the non-finite check's path cannot change while a step's gradients wait to be reduced; set it "
+           "between steps, on every rank");
+  wait_in_flight();
+  // Slot r: rank r's fused switch; slot world + r: its by_message switch (Note [Non-finite gradients]).
+  std::vector<double> seen(2 * static_cast<size_t>(world), 0.0);
+  seen[static_cast<size_t>(rank)] = fused ? 1.0 : 0.0;
+  seen[static_cast<size_t>(world + rank)] = by_message ? 1.0 : 0.0;
+  if (world > 1)
+    group_->all_reduce(seen.data(), seen.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
+                       false);
+  const char* names[2] = {"_fused_check", "_agree_by_message"};
+  for (int k = 0; k < 2; ++k) {
+    std::ostringstream on, off;
+    int n_on = 0;
+    for (int r = 0; r < world; ++r) {
+      const bool v = seen[static_cast<size_t>(k * world + r)] > 0.5;
+      (v ? on : off) << ((v ? n_on : r - n_on) ? ", " : "") << r;
+      n_on += v;
+    }
+    CX_CHECK(n_on == 0 || n_on == world, MismatchError, "DistributedDataParallel.", names[k], " (rank ", rank,
+             "): the ranks disagree: True on ranks [", on.str(), "], False on ranks [", off.str(),
+             "]. It decides what the gradient collectives carry (the fused check's flag words and agreement "
+             "message), so every rank must set it alike");
+  }
+  fused_ = fused;
+  by_message_ = by_message;
 }
 
 bool DistributedDataParallel::conclude_sharded(size_t shard_offset, size_t shard_count) {
   ++steps_;
   skip_pending_ = false;
   if (!checking()) return true;
+  if (sharded_fused_) {
+    sharded_fused_ = false;
+    return act_on(check_->decide_sharded(model_->flat_grads(), shard_offset, shard_count, *group_));
+  }
   std::vector<double>& msg = check_->pack(model_->flat_grads(), shard_offset, shard_count, true);
   if (group_->size() > 1)
     group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);

@@ -140,6 +140,17 @@ class NonFiniteCheck {
   // buckets of the average and all-reduces world * parameters counts of what
   // each rank sent (collective: every rank gets here alike). Resets.
   NonFiniteVerdict decide_fused(const double* msg, const float* g, distributed::ProcessGroup& group);
+  // ZeRO-1, fused: the probe its reduce-scatter of the whole buffer fills
+  // (cleared; element indices of the flat buffer), and the verdict (collective):
+  // one SUM all-reduce of world + 1 float64s (slot r: the ranks that saw rank r's
+  // own values bad; slot world: the ranks that finished a non-finite part of the
+  // average); only a bad step does more: each rank counts its shard
+  // [offset, offset+count) of the average per parameter, and one all-reduce of
+  // (world + 1) * parameters counts names what each rank sent and where the
+  // average went bad, the same on every rank. Resets.
+  distributed::ReduceProbe& shard_probe();
+  NonFiniteVerdict decide_sharded(const float* g, size_t shard_offset, size_t shard_count,
+                                  distributed::ProcessGroup& group);
   // join(): no agreement message; the averaged gradient (the same on every
   // active rank) is read whole. Resets the scan.
   NonFiniteVerdict decide_local(const float* g);
@@ -156,6 +167,8 @@ class NonFiniteCheck {
  private:
   std::vector<std::pair<size_t, size_t>> count_params(const float* g, size_t first, size_t last, size_t lo,
                                                       size_t hi) const;
+  // Adds, per parameter, the elements of `bad`'s ranges (shifted by `offset`) to counts[rank * params + i].
+  void count_ranges(const std::vector<distributed::BadValues>& bad, size_t offset, std::vector<double>& counts) const;
   void reset();
 
   std::shared_ptr<nn::SequentialModel> model_;
@@ -163,6 +176,7 @@ class NonFiniteCheck {
   int world_, rank_;
   std::vector<uint32_t> own_bits_;                   // per bucket: max |g| bits since the last verdict
   std::vector<distributed::ReduceProbe> probes_;     // per bucket: what its reductions found (fused path)
+  distributed::ReduceProbe shard_probe_;             // ZeRO-1's reduce-scatter (fused path)
   bool summed_ = false;                              // pack_fused's message travelled
   std::vector<char> reduced_, checked_bad_;          // per bucket: reduced since before_accumulating; its
                                                      //   average was found not finite (this step)
