@@ -97,7 +97,9 @@ class FirstError {
 // own: they ride in the ring, chunk by chunk, where the ring touches the data
 // anyway (ProcessGroup::all_reduce_cast, Note [Cast on the wire] in
 // distributed/algorithms/allreduce.cpp), on the communication thread, so the
-// backward pass that launched the bucket does not wait for them either.
+// backward pass that launched the bucket does not wait for them either. DDP's
+// non-finite check rides in them too (launch's probe: Note [Non-finite gradients]
+// in nonfinite.h): a compare per eight lanes of what they narrow and widen.
 
 class HalfHook : public CommHook {
  public:

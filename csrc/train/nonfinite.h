@@ -6,8 +6,8 @@
 // A NaN or inf in one rank's gradient becomes, through the average, a NaN or
 // inf in every rank's parameters at the next step, and a sum of finite
 // gradients can still overflow (float16 tops out at 65504). Each step, on the
-// plain path (no communication hook, more than one rank: the default), DDP
-// reads nothing itself:
+// plain path (no communication hook, more than one rank: the default), with the
+// fp16/bf16 hooks and under ZeRO-1, DDP reads nothing itself:
 //   - fused (Note [Fused non-finite check] in distributed/reduce_probe.h): each
 //     bucket goes to all_reduce_probed, whose reduction kernels test the values
 //     they add in the same loop: each rank finishes a part of the average and
@@ -29,10 +29,24 @@
 //     every rank) are read to name the parameters, and one all-reduce of
 //     world * parameters counts tells every rank which ranks' own values were
 //     bad, and where (decide_fused).
+//   - with the fp16/bf16 hooks the same probe is filled by the casts to and from
+//     the wire type (Note [Cast on the wire] in distributed/algorithms/allreduce.cpp):
+//     narrowing tests this rank's own values, widening the whole result on every
+//     rank, so the flags are every rank's already and nothing more travels.
+//   - ZeRO-1 (zero.cpp): its reduce-scatter tests what it adds the same way
+//     (ProcessGroup::reduce_scatter_probed; the tail all-reduce, all_reduce_probed);
+//     each rank finishes only its shard, so one SUM all-reduce of world + 1
+//     float64s always agrees (decide_sharded); a bad step then counts each shard
+//     per parameter and all-reduces (world + 1) * parameters counts.
 //   - a bucket reduced twice in a step (the first accumulation cycle): Note [A
 //     bucket reduced twice] in nonfinite.cpp.
-// Elsewhere (a communication hook, one rank, ZeRO-1, join(), or the benchmark's
-// switches ddp._fused_check / _agree_by_message) the check reads for itself:
+//   - the switches that choose the path (ddp._fused_check, _agree_by_message,
+//     for benchmarks and tests) decide what the gradient collectives carry (the
+//     ring's flag words, the message's size), so setting one is collective: a
+//     small all-reduce compares every rank's choice and a MismatchError names the
+//     ranks on every rank where they differ (DistributedDataParallel::set_check_path).
+// Elsewhere (PowerSGD, one rank, join(), or the benchmark's "scan"/"read"
+// variants) the check reads for itself:
 //   - own contribution: when a bucket is handed to its reduction (launch(), on
 //     the thread running backward, the moment the bucket's last gradient is
 //     written, so it is still in cache), one pass over it computes the largest
@@ -57,9 +71,9 @@
 //     parameter by parameter. The result is the same bytes on every rank
 //     (the all-gather copies it; replicas that differ would be a bug that
 //     check_every_n_steps reports), so every rank names the same parameters.
-//     Under ZeRO-1 each rank holds only its shard of the average: it counts
-//     its shard's non-finite values per parameter (one pass over 1/world of
-//     the buffer) and those counts ride in the same message.
+//     Under ZeRO-1 unfused ("scan") each rank holds only its shard of the
+//     average: it counts its shard's non-finite values per parameter (one pass
+//     over 1/world of the buffer) and those counts ride in the same message.
 //   - the alternative (ddp._agree_by_message = False, kept for the benchmark):
 //     no message; every rank reads the whole average (the same bytes
 //     everywhere, so the same verdict) and only a bad step communicates, to
