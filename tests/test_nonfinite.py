@@ -759,14 +759,17 @@ def check_verdict_text(text, r, s, world, case, overflow_note):
         assert "This rank's own gradient was finite." in text, (s, r, text)
 
 
-@pytest.mark.parametrize("mode", ["raise", "warn", "skip"])
+@pytest.mark.parametrize("mode, algo", [("raise", "ring"), ("warn", "ring"), ("skip", "ring"),
+                                        ("raise", "hierarchical")])
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero1_reduce_scatter_tests_what_it_adds_and_names_each_rank_and_parameter(world, mode):
+def test_zero1_reduce_scatter_tests_what_it_adds_and_names_each_rank_and_parameter(world, mode, algo):
     """The fused check inside ZeRO-1's reduce-scatter (Note [Fused non-finite check]): a NaN or inf in each rank's
     every kind of block, in the tail, two ranks at once, an overflow; "raise" names the step, the parameters, the
     ranks and this rank's own part on every rank, "warn" says the same and steps, "skip" steps on no rank; a clean
-    step's parameters are the old ones minus the NumPy average of every rank's gradient."""
-    res = ranks.run(zero_fused_body, world, args=(mode, 1024), env={"CX_CHUNK_BYTES": "256"}, timeout=180)
+    step's parameters are the old ones minus the NumPy average of every rank's gradient. (The hierarchical
+    reduce-scatter reads our inputs before and our block after it instead.)"""
+    env = {"CX_CHUNK_BYTES": "256"} if algo == "ring" else {"CX_ALGORITHM": "hierarchical", "CX_CHUNK_BYTES": "256"}
+    res = ranks.run(zero_fused_body, world, args=(mode, 1024), env=env, timeout=180)
     cases = zero_cases(world)[:len(res[0][0])]
     bad_steps = sum(1 for c in cases if c)
     for r, (out, skipped, seen) in enumerate(res):
