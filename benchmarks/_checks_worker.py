@@ -52,14 +52,18 @@ def build(cx, which: str):
 
 
 def set_path(ddp, mode: str, last: list) -> None:
-    """The check's path for `mode`; the switches are collective (every rank agrees on them), so they are set
-    only when they change (the same sequence on every rank)."""
+    """The check's path for `mode`. Setting a switch is a collective (every rank must agree on it: a tiny
+    all_reduce), so with `last` they are set only when they change (the same sequence on every rank); with
+    `last` None, both every time: per-step timing then follows the same two collectives before every step,
+    whatever its setting (a step right after a collective finds the comm thread awake, and would otherwise
+    favour the settings that changed the switches)."""
     want = (mode != "scan", mode != "read")
-    if not last or last[0][0] != want[0]:
+    if last is None or not last or last[0][0] != want[0]:
         ddp._fused_check = want[0]
-    if not last or last[0][1] != want[1]:
+    if last is None or not last or last[0][1] != want[1]:
         ddp._agree_by_message = want[1]
-    last[:] = [want]
+    if last is not None:
+        last[:] = [want]
 
 
 def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
@@ -100,7 +104,7 @@ STEP_MODES = ("off", "raise", "off2", "scan", "read")
 VARIANT_MODES = {"plain": STEP_MODES, "zero": ("off", "raise", "off2", "scan"), "fp16": ("off", "raise", "off2", "scan")}
 
 
-def run_steps(comm, which: str, steps: int, variant: str = "plain") -> dict:
+def run_steps(comm, which: str, steps: int, variant: str = "plain", only: str = "") -> dict:
     """variant: "plain" (DDP's default path), "zero" (a ZeroRedundancyOptimizer: the check inside its
     reduce-scatter, or, "scan", DDP reading the gradients first) or "fp16" (the fp16 hook: the check inside its
     casts, or "scan")."""
@@ -114,10 +118,12 @@ def run_steps(comm, which: str, steps: int, variant: str = "plain") -> dict:
     if variant == "zero":
         opt = cx.distributed.ZeroRedundancyOptimizer(ddp, opt)
     loss = cx.CrossEntropyLoss()
-    modes = VARIANT_MODES[variant]
+    modes = tuple(only.split(",")) if only else VARIANT_MODES[variant]
     wall: dict = {m: [] for m in modes}
     cpu: dict = {m: [] for m in modes}
-    last: list = []
+    # Where every setting has the same switches (--modes off,raise,off2: an A/B of two builds), they are set
+    # once; otherwise before every step alike (set_path).
+    last = [] if {m != "scan" for m in modes} == {True} and {m != "read" for m in modes} == {True} else None
     # The setting of each step is drawn (the same sequence on every rank), not cycled: a step's time also
     # carries what the step before left (a rank behind, a peer asleep), so each setting must follow every
     # setting equally often, or "off" against "off2" is not an A/A comparison.
@@ -164,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--collective", action="store_true")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--variant", choices=["plain", "zero", "fp16"], default="plain")
+    ap.add_argument("--modes", default="", help="per-step settings to draw from (default: the variant's)")
     ap.add_argument("--calls", type=int, default=2000)
     a = ap.parse_args(argv)
 
@@ -171,7 +178,7 @@ def main(argv=None) -> int:
         if a.collective:
             report.add(run_collective(comm, a.calls))
         elif a.steps:
-            report.add(run_steps(comm, a.model, a.steps, a.variant))
+            report.add(run_steps(comm, a.model, a.steps, a.variant, a.modes))
         else:
             report.add(run_checks(comm, a.model, a.rounds, a.samples_per_rank))
 

@@ -902,3 +902,79 @@ def test_ranks_that_set_the_check_path_differently_are_named_on_every_rank(world
                        "so every rank must set it alike"), msg
     same = ranks.run(switch_body, world, args=(tuple(range(world)), which), timeout=60)
     assert same == [("", "")] * world
+
+
+# ---- inside join(): the ranks that have finished take part in the fused check ---------------------------------
+
+def join_counts(world):
+    return [3, 2] if world == 2 else [3, 3, 2]  # at step 2 the last rank has joined
+
+
+def join_body(mode, bad):
+    """Uneven inputs under ddp.join(); `bad` {step: rank}: that rank's own gradient of parameter 2 gets a NaN at
+    that step (under no_sync, so sync_gradients' probed all-reduce carries it). Per step this rank took: (error,
+    warnings, parameters after); and skipped_steps."""
+    r, p = D.get_rank(), D.get_world_size()
+    model = make_model()
+    cfg = D.DDPConfig()
+    cfg.nonfinite = mode
+    ddp = D.DistributedDataParallel(model, cfg)
+    opt = cx.SGDOptimizer(0.1)
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(300 + r)
+    out = []
+    try:
+        with ddp.join():
+            for s in range(join_counts(p)[r]):
+                x = rng.standard_normal((4, SIZES[0])).astype(np.float32)
+                loss.forward(ddp.forward(x), rng.standard_normal((4, SIZES[-1])).astype(np.float32))
+                with ddp.no_sync():
+                    ddp.backward(loss.backward(), input_grad=False)
+                if bad.get(s) == r:
+                    o = param_offset(model, 2)
+                    model.flat_gradients()[o:o + 1] = np.nan
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    ddp.update_parameters(opt)
+                out.append(("", [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)],
+                            model.flat_parameters().copy()))
+    except D.NonFiniteError as e:
+        out.append((str(e), [], model.flat_parameters().copy()))
+    return out, ddp.skipped_steps, model.flat_parameters().copy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inside_join_a_finished_rank_takes_part_and_the_bad_rank_is_named(world):
+    """At step 2 the last rank has joined (it adds zeros): a NaN from an active rank is still named by rank, with
+    "warn" on every active rank; "skip" skips it on every active rank alike (everyone ends with the parameters of
+    the last step taken: the first); "raise" with every rank active raises on every rank."""
+    late = 0 if world == 2 else 1  # active at step 2
+    res = ranks.run(join_body, world, args=("warn", {2: late}), timeout=120)
+    for r, (out, skipped, final) in enumerate(res):
+        assert len(out) == join_counts(world)[r] and all(o[0] == "" for o in out)
+        assert all(o[1] == [] for o in out[:2]), out
+        if r == world - 1:
+            continue  # joined before step 2: it warns of nothing
+        (msg,) = out[2][1]
+        assert msg.startswith(f"DistributedDataParallel (rank {r}): step 3: the gradient averaged over the {world} "
+                              "ranks is not finite (NaN or inf) in parameters [2 (layer 2 Linear.weight): 1 of 192 "
+                              "values]"), msg
+        assert f"The ranks whose own gradient was already not finite: [{late}]." in msg, msg
+        assert ("This rank's own gradient was not finite in [2 (layer 2 Linear.weight): 1 of 192 values]" if r == late
+                else "This rank's own gradient was finite.") in msg, msg
+        assert "The step is taken" in msg, msg
+
+    res = ranks.run(join_body, world, args=("skip", {1: world - 1, 2: late}), timeout=120)
+    for r, (out, skipped, final) in enumerate(res):
+        assert all(o[0] == "" and o[1] == [] for o in out), out
+        assert skipped == (1 if r == world - 1 else 2), (r, skipped)
+        assert np.array_equal(final, res[0][0][0][2])  # the parameters after step 0, on every rank
+        assert np.isfinite(final).all()
+
+    res = ranks.run(join_body, world, args=("raise", {1: world - 1}), timeout=120)
+    for r, (out, skipped, final) in enumerate(res):
+        err = out[1][0]
+        assert err.startswith(f"DistributedDataParallel (rank {r}): step 2: ") and \
+            "2 (layer 2 Linear.weight): 1 of 192 values" in err, err
+        assert f"The ranks whose own gradient was already not finite: [{world - 1}]." in err, err
+        assert len(out) == 2 and np.array_equal(final, res[0][0][0][2])

@@ -114,7 +114,10 @@
 // wrong collectives. What changes while joining:
 //   - backward launches nothing (no overlap): sync_gradients() sends the signal,
 //     then one SUM all-reduce of the whole gradient buffer, divided by the
-//     number of active ranks, joined ranks contributing zeros;
+//     number of active ranks, joined ranks contributing zeros; where every
+//     active rank checks for non-finite values (a slot of the signal counts
+//     them) that all-reduce is probed on every rank, joined ones too, and all
+//     take part in the check's agreement (Note [Non-finite gradients] in nonfinite.h);
 //   - a training forward with buffers to broadcast sends the signal, then the
 //     buffers of the lowest active rank (rank 0 while it is active, so with
 //     even inputs nothing differs from plain DDP): a joined rank's are stale;
@@ -291,7 +294,9 @@ class DistributedDataParallel {
   void launch(size_t b);
   void wait_in_flight();
   // Note [Join]: the signal; returns (active ranks, kind), records the set.
-  std::pair<int, int> join_signal(bool active, int kind);
+  // `probe`: this rank asks for the fused non-finite check of the gradient all-reduce (kJoinSync); sets join_probed_.
+  std::pair<int, int> join_signal(bool active, int kind, bool probe = false);
+  NonFiniteVerdict decide_joined();
   void broadcast_buffers_from(int root);
   void sync_gradients_joined();
   bool checking() const { return nonfinite_ != NonFiniteMode::kOff; }
@@ -324,6 +329,7 @@ class DistributedDataParallel {
   bool joining_ = false;              // Note [Join]
   int join_authority_ = 0;            // lowest rank of the last non-empty active set
   bool join_signalled_ = false;       // a signal reported active ranks since join_begin
+  bool join_probed_ = false;          // the last signal: every active rank asked for the fused check
   std::vector<double> join_buf_;
 
   NonFiniteMode nonfinite_ = NonFiniteMode::kRaise;

@@ -45,8 +45,12 @@
 //     ring's flag words, the message's size), so setting one is collective: a
 //     small all-reduce compares every rank's choice and a MismatchError names the
 //     ranks on every rank where they differ (DistributedDataParallel::set_check_path).
-// Elsewhere (PowerSGD, one rank, join(), or the benchmark's "scan"/"read"
-// variants) the check reads for itself:
+//   - inside join() the whole buffer's SUM all-reduce is probed on every rank,
+//     the joined ones (adding zeros) too, which then answer the same agreement
+//     as ZeRO-1's (decide_sharded; rank 0 counts the average on a bad step):
+//     the ranks whose own gradient was bad are named there as well.
+// Elsewhere (PowerSGD, one rank, or the benchmark's "scan"/"read" variants) the
+// check reads for itself:
 //   - own contribution: when a bucket is handed to its reduction (launch(), on
 //     the thread running backward, the moment the bucket's last gradient is
 //     written, so it is still in cache), one pass over it computes the largest
@@ -165,8 +169,8 @@ class NonFiniteCheck {
   distributed::ReduceProbe& shard_probe();
   NonFiniteVerdict decide_sharded(const float* g, size_t shard_offset, size_t shard_count,
                                   distributed::ProcessGroup& group);
-  // join(): no agreement message; the averaged gradient (the same on every
-  // active rank) is read whole. Resets the scan.
+  // join() unfused: no agreement message; the averaged gradient (the same on
+  // every active rank) is read whole. Resets the scan.
   NonFiniteVerdict decide_local(const float* g);
   // A bad step found by decide_local on every rank: one SUM all-reduce of world float64s names the ranks
   // whose own gradient was bad (collective; every rank calls it for the same step).
