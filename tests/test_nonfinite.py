@@ -879,6 +879,10 @@ def test_the_half_hooks_check_sends_nothing_on_an_all_finite_step(world):
 def switch_body(on_ranks, which):
     model = make_model()
     ddp = D.DistributedDataParallel(model, D.DDPConfig())
+    with ddp.join():
+        with pytest.raises(ValueError, match=r"cannot change inside join\(\) \(a rank that has finished could not "
+                                             r"take part\); set it before join\(\), on every rank"):
+            setattr(ddp, which, True)
     try:
         setattr(ddp, which, D.get_rank() in on_ranks)
     except D.CollectiveMismatchError as e:

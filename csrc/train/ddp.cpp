@@ -507,6 +507,9 @@ void DistributedDataParallel::set_check_path(bool fused, bool by_message) {
   CX_CHECK(!any_unsynced_, InvalidArgument, "DistributedDataParallel (rank ", rank,
            "): the non-finite check's path cannot change while a step's gradients wait to be reduced; set it "
            "between steps, on every rank");
+  CX_CHECK(!joining_, InvalidArgument, "DistributedDataParallel (rank ", rank,
+           "): the non-finite check's path cannot change inside join() (a rank that has finished could not take "
+           "part); set it before join(), on every rank");
   wait_in_flight();
   // Slot r: rank r's fused switch; slot world + r: its by_message switch (Note [Non-finite gradients]).
   std::vector<double> seen(2 * static_cast<size_t>(world), 0.0);
