@@ -5,8 +5,11 @@ warns and steps; with ZeRO-1 and the communication hooks too; the fp16 hook's ov
 such; PowerSGD carries no NaN past the step; anomaly mode names the layer. The check is fused into the
 all_reduce (Note [Fused non-finite check] in csrc/distributed/reduce_probe.h): each algorithm, shared memory
 and TCP, 2, 3 and 4 ranks, a NaN in every rank's every kind of segment, and two "hosts" (network namespaces);
-a bucket reduced twice in the first accumulation cycle blames only the rank that sent the NaN. Real ranks over
-127.0.0.1.
+a bucket reduced twice in the first accumulation cycle blames only the rank that sent the NaN. It is fused into
+ZeRO-1's reduce-scatter (every kind of block, the tail, pieces and chunks, ring and hierarchical), into the
+fp16/bf16 hooks' casts (ring and recursive doubling; nothing more travels) and into join()'s all-reduce (the
+finished ranks take part); ranks that set its private switches differently are named on every rank. Real ranks
+over 127.0.0.1.
 """
 import os
 import pickle
@@ -682,9 +685,9 @@ def test_fit_warn_on_a_model_gone_nan_finishes_with_nan_figures():
 
 def zero_cases(world):
     """Per step, {rank: [(element, value)]} for ZeRO-1's reduce-scatter of FUSED_COUNT elements in blocks of
-    q = FUSED_COUNT // world (the tail, FUSED_COUNT % world elements, is all-reduced): for each rank a NaN in the
-    block it sends unread (its left neighbour's... block r-1, which the right neighbour adds at its step 0), an
-    inf at the last element of its own block (added at the last step); a NaN in the tail; two ranks at once;
+    q = FUSED_COUNT // world (the tail, FUSED_COUNT % world elements, is all-reduced): for each rank r a NaN in
+    block r-1, which it sends unread at step 0 (its right neighbour adds it), an inf at the last element of its
+    own block (which it adds at the last step); a NaN in the tail; two ranks at once;
     every rank's finite 3e38 at one element (the sum overflows); then nothing."""
     q = FUSED_COUNT // world
     cases = [{}]

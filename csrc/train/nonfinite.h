@@ -158,8 +158,10 @@ class NonFiniteCheck {
   // buckets of the average and all-reduces world * parameters counts of what
   // each rank sent (collective: every rank gets here alike). Resets.
   NonFiniteVerdict decide_fused(const double* msg, const float* g, distributed::ProcessGroup& group);
-  // ZeRO-1, fused: the probe its reduce-scatter of the whole buffer fills
-  // (cleared; element indices of the flat buffer), and the verdict (collective):
+  // ZeRO-1, fused (and join(), whose whole-buffer all-reduce fills it on every
+  // rank: DistributedDataParallel::decide_joined): the probe its reduce-scatter of
+  // the whole buffer fills (cleared; element indices of the flat buffer), and the
+  // verdict (collective):
   // one SUM all-reduce of world + 1 float64s (slot r: the ranks that saw rank r's
   // own values bad; slot world: the ranks that finished a non-finite part of the
   // average); only a bad step does more: each rank counts its shard
