@@ -15,7 +15,10 @@ the parent takes the slowest rank's wall time and the sum of the ranks' CPU time
 With --steps N, instead: N training steps of the model through DistributedDataParallel directly (forward,
 loss, backward, update_parameters), the setting of each step drawn at random from off, raise, off2, scan
 and read (the same sequence on every rank) and each step timed (wall and CPU): a load that drifts over seconds, as on a shared
-machine, then falls on every setting alike, and the medians of thousands of steps are compared.
+machine, then falls on every setting alike, and the medians of thousands of steps are compared. --variant zero
+steps through a ZeroRedundancyOptimizer (the check inside its reduce-scatter), --variant fp16 with the fp16
+communication hook (the check inside its casts); "scan" is then the check reading the gradients first, as it
+did on those paths before the fused check reached them.
 
 With --collective, instead: `calls` all_reduces of 8 floats (and of 256 KiB) through cx.distributed, the
 cost of CX_DEBUG=DETAIL's call-site comparison (the parent runs this job with CX_DEBUG off and DETAIL,
@@ -48,15 +51,30 @@ def build(cx, which: str):
     return c.cx_resnet8(cx), cx.SGDOptimizer(c.LR, momentum=0.9), 32, c.make_data
 
 
+def set_path(ddp, mode: str, last: list) -> None:
+    """The check's path for `mode`. Setting a switch is a collective (every rank must agree on it: a tiny
+    all_reduce), so with `last` they are set only when they change (the same sequence on every rank); with
+    `last` None, both every time: per-step timing then follows the same two collectives before every step,
+    whatever its setting (a step right after a collective finds the comm thread awake, and would otherwise
+    favour the settings that changed the switches)."""
+    want = (mode != "scan", mode != "read")
+    if last is None or not last or last[0][0] != want[0]:
+        ddp._fused_check = want[0]
+    if last is None or not last or last[0][1] != want[1]:
+        ddp._agree_by_message = want[1]
+    if last is not None:
+        last[:] = [want]
+
+
 def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
     cx = comm.cx
     model, opt, batch, make_data = build(cx, which)
     X, y = make_data(samples_per_rank * comm.world)
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), opt)
+    last: list = []
 
     def epoch(mode: str) -> tuple:
-        trainer.ddp._agree_by_message = mode != "read"
-        trainer.ddp._fused_check = mode != "scan"
+        set_path(trainer.ddp, mode, last)
         config = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=batch, verbose=False,
                                                           nonfinite="off" if mode.startswith("off") else "raise",
                                                           check_every_n_steps=0)
@@ -83,23 +101,37 @@ def run_checks(comm, which: str, rounds: int, samples_per_rank: int) -> dict:
 STEP_MODES = ("off", "raise", "off2", "scan", "read")
 
 
-def run_steps(comm, which: str, steps: int) -> dict:
+VARIANT_MODES = {"plain": STEP_MODES, "zero": ("off", "raise", "off2", "scan"), "fp16": ("off", "raise", "off2", "scan")}
+
+
+def run_steps(comm, which: str, steps: int, variant: str = "plain", only: str = "") -> dict:
+    """variant: "plain" (DDP's default path), "zero" (a ZeroRedundancyOptimizer: the check inside its
+    reduce-scatter, or, "scan", DDP reading the gradients first) or "fp16" (the fp16 hook: the check inside its
+    casts, or "scan")."""
     cx = comm.cx
     model, opt, batch, make_data = build(cx, which)
     X, y = make_data(batch * 64)
-    ddp = cx.distributed.DistributedDataParallel(model)
+    cfg = cx.distributed.DDPConfig()
+    if variant == "fp16":
+        cfg.comm_hook = "fp16"
+    ddp = cx.distributed.DistributedDataParallel(model, cfg)
+    if variant == "zero":
+        opt = cx.distributed.ZeroRedundancyOptimizer(ddp, opt)
     loss = cx.CrossEntropyLoss()
-    wall: dict = {m: [] for m in STEP_MODES}
-    cpu: dict = {m: [] for m in STEP_MODES}
+    modes = tuple(only.split(",")) if only else VARIANT_MODES[variant]
+    wall: dict = {m: [] for m in modes}
+    cpu: dict = {m: [] for m in modes}
+    # Where every setting has the same switches (--modes off,raise,off2: an A/B of two builds), they are set
+    # once; otherwise before every step alike (set_path).
+    last = [] if {m != "scan" for m in modes} == {True} and {m != "read" for m in modes} == {True} else None
     # The setting of each step is drawn (the same sequence on every rank), not cycled: a step's time also
     # carries what the step before left (a rank behind, a peer asleep), so each setting must follow every
     # setting equally often, or "off" against "off2" is not an A/A comparison.
-    order = np.random.default_rng(0).integers(0, len(STEP_MODES), steps + 40)
+    order = np.random.default_rng(0).integers(0, len(modes), steps + 40)
     for s in range(steps + 40):  # the first 40: warm-up
-        mode = STEP_MODES[order[s]]
+        mode = modes[order[s]]
         ddp.nonfinite = "off" if mode.startswith("off") else "raise"
-        ddp._fused_check = mode != "scan"
-        ddp._agree_by_message = mode != "read"
+        set_path(ddp, mode, last)
         b = s % 64
         xb, yb = X[b * batch:(b + 1) * batch], y[b * batch:(b + 1) * batch]
         t0, c0 = time.perf_counter(), time.process_time()
@@ -137,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples-per-rank", type=int, default=4096)
     ap.add_argument("--collective", action="store_true")
     ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--variant", choices=["plain", "zero", "fp16"], default="plain")
+    ap.add_argument("--modes", default="", help="per-step settings to draw from (default: the variant's)")
     ap.add_argument("--calls", type=int, default=2000)
     a = ap.parse_args(argv)
 
@@ -144,7 +178,7 @@ def main(argv=None) -> int:
         if a.collective:
             report.add(run_collective(comm, a.calls))
         elif a.steps:
-            report.add(run_steps(comm, a.model, a.steps))
+            report.add(run_steps(comm, a.model, a.steps, a.variant, a.modes))
         else:
             report.add(run_checks(comm, a.model, a.rounds, a.samples_per_rank))
 

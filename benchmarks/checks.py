@@ -4,6 +4,7 @@ call-site comparison on a loop of all_reduces.
 
     python -m benchmarks.checks                       # 2 ranks; MLP and CNN; 6 rounds each
     python -m benchmarks.checks --rounds 10 --skip-cnn --steps 8000
+    python -m benchmarks.checks --rounds 0 --skip-cnn --debug-rounds 0 --variants zero,fp16   # per-step only
 
 Training: one job per model; in it the same trainer fits one epoch with the check off, one with it on
 (tested inside the buckets' reductions, agreed by a small all-reduce: the default), one off again (the
@@ -13,7 +14,8 @@ and one on where each rank reads the average, in turn, the order rotating each r
 wall time and of the ranks' summed CPU time (every thread: the comm thread's spinning too); the table gives
 the median and the range of the per-round ratios. Then per-step alternation (--steps): training steps through
 DDP directly, the setting changing every step, each timed; ratios of the medians (a load that drifts over
-seconds falls on every setting alike). CX_DEBUG: jobs with
+seconds falls on every setting alike); for DDP's default path, under ZeRO-1 (the check inside its
+reduce-scatter; "scan": reading the gradients first, as before) and with the fp16 hook (inside its casts). CX_DEBUG: jobs with
 CX_DEBUG off and DETAIL alternate (`--debug-rounds` pairs), each timing a loop of all_reduces; the ratio
 is per pair. Ratios only: the machine is shared and absolute times move 10-30% from run to run.
 """
@@ -54,20 +56,21 @@ def train_ratios(model: str, world: int, rounds: int, samples: int, timeout_s: f
     return out
 
 
+VARIANT = {"zero": "ZeRO-1", "fp16": "fp16 hook"}
 MODES = ("off2", "raise", "scan", "read")
 WHAT = {"off2": "'off' again vs 'off' (noise)", "raise": "'raise' (fused, the default) vs 'off'",
         "scan": "'raise', each bucket read first, vs 'off'", "read": "'raise', each rank reading, vs 'off'"}
 
 
-def step_ratios(model: str, world: int, steps: int, timeout_s: float) -> dict:
+def step_ratios(model: str, world: int, steps: int, timeout_s: float, variant: str = "plain") -> dict:
     """Per-step alternation (benchmarks/_checks_worker.py --steps): each step's wall time is the slowest
     rank's, its CPU time the ranks' sum; medians per setting, ratios of medians against "off"."""
-    run = run_ranks("pycyxwiz", "benchmarks._checks_worker", ["--model", model, "--steps", str(steps)], world,
-                    timeout_s)
+    run = run_ranks("pycyxwiz", "benchmarks._checks_worker",
+                    ["--model", model, "--steps", str(steps), "--variant", variant], world, timeout_s)
     if not run.ok:
         return {"model": model, "ok": False, "reason": run.reason}
     res = [r["steps"][0] for r in run.ranks]
-    out = {"model": model, "ok": True, "load": run.load}
+    out = {"model": model, "variant": variant, "ok": True, "load": run.load}
     med = {}
     for mode in res[0]["wall"]:
         n = len(res[0]["wall"][mode])
@@ -112,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-train", action="store_true", help="only the CX_DEBUG part")
     ap.add_argument("--steps", type=int, default=4000,
                     help="training steps alternating the setting every step, per model (0: none)")
+    ap.add_argument("--variants", default="plain,zero,fp16",
+                    help="per-step rows: DDP's default path, ZeRO-1 (ZeroRedundancyOptimizer), the fp16 hook")
     ap.add_argument("--debug-rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=2000)
     a = ap.parse_args(argv)
@@ -133,20 +138,24 @@ def main(argv=None) -> int:
         else:
             rows.append([model, "n/a", r["reason"], "", "", ""])
     for model in ("mlp", "cnn"):
-        if a.skip_train or not a.steps or (model == "cnn" and a.skip_cnn):
-            continue
-        steps = a.steps if model == "mlp" else max(4, a.steps // 8)
-        print(f"  {model}: {steps} steps, the setting changing every step ...", flush=True)
-        r = step_ratios(model, a.world, steps, 1800)
-        payload.setdefault("per_step", []).append(r)
-        if r["ok"]:
-            for mode in ("off2", "raise", "scan", "read"):
-                m = r[mode]
-                rows.append([f"{model} steps, {WHAT[mode]}", f"{m['wall_ratio']:.3f}",
-                             f"{m['steps']} steps, median {m['median_wall_s'] * 1e3:.2f} ms", "",
-                             f"{m['cpu_ratio']:.3f}", ""])
-        else:
-            rows.append([f"{model} steps", "n/a", r["reason"], "", "", ""])
+        for variant in a.variants.split(","):
+            if a.skip_train or not a.steps or (model == "cnn" and a.skip_cnn):
+                continue
+            steps = a.steps if model == "mlp" else max(4, a.steps // 8)
+            print(f"  {model} ({variant}): {steps} steps, the setting changing every step ...", flush=True)
+            r = step_ratios(model, a.world, steps, 1800, variant)
+            payload.setdefault("per_step", []).append(r)
+            name = model if variant == "plain" else f"{model} {VARIANT[variant]}"
+            if r["ok"]:
+                for mode in ("off2", "raise", "scan", "read"):
+                    if mode not in r:
+                        continue
+                    m = r[mode]
+                    rows.append([f"{name} steps, {WHAT[mode]}", f"{m['wall_ratio']:.3f}",
+                                 f"{m['steps']} steps, median {m['median_wall_s'] * 1e3:.2f} ms", "",
+                                 f"{m['cpu_ratio']:.3f}", ""])
+            else:
+                rows.append([f"{name} steps", "n/a", r["reason"], "", "", ""])
     if a.debug_rounds:
         print(f"  CX_DEBUG off / DETAIL: {a.debug_rounds} pairs of jobs ...", flush=True)
         d = debug_ratios(a.world, a.debug_rounds, a.calls, 600)

@@ -5,8 +5,11 @@ warns and steps; with ZeRO-1 and the communication hooks too; the fp16 hook's ov
 such; PowerSGD carries no NaN past the step; anomaly mode names the layer. The check is fused into the
 all_reduce (Note [Fused non-finite check] in csrc/distributed/reduce_probe.h): each algorithm, shared memory
 and TCP, 2, 3 and 4 ranks, a NaN in every rank's every kind of segment, and two "hosts" (network namespaces);
-a bucket reduced twice in the first accumulation cycle blames only the rank that sent the NaN. Real ranks over
-127.0.0.1.
+a bucket reduced twice in the first accumulation cycle blames only the rank that sent the NaN. It is fused into
+ZeRO-1's reduce-scatter (every kind of block, the tail, pieces and chunks, ring and hierarchical), into the
+fp16/bf16 hooks' casts (ring and recursive doubling; nothing more travels) and into join()'s all-reduce (the
+finished ranks take part); ranks that set its private switches differently are named on every rank. Real ranks
+over 127.0.0.1.
 """
 import os
 import pickle
@@ -676,3 +679,309 @@ def test_fit_warn_on_a_model_gone_nan_finishes_with_nan_figures():
     for losses, accs, warned in ranks.run(fit_warn_diverged, 2, timeout=180):
         assert len(losses) == 2 and np.isfinite(losses[0]) and np.isnan(losses[1]) and np.isnan(accs[1])
         assert warned >= 2 * 14  # the gradient and the loss, every step of the second epoch (14 per rank)
+
+
+# ---- the fused check under ZeRO-1 and the fp16/bf16 hooks; the switch every rank must set alike -----------------
+
+def zero_cases(world):
+    """Per step, {rank: [(element, value)]} for ZeRO-1's reduce-scatter of FUSED_COUNT elements in blocks of
+    q = FUSED_COUNT // world (the tail, FUSED_COUNT % world elements, is all-reduced): for each rank r a NaN in
+    block r-1, which it sends unread at step 0 (its right neighbour adds it), an inf at the last element of its
+    own block (which it adds at the last step); a NaN in the tail; two ranks at once;
+    every rank's finite 3e38 at one element (the sum overflows); then nothing."""
+    q = FUSED_COUNT // world
+    cases = [{}]
+    for r in range(world):
+        cases.append({r: [(((r - 1) % world) * q + 1, np.nan)]})
+        cases.append({r: [(r * q + q - 1, np.inf)]})
+    if FUSED_COUNT % world:
+        cases.append({world - 1: [(FUSED_COUNT - 1, np.nan)]})
+    cases.append({0: [(q + 3, np.nan)], world - 1: [(5, -np.inf)]})
+    cases.append({r: [(7, 3e38)] for r in range(world)})
+    cases.append({})
+    return cases
+
+
+def zero_fused_body(mode, chunk):
+    """ZeRO-1 over SGD(lr=1): the step subtracts the averaged gradient. A 1 KiB scratch (bucket_size_mb) cuts the
+    reduce-scatter into pieces, CX_CHUNK_BYTES its pieces into chunks. Per case: (error, warnings, this rank's own
+    gradient, parameters before, parameters after)."""
+    r, p = D.get_rank(), D.get_world_size()
+    cx.set_num_threads(1)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
+    cfg = D.DDPConfig()
+    cfg.nonfinite = mode
+    cfg.bucket_size_mb = chunk / (1 << 20)
+    ddp = D.DistributedDataParallel(model, cfg)
+    zero = D.ZeroRedundancyOptimizer(ddp, cx.SGDOptimizer(1.0))
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(70 + r)
+    out = []
+    for case in zero_cases(p):
+        x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
+        loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        g = model.flat_gradients()
+        for at, value in case.get(r, []):
+            g[at] = value
+        local, before = g.copy(), model.flat_parameters().copy()
+        err = ""
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                ddp.update_parameters(zero)
+            except D.NonFiniteError as e:
+                err = str(e)
+                model.zero_grad()
+        out.append((err, [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)], local, before,
+                    model.flat_parameters().copy()))
+        if mode == "warn" and case:
+            break  # the step was taken: the parameters are not finite from here on
+    return out, ddp.skipped_steps, ddp.nonfinite_steps
+
+
+def check_verdict_text(text, r, s, world, case, overflow_note):
+    elements = sorted({at for hits in case.values() for at, _ in hits})
+    assert text.startswith(f"DistributedDataParallel (rank {r}): step {s + 1}: the gradient averaged over the "
+                           f"{world} ranks is not finite"), (s, text)
+    names = sorted({param_of(e) for e in elements})
+    assert "in parameters [" + ", ".join(f"{n}: {sum(param_of(e) == (n, k) for e in elements)} of {k} values"
+                                         for n, k in names) + "]" in text, (s, text)
+    if all(v == 3e38 for hits in case.values() for _, v in hits):
+        assert overflow_note in text and "This rank's own gradient was finite." in text, (s, text)
+        return
+    assert f"The ranks whose own gradient was already not finite: {sorted(case)}." in text, (s, text)
+    if r in case:
+        mine = sorted({param_of(at) for at, _ in case[r]})
+        assert "This rank's own gradient was not finite in [" + ", ".join(
+            f"{n}: {sum(param_of(at) == (n, k) for at, _ in case[r])} of {k} values" for n, k in mine) + "]" in text, \
+            (s, r, text)
+    else:
+        assert "This rank's own gradient was finite." in text, (s, r, text)
+
+
+@pytest.mark.parametrize("mode, algo", [("raise", "ring"), ("warn", "ring"), ("skip", "ring"),
+                                        ("raise", "hierarchical")])
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_reduce_scatter_tests_what_it_adds_and_names_each_rank_and_parameter(world, mode, algo):
+    """The fused check inside ZeRO-1's reduce-scatter (Note [Fused non-finite check]): a NaN or inf in each rank's
+    every kind of block, in the tail, two ranks at once, an overflow; "raise" names the step, the parameters, the
+    ranks and this rank's own part on every rank, "warn" says the same and steps, "skip" steps on no rank; a clean
+    step's parameters are the old ones minus the NumPy average of every rank's gradient. (The hierarchical
+    reduce-scatter reads our inputs before and our block after it instead.)"""
+    env = {"CX_CHUNK_BYTES": "256"} if algo == "ring" else {"CX_ALGORITHM": "hierarchical", "CX_CHUNK_BYTES": "256"}
+    res = ranks.run(zero_fused_body, world, args=(mode, 1024), env=env, timeout=180)
+    cases = zero_cases(world)[:len(res[0][0])]
+    bad_steps = sum(1 for c in cases if c)
+    for r, (out, skipped, seen) in enumerate(res):
+        assert seen == bad_steps and skipped == (bad_steps if mode == "skip" else 0), (seen, skipped)
+    for s, case in enumerate(cases):
+        for r in range(world):
+            err, warned, _, before, after = res[r][0][s]
+            assert np.array_equal(after, res[0][0][s][4], equal_nan=True)  # the same parameters on every rank
+            if not case:
+                assert err == "" and warned == [], (err, warned)
+                want = before.astype(np.float64) - np.mean(np.stack([res[k][0][s][2] for k in range(world)])
+                                                           .astype(np.float64), 0)  # independent reference
+                np.testing.assert_allclose(after, want, rtol=1e-5, atol=1e-6)
+                continue
+            text = err if mode == "raise" else (warned[0] if mode == "warn" else None)
+            if mode == "warn":
+                assert len(warned) == 1 and "The step is taken" in text and not np.isfinite(after).all()
+            else:
+                assert err == "" if mode == "skip" else "The optimizer step was not taken" in err
+                assert np.array_equal(after, before)  # not taken
+            if text is not None:
+                check_verdict_text(text, r, s, world, case, "Every rank's own gradient was finite: their sum "
+                                                            "overflowed float32.")
+
+
+def hook_fused_body(hook):
+    """fused_body's steps (minus the overflow, which bf16 does not reach) with the fp16/bf16 hook: the casts test
+    what they narrow and widen."""
+    r, p = D.get_rank(), D.get_world_size()
+    cx.set_num_threads(1)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
+    cfg = D.DDPConfig()
+    cfg.comm_hook = hook
+    ddp = D.DistributedDataParallel(model, cfg)
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(50 + r)
+    out = []
+    for case in fused_cases(p)[:-2] + [{}]:
+        x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
+        loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        g = model.flat_gradients()
+        for at, value in case.get(r, []):
+            g[at] = value
+        local = g.copy()
+        err = ""
+        try:
+            synced = ddp.sync_gradients().copy()
+        except D.NonFiniteError as e:
+            err, synced = str(e), None
+        model.zero_grad()
+        out.append((err, local, synced))
+    return out
+
+
+@pytest.mark.parametrize("algo", ["recursive_doubling", "ring"])
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_half_hooks_test_inside_their_casts_and_name_each_rank(world, hook, algo):
+    """The fp16/bf16 hooks' casts test our own values as they narrow them and the result as they widen it (the
+    ring, chunk by chunk; recursive doubling: the whole-buffer casts around it): each rank's NaN/inf, wherever it
+    is, is named on every rank; a clean step is the NumPy average within the 16-bit type's rounding."""
+    res = ranks.run(hook_fused_body, world, args=(hook,), env=ALGOS[algo], timeout=180)
+    cases = fused_cases(world)[:-2] + [{}]
+    for s, case in enumerate(cases):
+        for r in range(world):
+            err, local, synced = res[r][s]
+            if not case:
+                want = np.mean(np.stack([res[k][s][1] for k in range(world)]).astype(np.float64), 0)
+                assert err == "" and np.array_equal(synced, res[0][s][2])
+                np.testing.assert_allclose(synced, want, rtol=0, atol=(world + 1) * 2.0 ** -7 * np.abs(want).max())
+                continue
+            check_verdict_text(err, r, s, world, case, "")
+
+
+def hook_bytes_body(hook):
+    cx.set_num_threads(1)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
+    cfg = D.DDPConfig()
+    cfg.comm_hook = hook
+    ddp = D.DistributedDataParallel(model, cfg)
+    loss = cx.MSELoss()
+    x = np.ones((4, FUSED_IN), np.float32)
+    sent = {}
+    for mode in ("off", "raise", "off", "raise"):
+        ddp.nonfinite = mode
+        loss.forward(ddp.forward(x), np.zeros((4, FUSED_OUT), np.float32))
+        with ddp.no_sync():
+            ddp.backward(loss.backward(), input_grad=False)
+        before = cx._core.dist._bytes_sent()
+        ddp.sync_gradients()
+        sent.setdefault(mode, []).append(cx._core.dist._bytes_sent() - before)
+        model.zero_grad()
+    return sent
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_half_hooks_check_sends_nothing_on_an_all_finite_step(world):
+    """Every rank widens every element of the result, so each knows the verdict: no agreement message travels."""
+    for sent in ranks.run(hook_bytes_body, world, args=("bf16",), env=ALGOS["ring"], timeout=120):
+        assert sent["off"][0] == sent["off"][1] > 0 and sent["raise"] == sent["off"], sent
+
+
+def switch_body(on_ranks, which):
+    model = make_model()
+    ddp = D.DistributedDataParallel(model, D.DDPConfig())
+    with ddp.join():
+        with pytest.raises(ValueError, match=r"cannot change inside join\(\) \(a rank that has finished could not "
+                                             r"take part\); set it before join\(\), on every rank"):
+            setattr(ddp, which, True)
+    try:
+        setattr(ddp, which, D.get_rank() in on_ranks)
+    except D.CollectiveMismatchError as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+@pytest.mark.parametrize("world, on_ranks", [(2, (0,)), (3, (1, 2))])
+@pytest.mark.parametrize("which", ["_fused_check", "_agree_by_message"])
+def test_ranks_that_set_the_check_path_differently_are_named_on_every_rank(world, on_ranks, which):
+    """The switch decides what the gradient collectives carry (the ring's flag words, the agreement message):
+    setting it is collective, and a disagreement is a CollectiveMismatchError on every rank, not a stream out of
+    step."""
+    res = ranks.run(switch_body, world, args=(on_ranks, which), timeout=60)
+    off = [r for r in range(world) if r not in on_ranks]
+    for r, (kind, msg) in enumerate(res):
+        assert kind == "CollectiveMismatchError", (kind, msg)
+        assert msg == (f"DistributedDataParallel.{which} (rank {r}): the ranks disagree: True on ranks "
+                       f"[{', '.join(map(str, on_ranks))}], False on ranks [{', '.join(map(str, off))}]. It decides "
+                       "what the gradient collectives carry (the fused check's flag words and agreement message), "
+                       "so every rank must set it alike"), msg
+    same = ranks.run(switch_body, world, args=(tuple(range(world)), which), timeout=60)
+    assert same == [("", "")] * world
+
+
+# ---- inside join(): the ranks that have finished take part in the fused check ---------------------------------
+
+def join_counts(world):
+    return [3, 2] if world == 2 else [3, 3, 2]  # at step 2 the last rank has joined
+
+
+def join_body(mode, bad):
+    """Uneven inputs under ddp.join(); `bad` {step: rank}: that rank's own gradient of parameter 2 gets a NaN at
+    that step (under no_sync, so sync_gradients' probed all-reduce carries it). Per step this rank took: (error,
+    warnings, parameters after); and skipped_steps."""
+    r, p = D.get_rank(), D.get_world_size()
+    model = make_model()
+    cfg = D.DDPConfig()
+    cfg.nonfinite = mode
+    ddp = D.DistributedDataParallel(model, cfg)
+    opt = cx.SGDOptimizer(0.1)
+    loss = cx.MSELoss()
+    rng = np.random.default_rng(300 + r)
+    out = []
+    try:
+        with ddp.join():
+            for s in range(join_counts(p)[r]):
+                x = rng.standard_normal((4, SIZES[0])).astype(np.float32)
+                loss.forward(ddp.forward(x), rng.standard_normal((4, SIZES[-1])).astype(np.float32))
+                with ddp.no_sync():
+                    ddp.backward(loss.backward(), input_grad=False)
+                if bad.get(s) == r:
+                    o = param_offset(model, 2)
+                    model.flat_gradients()[o:o + 1] = np.nan
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    ddp.update_parameters(opt)
+                out.append(("", [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)],
+                            model.flat_parameters().copy()))
+    except D.NonFiniteError as e:
+        out.append((str(e), [], model.flat_parameters().copy()))
+    return out, ddp.skipped_steps, model.flat_parameters().copy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inside_join_a_finished_rank_takes_part_and_the_bad_rank_is_named(world):
+    """At step 2 the last rank has joined (it adds zeros): a NaN from an active rank is still named by rank, with
+    "warn" on every active rank; "skip" skips it on every active rank alike (everyone ends with the parameters of
+    the last step taken: the first); "raise" with every rank active raises on every rank."""
+    late = 0 if world == 2 else 1  # active at step 2
+    res = ranks.run(join_body, world, args=("warn", {2: late}), timeout=120)
+    for r, (out, skipped, final) in enumerate(res):
+        assert len(out) == join_counts(world)[r] and all(o[0] == "" for o in out)
+        assert all(o[1] == [] for o in out[:2]), out
+        if r == world - 1:
+            continue  # joined before step 2: it warns of nothing
+        (msg,) = out[2][1]
+        assert msg.startswith(f"DistributedDataParallel (rank {r}): step 3: the gradient averaged over the {world} "
+                              "ranks is not finite (NaN or inf) in parameters [2 (layer 2 Linear.weight): 1 of 192 "
+                              "values]"), msg
+        assert f"The ranks whose own gradient was already not finite: [{late}]." in msg, msg
+        assert ("This rank's own gradient was not finite in [2 (layer 2 Linear.weight): 1 of 192 values]" if r == late
+                else "This rank's own gradient was finite.") in msg, msg
+        assert "The step is taken" in msg, msg
+
+    res = ranks.run(join_body, world, args=("skip", {1: world - 1, 2: late}), timeout=120)
+    for r, (out, skipped, final) in enumerate(res):
+        assert all(o[0] == "" and o[1] == [] for o in out), out
+        assert skipped == (1 if r == world - 1 else 2), (r, skipped)
+        assert np.array_equal(final, res[0][0][0][2])  # the parameters after step 0, on every rank
+        assert np.isfinite(final).all()
+
+    res = ranks.run(join_body, world, args=("raise", {1: world - 1}), timeout=120)
+    for r, (out, skipped, final) in enumerate(res):
+        err = out[1][0]
+        assert err.startswith(f"DistributedDataParallel (rank {r}): step 2: ") and \
+            "2 (layer 2 Linear.weight): 1 of 192 values" in err, err
+        assert f"The ranks whose own gradient was already not finite: [{world - 1}]." in err, err
+        assert len(out) == 2 and np.array_equal(final, res[0][0][0][2])

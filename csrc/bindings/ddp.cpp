@@ -292,13 +292,25 @@ void def_inspection(DDPClass& c) {
       .def_property_readonly("skipped_steps", &DistributedDataParallel::skipped_steps,
                              "Optimizer steps not taken because the averaged gradient was not finite "
                              "(nonfinite = 'skip').")
-      .def_property("_agree_by_message", nullptr, &DistributedDataParallel::set_agree_by_message,
-                    "Benchmarks and tests only (Note [Non-finite gradients]): agree on the verdict by a small "
-                    "all-reduce behind the last bucket (True, the default) or by each rank reading the average.")
-      .def_property("_fused_check", nullptr, &DistributedDataParallel::set_fused_check,
-                    "Benchmarks and tests only (Note [Fused non-finite check] in distributed/reduce_probe.h): the "
-                    "buckets' reductions test for non-finite values (True, the default) or each bucket is read "
-                    "before it is reduced.")
+      .def_property(
+          "_agree_by_message", nullptr,
+          [](DistributedDataParallel& d, bool on) {
+            py::gil_scoped_release nogil;
+            d.set_check_path(d.fused_switch(), on);
+          },
+          "Benchmarks and tests only (Note [Non-finite gradients]): agree on the verdict by a small all-reduce "
+          "behind the last bucket (True, the default) or by each rank reading the average. Collective: every rank "
+          "sets it alike, between steps (MismatchError on every rank naming those that differ).")
+      .def_property(
+          "_fused_check", nullptr,
+          [](DistributedDataParallel& d, bool on) {
+            py::gil_scoped_release nogil;
+            d.set_check_path(on, d.by_message_switch());
+          },
+          "Benchmarks and tests only (Note [Fused non-finite check] in distributed/reduce_probe.h): the buckets' "
+          "reductions test for non-finite values (True, the default) or each bucket is read before it is reduced. "
+          "Collective: every rank sets it alike, between steps (MismatchError on every rank naming those that "
+          "differ).")
       .def_property_readonly("nonfinite_steps", &DistributedDataParallel::nonfinite_steps,
                              "Steps whose averaged gradient was not finite (whatever nonfinite did about them).")
       .def("is_master", &DistributedDataParallel::is_master)

@@ -466,11 +466,11 @@ ProcessGroup::WorkPtr ProcessGroup::all_reduce_filled(double* buf, size_t count,
 }
 
 ProcessGroup::WorkPtr ProcessGroup::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt,
-                                                    float scale, bool async) {
+                                                    float scale, bool async, ReduceProbe* probe) {
   CX_CHECK(wire_dt == DataType::kFloat16 || wire_dt == DataType::kBFloat16, InvalidArgument,
            "all_reduce_cast carries float32 as float16 or bfloat16, not ", dtype_name(wire_dt));
   return submit(make_desc(CollectiveKind::kAllReduce, wire_dt, ReduceOp::kSum, -1, count),
-                backend().all_reduce_cast(buf, wire, count, wire_dt, scale), async);
+                backend().all_reduce_cast(buf, wire, count, wire_dt, scale, probe, cfg_.rank), async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::broadcast(void* buf, size_t count, DataType dt, int root, bool async,
@@ -499,6 +499,20 @@ ProcessGroup::WorkPtr ProcessGroup::reduce_scatter(std::vector<const void*> ins,
   }
   return submit(make_desc(CollectiveKind::kReduceScatter, dt, op, -1, count),
                 backend().reduce_scatter(std::move(ins), out, count, dt, op, stream), async);
+}
+
+ProcessGroup::WorkPtr ProcessGroup::reduce_scatter_probed(std::vector<const float*> ins, float* out, size_t count,
+                                                          ReduceOp op, ReduceProbe& probe, size_t base, size_t stride,
+                                                          bool async) {
+  CX_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument,
+           "reduce_scatter_probed: SUM or AVG only, not ", op_name(op));
+  if (ins.size() != static_cast<size_t>(cfg_.world_size)) {
+    CX_THROW(InvalidArgument, "reduce_scatter needs one input block per rank: got ", ins.size(), " for world size ",
+             cfg_.world_size);
+  }
+  return submit(make_desc(CollectiveKind::kReduceScatter, DataType::kFloat32, op, -1, count),
+                backend().reduce_scatter_probed(std::move(ins), out, count, op, &probe, base, stride, cfg_.rank),
+                async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async,

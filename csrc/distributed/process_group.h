@@ -113,8 +113,11 @@ class ProcessGroup {
   WorkPtr all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);
   // Float32 `buf` all-reduced as float16 / bfloat16 (Backend::all_reduce_cast):
   // the communication hooks' collective. Its peers see an all_reduce of count
-  // wire_dt elements (SUM), which is what travels.
-  WorkPtr all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale, bool async);
+  // wire_dt elements (SUM), which is what travels. `probe` (may be null; must
+  // outlive the work): the casts test for non-finite values (Note [Fused
+  // non-finite check] in reduce_probe.h, Note [Cast on the wire] in allreduce.cpp).
+  WorkPtr all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale, bool async,
+                          ReduceProbe* probe = nullptr);
   // A float32 SUM/AVG all_reduce that also tests for inf/NaN into `probe`
   // (Note [Fused non-finite check] in reduce_probe.h: DDP's gradient check).
   // Its peers see an all_reduce; `probe` must outlive the work.
@@ -127,6 +130,12 @@ class ProcessGroup {
   WorkPtr broadcast(void* buf, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
   WorkPtr all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
   WorkPtr reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);
+  // A float32 SUM/AVG reduce_scatter that also tests for inf/NaN into `probe`
+  // (ZeRO-1's gradient check): ins[i]'s element j is recorded at base + i * stride + j,
+  // and probe.result_bad says whether our block of the result is finite. Its peers
+  // see a reduce_scatter; `probe` must outlive the work.
+  WorkPtr reduce_scatter_probed(std::vector<const float*> ins, float* out, size_t count, ReduceOp op,
+                                ReduceProbe& probe, size_t base, size_t stride, bool async);
   WorkPtr reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, bool async, uintptr_t stream = 0);
   WorkPtr scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
   WorkPtr gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);

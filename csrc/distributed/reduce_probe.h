@@ -30,8 +30,17 @@
 //   - hierarchical: the in-host reduce-scatter is the ring's (ranks named
 //     through the host's members); the across-host all_reduce of host sums tests
 //     only its result. With one host, the reduce-scatter finishes the result.
-//   - anything else (a world of one; a backend without the fused kernels):
-//     probe_whole, one read of our own values before and of the result after.
+//   - reduce_scatter (ZeRO-1's gradients): at every step our own input is
+//     added into the partial that arrived (`theirs` is ours), and at step 0 that
+//     partial is the left neighbour's raw input, sent unread; the last step
+//     finishes our block. Nothing travels in band: the caller agrees
+//     (NonFiniteCheck::decide_sharded).
+//   - the 16-bit casts of the fp16/bf16 hooks (all_reduce_cast, Note [Cast on
+//     the wire] in algorithms/allreduce.cpp): narrowing reads each of our own
+//     values once, widening writes every element of the result on every rank.
+//   - anything else (a world of one; a backend without the fused kernels; the
+//     hierarchical reduce_scatter): probe_whole, one read of our own values
+//     before and of the result after.
 // So a rank learns its share of "was the result finite", and the OR across
 // ranks travels in band where that is cheap: the ring sends one flag word after
 // each all-gather step's segment (pipelined behind the data, no round trip of
@@ -84,13 +93,16 @@ struct ReduceProbe {
 // One algorithm's view of a probe: `members[r]` is the group rank of the
 // algorithm's transport rank r (null: the same), `base` the index of the
 // algorithm's buffer in the caller's, `raw`: its inputs are ranks' own values,
-// `result`: its last combinations finish the caller's result.
+// `result`: its last combinations finish the caller's result. reduce_scatter
+// (whose inputs are one block per rank, anywhere) records element j of block
+// i at base + i * stride + j.
 struct ProbeView {
   ReduceProbe* probe = nullptr;
   const std::vector<int>* members = nullptr;
   size_t base = 0;
   bool raw = true;
   bool result = true;
+  size_t stride = 0;
 
   int group_rank(int r) const { return members ? (*members)[static_cast<size_t>(r)] : r; }
 };

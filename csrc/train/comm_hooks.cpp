@@ -97,7 +97,9 @@ class FirstError {
 // own: they ride in the ring, chunk by chunk, where the ring touches the data
 // anyway (ProcessGroup::all_reduce_cast, Note [Cast on the wire] in
 // distributed/algorithms/allreduce.cpp), on the communication thread, so the
-// backward pass that launched the bucket does not wait for them either.
+// backward pass that launched the bucket does not wait for them either. DDP's
+// non-finite check rides in them too (launch's probe: Note [Non-finite gradients]
+// in nonfinite.h): a compare per eight lanes of what they narrow and widen.
 
 class HalfHook : public CommHook {
  public:
@@ -107,14 +109,15 @@ class HalfHook : public CommHook {
     scratch_.resize(model_->num_parameters());
   }
 
-  void launch(size_t b) override {
+  void launch(size_t b, distributed::ReduceProbe* probe) override {
     const Bucket& bk = buckets_[b];
     if (!bk.count) return;
     const float scale = 1.0f / static_cast<float>(group_.size());
     const DataType dt = kind_ == CommHookKind::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
     pending_.push_back(group_.all_reduce_cast(model_->flat_grads() + bk.offset, scratch_.data() + bk.offset,
-                                              bk.count, dt, scale, true));
+                                              bk.count, dt, scale, true, probe));
   }
+  bool probes() const override { return true; }
 
   void finish() override {
     std::vector<ProcessGroup::WorkPtr> todo;
@@ -252,7 +255,7 @@ class PowerSgdHook : public CommHook {
     plan();
   }
 
-  void launch(size_t b) override {
+  void launch(size_t b, distributed::ReduceProbe*) override {  // DDP reads the bucket itself
     const Bucket& bk = buckets_[b];
     if (!bk.count) return;
     float* g = model_->flat_grads();

@@ -59,7 +59,12 @@ struct CommHookState {
 class CommHook {
  public:
   virtual ~CommHook() = default;
-  virtual void launch(size_t bucket) = 0;
+  // `probe` (null: no check): where the hook's casts can test bucket's values as
+  // they pass (probes(): the fp16/bf16 hooks, Note [Cast on the wire] in
+  // distributed/algorithms/allreduce.cpp), it fills it; the others ignore it and
+  // DDP reads the bucket itself (Note [Non-finite gradients] in nonfinite.h).
+  virtual void launch(size_t bucket, distributed::ReduceProbe* probe) = 0;
+  virtual bool probes() const { return false; }
   virtual void finish() = 0;
   virtual bool busy() const = 0;  // launched buckets not finished yet
   virtual void end_step() {}

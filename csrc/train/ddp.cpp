@@ -202,12 +202,13 @@ void DistributedDataParallel::join_begin() {
   join_authority_ = 0;
 }
 
-std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) {
+std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind, bool probe) {
   const int world = group_->size(), rank = group_->rank();
-  join_buf_.assign(static_cast<size_t>(world) + 1, 0.0);
+  join_buf_.assign(static_cast<size_t>(world) + 2, 0.0);
   if (active) {
     join_buf_[static_cast<size_t>(rank)] = 1.0;
     join_buf_[static_cast<size_t>(world)] = kind;
+    join_buf_[static_cast<size_t>(world) + 1] = probe ? 1.0 : 0.0;
   }
   group_->all_reduce(join_buf_.data(), join_buf_.size(), distributed::DataType::kFloat64,
                      distributed::ReduceOp::kSum, false);
@@ -218,6 +219,8 @@ std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) 
       if (lowest < 0) lowest = r;
     }
   const double kinds = join_buf_[static_cast<size_t>(world)];
+  // Every active rank asks for the fused check, or none gets it (the same decision on every rank).
+  join_probed_ = count > 0 && static_cast<int>(join_buf_[static_cast<size_t>(world) + 1] + 0.5) == count;
   if (count == 0) return {0, 0};
   const int seen = static_cast<int>(kinds / count + 0.5);
   const bool agree = (seen == kJoinForward || seen == kJoinSync) && seen * count == static_cast<int>(kinds + 0.5);
@@ -235,11 +238,15 @@ std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind) 
 }
 
 void DistributedDataParallel::sync_gradients_joined() {
-  if (checking()) check_->scan_all(model_->flat_grads());
-  const int active = join_signal(true, kJoinSync).first;
+  // Note [Non-finite gradients] in nonfinite.h: fused where every active rank asks for it (the signal says).
+  const int active = join_signal(true, kJoinSync, checking() && fused_ && by_message_ && group_->size() > 1).first;
   float* g = model_->flat_grads();
+  if (checking() && !join_probed_) check_->scan_all(g);
   if (num_elems_) {
-    group_->all_reduce(g, num_elems_, distributed::DataType::kFloat32, distributed::ReduceOp::kSum, false);
+    if (join_probed_)
+      group_->all_reduce_probed(g, num_elems_, distributed::ReduceOp::kSum, check_->shard_probe(), false);
+    else
+      group_->all_reduce(g, num_elems_, distributed::DataType::kFloat32, distributed::ReduceOp::kSum, false);
     nn::kernels::scale(g, num_elems_, 1.0f / static_cast<float>(active));
   }
   ++launched_total_;
@@ -259,9 +266,12 @@ void DistributedDataParallel::join_end() {
       broadcast_buffers_from(join_authority_);
     } else {
       model_->zero_grad();  // this rank's contribution: zeros
-      if (num_elems_)
-        group_->all_reduce(model_->flat_grads(), num_elems_, distributed::DataType::kFloat32,
-                           distributed::ReduceOp::kSum, false);
+      float* g = model_->flat_grads();
+      if (num_elems_ && join_probed_)
+        group_->all_reduce_probed(g, num_elems_, distributed::ReduceOp::kSum, check_->shard_probe(), false);
+      else if (num_elems_)
+        group_->all_reduce(g, num_elems_, distributed::DataType::kFloat32, distributed::ReduceOp::kSum, false);
+      if (join_probed_) (void)decide_joined();  // the active ranks' agreement, answered; the verdict is theirs
     }
   }
   joining_ = false;
@@ -326,7 +336,7 @@ void DistributedDataParallel::launch(size_t b) {
   const bool fused = fused_check();
   if (checking() && !fused) check_->scan(b, model_->flat_grads());
   if (hook_)
-    hook_->launch(b);  // comm_hooks.h
+    hook_->launch(b, fused ? &check_->probe(b) : nullptr);  // comm_hooks.h
   else if (bk.count && fused)
     in_flight_.push_back(group_->all_reduce_probed(model_->flat_grads() + bk.offset, bk.count,
                                                    distributed::ReduceOp::kAvg, check_->probe(b), true));
@@ -398,8 +408,10 @@ void DistributedDataParallel::sync_gradients() {
     std::fill(dirty_.begin(), dirty_.end(), 0);
     backwards_since_sync_ = 0;
     any_unsynced_ = false;
-    // The active ranks hold the same average: each reads it (no agreement message a joined rank could not answer).
-    if (checking()) act_on(check_->decide_local(model_->flat_grads()));
+    // Fused: the agreement, in which joined ranks take part; else the active ranks hold the same average and
+    // each reads it (no message).
+    if (join_probed_) act_on(decide_joined());
+    else if (checking()) act_on(check_->decide_local(model_->flat_grads()));
     return;
   }
   for (size_t b = 0; b < dirty_.size(); ++b)
@@ -447,6 +459,12 @@ void DistributedDataParallel::set_nonfinite(const std::string& mode) {
   cfg_.nonfinite = nonfinite_name(m);
 }
 
+// Inside join() every rank (joined ones too) holds the whole sum, with the same non-finite elements: rank 0
+// counts them, and the message of decide_sharded names every rank's own values, tested by whoever added them.
+NonFiniteVerdict DistributedDataParallel::decide_joined() {
+  return check_->decide_sharded(model_->flat_grads(), 0, group_->rank() == 0 ? num_elems_ : 0, *group_);
+}
+
 bool DistributedDataParallel::act_on(const NonFiniteVerdict& v) {
   if (!v.bad) return true;
   ++nonfinite_steps_;
@@ -477,14 +495,55 @@ bool DistributedDataParallel::conclude_device_step(const NonFiniteVerdict& v) {
   return act_on(v);
 }
 
-void DistributedDataParallel::check_own_gradients() {
+distributed::ReduceProbe* DistributedDataParallel::begin_sharded() {
+  sharded_fused_ = checking() && fused_ && by_message_ && group_->size() > 1;
+  if (sharded_fused_) return &check_->shard_probe();
   if (checking()) check_->scan_all(model_->flat_grads());
+  return nullptr;
+}
+
+void DistributedDataParallel::set_check_path(bool fused, bool by_message) {
+  const int world = group_->size(), rank = group_->rank();
+  CX_CHECK(!any_unsynced_, InvalidArgument, "DistributedDataParallel (rank ", rank,
+           "): the non-finite check's path cannot change while a step's gradients wait to be reduced; set it "
+           "between steps, on every rank");
+  CX_CHECK(!joining_, InvalidArgument, "DistributedDataParallel (rank ", rank,
+           "): the non-finite check's path cannot change inside join() (a rank that has finished could not take "
+           "part); set it before join(), on every rank");
+  wait_in_flight();
+  // Slot r: rank r's fused switch; slot world + r: its by_message switch (Note [Non-finite gradients]).
+  std::vector<double> seen(2 * static_cast<size_t>(world), 0.0);
+  seen[static_cast<size_t>(rank)] = fused ? 1.0 : 0.0;
+  seen[static_cast<size_t>(world + rank)] = by_message ? 1.0 : 0.0;
+  if (world > 1)
+    group_->all_reduce(seen.data(), seen.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
+                       false);
+  const char* names[2] = {"_fused_check", "_agree_by_message"};
+  for (int k = 0; k < 2; ++k) {
+    std::ostringstream on, off;
+    int n_on = 0;
+    for (int r = 0; r < world; ++r) {
+      const bool v = seen[static_cast<size_t>(k * world + r)] > 0.5;
+      (v ? on : off) << ((v ? n_on : r - n_on) ? ", " : "") << r;
+      n_on += v;
+    }
+    CX_CHECK(n_on == 0 || n_on == world, MismatchError, "DistributedDataParallel.", names[k], " (rank ", rank,
+             "): the ranks disagree: True on ranks [", on.str(), "], False on ranks [", off.str(),
+             "]. It decides what the gradient collectives carry (the fused check's flag words and agreement "
+             "message), so every rank must set it alike");
+  }
+  fused_ = fused;
+  by_message_ = by_message;
 }
 
 bool DistributedDataParallel::conclude_sharded(size_t shard_offset, size_t shard_count) {
   ++steps_;
   skip_pending_ = false;
   if (!checking()) return true;
+  if (sharded_fused_) {
+    sharded_fused_ = false;
+    return act_on(check_->decide_sharded(model_->flat_grads(), shard_offset, shard_count, *group_));
+  }
   std::vector<double>& msg = check_->pack(model_->flat_grads(), shard_offset, shard_count, true);
   if (group_->size() > 1)
     group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);

@@ -114,7 +114,10 @@
 // wrong collectives. What changes while joining:
 //   - backward launches nothing (no overlap): sync_gradients() sends the signal,
 //     then one SUM all-reduce of the whole gradient buffer, divided by the
-//     number of active ranks, joined ranks contributing zeros;
+//     number of active ranks, joined ranks contributing zeros; where every
+//     active rank checks for non-finite values (a slot of the signal counts
+//     them) that all-reduce is probed on every rank, joined ones too, and all
+//     take part in the check's agreement (Note [Non-finite gradients] in nonfinite.h);
 //   - a training forward with buffers to broadcast sends the signal, then the
 //     buffers of the lowest active rank (rank 0 while it is active, so with
 //     even inputs nothing differs from plain DDP): a joined rank's are stale;
@@ -227,15 +230,21 @@ class DistributedDataParallel {
   void clear_skip() { skip_pending_ = false; }
   // The "warn" text of the last sync (then empty): the binding issues it as a RuntimeWarning.
   std::string take_warning() { return std::move(warning_); }
-  // ZeRO-1 (zero.cpp): this rank's own gradients, about to be reduce-scattered, are scanned...
-  void check_own_gradients();
+  // ZeRO-1 (zero.cpp): this rank's own gradients are about to be reduce-scattered: the probe its
+  // reduce-scatter (and tail all_reduce) fill, indices of the flat buffer (the fused check: Note
+  // [Non-finite gradients]); null where the check is off or reads the gradients itself (done here)...
+  distributed::ReduceProbe* begin_sharded();
   // ...and after it, with this rank's shard of the average in place, every rank agrees (collective);
   // false when the step must not be taken ("skip"); NonFiniteError with "raise".
   bool conclude_sharded(size_t shard_offset, size_t shard_count);
-  // How ranks agree on a step's verdict (Note [Non-finite gradients]): true (the default), a small
-  // all-reduce behind the last bucket; false, each rank reads the average. Benchmarks compare the two.
-  void set_agree_by_message(bool on) { by_message_ = on; }
-  void set_fused_check(bool on) { fused_ = on; }
+  // How the check runs (Note [Non-finite gradients]), for benchmarks and tests: `fused`, inside the
+  // reductions (the default) or by reading each bucket before it; `by_message`, ranks agree by a small
+  // all-reduce behind the last bucket (the default) or each reads the average. They decide what the
+  // gradient collectives carry, so every rank must choose alike: collective, between steps; a
+  // MismatchError naming the ranks on every rank where they differ.
+  void set_check_path(bool fused, bool by_message);
+  bool fused_switch() const { return fused_; }
+  bool by_message_switch() const { return by_message_; }
 
   void set_require_sync(bool on) { require_sync_ = on; }
   bool require_sync() const { return require_sync_; }
@@ -285,14 +294,17 @@ class DistributedDataParallel {
   void launch(size_t b);
   void wait_in_flight();
   // Note [Join]: the signal; returns (active ranks, kind), records the set.
-  std::pair<int, int> join_signal(bool active, int kind);
+  // `probe`: this rank asks for the fused non-finite check of the gradient all-reduce (kJoinSync); sets join_probed_.
+  std::pair<int, int> join_signal(bool active, int kind, bool probe = false);
+  NonFiniteVerdict decide_joined();
   void broadcast_buffers_from(int root);
   void sync_gradients_joined();
   bool checking() const { return nonfinite_ != NonFiniteMode::kOff; }
-  // The buckets' own reductions test for non-finite values (Note [Fused non-finite check] in
-  // distributed/reduce_probe.h); otherwise (a hook, one rank, the read-the-average variant) launch() reads them.
+  // The buckets' own reductions (or the fp16/bf16 hooks' casts) test for non-finite values (Note [Fused
+  // non-finite check] in distributed/reduce_probe.h); otherwise (PowerSGD, one rank, join(), the benchmark's
+  // variants) launch() reads them.
   bool fused_check() const {
-    return checking() && fused_ && by_message_ && !hook_ && !shard_ && !joining_ && group_->size() > 1;
+    return checking() && fused_ && by_message_ && (!hook_ || hook_->probes()) && !joining_ && group_->size() > 1;
   }
   // Acts on a verdict (Note [Non-finite gradients]); false when the step is skipped.
   bool act_on(const NonFiniteVerdict& v);
@@ -317,6 +329,7 @@ class DistributedDataParallel {
   bool joining_ = false;              // Note [Join]
   int join_authority_ = 0;            // lowest rank of the last non-empty active set
   bool join_signalled_ = false;       // a signal reported active ranks since join_begin
+  bool join_probed_ = false;          // the last signal: every active rank asked for the fused check
   std::vector<double> join_buf_;
 
   NonFiniteMode nonfinite_ = NonFiniteMode::kRaise;
@@ -327,6 +340,7 @@ class DistributedDataParallel {
   bool by_message_ = true;
   bool fused_ = true;
   std::vector<double> fused_msg_;     // the fused path's agreement message
+  bool sharded_fused_ = false;        // begin_sharded handed out the probe (ZeRO-1's reduce-scatter fills it)
   std::string warning_;
 
   std::unique_ptr<CommHook> hook_;    // null: the float32 AVG all-reduce of launch()

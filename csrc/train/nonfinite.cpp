@@ -204,6 +204,71 @@ NonFiniteVerdict NonFiniteCheck::decide_fused(const double* msg, const float* g,
   return v;
 }
 
+void NonFiniteCheck::count_ranges(const std::vector<distributed::BadValues>& bad, size_t offset,
+                                  std::vector<double>& counts) const {
+  const auto slices = model_->param_slices();
+  const size_t np = slices.size();
+  for (const auto& b : bad) {
+    const size_t lo = offset + b.begin, hi = offset + b.end;
+    // The first parameter ending after lo (slices are in order), then on while they start before hi.
+    size_t i = static_cast<size_t>(std::upper_bound(slices.begin(), slices.end(), lo,
+                                                    [](size_t x, const auto& s) { return x < s.first + s.second; }) -
+                                   slices.begin());
+    for (; i < np && slices[i].first < hi; ++i) {
+      const size_t a = std::max(slices[i].first, lo), e = std::min(slices[i].first + slices[i].second, hi);
+      if (a < e) counts[static_cast<size_t>(b.rank) * np + i] += static_cast<double>(e - a);
+    }
+  }
+}
+
+distributed::ReduceProbe& NonFiniteCheck::shard_probe() {
+  shard_probe_.clear();
+  shard_probe_.blame = true;  // under ZeRO-1 backward reduces nothing: the buffer is this rank's own
+  return shard_probe_;
+}
+
+// Note [Fused non-finite check] under ZeRO-1: each rank finishes only its shard,
+// so, unlike the all_reduce's ring, no rank knows the whole verdict: the small
+// message always travels (world + 1 float64s in place of the scan path's
+// world + 2 * buckets + parameters).
+NonFiniteVerdict NonFiniteCheck::decide_sharded(const float* g, size_t shard_offset, size_t shard_count,
+                                                distributed::ProcessGroup& group) {
+  NonFiniteVerdict v;
+  const size_t w = static_cast<size_t>(world_);
+  std::vector<double> msg(w + 1, 0.0);
+  for (const auto& b : shard_probe_.bad) msg[static_cast<size_t>(b.rank)] = 1.0;
+  msg[w] = shard_probe_.result_bad ? 1.0 : 0.0;
+  if (world_ > 1)
+    group.all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false);
+  const bool bad = msg[w] > 0.5;
+  const bool blamed = std::any_of(msg.begin(), msg.begin() + static_cast<std::ptrdiff_t>(w),
+                                  [](double c) { return c > 0.5; });
+  if (bad || blamed) {  // rare: rows 0..world-1, what each rank sent; row world, the average (by shards)
+    const size_t np = model_->param_slices().size();
+    std::vector<double> counts((w + 1) * np, 0.0);
+    count_ranges(shard_probe_.bad, 0, counts);
+    if (shard_count && np)
+      for (auto [i, c] : count_params(g, 0, np - 1, shard_offset, shard_offset + shard_count))
+        counts[w * np + i] = static_cast<double>(c);
+    if (world_ > 1 && !counts.empty())
+      group.all_reduce(counts.data(), counts.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
+                       false);
+    for (size_t i = 0; i < np; ++i) {
+      if (counts[w * np + i] > 0.5) v.params.emplace_back(i, static_cast<size_t>(counts[w * np + i] + 0.5));
+      const double c = counts[static_cast<size_t>(rank_) * np + i];
+      if (c > 0.5) v.own.emplace_back(i, static_cast<size_t>(c + 0.5));
+    }
+    for (int r = 0; r < world_; ++r)
+      if (std::any_of(counts.begin() + static_cast<std::ptrdiff_t>(r * np),
+                      counts.begin() + static_cast<std::ptrdiff_t>((r + 1) * np), [](double c) { return c > 0.5; }))
+        v.ranks.push_back(r);
+  }
+  v.bad = !v.params.empty();
+  shard_probe_.clear();
+  reset();
+  return v;
+}
+
 NonFiniteVerdict NonFiniteCheck::decide(const float* g, double limit, bool shard) {
   NonFiniteVerdict v;
   const size_t w = static_cast<size_t>(world_), nb = buckets_.size();

@@ -6,8 +6,8 @@
 // A NaN or inf in one rank's gradient becomes, through the average, a NaN or
 // inf in every rank's parameters at the next step, and a sum of finite
 // gradients can still overflow (float16 tops out at 65504). Each step, on the
-// plain path (no communication hook, more than one rank: the default), DDP
-// reads nothing itself:
+// plain path (no communication hook, more than one rank: the default), with the
+// fp16/bf16 hooks and under ZeRO-1, DDP reads nothing itself:
 //   - fused (Note [Fused non-finite check] in distributed/reduce_probe.h): each
 //     bucket goes to all_reduce_probed, whose reduction kernels test the values
 //     they add in the same loop: each rank finishes a part of the average and
@@ -29,10 +29,28 @@
 //     every rank) are read to name the parameters, and one all-reduce of
 //     world * parameters counts tells every rank which ranks' own values were
 //     bad, and where (decide_fused).
+//   - with the fp16/bf16 hooks the same probe is filled by the casts to and from
+//     the wire type (Note [Cast on the wire] in distributed/algorithms/allreduce.cpp):
+//     narrowing tests this rank's own values, widening the whole result on every
+//     rank, so the flags are every rank's already and nothing more travels.
+//   - ZeRO-1 (zero.cpp): its reduce-scatter tests what it adds the same way
+//     (ProcessGroup::reduce_scatter_probed; the tail all-reduce, all_reduce_probed);
+//     each rank finishes only its shard, so one SUM all-reduce of world + 1
+//     float64s always agrees (decide_sharded); a bad step then counts each shard
+//     per parameter and all-reduces (world + 1) * parameters counts.
 //   - a bucket reduced twice in a step (the first accumulation cycle): Note [A
 //     bucket reduced twice] in nonfinite.cpp.
-// Elsewhere (a communication hook, one rank, ZeRO-1, join(), or the benchmark's
-// switches ddp._fused_check / _agree_by_message) the check reads for itself:
+//   - the switches that choose the path (ddp._fused_check, _agree_by_message,
+//     for benchmarks and tests) decide what the gradient collectives carry (the
+//     ring's flag words, the message's size), so setting one is collective: a
+//     small all-reduce compares every rank's choice and a MismatchError names the
+//     ranks on every rank where they differ (DistributedDataParallel::set_check_path).
+//   - inside join() the whole buffer's SUM all-reduce is probed on every rank,
+//     the joined ones (adding zeros) too, which then answer the same agreement
+//     as ZeRO-1's (decide_sharded; rank 0 counts the average on a bad step):
+//     the ranks whose own gradient was bad are named there as well.
+// Elsewhere (PowerSGD, one rank, or the benchmark's "scan"/"read" variants) the
+// check reads for itself:
 //   - own contribution: when a bucket is handed to its reduction (launch(), on
 //     the thread running backward, the moment the bucket's last gradient is
 //     written, so it is still in cache), one pass over it computes the largest
@@ -57,9 +75,9 @@
 //     parameter by parameter. The result is the same bytes on every rank
 //     (the all-gather copies it; replicas that differ would be a bug that
 //     check_every_n_steps reports), so every rank names the same parameters.
-//     Under ZeRO-1 each rank holds only its shard of the average: it counts
-//     its shard's non-finite values per parameter (one pass over 1/world of
-//     the buffer) and those counts ride in the same message.
+//     Under ZeRO-1 unfused ("scan") each rank holds only its shard of the
+//     average: it counts its shard's non-finite values per parameter (one pass
+//     over 1/world of the buffer) and those counts ride in the same message.
 //   - the alternative (ddp._agree_by_message = False, kept for the benchmark):
 //     no message; every rank reads the whole average (the same bytes
 //     everywhere, so the same verdict) and only a bad step communicates, to
@@ -140,8 +158,21 @@ class NonFiniteCheck {
   // buckets of the average and all-reduces world * parameters counts of what
   // each rank sent (collective: every rank gets here alike). Resets.
   NonFiniteVerdict decide_fused(const double* msg, const float* g, distributed::ProcessGroup& group);
-  // join(): no agreement message; the averaged gradient (the same on every
-  // active rank) is read whole. Resets the scan.
+  // ZeRO-1, fused (and join(), whose whole-buffer all-reduce fills it on every
+  // rank: DistributedDataParallel::decide_joined): the probe its reduce-scatter of
+  // the whole buffer fills (cleared; element indices of the flat buffer), and the
+  // verdict (collective):
+  // one SUM all-reduce of world + 1 float64s (slot r: the ranks that saw rank r's
+  // own values bad; slot world: the ranks that finished a non-finite part of the
+  // average); only a bad step does more: each rank counts its shard
+  // [offset, offset+count) of the average per parameter, and one all-reduce of
+  // (world + 1) * parameters counts names what each rank sent and where the
+  // average went bad, the same on every rank. Resets.
+  distributed::ReduceProbe& shard_probe();
+  NonFiniteVerdict decide_sharded(const float* g, size_t shard_offset, size_t shard_count,
+                                  distributed::ProcessGroup& group);
+  // join() unfused: no agreement message; the averaged gradient (the same on
+  // every active rank) is read whole. Resets the scan.
   NonFiniteVerdict decide_local(const float* g);
   // A bad step found by decide_local on every rank: one SUM all-reduce of world float64s names the ranks
   // whose own gradient was bad (collective; every rank calls it for the same step).
@@ -156,6 +187,8 @@ class NonFiniteCheck {
  private:
   std::vector<std::pair<size_t, size_t>> count_params(const float* g, size_t first, size_t last, size_t lo,
                                                       size_t hi) const;
+  // Adds, per parameter, the elements of `bad`'s ranges (shifted by `offset`) to counts[rank * params + i].
+  void count_ranges(const std::vector<distributed::BadValues>& bad, size_t offset, std::vector<double>& counts) const;
   void reset();
 
   std::shared_ptr<nn::SequentialModel> model_;
@@ -163,6 +196,7 @@ class NonFiniteCheck {
   int world_, rank_;
   std::vector<uint32_t> own_bits_;                   // per bucket: max |g| bits since the last verdict
   std::vector<distributed::ReduceProbe> probes_;     // per bucket: what its reductions found (fused path)
+  distributed::ReduceProbe shard_probe_;             // ZeRO-1's reduce-scatter (fused path)
   bool summed_ = false;                              // pack_fused's message travelled
   std::vector<char> reduced_, checked_bad_;          // per bucket: reduced since before_accumulating; its
                                                      //   average was found not finite (this step)

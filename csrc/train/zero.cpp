@@ -56,20 +56,32 @@ bool ZeroRedundancyOptimizer::reduce_scatter_gradients() {
   if (!ddp_->take_unsynced()) return !ddp_->step_skipped();
   const int world = group_->size();
   float* g = ddp_->model()->flat_grads();
-  ddp_->check_own_gradients();
+  // Note [Non-finite gradients] in nonfinite.h: the reductions test what they add into `probe` (null: off, or
+  // DDP has read the gradients itself).
+  distributed::ReduceProbe* probe = ddp_->begin_sharded();
   if (world > 1) {
     float* own = g + shard_.offset;
-    std::vector<const void*> ins(static_cast<size_t>(world));
+    std::vector<const float*> ins(static_cast<size_t>(world));
     for (size_t off = 0; off < q_; off += scratch_.size()) {
       const size_t c = std::min(scratch_.size(), q_ - off);
       for (int i = 0; i < world; ++i) ins[static_cast<size_t>(i)] = g + static_cast<size_t>(i) * q_ + off;
-      group_->reduce_scatter(ins, scratch_.data(), c, distributed::DataType::kFloat32, distributed::ReduceOp::kAvg,
-                             false);
+      if (probe)  // block i's element j is g[i * q_ + off + j]
+        group_->reduce_scatter_probed(ins, scratch_.data(), c, distributed::ReduceOp::kAvg, *probe, off, q_, false);
+      else
+        group_->reduce_scatter(std::vector<const void*>(ins.begin(), ins.end()), scratch_.data(), c,
+                               distributed::DataType::kFloat32, distributed::ReduceOp::kAvg, false);
       std::memcpy(own + off, scratch_.data(), c * sizeof(float));
     }
-    const size_t tail = n_ - q_ * static_cast<size_t>(world);
-    if (tail)
+    const size_t tail = n_ - q_ * static_cast<size_t>(world);  // fewer than world elements
+    if (tail && probe) {
+      distributed::ReduceProbe t;
+      t.blame = probe->blame;
+      group_->all_reduce_probed(g + n_ - tail, tail, distributed::ReduceOp::kAvg, t, false);
+      for (const auto& b : t.bad) probe->add(b.rank, n_ - tail + b.begin, n_ - tail + b.end);
+      probe->result_bad |= t.result_bad;
+    } else if (tail) {
       group_->all_reduce(g + n_ - tail, tail, distributed::DataType::kFloat32, distributed::ReduceOp::kAvg, false);
+    }
   }
   return ddp_->conclude_sharded(shard_.offset, shard_.count);  // collective: the same answer on every rank
 }

@@ -62,8 +62,13 @@ void ring_segment(size_t count, int p, int seg, size_t* off, size_t* n);
 // as `wire_dt` (float16 or bfloat16): the result of narrowing into `wire`
 // (count 16-bit elements of scratch), all_reduce(wire, SUM) and widening back,
 // bit for bit, with the casts done inside the ring (Note [Cast on the wire]).
+// `probe` (may be null): the casts test what they read (Note [Cast on the wire] in
+// allreduce.cpp): our own float32 values as they narrow them (where not finite,
+// recorded for `rank` at their index in buf; only if probe->blame), and, as they
+// widen it, the whole result (result_bad: the same on every rank, since every rank
+// widens every element). Nothing more travels.
 void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
-                     const AlgoOptions& o);
+                     const AlgoOptions& o, ReduceProbe* probe = nullptr, int rank = 0);
 
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o);
 
@@ -71,9 +76,12 @@ void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOption
 void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, const AlgoOptions& o);
 
 // ins[i] is this rank's block for rank i (count elements); out gets the reduction of
-// every rank's block for us. Inputs are not modified.
+// every rank's block for us. Inputs are not modified. `pv` (float32 SUM/AVG only):
+// test for non-finite values while reducing (Note [Fused non-finite check] in
+// reduce_probe.h; element j of block i is recorded at pv->base + i * pv->stride + j);
+// nothing more travels. Every rank passes one or none.
 void reduce_scatter(Transport& t, const void* const* ins, void* out, size_t count, DataType dt, ReduceOp op,
-                    const AlgoOptions& o);
+                    const AlgoOptions& o, const ProbeView* pv = nullptr);
 
 // The result lands in buf on `root`; other ranks' buf hold partial results afterwards.
 void reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, int root, const AlgoOptions& o);

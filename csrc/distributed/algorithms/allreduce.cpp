@@ -267,19 +267,40 @@ struct PlainData {
 // rounding are those of the three-pass form (narrow_sum rounds our value before
 // adding, as narrow then reduce_into would), so the results are bit for bit the
 // same, on every rank.
+//
+// With a probe (DDP's check with the fp16/bf16 hooks: Note [Fused non-finite
+// check] in reduce_probe.h) the casts test what they touch, in the same loop: a
+// narrowing reads each of our own float32 values exactly once (narrow or
+// narrow_sum), so it tests them (only a chunk found bad is read again, to record
+// where); every widening writes an element of the result, and every rank widens
+// every element, so each learns whether the whole result is finite: the same
+// answer on every rank, with nothing added on the wire.
 struct CastData {
   float* buf;
   uint16_t* w;
   DataType wire_dt;
   float scale;
+  ReduceProbe* probe = nullptr;
+  int rank = 0;
   uint16_t* wire(size_t off) const { return w + off; }
   bool* result_flag() const { return nullptr; }
-  void own(size_t off, size_t n) const { narrow(buf + off, scale, w + off, n, wire_dt); }
-  void reduce(size_t off, size_t n, const char* in, bool, bool last) const {
-    narrow_sum(buf + off, scale, reinterpret_cast<const uint16_t*>(in), w + off, n, wire_dt);
-    if (last) widen(w + off, buf + off, n, wire_dt);
+  bool blame() const { return probe && probe->blame; }
+  void own(size_t off, size_t n) const {
+    if (!blame()) return narrow(buf + off, scale, w + off, n, wire_dt);
+    if (narrow_tested(buf + off, scale, w + off, n, wire_dt)) probe_whole(*probe, buf + off, n, off, rank, true);
   }
-  void gathered(size_t off, size_t n) const { widen(w + off, buf + off, n, wire_dt); }
+  void reduce(size_t off, size_t n, const char* in, bool, bool last) const {
+    const auto* recv = reinterpret_cast<const uint16_t*>(in);
+    if (!blame())
+      narrow_sum(buf + off, scale, recv, w + off, n, wire_dt);
+    else if (narrow_sum_tested(buf + off, scale, recv, w + off, n, wire_dt))
+      probe_whole(*probe, buf + off, n, off, rank, true);  // still our own values: widened below
+    if (last) gathered(off, n);
+  }
+  void gathered(size_t off, size_t n) const {
+    if (!probe) return widen(w + off, buf + off, n, wire_dt);
+    if (widen_tested(w + off, buf + off, n, wire_dt)) probe->result_bad = true;
+  }
 };
 
 }  // namespace
@@ -311,17 +332,17 @@ void ring_segment(size_t count, int p, int seg, size_t* off, size_t* n) {
 }
 
 void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
-                     const AlgoOptions& o) {
+                     const AlgoOptions& o, ReduceProbe* probe, int rank) {
   if (!count) return;
+  CastData data{buf, wire, wire_dt, scale, probe, rank};
   if (t.size() == 1 || choose(t, count, 2, o) != Algo::kRing) {
-    // The whole-buffer algorithms (and one rank): three passes; the same
-    // algorithm all_reduce picks for these 16-bit bytes.
-    narrow(buf, scale, wire, count, wire_dt);
+    // The whole-buffer algorithms (and one rank): three passes (narrow, the
+    // all_reduce all_reduce picks for these 16-bit bytes, widen), tested alike.
+    data.own(0, count);
     all_reduce(t, wire, count, wire_dt, ReduceOp::kSum, o);
-    widen(wire, buf, count, wire_dt);
+    data.gathered(0, count);
     return;
   }
-  CastData data{buf, wire, wire_dt, scale};
   ring(t, count, 2, o, data, 0, 2 * (t.size() - 1));
 }
 

@@ -32,13 +32,25 @@ namespace cx::distributed::algo {
 // A group's raw chunks are sent once the previous group's last partial is
 // (the order the right neighbour posts its receives in). Two ranks forward
 // nothing (every receive lands in `out`): all raw chunks go at once.
+//
+// With a probe (Note [Fused non-finite check] in reduce_probe.h) the reductions
+// test what they add: at every step our input is our own values (`theirs` for
+// sum_probed, which adds it into the partial that arrived), and at step 0 the
+// partial that arrives is the left neighbour's raw input, which it sent unread
+// (`ours`: the destination's values). So each rank's own value of each element is
+// tested exactly once, and the last step tests the sums it finishes: a rank learns
+// whether its block of the result is finite, and nothing more travels.
 void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t count, DataType dt, ReduceOp op,
-                    const AlgoOptions& o) {
+                    const AlgoOptions& o, const ProbeView* pv) {
   const int p = t.size(), r = t.rank();
   const size_t es = dtype_size(dt);
   char* out = static_cast<char*>(out_v);
   if (p == 1) {
     if (out != ins[0] && count) std::memmove(out, ins[0], count * es);
+    if (pv && count) {
+      if (pv->raw) probe_whole(*pv->probe, static_cast<const float*>(ins[0]), count, pv->base, pv->group_rank(0), true);
+      if (pv->result) probe_whole(*pv->probe, reinterpret_cast<const float*>(out), count, 0, 0, false);
+    }
     return;
   }
   const int left = (r - 1 + p) % p, right = (r + 1) % p;
@@ -102,12 +114,14 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     const int blk = mod(r - it.step - 2);
     size_t off, n;
     range(it.chunk, &off, &n);
+    // Our own input goes into the partial that arrived (at step 0, the left neighbour's own values).
+    const size_t at = static_cast<size_t>(blk) * (pv && pv->stride ? pv->stride : count) + off;
     if (it.step == p - 2) {
-      reduce_into(out + off * es, in_at(blk, off), n, dt, op);
+      reduce_probed(out + off * es, in_at(blk, off), n, dt, op, pv, at, it.step == 0 ? left : -1, r, true);
       finish_avg(out + off * es, n, dt, op, p);
     } else {
       char* slot = slots + (k % depth) * ce * es;
-      reduce_into(slot, in_at(blk, off), n, dt, op);
+      reduce_probed(slot, in_at(blk, off), n, dt, op, pv, at, it.step == 0 ? left : -1, r, false);
       slot_send[k % depth] = t.isend(right, slot, n * es);
       if (it.last_forward && it.chunk + 1 < nc) send_raw(it.chunk + 1);
     }

@@ -164,6 +164,36 @@ void narrow_sum_from(size_t i, const float* __restrict own, float scale, const u
   for (; i < n; ++i) dst[i] = C::narrow1(C::widen1(C::narrow1(own[i] * scale)) + C::widen1(recv[i]));
 }
 
+// The tested forms (narrow_tested, ...): the loop above, then whether any float32 of [i, n) is inf/NaN.
+inline bool any_nonfinite(const float* p, size_t i, size_t n) {
+  uint32_t worst = 0;
+  for (; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, p + i, sizeof b);
+    worst = std::max(worst, b & 0x7fffffffu);
+  }
+  return worst >= 0x7f800000u;
+}
+
+template <class C>
+bool narrow_tested_from(size_t i, const float* __restrict src, float scale, uint16_t* __restrict dst, size_t n) {
+  narrow_from<C>(i, src, scale, dst, n);
+  return any_nonfinite(src, i, n);
+}
+
+template <class C>
+bool widen_tested_from(size_t i, const uint16_t* __restrict src, float* __restrict dst, size_t n) {
+  widen_from<C>(i, src, dst, n);
+  return any_nonfinite(dst, i, n);
+}
+
+template <class C>
+bool narrow_sum_tested_from(size_t i, const float* __restrict own, float scale, const uint16_t* __restrict recv,
+                            uint16_t* __restrict dst, size_t n) {
+  narrow_sum_from<C>(i, own, scale, recv, dst, n);
+  return any_nonfinite(own, i, n);
+}
+
 #if CX_HAVE_F16C_PATH
 #define CX_SIMD __attribute__((target("avx2,f16c")))
 
@@ -242,6 +272,45 @@ CX_SIMD inline __m256i nonfinite_lanes(__m256 v) {
                             _mm256_set1_epi32(0x7f7fffff));
 }
 
+// The tested casts: each loop of the casts above with the lanes' test OR'ed in.
+template <class L>
+CX_SIMD bool narrow_tested_x8(const float* src, float scale, uint16_t* dst, size_t n) {
+  const __m256 k = _mm256_set1_ps(scale);
+  __m256i bad = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    bad = _mm256_or_si256(bad, nonfinite_lanes(v));
+    L::store(dst + i, _mm256_mul_ps(v, k));
+  }
+  return narrow_tested_from<L>(i, src, scale, dst, n) || !_mm256_testz_si256(bad, bad);
+}
+
+template <class L>
+CX_SIMD bool widen_tested_x8(const uint16_t* src, float* dst, size_t n) {
+  __m256i bad = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = L::load(src + i);
+    bad = _mm256_or_si256(bad, nonfinite_lanes(v));
+    _mm256_storeu_ps(dst + i, v);
+  }
+  return widen_tested_from<L>(i, src, dst, n) || !_mm256_testz_si256(bad, bad);
+}
+
+template <class L>
+CX_SIMD bool narrow_sum_tested_x8(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n) {
+  const __m256 k = _mm256_set1_ps(scale);
+  __m256i bad = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(own + i);
+    bad = _mm256_or_si256(bad, nonfinite_lanes(v));
+    L::store(dst + i, _mm256_add_ps(L::round(_mm256_mul_ps(v, k)), L::load(recv + i)));
+  }
+  return narrow_sum_tested_from<L>(i, own, scale, recv, dst, n) || !_mm256_testz_si256(bad, bad);
+}
+
 CX_SIMD void sum_probed_x8(float* __restrict d, const float* __restrict s, size_t n, const SumProbe& k,
                            ReduceProbe& theirs, size_t* i_out, bool* out_bad) {
   const __m256i want_ours = _mm256_set1_epi32(k.ours >= 0 ? -1 : 0);
@@ -292,6 +361,18 @@ void widen(const uint16_t* src, float* dst, size_t n, DataType wire) {
 
 void narrow_sum(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n, DataType wire) {
   CX_DISPATCH16(wire, narrow_sum_x8, narrow_sum_from, own, scale, recv, dst, n);
+}
+
+bool narrow_tested(const float* src, float scale, uint16_t* dst, size_t n, DataType wire) {
+  return CX_DISPATCH16(wire, narrow_tested_x8, narrow_tested_from, src, scale, dst, n);
+}
+
+bool widen_tested(const uint16_t* src, float* dst, size_t n, DataType wire) {
+  return CX_DISPATCH16(wire, widen_tested_x8, widen_tested_from, src, dst, n);
+}
+
+bool narrow_sum_tested(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n, DataType wire) {
+  return CX_DISPATCH16(wire, narrow_sum_tested_x8, narrow_sum_tested_from, own, scale, recv, dst, n);
 }
 
 namespace {

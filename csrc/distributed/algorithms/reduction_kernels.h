@@ -58,6 +58,12 @@ void finish_avg(void* buf, size_t count, DataType t, ReduceOp op, int world);
 void narrow(const float* src, float scale, uint16_t* dst, size_t n, DataType wire);
 void widen(const uint16_t* src, float* dst, size_t n, DataType wire);
 void narrow_sum(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n, DataType wire);
+// The same, also telling whether any float32 value they read (src / own) or, for
+// widen, wrote (dst) is inf or NaN, tested in the same loop (Note [Fused
+// non-finite check] in reduce_probe.h): a compare and an OR per eight lanes.
+bool narrow_tested(const float* src, float scale, uint16_t* dst, size_t n, DataType wire);
+bool widen_tested(const uint16_t* src, float* dst, size_t n, DataType wire);
+bool narrow_sum_tested(const float* own, float scale, const uint16_t* recv, uint16_t* dst, size_t n, DataType wire);
 
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);

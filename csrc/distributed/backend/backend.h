@@ -51,9 +51,11 @@ class Backend {
   virtual Body barrier(uint64_t fingerprint) = 0;
   // float32 `buf` becomes the SUM over ranks of its values times `scale`,
   // travelling as `wire_dt` (float16 / bfloat16) through `wire`, count 16-bit
-  // elements of scratch (algo::all_reduce_cast). Host memory: the CPU backend's.
-  virtual Body all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) {
-    (void)buf, (void)wire, (void)count, (void)scale;
+  // elements of scratch (algo::all_reduce_cast; `probe`, may be null: the casts
+  // test for non-finite values, ours recorded for `rank`). Host memory: the CPU backend's.
+  virtual Body all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
+                               ReduceProbe* probe, int rank) {
+    (void)buf, (void)wire, (void)count, (void)scale, (void)probe, (void)rank;
     CX_THROW(InvalidArgument, "an all-reduce of float32 carried as ", dtype_name(wire_dt),
              " (the fp16/bf16 communication hooks) runs on the CPU backend only; this group's backend cannot");
   }
@@ -68,6 +70,20 @@ class Backend {
       run();
       probe_whole(*probe, buf, count, 0, rank, false);
       probe->local_only = true;
+    };
+  }
+  // A float32 SUM/AVG reduce_scatter of host memory that tests for non-finite
+  // values into `probe` likewise: ins[i]'s element j is recorded at
+  // base + i * stride + j. By default one read of our inputs before and of our
+  // block of the result after; the CPU backend tests inside its reduction kernels.
+  virtual Body reduce_scatter_probed(std::vector<const float*> ins, float* out, size_t count, ReduceOp op,
+                                     ReduceProbe* probe, size_t base, size_t stride, int rank) {
+    Body run = reduce_scatter(std::vector<const void*>(ins.begin(), ins.end()), out, count, DataType::kFloat32, op, 0);
+    return [run = std::move(run), ins = std::move(ins), out, count, probe, base, stride, rank] {
+      if (probe->blame)
+        for (size_t i = 0; i < ins.size(); ++i) probe_whole(*probe, ins[i], count, base + i * stride, rank, true);
+      run();
+      probe_whole(*probe, out, count, 0, rank, false);
     };
   }
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;

@@ -244,9 +244,10 @@ Backend::Body CpuBackend::all_reduce_probed(float* buf, size_t count, ReduceOp o
   };
 }
 
-Backend::Body CpuBackend::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) {
-  return [t = t_.get(), o = opt_, buf, wire, count, wire_dt, scale] {
-    algo::all_reduce_cast(*t, buf, wire, count, wire_dt, scale, o);
+Backend::Body CpuBackend::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale,
+                                          ReduceProbe* probe, int rank) {
+  return [t = t_.get(), o = opt_, buf, wire, count, wire_dt, scale, probe, rank] {
+    algo::all_reduce_cast(*t, buf, wire, count, wire_dt, scale, o, probe, rank);
   };
 }
 
@@ -281,6 +282,18 @@ Backend::Body CpuBackend::reduce_scatter(std::vector<const void*> ins, void* out
   }
   return [t = t_.get(), o = opt_, ins = std::move(ins), out, count, dt, op] {
     algo::reduce_scatter(*t, ins.data(), out, count, dt, op, o);
+  };
+}
+
+// Note [Fused non-finite check] in reduce_probe.h; hierarchical: the default (a read before, one after).
+Backend::Body CpuBackend::reduce_scatter_probed(std::vector<const float*> ins, float* out, size_t count, ReduceOp op,
+                                                ReduceProbe* probe, size_t base, size_t stride, int rank) {
+  if (hierarchical(count * sizeof(float) * ins.size(), kHierarchicalMinBytes))
+    return Backend::reduce_scatter_probed(std::move(ins), out, count, op, probe, base, stride, rank);
+  return [t = t_.get(), o = opt_, ins = std::move(ins), out, count, op, probe, base, stride] {
+    const ProbeView v{probe, nullptr, base, probe->blame, true, stride};
+    std::vector<const void*> in(ins.begin(), ins.end());
+    algo::reduce_scatter(*t, in.data(), out, count, DataType::kFloat32, op, o, &v);
   };
 }
 

@@ -34,8 +34,11 @@ class CpuBackend : public Backend {
   Body all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt,
                   uintptr_t stream) override;
   Body barrier(uint64_t fingerprint) override;
-  Body all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale) override;
+  Body all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt, float scale, ReduceProbe* probe,
+                       int rank) override;
   Body all_reduce_probed(float* buf, size_t count, ReduceOp op, ReduceProbe* probe, int rank) override;
+  Body reduce_scatter_probed(std::vector<const float*> ins, float* out, size_t count, ReduceOp op,
+                             ReduceProbe* probe, size_t base, size_t stride, int rank) override;
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 
