@@ -16,6 +16,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -985,3 +986,27 @@ def test_inside_join_a_finished_rank_takes_part_and_the_bad_rank_is_named(world)
             "2 (layer 2 Linear.weight): 1 of 192 values" in err, err
         assert f"The ranks whose own gradient was already not finite: [{world - 1}]." in err, err
         assert len(out) == 2 and np.array_equal(final, res[0][0][0][2])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_raise_inside_join_reaches_the_finished_rank_at_once(world):
+    """With "raise", a NaN from an active rank after the last rank has joined: the active ranks raise at the step,
+    and the finished rank, which answered the agreement, raises the same error at once instead of waiting in the
+    next join signal for ranks that have left (until the deadline)."""
+    late = 0 if world == 2 else 1  # active at step 2, when the last rank has joined
+    t0 = time.monotonic()
+    res = ranks.run(join_body, world, args=("raise", {2: late}), timeout=120)
+    assert time.monotonic() - t0 < 60
+    for r, (out, skipped, final) in enumerate(res):
+        assert len(out) == 3 and out[0][0] == out[1][0] == "", out
+        err = out[2][0]
+        assert err.startswith(f"DistributedDataParallel (rank {r}): step 3: the gradient averaged over the {world} "
+                              "ranks is not finite (NaN or inf) in parameters [2 (layer 2 Linear.weight): 1 of 192 "
+                              "values]"), err
+        assert f"The ranks whose own gradient was already not finite: [{late}]." in err, err
+        if r == world - 1:
+            assert "This rank had finished its batches inside join(); the ranks still active did not take the " \
+                   "step and raise this error too." in err, err
+        else:
+            assert "The optimizer step was not taken" in err, err
+        assert np.array_equal(final, res[0][0][1][2])  # the parameters after step 2, on every rank

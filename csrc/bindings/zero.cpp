@@ -47,7 +47,15 @@ void def_join(py::module_& m) {
           return false;
         }
         py::gil_scoped_release nogil;
-        j.ddp->join_end();
+        try {
+          j.ddp->join_end();
+        } catch (const std::exception& e) {  // the same for an error of join_end itself (a NonFiniteError)
+          try {
+            j.ddp->group()->abort(e.what());
+          } catch (...) {
+          }
+          throw;
+        }
         return false;
       });
 

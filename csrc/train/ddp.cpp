@@ -259,19 +259,32 @@ void DistributedDataParallel::join_end() {
            "): not inside join()");
   wait_in_flight();
   // Shadow the peers still active: their signals say what comes next.
-  for (;;) {
+  for (uint64_t shadowed = 0;;) {
     auto [active, kind] = join_signal(false, 0);
     if (active == 0) break;
     if (kind == kJoinForward) {
       broadcast_buffers_from(join_authority_);
     } else {
+      ++shadowed;
       model_->zero_grad();  // this rank's contribution: zeros
       float* g = model_->flat_grads();
       if (num_elems_ && join_probed_)
         group_->all_reduce_probed(g, num_elems_, distributed::ReduceOp::kSum, check_->shard_probe(), false);
       else if (num_elems_)
         group_->all_reduce(g, num_elems_, distributed::DataType::kFloat32, distributed::ReduceOp::kSum, false);
-      if (join_probed_) (void)decide_joined();  // the active ranks' agreement, answered; the verdict is theirs
+      if (!join_probed_) continue;
+      // The active ranks' agreement, answered. Where they raise NonFiniteError, this rank raises it too, at
+      // once: it would otherwise wait in the next signal for ranks that have left.
+      const NonFiniteVerdict v = decide_joined();
+      if (v.bad && nonfinite_ == NonFiniteMode::kRaise) {
+        joining_ = false;
+        ++nonfinite_steps_;
+        CX_THROW(NonFiniteError, check_->describe(v, "DistributedDataParallel (rank " +
+                                                         std::to_string(group_->rank()) + ")",
+                                                  steps_ + shadowed, false,
+                                                  "This rank had finished its batches inside join(); the ranks "
+                                                  "still active did not take the step and raise this error too."));
+      }
     }
   }
   joining_ = false;
