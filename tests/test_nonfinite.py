@@ -457,23 +457,35 @@ def fused_cases(world):
     return cases
 
 
-def fused_body():
+def backward_with(ddp, model, loss, rng, values):
+    """A backward of the FUSED_IN -> FUSED_OUT model on random rows, not yet synced, then `values` [(element,
+    value)] written into this rank's gradient: the gradient."""
+    x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
+    loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
+    with ddp.no_sync():
+        ddp.backward(loss.backward(), input_grad=False)
+    g = model.flat_gradients()
+    for at, value in values:
+        g[at] = value
+    return g
+
+
+def fused_body(hook=None):
+    """Per case of fused_cases (with `hook`, the fp16/bf16 communication hook: all but the overflows, which bf16
+    does not reach, and a clean step): (error, this rank's gradient, the synced gradient)."""
     r, p = D.get_rank(), D.get_world_size()
     cx.set_num_threads(1)
     model = cx.SequentialModel()
     model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
-    ddp = D.DistributedDataParallel(model, D.DDPConfig())  # one bucket: the model is 10 KiB
+    cfg = D.DDPConfig()
+    if hook:
+        cfg.comm_hook = hook
+    ddp = D.DistributedDataParallel(model, cfg)  # one bucket: the model is 10 KiB
     loss = cx.MSELoss()
     rng = np.random.default_rng(50 + r)
     out = []
-    for case in fused_cases(p):
-        x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
-        loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
-        with ddp.no_sync():
-            ddp.backward(loss.backward(), input_grad=False)
-        g = model.flat_gradients()
-        for at, value in case.get(r, []):
-            g[at] = value
+    for case in (fused_cases(p)[:-2] + [{}] if hook else fused_cases(p)):
+        g = backward_with(ddp, model, loss, rng, case.get(r, []))
         local = g.copy()
         err = ""
         try:
@@ -633,13 +645,16 @@ def test_a_nan_average_reduced_again_in_the_first_accumulation_cycle_blames_only
         assert out[1] == "" and seen == 1, out
 
 
-def bytes_body():
+def bytes_body(hook=None):
     """Bytes this rank sends for one synced step's gradient, with the check off and on (the 10 KiB model of
-    fused_body: one bucket)."""
+    fused_body: one bucket), with `hook` the communication hook if given."""
     cx.set_num_threads(1)
     model = cx.SequentialModel()
     model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
-    ddp = D.DistributedDataParallel(model, D.DDPConfig())
+    cfg = D.DDPConfig()
+    if hook:
+        cfg.comm_hook = hook
+    ddp = D.DistributedDataParallel(model, cfg)
     loss = cx.MSELoss()
     x = np.ones((4, FUSED_IN), np.float32)
     sent = {}
@@ -720,13 +735,7 @@ def zero_fused_body(mode, chunk):
     rng = np.random.default_rng(70 + r)
     out = []
     for case in zero_cases(p):
-        x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
-        loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
-        with ddp.no_sync():
-            ddp.backward(loss.backward(), input_grad=False)
-        g = model.flat_gradients()
-        for at, value in case.get(r, []):
-            g[at] = value
+        g = backward_with(ddp, model, loss, rng, case.get(r, []))
         local, before = g.copy(), model.flat_parameters().copy()
         err = ""
         with warnings.catch_warnings(record=True) as w:
@@ -799,38 +808,6 @@ def test_zero1_reduce_scatter_tests_what_it_adds_and_names_each_rank_and_paramet
                                                             "overflowed float32.")
 
 
-def hook_fused_body(hook):
-    """fused_body's steps (minus the overflow, which bf16 does not reach) with the fp16/bf16 hook: the casts test
-    what they narrow and widen."""
-    r, p = D.get_rank(), D.get_world_size()
-    cx.set_num_threads(1)
-    model = cx.SequentialModel()
-    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
-    cfg = D.DDPConfig()
-    cfg.comm_hook = hook
-    ddp = D.DistributedDataParallel(model, cfg)
-    loss = cx.MSELoss()
-    rng = np.random.default_rng(50 + r)
-    out = []
-    for case in fused_cases(p)[:-2] + [{}]:
-        x = rng.standard_normal((4, FUSED_IN)).astype(np.float32)
-        loss.forward(ddp.forward(x), rng.standard_normal((4, FUSED_OUT)).astype(np.float32))
-        with ddp.no_sync():
-            ddp.backward(loss.backward(), input_grad=False)
-        g = model.flat_gradients()
-        for at, value in case.get(r, []):
-            g[at] = value
-        local = g.copy()
-        err = ""
-        try:
-            synced = ddp.sync_gradients().copy()
-        except D.NonFiniteError as e:
-            err, synced = str(e), None
-        model.zero_grad()
-        out.append((err, local, synced))
-    return out
-
-
 @pytest.mark.parametrize("algo", ["recursive_doubling", "ring"])
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 @pytest.mark.parametrize("world", [2, 3])
@@ -838,7 +815,7 @@ def test_half_hooks_test_inside_their_casts_and_name_each_rank(world, hook, algo
     """The fp16/bf16 hooks' casts test our own values as they narrow them and the result as they widen it (the
     ring, chunk by chunk; recursive doubling: the whole-buffer casts around it): each rank's NaN/inf, wherever it
     is, is named on every rank; a clean step is the NumPy average within the 16-bit type's rounding."""
-    res = ranks.run(hook_fused_body, world, args=(hook,), env=ALGOS[algo], timeout=180)
+    res = ranks.run(fused_body, world, args=(hook,), env=ALGOS[algo], timeout=180)
     cases = fused_cases(world)[:-2] + [{}]
     for s, case in enumerate(cases):
         for r in range(world):
@@ -851,32 +828,10 @@ def test_half_hooks_test_inside_their_casts_and_name_each_rank(world, hook, algo
             check_verdict_text(err, r, s, world, case, "")
 
 
-def hook_bytes_body(hook):
-    cx.set_num_threads(1)
-    model = cx.SequentialModel()
-    model.add(cx.LinearModule(FUSED_IN, FUSED_OUT, seed=3))
-    cfg = D.DDPConfig()
-    cfg.comm_hook = hook
-    ddp = D.DistributedDataParallel(model, cfg)
-    loss = cx.MSELoss()
-    x = np.ones((4, FUSED_IN), np.float32)
-    sent = {}
-    for mode in ("off", "raise", "off", "raise"):
-        ddp.nonfinite = mode
-        loss.forward(ddp.forward(x), np.zeros((4, FUSED_OUT), np.float32))
-        with ddp.no_sync():
-            ddp.backward(loss.backward(), input_grad=False)
-        before = cx._core.dist._bytes_sent()
-        ddp.sync_gradients()
-        sent.setdefault(mode, []).append(cx._core.dist._bytes_sent() - before)
-        model.zero_grad()
-    return sent
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_half_hooks_check_sends_nothing_on_an_all_finite_step(world):
     """Every rank widens every element of the result, so each knows the verdict: no agreement message travels."""
-    for sent in ranks.run(hook_bytes_body, world, args=("bf16",), env=ALGOS["ring"], timeout=120):
+    for sent in ranks.run(bytes_body, world, args=("bf16",), env=ALGOS["ring"], timeout=120):
         assert sent["off"][0] == sent["off"][1] > 0 and sent["raise"] == sent["off"], sent
 
 

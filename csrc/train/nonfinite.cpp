@@ -188,17 +188,7 @@ NonFiniteVerdict NonFiniteCheck::decide_fused(const double* msg, const float* g,
         }
       }
     }
-    if (world_ > 1 && !counts.empty())
-      group.all_reduce(counts.data(), counts.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
-                       false);
-    for (size_t i = 0; i < np; ++i) {
-      const double c = counts[static_cast<size_t>(rank_) * np + i];
-      if (c > 0.5) v.own.emplace_back(i, static_cast<size_t>(c + 0.5));
-    }
-    for (int r = 0; r < world_; ++r)
-      if (std::any_of(counts.begin() + static_cast<std::ptrdiff_t>(r * np),
-                      counts.begin() + static_cast<std::ptrdiff_t>((r + 1) * np), [](double c) { return c > 0.5; }))
-        v.ranks.push_back(r);
+    agree_on_counts(counts, np, group, v);
   }
   reset();
   return v;
@@ -227,6 +217,23 @@ distributed::ReduceProbe& NonFiniteCheck::shard_probe() {
   return shard_probe_;
 }
 
+// Sums `counts` over the ranks (row r, np counts per parameter: rank r's own values found not finite; further
+// rows are the caller's) and reads into `v` this rank's own bad parameters and the ranks with any.
+void NonFiniteCheck::agree_on_counts(std::vector<double>& counts, size_t np, distributed::ProcessGroup& group,
+                                     NonFiniteVerdict& v) const {
+  if (world_ > 1 && !counts.empty())
+    group.all_reduce(counts.data(), counts.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
+                     false);
+  for (size_t i = 0; i < np; ++i) {
+    const double c = counts[static_cast<size_t>(rank_) * np + i];
+    if (c > 0.5) v.own.emplace_back(i, static_cast<size_t>(c + 0.5));
+  }
+  for (int r = 0; r < world_; ++r)
+    if (std::any_of(counts.begin() + static_cast<std::ptrdiff_t>(r * np),
+                    counts.begin() + static_cast<std::ptrdiff_t>((r + 1) * np), [](double c) { return c > 0.5; }))
+      v.ranks.push_back(r);
+}
+
 // Note [Fused non-finite check] under ZeRO-1: each rank finishes only its shard,
 // so, unlike the all_reduce's ring, no rank knows the whole verdict: the small
 // message always travels (world + 1 float64s in place of the scan path's
@@ -250,18 +257,9 @@ NonFiniteVerdict NonFiniteCheck::decide_sharded(const float* g, size_t shard_off
     if (shard_count && np)
       for (auto [i, c] : count_params(g, 0, np - 1, shard_offset, shard_offset + shard_count))
         counts[w * np + i] = static_cast<double>(c);
-    if (world_ > 1 && !counts.empty())
-      group.all_reduce(counts.data(), counts.size(), distributed::DataType::kFloat64, distributed::ReduceOp::kSum,
-                       false);
-    for (size_t i = 0; i < np; ++i) {
+    agree_on_counts(counts, np, group, v);
+    for (size_t i = 0; i < np; ++i)
       if (counts[w * np + i] > 0.5) v.params.emplace_back(i, static_cast<size_t>(counts[w * np + i] + 0.5));
-      const double c = counts[static_cast<size_t>(rank_) * np + i];
-      if (c > 0.5) v.own.emplace_back(i, static_cast<size_t>(c + 0.5));
-    }
-    for (int r = 0; r < world_; ++r)
-      if (std::any_of(counts.begin() + static_cast<std::ptrdiff_t>(r * np),
-                      counts.begin() + static_cast<std::ptrdiff_t>((r + 1) * np), [](double c) { return c > 0.5; }))
-        v.ranks.push_back(r);
   }
   v.bad = !v.params.empty();
   shard_probe_.clear();

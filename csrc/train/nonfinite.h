@@ -185,6 +185,8 @@ class NonFiniteCheck {
                        const std::string& outcome) const;
 
  private:
+  void agree_on_counts(std::vector<double>& counts, size_t np, distributed::ProcessGroup& group,
+                       NonFiniteVerdict& v) const;
   std::vector<std::pair<size_t, size_t>> count_params(const float* g, size_t first, size_t last, size_t lo,
                                                       size_t hi) const;
   // Adds, per parameter, the elements of `bad`'s ranges (shifted by `offset`) to counts[rank * params + i].
