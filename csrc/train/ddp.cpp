@@ -240,6 +240,7 @@ std::pair<int, int> DistributedDataParallel::join_signal(bool active, int kind, 
 void DistributedDataParallel::sync_gradients_joined() {
   // Note [Non-finite gradients] in nonfinite.h: fused where every active rank asks for it (the signal says).
   const int active = join_signal(true, kJoinSync, checking() && fused_ && by_message_ && group_->size() > 1).first;
+  join_active_ = active;  // the ranks this step's average is over (its non-finite message says so)
   float* g = model_->flat_grads();
   if (checking() && !join_probed_) check_->scan_all(g);
   if (num_elems_) {
@@ -275,7 +276,8 @@ void DistributedDataParallel::join_end() {
       if (!join_probed_) continue;
       // The active ranks' agreement, answered. Where they raise NonFiniteError, this rank raises it too, at
       // once: it would otherwise wait in the next signal for ranks that have left.
-      const NonFiniteVerdict v = decide_joined();
+      NonFiniteVerdict v = decide_joined();
+      v.averaged_over = active;
       if (v.bad && nonfinite_ == NonFiniteMode::kRaise) {
         joining_ = false;
         ++nonfinite_steps_;
@@ -478,8 +480,10 @@ NonFiniteVerdict DistributedDataParallel::decide_joined() {
   return check_->decide_sharded(model_->flat_grads(), 0, group_->rank() == 0 ? num_elems_ : 0, *group_);
 }
 
-bool DistributedDataParallel::act_on(const NonFiniteVerdict& v) {
-  if (!v.bad) return true;
+bool DistributedDataParallel::act_on(const NonFiniteVerdict& verdict) {
+  if (!verdict.bad) return true;
+  NonFiniteVerdict v = verdict;  // rare: a bad step
+  if (joining_ && join_active_ > 0) v.averaged_over = join_active_;  // inside join(): over the active ranks
   ++nonfinite_steps_;
   if (hook_) hook_->reset_nonfinite();  // Note [PowerSGD and non-finite values] in comm_hooks.cpp
   const std::string who = "DistributedDataParallel (rank " + std::to_string(group_->rank()) + ")";

@@ -329,6 +329,7 @@ class DistributedDataParallel {
   bool joining_ = false;              // Note [Join]
   int join_authority_ = 0;            // lowest rank of the last non-empty active set
   bool join_signalled_ = false;       // a signal reported active ranks since join_begin
+  int join_active_ = 0;               // the active ranks of the last gradient signal (their average)
   bool join_probed_ = false;          // the last signal: every active rank asked for the fused check
   std::vector<double> join_buf_;
 

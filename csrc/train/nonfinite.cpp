@@ -331,8 +331,9 @@ std::string list_params(const nn::SequentialModel& m, const std::vector<std::pai
 std::string NonFiniteCheck::describe(const NonFiniteVerdict& v, const std::string& who, uint64_t step, bool fp16,
                                      const std::string& outcome) const {
   std::ostringstream os;
-  os << who << ": step " << step << ": the gradient averaged over the " << world_
-     << (world_ == 1 ? " rank" : " ranks") << " is not finite (NaN or inf) in parameters ["
+  const int over = v.averaged_over > 0 ? v.averaged_over : world_;
+  os << who << ": step " << step << ": the gradient averaged over the " << over
+     << (over == 1 ? " rank" : " ranks") << " is not finite (NaN or inf) in parameters ["
      << list_params(*model_, v.params) << "]. ";
   if (!v.ranks_known) {
     os << "Inside join() the ranks whose own gradient was bad are not compared; ";

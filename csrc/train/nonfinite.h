@@ -118,6 +118,7 @@ struct NonFiniteVerdict {
   std::vector<int> ranks;                            // ranks whose own gradient was not finite (empty: unknown
   bool ranks_known = true;                           //   or none; ranks_known false under join())
   std::vector<std::pair<size_t, size_t>> own;        // this rank's own non-finite parameters (index, values)
+  int averaged_over = 0;                             // the ranks the average is over (0: all; join(): the active)
 };
 
 class NonFiniteCheck {
