@@ -490,13 +490,17 @@ ProcessGroup::WorkPtr ProcessGroup::all_gather(const void* in, std::vector<void*
                 backend().all_gather(in, std::move(outs), count, dt, stream), async);
 }
 
+void ProcessGroup::check_input_blocks(size_t blocks) const {
+  if (blocks != static_cast<size_t>(cfg_.world_size)) {
+    CX_THROW(InvalidArgument, "reduce_scatter needs one input block per rank: got ", blocks, " for world size ",
+             cfg_.world_size);
+  }
+}
+
 ProcessGroup::WorkPtr ProcessGroup::reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt,
                                                    ReduceOp op, bool async, uintptr_t stream) {
   check_reduction(dt, op);
-  if (ins.size() != static_cast<size_t>(cfg_.world_size)) {
-    CX_THROW(InvalidArgument, "reduce_scatter needs one input block per rank: got ", ins.size(), " for world size ",
-             cfg_.world_size);
-  }
+  check_input_blocks(ins.size());
   return submit(make_desc(CollectiveKind::kReduceScatter, dt, op, -1, count),
                 backend().reduce_scatter(std::move(ins), out, count, dt, op, stream), async);
 }
@@ -506,10 +510,7 @@ ProcessGroup::WorkPtr ProcessGroup::reduce_scatter_probed(std::vector<const floa
                                                           bool async) {
   CX_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument,
            "reduce_scatter_probed: SUM or AVG only, not ", op_name(op));
-  if (ins.size() != static_cast<size_t>(cfg_.world_size)) {
-    CX_THROW(InvalidArgument, "reduce_scatter needs one input block per rank: got ", ins.size(), " for world size ",
-             cfg_.world_size);
-  }
+  check_input_blocks(ins.size());
   return submit(make_desc(CollectiveKind::kReduceScatter, DataType::kFloat32, op, -1, count),
                 backend().reduce_scatter_probed(std::move(ins), out, count, op, &probe, base, stride, cfg_.rank),
                 async);

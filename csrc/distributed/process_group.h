@@ -177,6 +177,8 @@ class ProcessGroup {
 
  private:
   void refuse_if_inherited() const;
+  // InvalidArgument unless reduce_scatter got one input block per rank.
+  void check_input_blocks(size_t blocks) const;
   uint64_t fork_generation_;  // current_fork_generation() at construction
   int creator_pid_;
   // Both constructors: start the backend through store_, or name why not.

@@ -29,7 +29,8 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<DistributedData
            "): cannot be made inside ddp.join(); a finished rank cannot shadow its collectives");
   q_ = n_ / static_cast<size_t>(world);
   shard_ = shard_of(n_, world, rank);
-  const size_t piece = std::max<size_t>(1, static_cast<size_t>(ddp_->config().bucket_size_mb * 1048576.0) / sizeof(float));
+  const double bucket_bytes = ddp_->config().bucket_size_mb * static_cast<double>(size_t{1} << 20);
+  const size_t piece = std::max<size_t>(1, static_cast<size_t>(bucket_bytes) / sizeof(float));
   scratch_.resize(std::min(piece, q_));
   // Take the optimizer's state over: whole (an unsharded run, a checkpoint), or none yet.
   const size_t built = opt_->state_params();
