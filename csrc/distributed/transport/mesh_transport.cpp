@@ -408,6 +408,9 @@ void MeshTransport::block() {
 
 void MeshTransport::wait(Req r) {
   if (op_.done[static_cast<size_t>(r)]) return;
+  // Small messages often find the peer's bytes already here: done without reading the clock (a wait
+  // that never spun teaches the policy nothing).
+  if (progress() && op_.done[static_cast<size_t>(r)]) return;
   // Note [Waiting on a busy machine]: spin (for a budget the policy learns), or
   // spin only briefly while the core has lately been wanted by others.
   const auto start = Clock::now();
@@ -433,7 +436,7 @@ void MeshTransport::wait(Req r) {
     block();
     last = Clock::now();
   }
-  spin_.after_wait(start, Clock::now(), spun, lost_core);
+  spin_.after_wait(start, last, spun, lost_core);  // `last` was read after the progress or block that finished it
 }
 
 void MeshTransport::wait_all() {
