@@ -263,9 +263,12 @@ def sleeping_job(tmp_path):
     """A launcher of 2 ranks that sleep, yielded once both have written their pid. Whatever the test
     does, the launcher is gone and its pipes closed at the end (a failed wait must not leave it running)."""
     job = script(tmp_path, ONE_FAILS.replace("== 1", "== 99"))  # nobody fails: all sleep
+    # SIGINT as a terminal leaves it: a shell starts a background job (a CI script's `cmd &`) with SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt, as the user who ran it in the background wanted.
     p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2", job, str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env_without_rendezvous(MASTER_PORT=ranks.free_port()))
+                         env=env_without_rendezvous(MASTER_PORT=ranks.free_port()),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 90  # two ranks' imports and init on a loaded 2-core machine
         while not all((tmp_path / f"pid{k}").exists() for k in (0, 1)):
