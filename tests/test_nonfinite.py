@@ -549,17 +549,16 @@ sys.path.insert(0, sys.argv[2])
 import pycyxwiz as cx
 import test_nonfinite as t
 cx.distributed.init()
-res = t.fused_body()
+res = getattr(t, sys.argv[3])(*pickle.loads(bytes.fromhex(sys.argv[4])))
 cx.distributed.finalize()
 with open(sys.argv[1], "wb") as f:
     pickle.dump(res, f)
 """
 
 
-def test_fused_check_across_two_hosts_of_two_ranks_hierarchical(tmp_path):
+def run_on_two_hosts_of_two_ranks(tmp_path, body, args, algo_env):
     """Ranks 0, 1 on host 0 and 2, 3 on host 1 (network namespaces, tests/hosts.py): shared memory inside a host,
-    TCP across; the hierarchical all_reduce tests each rank's own values in the in-host reduce-scatter and the
-    result after the across-host all_reduce of host sums."""
+    TCP across. Each rank's result of body(*args)."""
     if hosts.available() is not None:
         pytest.skip(str(hosts.available()))
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -572,10 +571,11 @@ def test_fused_check_across_two_hosts_of_two_ranks_hierarchical(tmp_path):
                                                                      "CX_AUTH_TOKEN_FILE")}
             env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
                        MASTER_ADDR=h.addrs[0], MASTER_PORT="29400", CX_AUTH_TOKEN="c0ffee" * 10,
-                       DISTRIBUTED_TIMEOUT_MS="60000", OMP_NUM_THREADS="1", **ALGOS["hierarchical"])
+                       DISTRIBUTED_TIMEOUT_MS="60000", OMP_NUM_THREADS="1", **algo_env)
             out = tmp_path / f"rank{rank}.pkl"
-            procs.append((h.popen(rank // 2, [sys.executable, str(worker), str(out), tests], env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+            argv = [sys.executable, str(worker), str(out), tests, body.__name__, pickle.dumps(args).hex()]
+            procs.append((h.popen(rank // 2, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+                          out))
         res = []
         for p, out in procs:
             try:
@@ -587,7 +587,21 @@ def test_fused_check_across_two_hosts_of_two_ranks_hierarchical(tmp_path):
                 raise AssertionError("a rank hung past 240 s")
             assert p.returncode == 0, text[-3000:]
             res.append(pickle.loads(out.read_bytes()))
-    check_fused(res, 4)
+    return res
+
+
+def test_fused_check_across_two_hosts_of_two_ranks_hierarchical(tmp_path):
+    """The hierarchical all_reduce tests each rank's own values in the in-host reduce-scatter and the result after
+    the across-host all_reduce of host sums."""
+    check_fused(run_on_two_hosts_of_two_ranks(tmp_path, fused_body, (), ALGOS["hierarchical"]), 4)
+
+
+def test_fused_check_across_two_hosts_of_two_ranks_zero1_hierarchical(tmp_path):
+    """ZeRO-1's hierarchical reduce-scatter across two hosts: each in-host reduce-scatter tests the host's ranks' own
+    values of the blocks for each host (block i of host j's sum is rank ranks[j][i]'s), adding the other host's sum
+    tests the result; every rank names the same ranks and parameters."""
+    env = {"CX_ALGORITHM": "hierarchical", "CX_CHUNK_BYTES": "256"}
+    check_zero_fused(run_on_two_hosts_of_two_ranks(tmp_path, zero_fused_body, ("raise", 1024), env), 4, "raise")
 
 
 def test_fused_check_on_four_ranks_halving_doubling_and_ring():
@@ -779,10 +793,13 @@ def test_zero1_reduce_scatter_tests_what_it_adds_and_names_each_rank_and_paramet
     """The fused check inside ZeRO-1's reduce-scatter (Note [Fused non-finite check]): a NaN or inf in each rank's
     every kind of block, in the tail, two ranks at once, an overflow; "raise" names the step, the parameters, the
     ranks and this rank's own part on every rank, "warn" says the same and steps, "skip" steps on no rank; a clean
-    step's parameters are the old ones minus the NumPy average of every rank's gradient. (The hierarchical
-    reduce-scatter reads our inputs before and our block after it instead.)"""
+    step's parameters are the old ones minus the NumPy average of every rank's gradient. (On one host the
+    hierarchical reduce-scatter is one in-host reduce-scatter with its blocks mapped to the ranks'.)"""
     env = {"CX_CHUNK_BYTES": "256"} if algo == "ring" else {"CX_ALGORITHM": "hierarchical", "CX_CHUNK_BYTES": "256"}
-    res = ranks.run(zero_fused_body, world, args=(mode, 1024), env=env, timeout=180)
+    check_zero_fused(ranks.run(zero_fused_body, world, args=(mode, 1024), env=env, timeout=180), world, mode)
+
+
+def check_zero_fused(res, world, mode):
     cases = zero_cases(world)[:len(res[0][0])]
     bad_steps = sum(1 for c in cases if c)
     for r, (out, skipped, seen) in enumerate(res):

@@ -38,9 +38,11 @@
 //   - the 16-bit casts of the fp16/bf16 hooks (all_reduce_cast, Note [Cast on
 //     the wire] in algorithms/allreduce.cpp): narrowing reads each of our own
 //     values once, widening writes every element of the result on every rank.
-//   - anything else (a world of one; a backend without the fused kernels; the
-//     hierarchical reduce_scatter): probe_whole, one read of our own values
-//     before and of the result after.
+//   - hierarchical reduce_scatter: each in-host reduce-scatter is the one
+//     above (ranks named through the host's members, blocks through the ranks
+//     of the host they are for); adding the other hosts' sums finishes our block.
+//   - anything else (a world of one; a backend without the fused kernels):
+//     probe_whole, one read of our own values before and of the result after.
 // So a rank learns its share of "was the result finite", and the OR across
 // ranks travels in band where that is cheap: the ring sends one flag word after
 // each all-gather step's segment (pipelined behind the data, no round trip of
@@ -95,7 +97,7 @@ struct ReduceProbe {
 // algorithm's buffer in the caller's, `raw`: its inputs are ranks' own values,
 // `result`: its last combinations finish the caller's result. reduce_scatter
 // (whose inputs are one block per rank, anywhere) records element j of block
-// i at base + i * stride + j.
+// i at base + block(i) * stride + j: block(i) is `blocks[i]` (null: i).
 struct ProbeView {
   ReduceProbe* probe = nullptr;
   const std::vector<int>* members = nullptr;
@@ -103,8 +105,10 @@ struct ProbeView {
   bool raw = true;
   bool result = true;
   size_t stride = 0;
+  const std::vector<int>* blocks = nullptr;
 
   int group_rank(int r) const { return members ? (*members)[static_cast<size_t>(r)] : r; }
+  size_t block(int i) const { return static_cast<size_t>(blocks ? (*blocks)[static_cast<size_t>(i)] : i); }
 };
 
 }  // namespace cx::distributed

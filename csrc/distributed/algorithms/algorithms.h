@@ -78,7 +78,7 @@ void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, c
 // ins[i] is this rank's block for rank i (count elements); out gets the reduction of
 // every rank's block for us. Inputs are not modified. `pv` (float32 SUM/AVG only):
 // test for non-finite values while reducing (Note [Fused non-finite check] in
-// reduce_probe.h; element j of block i is recorded at pv->base + i * pv->stride + j);
+// reduce_probe.h; element j of block i is recorded at pv->base + pv->block(i) * pv->stride + j);
 // nothing more travels. Every rank passes one or none.
 void reduce_scatter(Transport& t, const void* const* ins, void* out, size_t count, DataType dt, ReduceOp op,
                     const AlgoOptions& o, const ProbeView* pv = nullptr);

@@ -278,18 +278,32 @@ void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t
 // to that host's rank of our column as soon as it is made; all_gather posts our
 // block to every host and gathers inside the host ours first, then each host's
 // block as it arrives.
+//
+// With a probe (Note [Fused non-finite check] in reduce_probe.h): every in-host
+// reduce-scatter tests each of our host's ranks' own values as the flat one does
+// (in-host rank i named as the host's i-th rank; its block i is the block for
+// host j's i-th rank); only host sums cross hosts, so adding them in tests only
+// the result, which the last addition finishes (with one host, the in-host
+// reduce-scatter does).
 void reduce_scatter_hierarchical(Transport& t, const Hierarchy& h, const void* const* ins, void* out, size_t count,
-                                 DataType dt, ReduceOp op, const AlgoOptions& o) {
+                                 DataType dt, ReduceOp op, const AlgoOptions& o, const ProbeView* pv) {
   const int me = t.rank(), host = h.host_of[me];
   const int n_hosts = static_cast<int>(h.ranks.size());
   const size_t block = count * dtype_size(dt);
-  SubTransport in_host(t, h.ranks[static_cast<size_t>(host)]);
+  const std::vector<int>& host_ranks = h.ranks[static_cast<size_t>(host)];
+  SubTransport in_host(t, host_ranks);
   SubTransport across(t, h.column(h.local_of[me]));
   std::vector<const void*> blocks(static_cast<size_t>(h.per_host));
   auto sum_in_host = [&](int j, void* into) {  // our host's sum of the blocks for (host j, our local index)
-    for (int i = 0; i < h.per_host; ++i) blocks[i] = ins[h.ranks[static_cast<size_t>(j)][static_cast<size_t>(i)]];
-    reduce_scatter(in_host, blocks.data(), into, count, dt, summed(op), o);
+    const std::vector<int>& theirs = h.ranks[static_cast<size_t>(j)];
+    for (int i = 0; i < h.per_host; ++i) blocks[i] = ins[theirs[static_cast<size_t>(i)]];
+    ProbeView v;
+    if (pv)
+      v = {pv->probe, &host_ranks, pv->base, pv->raw, pv->result && n_hosts == 1, pv->stride ? pv->stride : count,
+           &theirs};
+    reduce_scatter(in_host, blocks.data(), into, count, dt, summed(op), o, pv ? &v : nullptr);
   };
+  const ProbeView sums_v{pv ? pv->probe : nullptr, nullptr, 0, false, pv && pv->result};  // host sums: the result
   if (n_hosts > kPipelinedMaxHosts) {
     // One host after the other, then across hosts by column (the ring).
     char* partial = between_phases(static_cast<size_t>(n_hosts) * block);
@@ -298,7 +312,7 @@ void reduce_scatter_hierarchical(Transport& t, const Hierarchy& h, const void* c
       sum_in_host(j, partial + j * block);
       partials[j] = partial + j * block;
     }
-    reduce_scatter(across, partials.data(), out, count, dt, summed(op), o);
+    reduce_scatter(across, partials.data(), out, count, dt, summed(op), o, pv ? &sums_v : nullptr);
     finish_avg(out, count, dt, op, t.size());
     return;
   }
@@ -318,8 +332,11 @@ void reduce_scatter_hierarchical(Transport& t, const Hierarchy& h, const void* c
     }
   }
   for (auto r : reqs) across.wait(r);
+  const int last = host == n_hosts - 1 ? n_hosts - 2 : n_hosts - 1;  // its addition finishes our block
   for (int j = 0; j < n_hosts; ++j) {
-    if (j != host) reduce_into(out, partial + (n_hosts + j) * block, count, dt, summed(op));
+    if (j != host)
+      reduce_probed(out, partial + (n_hosts + j) * block, count, dt, summed(op), pv ? &sums_v : nullptr, 0, -1, -1,
+                    j == last);
   }
   finish_avg(out, count, dt, op, t.size());
 }

@@ -29,7 +29,7 @@ struct Hierarchy {
 void all_reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t count, DataType dt, ReduceOp op,
                              const AlgoOptions& o, const ProbeView* pv = nullptr);
 void reduce_scatter_hierarchical(Transport& t, const Hierarchy& h, const void* const* ins, void* out, size_t count,
-                                 DataType dt, ReduceOp op, const AlgoOptions& o);
+                                 DataType dt, ReduceOp op, const AlgoOptions& o, const ProbeView* pv = nullptr);
 void all_gather_hierarchical(Transport& t, const Hierarchy& h, const void* in, void* const* outs, size_t bytes,
                              const AlgoOptions& o);
 void broadcast_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t bytes, int root,

@@ -45,10 +45,13 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
   const int p = t.size(), r = t.rank();
   const size_t es = dtype_size(dt);
   char* out = static_cast<char*>(out_v);
+  // Where element `off` of block `blk` is recorded, past pv->base.
+  auto at = [&](int blk, size_t off) { return pv->block(blk) * (pv->stride ? pv->stride : count) + off; };
   if (p == 1) {
     if (out != ins[0] && count) std::memmove(out, ins[0], count * es);
     if (pv && count) {
-      if (pv->raw) probe_whole(*pv->probe, static_cast<const float*>(ins[0]), count, pv->base, pv->group_rank(0), true);
+      if (pv->raw) probe_whole(*pv->probe, static_cast<const float*>(ins[0]), count, pv->base + at(0, 0),
+                               pv->group_rank(0), true);
       if (pv->result) probe_whole(*pv->probe, reinterpret_cast<const float*>(out), count, 0, 0, false);
     }
     return;
@@ -115,13 +118,13 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     size_t off, n;
     range(it.chunk, &off, &n);
     // Our own input goes into the partial that arrived (at step 0, the left neighbour's own values).
-    const size_t at = static_cast<size_t>(blk) * (pv && pv->stride ? pv->stride : count) + off;
+    const size_t e = pv ? at(blk, off) : 0;
     if (it.step == p - 2) {
-      reduce_probed(out + off * es, in_at(blk, off), n, dt, op, pv, at, it.step == 0 ? left : -1, r, true);
+      reduce_probed(out + off * es, in_at(blk, off), n, dt, op, pv, e, it.step == 0 ? left : -1, r, true);
       finish_avg(out + off * es, n, dt, op, p);
     } else {
       char* slot = slots + (k % depth) * ce * es;
-      reduce_probed(slot, in_at(blk, off), n, dt, op, pv, at, it.step == 0 ? left : -1, r, false);
+      reduce_probed(slot, in_at(blk, off), n, dt, op, pv, e, it.step == 0 ? left : -1, r, false);
       slot_send[k % depth] = t.isend(right, slot, n * es);
       if (it.last_forward && it.chunk + 1 < nc) send_raw(it.chunk + 1);
     }

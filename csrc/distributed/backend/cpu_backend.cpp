@@ -285,15 +285,18 @@ Backend::Body CpuBackend::reduce_scatter(std::vector<const void*> ins, void* out
   };
 }
 
-// Note [Fused non-finite check] in reduce_probe.h; hierarchical: the default (a read before, one after).
+// Note [Fused non-finite check] in reduce_probe.h.
 Backend::Body CpuBackend::reduce_scatter_probed(std::vector<const float*> ins, float* out, size_t count, ReduceOp op,
-                                                ReduceProbe* probe, size_t base, size_t stride, int rank) {
-  if (hierarchical(count * sizeof(float) * ins.size(), kHierarchicalMinBytes))
-    return Backend::reduce_scatter_probed(std::move(ins), out, count, op, probe, base, stride, rank);
-  return [t = t_.get(), o = opt_, ins = std::move(ins), out, count, op, probe, base, stride] {
+                                                ReduceProbe* probe, size_t base, size_t stride, int) {
+  const algo::Hierarchy* h =
+      hierarchical(count * sizeof(float) * ins.size(), kHierarchicalMinBytes) ? &*hier_ : nullptr;
+  return [t = t_.get(), h, o = opt_, ins = std::move(ins), out, count, op, probe, base, stride] {
     const ProbeView v{probe, nullptr, base, probe->blame, true, stride};
     std::vector<const void*> in(ins.begin(), ins.end());
-    algo::reduce_scatter(*t, in.data(), out, count, DataType::kFloat32, op, o, &v);
+    if (h)
+      algo::reduce_scatter_hierarchical(*t, *h, in.data(), out, count, DataType::kFloat32, op, o, &v);
+    else
+      algo::reduce_scatter(*t, in.data(), out, count, DataType::kFloat32, op, o, &v);
   };
 }
 
