@@ -35,6 +35,11 @@ bool Work::wait(int64_t timeout_ms) {
   return true;
 }
 
+void Work::wait_done() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_; });
+}
+
 void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -453,16 +458,6 @@ ProcessGroup::WorkPtr ProcessGroup::all_reduce_probed(float* buf, size_t count, 
            "all_reduce_probed: SUM or AVG only, not ", op_name(op));
   return submit(make_desc(CollectiveKind::kAllReduce, DataType::kFloat32, op, -1, count),
                 backend().all_reduce_probed(buf, count, op, &probe, cfg_.rank), async);
-}
-
-ProcessGroup::WorkPtr ProcessGroup::all_reduce_filled(double* buf, size_t count, std::function<bool()> fill,
-                                                      bool async) {
-  Backend::Body run = backend().all_reduce(buf, count, DataType::kFloat64, ReduceOp::kSum, 0);
-  return submit(make_desc(CollectiveKind::kAllReduce, DataType::kFloat64, ReduceOp::kSum, -1, count),
-                [fill = std::move(fill), run = std::move(run)] {
-                  if (fill()) run();
-                },
-                async);
 }
 
 ProcessGroup::WorkPtr ProcessGroup::all_reduce_cast(float* buf, uint16_t* wire, size_t count, DataType wire_dt,

@@ -70,6 +70,8 @@ class Work {
   // deadline, so this ends). Rethrows the collective's error. Returns false if
   // the timeout passed first.
   bool wait(int64_t timeout_ms = -1);
+  // Waits until done, error or not (the collective's deadline ends it).
+  void wait_done();
 
  private:
   friend class ProcessGroup;
@@ -122,11 +124,6 @@ class ProcessGroup {
   // (Note [Fused non-finite check] in reduce_probe.h: DDP's gradient check).
   // Its peers see an all_reduce; `probe` must outlive the work.
   WorkPtr all_reduce_probed(float* buf, size_t count, ReduceOp op, ReduceProbe& probe, bool async);
-  // A SUM all_reduce of float64 `buf` that `fill` writes right before it runs,
-  // on the thread that runs it, so after every collective submitted before it
-  // (DDP's agreement message, packed from the probes of the buckets ahead of it).
-  // Where `fill` returns false nothing travels: every rank's fill must say the same.
-  WorkPtr all_reduce_filled(double* buf, size_t count, std::function<bool()> fill, bool async);
   WorkPtr broadcast(void* buf, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
   WorkPtr all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
   WorkPtr reduce_scatter(std::vector<const void*> ins, void* out, size_t count, DataType dt, ReduceOp op, bool async, uintptr_t stream = 0);

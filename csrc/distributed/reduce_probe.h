@@ -8,9 +8,12 @@
 // (Note [Non-finite gradients] in train/nonfinite.h). The reduction reads every
 // byte of both anyway, so it is asked there: the kernel that adds a received
 // chunk into ours (reduction_kernels.h: sum_probed) also tests, in the same
-// loop and registers, the three values it holds (ours before, the one received,
-// the sum) and costs a compare, a mask and a predictable branch per eight
-// floats. Which of those values are worth recording is the algorithm's to say,
+// loop and registers, the sum it makes: a NaN or inf in either value makes the
+// sum one, so on the common path that is a mask and a compare per eight floats
+// and a predictable branch per sixteen (12.6 us against 11.2 for the plain sum
+// of 100 k floats in cache; 18.9 when it tested all three values). Only where a
+// sum is not finite are the two values it came from (ours before, the one
+// received) tested. Which of those values are worth recording is the algorithm's to say,
 // so that each rank's own value of each element is tested exactly once by
 // someone and each element of the result at least once:
 //   - ring (reduce-scatter half): at every step the segment we add into holds

@@ -339,8 +339,13 @@ const nn::Tensor& DistributedDataParallel::forward(const float* x, const nn::Sha
 
 void DistributedDataParallel::wait_in_flight() {
   // Wait for all, then rethrow the first error (the group is poisoned anyway).
+  // The group runs its work in submission order, so the last is waited for
+  // first: one wake-up for the whole step instead of one per bucket (and one
+  // more for the agreement queued behind them) whenever the thread falls asleep
+  // between them; the others are then done and their waits only read their state.
   std::vector<distributed::ProcessGroup::WorkPtr> works;
   works.swap(in_flight_);
+  if (!works.empty()) works.back()->wait_done();
   for (auto& w : works) w->wait();
   if (hook_) hook_->finish();
 }
@@ -431,20 +436,22 @@ void DistributedDataParallel::sync_gradients() {
   }
   for (size_t b = 0; b < dirty_.size(); ++b)
     if (dirty_[b]) launch(b);
-  // Note [Non-finite gradients]: with by_message_, the agreement travels right behind the last bucket.
+  // Note [Non-finite gradients]: with by_message_, the agreement travels right behind the last bucket (fused:
+  // after them, only where their algorithms left the flags local).
   const bool check = checking(), fused = fused_check();
-  if (fused) {  // packed on the comm thread once the buckets ahead of it have filled their probes
-    fused_msg_.resize(check_->fused_size());
-    in_flight_.push_back(group_->all_reduce_filled(fused_msg_.data(), fused_msg_.size(),
-                                                   [c = check_.get(), m = fused_msg_.data()] { return c->pack_fused(m); },
-                                                   true));
-  } else if (check && by_message_) {
+  if (check && by_message_ && !fused) {
     std::vector<double>& msg = check_->pack();
     if (group_->size() > 1)
       in_flight_.push_back(group_->all_reduce(msg.data(), msg.size(), distributed::DataType::kFloat64,
                                               distributed::ReduceOp::kSum, true));
   }
   wait_in_flight();
+  if (fused) {
+    fused_msg_.resize(check_->fused_size());
+    if (check_->pack_fused(fused_msg_.data()))  // the same on every rank
+      group_->all_reduce(fused_msg_.data(), fused_msg_.size(), distributed::DataType::kFloat64,
+                         distributed::ReduceOp::kSum, false);
+  }
   if (hook_) hook_->end_step();
   if (backwards_since_sync_ > 0) period_ = backwards_since_sync_;
   backwards_since_sync_ = 0;

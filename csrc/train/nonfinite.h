@@ -19,9 +19,7 @@
 //     bucket, whether the average is finite, and nothing more travels. Else
 //     (halving-doubling, the fold of recursive doubling, hierarchical:
 //     ReduceProbe::local_only, the same on every rank) sync_gradients' SUM
-//     all-reduce of world + buckets float64s right behind the last bucket,
-//     packed on the comm thread when the buckets ahead of it are done
-//     (all_reduce_filled, which sends nothing where no bucket needs it), does
+//     all-reduce of world + buckets float64s, once the buckets are done, does
 //     the OR: slot world + b counts the ranks whose part of bucket b's average
 //     is not finite (slot r: the ranks that saw rank r's own values bad).
 //     Every rank gets the same flags and takes the same decision. Only a bad
