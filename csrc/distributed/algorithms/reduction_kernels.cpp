@@ -466,18 +466,32 @@ void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp 
   }
 }
 
+// A world that is a power of two multiplies by its reciprocal, which is exact:
+// x * 2^-k and x / 2^k are the same correctly rounded value, bit for bit
+// (subnormal results too), and a multiply costs a fraction of a divide (the
+// divide was 1.3% of the CPU of a 2-rank MLP step: 100 k floats a step).
 void finish_avg(void* buf, size_t count, DataType t, ReduceOp op, int world) {
   if (op != ReduceOp::kAvg || world == 1) return;
+  const bool pow2 = (world & (world - 1)) == 0;
   switch (t) {
     case DataType::kFloat32: {
       auto* p = static_cast<float*>(buf);
-      const float w = static_cast<float>(world);
-      for (size_t i = 0; i < count; ++i) p[i] /= w;
+      const float w = static_cast<float>(world), r = 1.0f / w;
+      if (pow2) {
+        for (size_t i = 0; i < count; ++i) p[i] *= r;
+      } else {
+        for (size_t i = 0; i < count; ++i) p[i] /= w;
+      }
       break;
     }
     case DataType::kFloat64: {
       auto* p = static_cast<double*>(buf);
-      for (size_t i = 0; i < count; ++i) p[i] /= world;
+      const double w = world, r = 1.0 / w;
+      if (pow2) {
+        for (size_t i = 0; i < count; ++i) p[i] *= r;
+      } else {
+        for (size_t i = 0; i < count; ++i) p[i] /= w;
+      }
       break;
     }
     case DataType::kFloat16: {
