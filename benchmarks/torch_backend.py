@@ -386,9 +386,9 @@ def ddp_ceiling(dp: dict, model: str, world: int) -> float | None:
     return g["step_s"] / bound
 
 
-def ddp_round_ratios(dp: dict, model: str, world: int) -> list:
+def ddp_round_ratios(dp: dict, model: str, world: int, col: str = "cyxwiz") -> list:
     """cyxwiz's samples/s over gloo's, round by round (the rounds ran side by side)."""
-    a, b = _ddp_col(dp, "cyxwiz", model, world), _ddp_col(dp, "gloo", model, world)
+    a, b = _ddp_col(dp, col, model, world), _ddp_col(dp, "gloo", model, world)
     xs, ys = (a or {}).get("round_sps") or [], (b or {}).get("round_sps") or []
     return [f"{x / y:.2f}x" if x and y else "n/a" for x, y in zip(xs, ys)]
 
@@ -485,14 +485,19 @@ def targets(payload: dict) -> list:
         where = f"{dp['link']} links" if dp["link"] else "127.0.0.1"
         for model in dp["models"]:
             for world in dp["worlds"]:
-                r, goal = ddp_ratio(dp, model, world), ddp_goal(model, dp["link"])
+                goal, top = ddp_goal(model, dp["link"]), ddp_ceiling(dp, model, world)
                 met = (lambda v, g=goal: v >= g)
-                top = ddp_ceiling(dp, model, world)
-                rows.append([f"DDP samples/s, cyxwiz vs gloo, {model}, {where}", str(world),
-                             "n/a" if r is None else f"{shown(r, met):.2f}x" + (
-                                 f" (rounds: {', '.join(ddp_round_ratios(dp, model, world))})"
-                                 if dp["rounds"] > 1 else "") + ("" if top is None else f", ceiling {top:.2f}x"),
-                             f">= {goal}x", verdict(None if r is None else met(r))])
+                # Like with like (TCP, as gloo), then what "cyxwiz" does by default with every rank on one
+                # host (shared memory), where that column ran.
+                for col, what in (("cyxwiz", "cyxwiz (TCP)"), ("cyxwiz-shm", "cyxwiz (shared memory: its default)")):
+                    if col != "cyxwiz" and not any(c["lib"] == col for c in dp["columns"]):
+                        continue
+                    r = ddp_ratio(dp, model, world, col)
+                    rows.append([f"DDP samples/s, {what} vs gloo, {model}, {where}", str(world),
+                                 "n/a" if r is None else f"{shown(r, met):.2f}x" + (
+                                     f" (rounds: {', '.join(ddp_round_ratios(dp, model, world, col))})"
+                                     if dp["rounds"] > 1 else "") + ("" if top is None else f", ceiling {top:.2f}x"),
+                                 f">= {goal}x", verdict(None if r is None else met(r))])
     if payload.get("ddp_link_skipped"):
         rows.append([f"DDP over {payload.get('link') or LINK} links", "-", "n/a", "-",
                      f"n/a ({payload['ddp_link_skipped']})"])
