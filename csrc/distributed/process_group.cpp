@@ -35,11 +35,6 @@ bool Work::wait(int64_t timeout_ms) {
   return true;
 }
 
-void Work::wait_done() {
-  std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return done_; });
-}
-
 void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
   {
     std::lock_guard<std::mutex> lk(mu_);

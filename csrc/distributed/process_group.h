@@ -70,8 +70,6 @@ class Work {
   // deadline, so this ends). Rethrows the collective's error. Returns false if
   // the timeout passed first.
   bool wait(int64_t timeout_ms = -1);
-  // Waits until done, error or not (the collective's deadline ends it).
-  void wait_done();
 
  private:
   friend class ProcessGroup;

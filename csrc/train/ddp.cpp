@@ -339,13 +339,8 @@ const nn::Tensor& DistributedDataParallel::forward(const float* x, const nn::Sha
 
 void DistributedDataParallel::wait_in_flight() {
   // Wait for all, then rethrow the first error (the group is poisoned anyway).
-  // The group runs its work in submission order, so the last is waited for
-  // first: one wake-up for the whole step instead of one per bucket (and one
-  // more for the agreement queued behind them) whenever the thread falls asleep
-  // between them; the others are then done and their waits only read their state.
   std::vector<distributed::ProcessGroup::WorkPtr> works;
   works.swap(in_flight_);
-  if (!works.empty()) works.back()->wait_done();
   for (auto& w : works) w->wait();
   if (hook_) hook_->finish();
 }
