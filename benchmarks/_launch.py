@@ -71,7 +71,13 @@ LIBRARIES = ("pycyxwiz", "pycyxwiz-shm", "gloo", "mpi-tcp", "mpi-default")
 # "pycyxwiz-hier-seq" is hierarchical in one slice: its phases one after the other, not pipelined
 # (Note [Pipelined hierarchical all_reduce]).
 ALGORITHM_COLUMNS = ("pycyxwiz-flat", "pycyxwiz-hier", "pycyxwiz-hier-seq")
+# pycyxwiz with its ranks in one session, as `launch --one-session` starts them (Note [One session or
+# one per rank] in pycyxwiz/launch.py), not run by default: every other column's ranks get a session
+# each, as pycyxwiz's launcher and torchrun give them, except Open MPI's, which mpirun keeps in its one.
+SESSION_COLUMNS = ("pycyxwiz-one-session", "pycyxwiz-shm-one-session")
+EXTRA_COLUMNS = ALGORITHM_COLUMNS + SESSION_COLUMNS
 LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
+           "pycyxwiz-one-session": {"CX_SHM": "0"}, "pycyxwiz-shm-one-session": {"CX_SHM": "1"},
            "pycyxwiz-flat": {"CX_SHM": "1", "CX_ALGORITHM": "flat"},
            "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"},
            "pycyxwiz-hier-seq": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical", "CX_HIER_SLICE_BYTES": str(1 << 40)}}
@@ -346,6 +352,11 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
         else:
             port = _LINK_PORT if hosts is not None else free_port()
             master = hosts.addrs[0] if hosts is not None else "127.0.0.1"
+            if lib in SESSION_COLUMNS:
+                from pycyxwiz.launch import rank_placement  # as `launch --one-session` places them
+                placement = rank_placement(True)
+            else:
+                placement = dict(start_new_session=True)
             for r in range(world):
                 renv = dict(env, RANK=str(r), WORLD_SIZE=str(world),
                             LOCAL_RANK=str(r % per_host if hosts is not None else r),
@@ -355,8 +366,8 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
                 logs.append(log)
                 argv = hosts.command(r // per_host, cmd) if hosts is not None else cmd
                 with open(log, "w") as fh:
-                    procs.append(subprocess.Popen(argv, env=renv, cwd=REPO, stdout=subprocess.DEVNULL,
-                                                  stderr=fh, start_new_session=True))
+                    procs.append(subprocess.Popen(argv, env=renv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh,
+                                                  **placement))
         try:
             reason, bad = _watch(procs, timeout_s)
         finally:

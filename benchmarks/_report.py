@@ -136,6 +136,8 @@ def plt():
 LIB_STYLE = {
     "pycyxwiz": dict(color="tab:red", marker="o", lw=2.2),
     "pycyxwiz-shm": dict(color="tab:red", marker="D", ls="--"),
+    "pycyxwiz-one-session": dict(color="tab:orange", marker="o"),
+    "pycyxwiz-shm-one-session": dict(color="tab:orange", marker="D", ls="--"),
     "gloo": dict(color="tab:blue", marker="s"),
     "torch": dict(color="tab:blue", marker="s"),
     "mpi-tcp": dict(color="tab:green", marker="^"),
@@ -144,6 +146,8 @@ LIB_STYLE = {
 LIB_LABEL = {
     "pycyxwiz": "pycyxwiz (TCP)",
     "pycyxwiz-shm": "pycyxwiz, shared memory (its default on one host)",
+    "pycyxwiz-one-session": "pycyxwiz (TCP), ranks in one session (launch --one-session)",
+    "pycyxwiz-shm-one-session": "pycyxwiz, shared memory, ranks in one session (launch --one-session)",
     "gloo": "PyTorch gloo",
     "torch": "PyTorch DDP (gloo)",
     "mpi-tcp": "Open MPI, TCP forced",

@@ -23,6 +23,7 @@ import numpy as np
 from benchmarks._worker_io import peak_rss_bytes, reset_peak_rss, rss_bytes, run_rank
 
 IN, HIDDEN, OUT = 784, 256, 10
+_hidden = HIDDEN  # --hidden: a wider hidden layer, more compute and more gradient per step
 BATCH = 64
 LR = 1e-3
 WARMUP_BATCHES = 16
@@ -42,9 +43,9 @@ def make_data(n: int, seed: int = 1234) -> tuple[np.ndarray, np.ndarray]:
 def _cx_fit(comm, X, y, epochs: int):
     cx = comm.cx
     model = cx.SequentialModel()
-    model.add(cx.LinearModule(IN, HIDDEN))
+    model.add(cx.LinearModule(IN, _hidden))
     model.add(cx.ReLUModule())
-    model.add(cx.LinearModule(HIDDEN, OUT))
+    model.add(cx.LinearModule(_hidden, OUT))
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(LR))
 
     def fit(Xs, ys, n_epochs):
@@ -80,7 +81,7 @@ def run_torch(comm, X, y, epochs: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
+    model = torch.nn.Sequential(torch.nn.Linear(IN, _hidden), torch.nn.ReLU(), torch.nn.Linear(_hidden, OUT))
     ddp = DDP(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=LR)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -116,7 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--samples-per-rank", type=int, default=8192)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
     a = ap.parse_args(argv)
+    global _hidden
+    _hidden = a.hidden
 
     def body(comm, report):
         X, y = make_data(a.samples_per_rank * comm.world)

@@ -24,8 +24,8 @@ loopback TCP both ways on data in memory, the cores shared out among the ranks);
 latency (us per call). Ratios are pycyxwiz's speed over the other's (busbw ratio = inverse
 time ratio): above 1 means pycyxwiz is faster.
 
-With --busy N, N busy-loop processes (another job, a data loader: a loop that never sleeps) run
-beside every column, pinned one per core with --busy-pin, else placed by the scheduler; the
+With --busy N, N busy-loop processes (another job, a data loader: a loop that never sleeps), each in a
+session of its own as another job's would be, run beside every column, pinned one per core with --busy-pin, else placed by the scheduler; the
 figures then say what each library loses when its cores are wanted by someone else. The
 1-minute load average at the end of each column is in the JSON (`load`) and the table's notes.
 
@@ -33,6 +33,10 @@ With --link RATE every host is a network namespace behind a link shaped to RATE 
 --per-host K ranks on each (shared memory inside a host); columns pycyxwiz-flat and pycyxwiz-hier force
 CX_ALGORITHM=flat / hierarchical (ratio hier/flat); pycyxwiz-hier-seq is hierarchical in one slice, its
 phases one after the other (ratio seq/flat).
+
+Columns pycyxwiz-one-session and pycyxwiz-shm-one-session start pycyxwiz's ranks in one session, as
+`launch --one-session` does (Note [One session or one per rank] in pycyxwiz/launch.py; ratio "one/own
+session" against the same transport with a session per rank, as every other column but Open MPI's has).
 
 Writes benchmarks/results/partial/<name>.json and <name>.png (name defaults to the op's short name).
 """
@@ -47,7 +51,7 @@ if __package__ in (None, ""):  # `python benchmarks/allreduce.py` works too
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._collective_worker import OPS
-from benchmarks._launch import ALGORITHM_COLUMNS, LIBRARIES, run_ranks
+from benchmarks._launch import EXTRA_COLUMNS, LIBRARIES, run_ranks
 from benchmarks.loopback import tcp_ceiling
 from benchmarks._report import (LIB_LABEL, LIB_STYLE, fmt_gbps, fmt_ratio, fmt_time_us, format_table,
                                 human_size, median, output_dir, parse_size, plt, write_json)
@@ -178,7 +182,12 @@ def tables(payload: dict, markdown: bool = False) -> str:
             pairs.append(("pycyxwiz-hier", "pycyxwiz-flat", "hier/flat"))
         if "pycyxwiz-hier-seq" in libs and "pycyxwiz-flat" in libs:
             pairs.append(("pycyxwiz-hier-seq", "pycyxwiz-flat", "seq/flat"))
+        for one, own in (("pycyxwiz-one-session", "pycyxwiz"), ("pycyxwiz-shm-one-session", "pycyxwiz-shm")):
+            if one in libs and own in libs:
+                pairs.append((one, own, f"{'shm ' if 'shm' in own else ''}one/own session"))
         if "mpi-default" in libs:
+            if "pycyxwiz-shm-one-session" in libs:
+                pairs.append(("pycyxwiz-shm-one-session", "mpi-default", "shm one session/mpi-default"))
             if "pycyxwiz-shm" in libs:
                 pairs.append(("pycyxwiz-shm", "mpi-default", "shm/mpi-default"))
             elif has_cx:
@@ -276,7 +285,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", choices=OPS, default="all_reduce")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--libs", nargs="+", choices=LIBRARIES + ALGORITHM_COLUMNS, default=list(LIBRARIES))
+    ap.add_argument("--libs", nargs="+", choices=LIBRARIES + EXTRA_COLUMNS, default=list(LIBRARIES))
     ap.add_argument("--sizes", type=parse_size, nargs="+", help="e.g. 8 256K 4M 256M (default 8 B .. 256 MiB)")
     ap.add_argument("--quick", action="store_true", help="5 sizes and a third of the calls")
     ap.add_argument("--iters-scale", type=float, default=1.0, help="multiply the number of timed calls")

@@ -3,16 +3,19 @@
     python -m benchmarks.train                      # worlds 1 2 4, writes results/partial/train.json and train.png
     python -m benchmarks.train --worlds 1 2 --epochs 2
     python -m benchmarks.train --worlds 2 4 --busy 2         # 2 busy-loop processes beside every run
+    python -m benchmarks.train --worlds 2 4 --busy 2 --libs pycyxwiz-shm pycyxwiz-shm-one-session --hidden 4096
     python -m benchmarks.train --worlds 4 --per-host 2 --link 1gbit --libs pycyxwiz-flat pycyxwiz-hier
 
-Same MLP 784-256-10, same synthetic data, batch 64 per rank, Adam(1e-3), one thread per rank
+Same MLP 784-256-10 (--hidden: another width), same synthetic data, batch 64 per rank, Adam(1e-3), one thread per rank
 (OMP/OpenBLAS/MKL_NUM_THREADS=1, torch.set_num_threads(1)). Weak scaling: every rank trains on
 --samples-per-rank samples per epoch at every world size. Global samples/s = all ranks'
 samples / the slowest rank's training time. Scaling efficiency = global samples/s at n ranks
 / (n * the same library's samples/s on 1 rank); on a 2-core machine 4 ranks share 2 cores,
 so efficiency there is bounded by about 50%. With --busy N, N busy-loop processes run beside every
 run (pinned one per core with --busy-pin; benchmarks._launch.busy_load), and --rounds R runs every
-(library, world) R times, libraries alternating in order, keeping each one's median.
+(library, world) R times, libraries alternating in order, keeping each one's median. Columns
+pycyxwiz-one-session and pycyxwiz-shm-one-session start the ranks as `launch --one-session` does, in
+one session (Note [One session or one per rank] in pycyxwiz/launch.py); the others a session each.
 """
 from __future__ import annotations
 
@@ -24,15 +27,16 @@ if __package__ in (None, ""):
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._launch import ALGORITHM_COLUMNS, run_ranks
+from benchmarks._launch import EXTRA_COLUMNS, run_ranks
+from benchmarks._train_worker import HIDDEN
 from benchmarks._report import LIB_LABEL, LIB_STYLE, fmt_ratio, format_table, output_dir, plt, write_json
 
 TRAIN_LIBS = ("pycyxwiz", "pycyxwiz-shm", "torch")
 
 
 def run_column(lib: str, world: int, samples_per_rank: int, epochs: int, timeout_s: float, busy: int = 0,
-               busy_pin: bool = False, link: str | None = None, per_host: int = 1) -> dict:
-    args = ["--samples-per-rank", str(samples_per_rank), "--epochs", str(epochs)]
+               busy_pin: bool = False, link: str | None = None, per_host: int = 1, hidden: int = HIDDEN) -> dict:
+    args = ["--samples-per-rank", str(samples_per_rank), "--epochs", str(epochs), "--hidden", str(hidden)]
     run = run_ranks(lib, "benchmarks._train_worker", args, world, timeout_s, busy=busy, busy_pin=busy_pin,
                     link=link, per_host=per_host)
     col = {"lib": lib, "world": world, "ok": run.ok, "reason": run.reason, "wall_s": round(run.wall_s, 2),
@@ -67,7 +71,8 @@ def _median_column(cols: list) -> dict:
 
 
 def run(worlds: list, libs: list, samples_per_rank: int, epochs: int, timeout_s: float = 300, log=print,
-        busy: int = 0, busy_pin: bool = False, rounds: int = 1, link: str | None = None, per_host: int = 1) -> dict:
+        busy: int = 0, busy_pin: bool = False, rounds: int = 1, link: str | None = None, per_host: int = 1,
+        hidden: int = HIDDEN) -> dict:
     columns = []
     for world in worlds:
         raw: dict = {lib: [] for lib in libs}
@@ -75,12 +80,13 @@ def run(worlds: list, libs: list, samples_per_rank: int, epochs: int, timeout_s:
             for lib in (libs if rnd % 2 == 0 else libs[::-1]):
                 tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
                 log(f"  train world {world}: {lib}{tag} ...", end="", flush=True)
-                col = run_column(lib, world, samples_per_rank, epochs, timeout_s, busy, busy_pin, link, per_host)
+                col = run_column(lib, world, samples_per_rank, epochs, timeout_s, busy, busy_pin, link, per_host,
+                                 hidden)
                 log(f" {col['wall_s']:.0f}s" + (f"  {col['samples_per_second']:.0f} samples/s" if col["ok"]
                                                else f"  n/a ({col['reason']})") + f"  load {col['load']:.1f}")
                 raw[lib].append(col)
         columns += [_median_column(raw[lib]) for lib in libs]
-    return {"benchmark": "train", "model": "MLP 784-256-10", "optimizer": "Adam(1e-3)", "batch_per_rank": 64,
+    return {"benchmark": "train", "model": f"MLP 784-{hidden}-10", "optimizer": "Adam(1e-3)", "batch_per_rank": 64,
             "threads_per_rank": 1, "samples_per_rank": samples_per_rank, "epochs": epochs,
             "worlds": worlds, "libs": libs, "columns": columns, "busy": busy, "busy_pin": busy_pin,
             "rounds": rounds, "link": link, "per_host": per_host}
@@ -98,6 +104,10 @@ def table(payload: dict, markdown: bool = False) -> str:
         headers.append("cx/torch")
     if "pycyxwiz-hier" in libs and "pycyxwiz-flat" in libs:
         headers.append("hier/flat")
+    sessions = [(one, own) for one, own in (("pycyxwiz-one-session", "pycyxwiz"),
+                                             ("pycyxwiz-shm-one-session", "pycyxwiz-shm"))
+                if one in libs and own in libs]
+    headers += [f"{own} one/own session" for _, own in sessions]
     headers += [f"{lib} speedup (eff.)" for lib in libs]
     rows = []
     for world in payload["worlds"]:
@@ -111,6 +121,9 @@ def table(payload: dict, markdown: bool = False) -> str:
         if "pycyxwiz-hier" in libs and "pycyxwiz-flat" in libs:
             hi, fl = _sps(payload, "pycyxwiz-hier", world), _sps(payload, "pycyxwiz-flat", world)
             row.append(fmt_ratio(hi / fl if hi and fl else None))
+        for one, own in sessions:
+            o, w = _sps(payload, one, world), _sps(payload, own, world)
+            row.append(fmt_ratio(o / w if o and w else None))
         for lib in libs:
             s, one = _sps(payload, lib, world), _sps(payload, lib, 1)
             row.append("n/a" if not (s and one) else f"{s / one:.2f}x ({100 * s / (one * world):.0f}%)")
@@ -163,7 +176,7 @@ def plot(payload: dict, path) -> str | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--libs", nargs="+", choices=TRAIN_LIBS + ALGORITHM_COLUMNS, default=list(TRAIN_LIBS))
+    ap.add_argument("--libs", nargs="+", choices=TRAIN_LIBS + EXTRA_COLUMNS, default=list(TRAIN_LIBS))
     ap.add_argument("--samples-per-rank", type=int, default=8192)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per (library, world) run")
@@ -172,11 +185,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="run every (library, world) this many times; median")
     ap.add_argument("--link", help="each host behind a link of this tc rate (e.g. 1gbit); network namespaces")
     ap.add_argument("--per-host", type=int, default=1, help="with --link: ranks per host (default 1)")
+    ap.add_argument("--hidden", type=int, default=HIDDEN,
+                    help=f"width of the MLP's hidden layer (default {HIDDEN}); wider: more compute and gradient per step")
     a = ap.parse_args(argv)
-    if a.busy < 0 or a.rounds < 1:
-        ap.error("--busy must be >= 0 and --rounds >= 1")
+    if a.busy < 0 or a.rounds < 1 or a.hidden < 1:
+        ap.error("--busy must be >= 0, --rounds >= 1 and --hidden >= 1")
     payload = run(a.worlds, a.libs, a.samples_per_rank, a.epochs, a.timeout, busy=a.busy, busy_pin=a.busy_pin,
-                  rounds=a.rounds, link=a.link, per_host=a.per_host)
+                  rounds=a.rounds, link=a.link, per_host=a.per_host, hidden=a.hidden)
     print()
     print(table(payload))
     print(f"\nwrote {write_json('train', payload)}")

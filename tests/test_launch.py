@@ -93,13 +93,14 @@ def test_python_launcher_show_ranks_keeps_only_the_chosen_output(tmp_path):
     assert sorted(r.stdout.splitlines()) == ["[rank 0] sum 6.0 world 3", "[rank 2] sum 6.0 world 3"]
 
 
-@pytest.mark.parametrize("launcher", ["sh", "python"])
+@pytest.mark.parametrize("launcher", ["sh", "python", "python --one-session"])
 def test_a_failing_rank_stops_the_others_and_the_launcher_names_it(tmp_path, launcher):
     job = script(tmp_path, ONE_FAILS)
     if launcher == "sh":
         cmd = [str(SH), "3", sys.executable, job, str(tmp_path)]
     else:
-        cmd = [sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "3", job, str(tmp_path)]
+        cmd = [sys.executable, "-m", "pycyxwiz.launch", *launcher.split()[1:], "--nproc-per-node", "3", job,
+               str(tmp_path)]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
                        env=env_without_rendezvous(MASTER_PORT=ranks.free_port()))
@@ -229,8 +230,9 @@ def test_omp_num_threads_is_set_for_the_ranks_unless_the_user_set_it(tmp_path):
     assert "[launch] OMP_NUM_THREADS" not in r.stderr
 
 
-def test_ranks_die_with_the_launcher_even_when_it_is_killed(tmp_path):
-    with sleeping_job(tmp_path) as p:
+@pytest.mark.parametrize("flags", [[], ["--one-session"]])
+def test_ranks_die_with_the_launcher_even_when_it_is_killed(tmp_path, flags):
+    with sleeping_job(tmp_path, flags) as p:
         pids = [int((tmp_path / f"pid{k}").read_text()) for k in (0, 1)]
         p.kill()
         p.wait()
@@ -249,6 +251,33 @@ def test_the_console_script_names_itself_in_its_help():
     assert "--log-dir" in r.stdout and "-m, --module" in r.stdout
 
 
+PLACE = textwrap.dedent("""
+    import os
+    print(os.getsid(0), os.getpgid(0), os.getpid(), os.path.realpath("/proc/self/fd/0"), flush=True)
+""")
+
+
+def test_each_rank_has_a_session_of_its_own_or_with_one_session_the_launchers(tmp_path):
+    # Note [One session or one per rank]: by default, a session each (as torchrun); with --one-session
+    # the launcher's session, each rank still the leader of its own process group (the launcher stops a
+    # rank with killpg) and reading /dev/null (a background group that read the terminal would stop).
+    job = script(tmp_path, PLACE)
+    env = env_without_rendezvous(MASTER_PORT=ranks.free_port())
+    for flags in ([], ["--one-session"]):
+        r = subprocess.run([sys.executable, "-m", "pycyxwiz.launch", *flags, "--nproc-per-node", "3",
+                            "--no-prefix", sys.executable, job], capture_output=True, text=True, timeout=120,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        rows = [ln.split() for ln in r.stdout.splitlines()]
+        assert len(rows) == 3, r.stdout
+        for sid, pgid, pid, stdin in rows:
+            assert pgid == pid  # its own process group either way
+            if flags:
+                assert int(sid) == os.getsid(0) and stdin == "/dev/null", rows
+            else:
+                assert sid == pid, rows
+
+
 def test_a_missing_program_or_script_is_one_clear_line(tmp_path):
     r = launch(tmp_path, "--nproc-per-node", 2, "no-such-program-cx")
     assert r.returncode != 0
@@ -259,13 +288,13 @@ def test_a_missing_program_or_script_is_one_clear_line(tmp_path):
 
 
 @contextlib.contextmanager
-def sleeping_job(tmp_path):
+def sleeping_job(tmp_path, flags=()):
     """A launcher of 2 ranks that sleep, yielded once both have written their pid. Whatever the test
     does, the launcher is gone and its pipes closed at the end (a failed wait must not leave it running)."""
     job = script(tmp_path, ONE_FAILS.replace("== 1", "== 99"))  # nobody fails: all sleep
     # SIGINT as a terminal leaves it: a shell starts a background job (a CI script's `cmd &`) with SIGINT
     # ignored, and Python then never raises KeyboardInterrupt, as the user who ran it in the background wanted.
-    p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "2", job, str(tmp_path)],
+    p = subprocess.Popen([sys.executable, "-m", "pycyxwiz.launch", *flags, "--nproc-per-node", "2", job, str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env_without_rendezvous(MASTER_PORT=ranks.free_port()),
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -283,8 +312,9 @@ def sleeping_job(tmp_path):
             p.communicate()
 
 
-def test_ctrl_c_stops_every_rank(tmp_path):
-    with sleeping_job(tmp_path) as p:
+@pytest.mark.parametrize("flags", [[], ["--one-session"]])
+def test_ctrl_c_stops_every_rank(tmp_path, flags):
+    with sleeping_job(tmp_path, flags) as p:
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=30)
     assert p.returncode == 130 and "interrupted" in err

@@ -17,6 +17,9 @@ If a rank fails, the others are stopped and the launcher exits with its exit cod
 naming the rank that failed first, with the last lines of its stderr; with --max-restarts N
 it starts them all again instead, up to N times, with RESTART_COUNT set (Note [Restarts]).
 Ctrl-C stops every rank, and so does the launcher's own death (even by SIGKILL).
+Each rank runs in a session of its own, as torchrun's do; --one-session keeps them in the
+launcher's, which on a machine shared with other jobs makes small models and small messages
+faster and large computations slower (Note [One session or one per rank]).
 """
 from __future__ import annotations
 
@@ -134,6 +137,40 @@ def _die_with_launcher(parent: int):
             os._exit(1)
 
     return arm
+
+
+# Note [One session or one per rank]
+# Linux's scheduler (with autogroup, its default where the processes are not in a cgroup of their
+# own, as on this project's VMs) shares the CPU out among sessions first, then among the processes
+# of a session. A rank in a session of its own (the default, as torchrun starts its ranks) is one
+# share; --one-session keeps the ranks in the launcher's session, each in its own process group
+# (Ctrl-C and the launcher's killpg reach them as before), so the job is one share. On a quiet
+# machine the two are level. Beside processes of other sessions they differ, and neither wins
+# everywhere (2 vCPUs, one busy-loop process per core, each in its own session, as
+# `benchmarks.allreduce --busy 2` and `benchmarks.train --busy 2` start them; benchmarks/README.md):
+# - In one session, a rank that waits for a peer on its own core gives the core to that peer
+#   (sched_yield and sleeping hand over within the session), and the job's share goes to the
+#   cores where its ranks have work. 8 B and 4 KiB all_reduce on 4 ranks through shared memory:
+#   21-26 us against 121-134 (Open MPI, whose mpirun keeps its ranks in one session: 14 and 46);
+#   the training benchmark (MLP 784-256-10, about 1 ms of compute per step): 1.8x the samples/s.
+# - In a session each, a job of N ranks gets N shares against one for each other job, and
+#   whatever keeps every rank computing needs that CPU: 64 MiB all_reduce 2-3x the bandwidth,
+#   an MLP 784-4096-10 1.4-1.6x the samples/s.
+# The ranks of `cx.distributed.launch_distributed_training` (multiprocessing) share the caller's
+# session, as with --one-session. In one session a rank's stdin is /dev/null: a background process
+# group that read the terminal would be stopped (SIGTTIN) for good.
+def rank_placement(one_session: bool, preexec=None) -> dict:
+    """subprocess.Popen arguments placing a rank (Note [One session or one per rank]): a session of its
+    own, or with one_session its own process group in the caller's session; preexec runs in the child."""
+    if not one_session:
+        return dict(start_new_session=True, preexec_fn=preexec)
+
+    def own_group() -> None:
+        os.setpgid(0, 0)
+        if preexec is not None:
+            preexec()
+
+    return dict(preexec_fn=own_group, stdin=subprocess.DEVNULL)
 
 
 def _signal_name(code: int) -> str:
@@ -331,11 +368,12 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
         master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
         module: bool = False, log_dir: Optional[str] = None, tee: bool = False,
-        max_restarts: Optional[int] = None) -> int:
+        max_restarts: Optional[int] = None, one_session: bool = False) -> int:
     """Run the ranks of this node; return the exit code the launcher should exit with.
 
     With max_restarts (default $CX_MAX_RESTARTS, else 0) a failed group is started again, up to
-    that many times (Note [Restarts])."""
+    that many times (Note [Restarts]); with one_session the ranks stay in the launcher's session
+    (Note [One session or one per rank])."""
     if nproc < 1:
         raise SystemExit(f"launch: --nproc-per-node must be at least 1, got {nproc}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -361,7 +399,8 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
     if max_restarts < 0:
         raise SystemExit(f"launch: --max-restarts must be >= 0, got {max_restarts}")
     secret_env = job_secret_env(nnodes)  # one per job: every start of it shares it
-    job = _Job(argv, nproc, nnodes, node_rank, addr, port, threads_env, secret_env, show_ranks, prefix, log_dir, tee)
+    job = _Job(argv, nproc, nnodes, node_rank, addr, port, threads_env, secret_env, show_ranks, prefix, log_dir, tee,
+               one_session)
     for restart in range(max_restarts + 1):
         code, failed = _Group(job, restart).run()
         if not failed or restart == max_restarts:
@@ -412,6 +451,7 @@ class _Job:
     prefix: bool
     log_dir: Optional[str]
     tee: bool
+    one_session: bool = False
 
 
 class _Group:
@@ -480,7 +520,7 @@ class _Group:
                 pass
             try:
                 p = subprocess.Popen(job.argv, env=self._env(rank, local, error_file), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=arm)
+                                     stderr=subprocess.PIPE, **rank_placement(job.one_session, arm))
             except OSError as e:
                 for r in self.ranks:
                     os.killpg(r.proc.pid, signal.SIGKILL)
@@ -615,11 +655,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
                     help="when a rank fails, stop the others and start every rank again, up to N times "
                          "(default $CX_MAX_RESTARTS or 0); each start gets RESTART_COUNT")
+    ap.add_argument("--one-session", action="store_true",
+                    help="keep the ranks in the launcher's session (each in its own process group; stdin /dev/null), "
+                         "so that the scheduler weighs the job as one: faster for small models and messages on a "
+                         "machine shared with other jobs, slower for large computations there (default: a session "
+                         "per rank, as torchrun)")
     ap.add_argument("-m", "--module", action="store_true", help="run the command as a Python module (python -m)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args], a module with -m, or any command")
     a = ap.parse_args(argv)
     sys.exit(run(nproc_from(a.nproc_per_node), a.command, a.nnodes, a.node_rank, a.master_addr, a.master_port,
-                 _parse_ranks(a.show_ranks), not a.no_prefix, a.module, a.log_dir, a.tee, a.max_restarts))
+                 _parse_ranks(a.show_ranks), not a.no_prefix, a.module, a.log_dir, a.tee, a.max_restarts,
+                 a.one_session))
 
 
 if __name__ == "__main__":
