@@ -144,18 +144,21 @@ def _die_with_launcher(parent: int):
 # own, as on this project's VMs) shares the CPU out among sessions first, then among the processes
 # of a session. A rank in a session of its own (the default, as torchrun starts its ranks) is one
 # share; --one-session keeps the ranks in the launcher's session, each in its own process group
-# (Ctrl-C and the launcher's killpg reach them as before), so the job is one share. On a quiet
-# machine the two are level. Beside processes of other sessions they differ, and neither wins
-# everywhere (2 vCPUs, one busy-loop process per core, each in its own session, as
-# `benchmarks.allreduce --busy 2` and `benchmarks.train --busy 2` start them; benchmarks/README.md):
-# - In one session, a rank that waits for a peer on its own core gives the core to that peer
-#   (sched_yield and sleeping hand over within the session), and the job's share goes to the
-#   cores where its ranks have work. 8 B and 4 KiB all_reduce on 4 ranks through shared memory:
-#   21-26 us against 121-134 (Open MPI, whose mpirun keeps its ranks in one session: 14 and 46);
-#   the training benchmark (MLP 784-256-10, about 1 ms of compute per step): 1.8x the samples/s.
-# - In a session each, a job of N ranks gets N shares against one for each other job, and
-#   whatever keeps every rank computing needs that CPU: 64 MiB all_reduce 2-3x the bandwidth,
-#   an MLP 784-4096-10 1.4-1.6x the samples/s.
+# (the terminal's Ctrl-C reaches the launcher alone, which stops them with killpg, as before), so
+# the job is one share. On a quiet machine the two are level within the noise (training 0.89-1.10x;
+# all_reduce 0.84-1.38x by size, 4 ranks on 2 cores gaining most). Beside processes of other
+# sessions they differ, and neither wins everywhere (2 vCPUs, one busy-loop process per core, each
+# in its own session, as `benchmarks.allreduce --busy 2` and `benchmarks.train --busy 2` start
+# them; one session against one each, benchmarks/README.md, "Busy machines"):
+# - In one session, a rank that waits for a peer on its own core hands the core to that peer
+#   (sched_yield and sleeping hand over within a session, not between sessions), and the job's
+#   share goes to the cores where its ranks have work. 8 B and 4 KiB all_reduce on 4 ranks through
+#   shared memory: 17 and 23 us against 104 and 108 (Open MPI, whose mpirun keeps its ranks in one
+#   session: 14 and 52); the training benchmark (MLP 784-256-10, about 1 ms of compute per step):
+#   1.3-2.0x the samples/s.
+# - In a session each, a job of N ranks gets N shares against one for each other job, and whatever
+#   keeps every rank computing needs that CPU: 64 MiB all_reduce 1.4-1.8x the bandwidth, an MLP
+#   784-4096-10 1.3-1.8x the samples/s.
 # The ranks of `cx.distributed.launch_distributed_training` (multiprocessing) share the caller's
 # session, as with --one-session. In one session a rank's stdin is /dev/null: a background process
 # group that read the terminal would be stopped (SIGTTIN) for good.

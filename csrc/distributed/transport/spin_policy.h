@@ -40,7 +40,13 @@ namespace cx::distributed {
 // other core answers within 10-30 us of Python); 25 us won 1.7x there in the next
 // run, but that run-to-run spread is as large as the effect. Open MPI, which
 // never sleeps, still answers 8 B on 4 ranks 3-10x sooner when its ranks share
-// the cores; a futex wake-up on a loaded machine costs tens to hundreds of us.
+// the cores. Most of that gap is where the ranks run, not how they wait: mpirun
+// keeps its ranks in one session, our launcher (as torchrun) gives each its own,
+// and the scheduler (autogroup) shares the CPU among sessions first, so between
+// sessions neither the sched_yield below nor a sleep hands the core to the peer
+// waited for. In one session (launch --one-session) 8 B on 4 ranks took 17 us
+// against 104, Open MPI 14 (Note [One session or one per rank] in
+// pycyxwiz/launch.py).
 // The 256 KiB loss on 4 ranks is not the budget's halving: without it (same
 // machine, --busy 2, 4 ranks through shared memory, 3 alternating rounds, load
 // 8.5-9.5) 8 B-256 KiB were 0.62-0.70x as fast and 4 MiB 1.30x; with two ranks
