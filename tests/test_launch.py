@@ -262,20 +262,29 @@ def test_each_rank_has_a_session_of_its_own_or_with_one_session_the_launchers(tm
     # the launcher's session, each rank still the leader of its own process group (the launcher stops a
     # rank with killpg) and reading /dev/null (a background group that read the terminal would stop).
     job = script(tmp_path, PLACE)
-    env = env_without_rendezvous(MASTER_PORT=ranks.free_port())
-    for flags in ([], ["--one-session"]):
-        r = subprocess.run([sys.executable, "-m", "pycyxwiz.launch", *flags, "--nproc-per-node", "3",
-                            "--no-prefix", sys.executable, job], capture_output=True, text=True, timeout=120,
-                           env=env)
+    py = [sys.executable, "-m", "pycyxwiz.launch", "--nproc-per-node", "3", "--no-prefix"]
+    sh = [str(SH), "3"]
+    for cmd, one, env in ((py, False, {}), (py + ["--one-session"], True, {}), (sh, True, {"CX_ONE_SESSION": "1"}),
+                          (py + ["--one-session"], True, {"CX_ONE_SESSION": "0"}), (sh, False, {"CX_ONE_SESSION": "0"})):
+        r = subprocess.run(cmd + [sys.executable, job], capture_output=True, text=True, timeout=120,
+                           env=env_without_rendezvous(MASTER_PORT=ranks.free_port(), **env))
         assert r.returncode == 0, r.stderr
-        rows = [ln.split() for ln in r.stdout.splitlines()]
+        rows = [ln.split()[-4:] for ln in r.stdout.splitlines()]  # the shell launcher keeps the prefix
         assert len(rows) == 3, r.stdout
         for sid, pgid, pid, stdin in rows:
             assert pgid == pid  # its own process group either way
-            if flags:
-                assert int(sid) == os.getsid(0) and stdin == "/dev/null", rows
+            if one:
+                assert int(sid) == os.getsid(0) and stdin == "/dev/null", (cmd, env, rows)
             else:
-                assert sid == pid, rows
+                assert sid == pid, (cmd, env, rows)
+
+
+def test_a_bad_cx_one_session_is_refused_by_name(tmp_path):
+    r = subprocess.run([str(SH), "2", sys.executable, script(tmp_path, PLACE)], capture_output=True, text=True,
+                       timeout=60, env=env_without_rendezvous(MASTER_PORT=ranks.free_port(), CX_ONE_SESSION="yes"))
+    assert r.returncode != 0 and r.stdout == ""
+    assert r.stderr.strip() == "launch: CX_ONE_SESSION='yes' is not valid: expected 1 (the ranks in the launcher's " \
+                               "session) or 0 (a session per rank)", r.stderr
 
 
 def test_a_missing_program_or_script_is_one_clear_line(tmp_path):

@@ -76,6 +76,8 @@ const std::vector<Variable>& variables() {
       {"CX_NN_SCALAR", "1: the model math's plain scalar paths instead of AVX2 (tests compare them)", "0"},
       {"CX_MAX_RESTARTS", "python -m pycyxwiz.launch and launch_distributed.sh: restart every rank up to this many "
        "times when one fails (--max-restarts wins)", "0"},
+      {"CX_ONE_SESSION", "python -m pycyxwiz.launch and launch_distributed.sh: 1 keeps the ranks in the launcher's "
+       "session (--one-session)", "0: a session per rank"},
       {"CX_ERROR_FILE", "where a rank records an uncaught exception for its launcher (set by the launcher)", "-"},
       {"CX_PROGRESS_BAR",
        "1: rank 0's DistributedTrainer draws its progress bar though its stdout is a pipe (the launchers set it "

@@ -371,12 +371,12 @@ def _report(cause: _Rank, others: List[_Rank], out: IO[str]) -> None:
 def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
         master_port: Optional[int] = None, show_ranks: Optional[set] = None, prefix: bool = True,
         module: bool = False, log_dir: Optional[str] = None, tee: bool = False,
-        max_restarts: Optional[int] = None, one_session: bool = False) -> int:
+        max_restarts: Optional[int] = None, one_session: Optional[bool] = None) -> int:
     """Run the ranks of this node; return the exit code the launcher should exit with.
 
     With max_restarts (default $CX_MAX_RESTARTS, else 0) a failed group is started again, up to
-    that many times (Note [Restarts]); with one_session the ranks stay in the launcher's session
-    (Note [One session or one per rank])."""
+    that many times (Note [Restarts]); with one_session (default $CX_ONE_SESSION, else False) the ranks
+    stay in the launcher's session (Note [One session or one per rank])."""
     if nproc < 1:
         raise SystemExit(f"launch: --nproc-per-node must be at least 1, got {nproc}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -401,6 +401,8 @@ def run(nproc: int, cmd: Sequence[str], nnodes: int = 1, node_rank: int = 0, mas
         max_restarts = _max_restarts_from_env()
     if max_restarts < 0:
         raise SystemExit(f"launch: --max-restarts must be >= 0, got {max_restarts}")
+    if one_session is None:
+        one_session = _one_session_from_env()
     secret_env = job_secret_env(nnodes)  # one per job: every start of it shares it
     job = _Job(argv, nproc, nnodes, node_rank, addr, port, threads_env, secret_env, show_ranks, prefix, log_dir, tee,
                one_session)
@@ -437,6 +439,14 @@ def _max_restarts_from_env() -> int:
     if not text.isdigit():
         raise SystemExit(f"launch: CX_MAX_RESTARTS={text!r} is not valid: expected a number of restarts >= 0")
     return int(text)
+
+
+def _one_session_from_env() -> bool:
+    text = (_env.get("CX_ONE_SESSION") or "0").strip()
+    if text not in ("0", "1"):
+        raise SystemExit(f"launch: CX_ONE_SESSION={text!r} is not valid: expected 1 (the ranks in the launcher's "
+                         "session) or 0 (a session per rank)")
+    return text == "1"
 
 
 @dataclass
@@ -658,11 +668,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
                     help="when a rank fails, stop the others and start every rank again, up to N times "
                          "(default $CX_MAX_RESTARTS or 0); each start gets RESTART_COUNT")
-    ap.add_argument("--one-session", action="store_true",
+    ap.add_argument("--one-session", action="store_true", default=None,
                     help="keep the ranks in the launcher's session (each in its own process group; stdin /dev/null), "
                          "so that the scheduler weighs the job as one: faster for small models and messages on a "
-                         "machine shared with other jobs, slower for large computations there (default: a session "
-                         "per rank, as torchrun)")
+                         "machine shared with other jobs, slower for large computations there (default "
+                         "$CX_ONE_SESSION, else a session per rank, as torchrun)")
     ap.add_argument("-m", "--module", action="store_true", help="run the command as a Python module (python -m)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args], a module with -m, or any command")
     a = ap.parse_args(argv)
