@@ -23,7 +23,6 @@ import numpy as np
 from benchmarks._worker_io import peak_rss_bytes, reset_peak_rss, rss_bytes, run_rank
 
 IN, HIDDEN, OUT = 784, 256, 10
-_hidden = HIDDEN  # --hidden: a wider hidden layer, more compute and more gradient per step
 BATCH = 64
 LR = 1e-3
 WARMUP_BATCHES = 16
@@ -40,12 +39,12 @@ def make_data(n: int, seed: int = 1234) -> tuple[np.ndarray, np.ndarray]:
 
 # ---- pycyxwiz: its DistributedTrainer -------------------------------------------------------
 
-def _cx_fit(comm, X, y, epochs: int):
+def _cx_fit(comm, X, y, epochs: int, hidden: int = HIDDEN):
     cx = comm.cx
     model = cx.SequentialModel()
-    model.add(cx.LinearModule(IN, _hidden))
+    model.add(cx.LinearModule(IN, hidden))
     model.add(cx.ReLUModule())
-    model.add(cx.LinearModule(_hidden, OUT))
+    model.add(cx.LinearModule(hidden, OUT))
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(LR))
 
     def fit(Xs, ys, n_epochs):
@@ -60,8 +59,8 @@ def _cx_fit(comm, X, y, epochs: int):
     return fit
 
 
-def run_cx(comm, X, y, epochs: int) -> dict:
-    fit = _cx_fit(comm, X, y, epochs)
+def run_cx(comm, X, y, epochs: int, hidden: int = HIDDEN) -> dict:
+    fit = _cx_fit(comm, X, y, epochs, hidden)
     w = WARMUP_BATCHES * BATCH * comm.world
     fit(X[:w], y[:w], 1)
     comm.barrier()
@@ -76,12 +75,12 @@ def run_cx(comm, X, y, epochs: int) -> dict:
 
 # ---- PyTorch DDP over gloo -------------------------------------------------------------------
 
-def run_torch(comm, X, y, epochs: int) -> dict:
+def run_torch(comm, X, y, epochs: int, hidden: int = HIDDEN) -> dict:
     torch = comm.torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(IN, _hidden), torch.nn.ReLU(), torch.nn.Linear(_hidden, OUT))
+    model = torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, OUT))
     ddp = DDP(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=LR)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -117,16 +116,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--samples-per-rank", type=int, default=8192)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="width of the hidden layer")
     a = ap.parse_args(argv)
-    global _hidden
-    _hidden = a.hidden
 
     def body(comm, report):
         X, y = make_data(a.samples_per_rank * comm.world)
         base = rss_bytes()
         reset_peak_rss()
-        step = (run_cx if a.lib == "pycyxwiz" else run_torch)(comm, X, y, a.epochs)
+        step = (run_cx if a.lib == "pycyxwiz" else run_torch)(comm, X, y, a.epochs, a.hidden)
         step["samples"] = a.samples_per_rank * a.epochs  # this rank's share
         step["data_bytes"] = X.nbytes + y.nbytes
         step["rss_base"], step["peak_rss"] = base, peak_rss_bytes()

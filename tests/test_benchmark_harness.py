@@ -40,3 +40,10 @@ def test_busy_load_runs_n_busy_processes_pinned_one_per_core_and_stops_them():
     assert all(p.poll() is not None for p in procs)
     with busy_load(0) as none:
         assert none == []
+
+
+def test_the_training_benchmark_refuses_a_hidden_layer_of_no_width():
+    r = subprocess.run([sys.executable, "-m", "benchmarks.train", "--hidden", "0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--busy must be >= 0, --rounds >= 1 and --hidden >= 1" in r.stderr, r.stderr
