@@ -19,12 +19,18 @@ namespace cx::distributed {
 
 // ---- Work -------------------------------------------------------------------
 
-bool Work::is_completed() {
+bool Work::done() {
   std::lock_guard<std::mutex> lk(mu_);
   return done_;
 }
 
+bool Work::is_completed() {
+  if (group_ && !done()) return group_->await(*this, 0, true);
+  return done();
+}
+
 bool Work::wait(int64_t timeout_ms) {
+  if (group_ && !done() && !group_->await(*this, timeout_ms)) return false;
   std::unique_lock<std::mutex> lk(mu_);
   if (timeout_ms < 0) {
     cv_.wait(lk, [&] { return done_; });
@@ -107,6 +113,7 @@ void ProcessGroup::connect(const std::string& secret, const Deadline& dl) {
       } else {
         backend_ = make_cpu_backend(cfg_, store_.get(), secret, dl);
       }
+      launches_ = backend_->launches();
     } catch (const Error& e) {
       // Note [Failures reach every rank through the store]: the others are told
       // at once (the store keeps the first cause, so an error that is itself the
@@ -161,6 +168,8 @@ ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool
   refuse_if_inherited();
   auto w = std::make_shared<Work>();
   w->body_ = std::move(body);
+  std::unique_lock<std::mutex> ex(exec_mu_, std::defer_lock);
+  if (launches_) ex.lock();  // before mu_, as execute() takes them
   std::unique_lock<std::mutex> lk(mu_);
   if (shut_) CX_THROW(Error, "the process group has been finalized");
   if (poison_) rethrow_poison();
@@ -172,8 +181,9 @@ ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool
   record_locked(*w);
   const bool check = cfg_.check_interval > 0 && desc.kind != CollectiveKind::kSendRecv &&
                      seq_ % static_cast<uint64_t>(cfg_.check_interval) == 0;
-  WorkPtr r = enqueue(w, async, lk);
+  WorkPtr r = launches_ ? launch(w, async, ex, lk) : enqueue(w, async, lk);
   if (lk.owns_lock()) lk.unlock();
+  if (ex.owns_lock()) ex.unlock();
   if (check) submit_barrier(CollectiveKind::kCheck, async);
   return r;
 }
@@ -181,6 +191,8 @@ ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool
 ProcessGroup::WorkPtr ProcessGroup::submit_barrier(CollectiveKind kind, bool async) {
   refuse_if_inherited();
   auto w = std::make_shared<Work>();
+  std::unique_lock<std::mutex> ex(exec_mu_, std::defer_lock);
+  if (launches_) ex.lock();
   std::unique_lock<std::mutex> lk(mu_);
   if (shut_) CX_THROW(Error, "the process group has been finalized");
   if (poison_) rethrow_poison();
@@ -191,7 +203,7 @@ ProcessGroup::WorkPtr ProcessGroup::submit_barrier(CollectiveKind kind, bool asy
   w->desc_ = d;
   record_locked(*w);  // the fingerprint sent includes this barrier itself
   w->body_ = backend_->barrier(fingerprint_);
-  return enqueue(w, async, lk);
+  return launches_ ? launch(w, async, ex, lk) : enqueue(w, async, lk);
 }
 
 void ProcessGroup::record_locked(Work& w) {
@@ -225,6 +237,93 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
   execute(*w, true);
   w->wait();  // rethrows the collective's error
   return w;
+}
+
+// Note [Collectives that are launches]
+// NCCL's collectives are launches: ncclAllReduce queues kernels on a stream and
+// returns. Handing one to the communication thread, as the CPU backend's
+// async collectives are, costs a thread wake-up (microseconds; NCCL's own call
+// takes about one) and delays the launch by as much. So for such a backend
+// every body runs here, on the submitting thread, under exec_mu_ taken before
+// mu_: launches keep the order of submission, which every rank must share.
+// A blocking collective then polls its end before returning; an async one
+// joins inflight_ and is polled by whichever thread waits for it (Work::wait,
+// is_completed), or by shutdown(), which completes every one before closing.
+// A blocking collective launched while async ones are in flight goes on the
+// backend's stream behind them (on_submitter false), so that nothing of this
+// communicator overtakes what was launched before it on another stream.
+ProcessGroup::WorkPtr ProcessGroup::launch(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& ex,
+                                           std::unique_lock<std::mutex>& lk) {
+  while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
+  const bool on_caller_stream = !async && inflight_.empty();
+  lk.unlock();
+  set_state(*w, FlightEntry::kRunning);
+  try {
+    backend_->begin(w->desc_, Deadline::after_ms(cfg_.operation_timeout_ms), on_caller_stream);
+    w->body_();
+    w->body_ = nullptr;
+    w->poll_ = backend_->launched();
+  } catch (const Error& e) {
+    w->body_ = nullptr;
+    fail(*w, e.kind(), e.what());
+  } catch (const std::exception& e) {
+    w->body_ = nullptr;
+    fail(*w, ErrorKind::kGeneric, e.what());
+  }
+  if (!w->done()) {
+    w->group_ = this;
+    if (async) {
+      lk.lock();
+      inflight_.push_back(w);
+      lk.unlock();
+    }
+  }
+  ex.unlock();  // polling takes it again only to fail
+  if (!async) w->wait();  // rethrows the collective's error
+  return w;
+}
+
+bool ProcessGroup::await(Work& w, int64_t timeout_ms, bool once) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  std::unique_lock<std::mutex> pl(w.poll_mu_, std::defer_lock);
+  if (once) {
+    if (!pl.try_lock()) return w.done();  // another thread is polling it
+  } else {
+    pl.lock();
+  }
+  for (int polls = 0;; ++polls) {
+    if (w.done()) return true;
+    std::optional<std::pair<ErrorKind, std::string>> err;
+    bool landed = false;
+    try {
+      landed = w.poll_();
+    } catch (const Error& e) {
+      err = std::make_pair(e.kind(), std::string(e.what()));
+    } catch (const std::exception& e) {
+      err = std::make_pair(ErrorKind::kGeneric, std::string(e.what()));
+    }
+    if (err) {
+      w.poll_ = nullptr;
+      std::lock_guard<std::mutex> ex(exec_mu_);
+      fail(w, err->first, err->second);
+      return true;
+    }
+    if (landed) {
+      w.poll_ = nullptr;  // its event goes back to the backend's pool
+      set_state(w, FlightEntry::kDone);
+      w.finish(std::nullopt);
+      return true;
+    }
+    if (once || (timeout_ms >= 0 && std::chrono::steady_clock::now() >= until)) return false;
+    // Spin briefly (a small collective ends within microseconds), then yield, then sleep.
+    if (polls < 64) {
+      continue;
+    } else if (polls < 200) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(polls < 2000 ? 20 : 200));
+    }
+  }
 }
 
 void ProcessGroup::execute(Work& w, bool on_submitter) {
@@ -328,6 +427,23 @@ void ProcessGroup::shutdown(Check check) {
   }
   cv_.notify_all();
   if (comm_.joinable()) comm_.join();
+  // Launched async collectives end before anything closes (Note [Collectives that are launches]).
+  std::deque<std::shared_ptr<Work>> flying;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    flying.swap(inflight_);
+  }
+  for (auto& w : flying) {
+    if (!poisoned()) {
+      await(*w, -1);
+      continue;
+    }
+    std::lock_guard<std::mutex> pl(w->poll_mu_);
+    if (w->done()) continue;
+    w->poll_ = nullptr;
+    std::lock_guard<std::mutex> lk(mu_);
+    w->finish(std::make_pair(poison_->first, "the process group failed earlier: " + poison_->second));
+  }
   std::optional<Error> check_error;
   try {
     if (store_ && cfg_.world_size > 1 && check != Check::kNone) {

@@ -63,6 +63,8 @@ namespace cx::distributed {
 class StoreServer;
 class Store;
 
+class ProcessGroup;
+
 class Work {
  public:
   bool is_completed();
@@ -74,6 +76,7 @@ class Work {
  private:
   friend class ProcessGroup;
   void finish(std::optional<std::pair<ErrorKind, std::string>> err);
+  bool done();
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -82,6 +85,12 @@ class Work {
   OpDesc desc_;
   Backend::Body body_;
   uint64_t op_ = 0;  // number among all operations of the group (its flight-record slot)
+  // A launched collective (Note [Collectives that are launches]): its Poll, and
+  // the group whose waiter runs it, until it is done. The group completes every
+  // one of these before it closes, so group_ outlives its use.
+  Backend::Poll poll_;
+  ProcessGroup* group_ = nullptr;
+  std::mutex poll_mu_;  // one thread polls at a time
 };
 
 class ProcessGroup {
@@ -183,6 +192,15 @@ class ProcessGroup {
   // A barrier (or, for CX_CHECK_INTERVAL, a check) carrying the fingerprint.
   WorkPtr submit_barrier(CollectiveKind kind, bool async);
   WorkPtr enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk);
+  // Note [Collectives that are launches]: runs w's body now, on this thread;
+  // `ex` holds exec_mu_ (taken before mu_, so launches keep submission order)
+  // and `lk` mu_. Blocking: returns once complete.
+  WorkPtr launch(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& ex,
+                 std::unique_lock<std::mutex>& lk);
+  // Polls launched `w` until it is done (true) or timeout_ms (< 0: none; the
+  // Poll has the collective's deadline) has passed (false); `once`: one look.
+  friend class Work;
+  bool await(Work& w, int64_t timeout_ms, bool once = false);
   void record_locked(Work& w);  // under mu_: the flight entry and the fingerprint
   void set_state(const Work& w, FlightEntry::State s);
   FlightRecord record_locked_snapshot() const;
@@ -212,6 +230,8 @@ class ProcessGroup {
   std::mutex mu_;       // guards everything below
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Work>> queue_;
+  bool launches_ = false;  // backend_->launches(), fixed once it exists
+  std::deque<std::shared_ptr<Work>> inflight_;  // launched async collectives, oldest first, until done
   bool busy_ = false;  // the comm thread is running a work item
   bool stop_ = false;
   std::thread comm_;

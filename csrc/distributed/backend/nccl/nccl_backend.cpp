@@ -141,7 +141,7 @@ void NcclBackend::setup(Store* store, const Deadline& dl) {
   }
   const CudaDriver& d = cuda_driver();
   check_cu(d.cuStreamCreate(&stream_, kStreamNonBlocking), "cuStreamCreate");
-  check_cu(d.cuEventCreate(&done_, kEventDisableTiming), "cuEventCreate");
+  check_cu(d.cuEventCreate(&ready_, kEventDisableTiming), "cuEventCreate");
   check_cu(d.cuMemAlloc(&scratch_, 4), "cuMemAlloc");
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), kUniqueIdBytes);
@@ -155,6 +155,8 @@ void NcclBackend::setup(Store* store, const Deadline& dl) {
   init.kind = CollectiveKind::kInit;
   begin(init, dl, false);
   run_barrier();
+  Poll landed = launched();
+  while (!landed()) std::this_thread::yield();
 }
 
 NcclBackend::~NcclBackend() {
@@ -206,12 +208,13 @@ void NcclBackend::close(const Deadline&) {
     comm_ = nullptr;
   }
   scale_.reset();
+  landed_.reset();
   events_ = std::make_shared<EventPool>();  // the pooled events go while the context is current
   if (scratch_) d.cuMemFree(scratch_);
-  if (done_) d.cuEventDestroy(done_);
+  if (ready_) d.cuEventDestroy(ready_);
   if (stream_) d.cuStreamDestroy(stream_);
   scratch_ = 0;
-  done_ = nullptr;
+  ready_ = nullptr;
   stream_ = nullptr;
   CUdevice dev;
   if (d.cuDeviceGet(&dev, device_) == kSuccess) d.cuDevicePrimaryCtxRelease(dev);
@@ -238,20 +241,23 @@ Ready NcclBackend::mark(uintptr_t stream, const std::vector<const void*>& bufs, 
                device_, " (LOCAL_RANK): allocate it under cupy.cuda.Device(", device_, ")");
     }
   }
-  Ready ready{stream_of(stream), events_->take()};
-  check_cu(d.cuEventRecord(ready.event->get(), ready.stream), "cuEventRecord on the array's stream");
-  return ready;
+  return Ready{stream_of(stream), true};
 }
 
 void NcclBackend::start(const Ready& ready) {
   if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
-  make_current();
-  if (on_submitter_ && ready.event) {
-    run_ = ready.stream;  // nothing was queued there since the event: run after it by running there
+  if (!ready.known) make_current();  // mark() did, on this thread, for the others
+  if (on_submitter_ && ready.known) {
+    run_ = ready.stream;  // after the caller's work by running there
     return;
   }
   run_ = stream_;
-  if (ready.event) check_cu(cuda_driver().cuStreamWaitEvent(stream_, ready.event->get(), 0), "cuStreamWaitEvent");
+  if (ready.known) {
+    // A wait already enqueued on an event is unaffected by recording it again, so one event serves every launch.
+    const CudaDriver& d = cuda_driver();
+    check_cu(d.cuEventRecord(ready_, ready.stream), "cuEventRecord on the array's stream");
+    check_cu(d.cuStreamWaitEvent(stream_, ready_, 0), "cuStreamWaitEvent");
+  }
 }
 
 void NcclBackend::check(ncclResult_t r) {
@@ -259,44 +265,46 @@ void NcclBackend::check(ncclResult_t r) {
   if (r == ncclInvalidArgument || r == ncclInvalidUsage) {
     CX_THROW(InvalidArgument, "rank ", rank_, ": NCCL refused ", desc_.describe(), ": ", api_->error_text(r, comm_));
   }
-  fail_async(r);
+  fail_async(r, desc_);
 }
 
-void NcclBackend::fail_async(ncclResult_t r) {
-  CX_THROW(ConnectionError, "rank ", rank_, ": ", desc_.describe(), " failed on GPU ", device_, ": ",
+void NcclBackend::fail_async(ncclResult_t r, const OpDesc& desc) {
+  CX_THROW(ConnectionError, "rank ", rank_, ": ", desc.describe(), " failed on GPU ", device_, ": ",
            api_->error_text(r, comm_),
            ". A peer rank probably died or lost its network; the NCCL communicator has been aborted");
 }
 
-void NcclBackend::finish() {
+void NcclBackend::land() {
+  landed_ = events_->take();
+  check_cu(cuda_driver().cuEventRecord(landed_->get(), run_), "cuEventRecord");
+}
+
+Backend::Poll NcclBackend::launched() {
+  return [this, done = std::move(landed_), desc = desc_, dl = dl_, n = 0]() mutable {
+    return poll(*done, desc, dl, n++);
+  };
+}
+
+bool NcclBackend::poll(const cuda::Event& done, const OpDesc& desc, const Deadline& dl, int n) {
+  if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
   const CudaDriver& d = cuda_driver();
-  check_cu(d.cuEventRecord(done_, run_), "cuEventRecord");
-  int polls = 0;
-  for (;;) {
-    CUresult q = d.cuEventQuery(done_);
-    if (q == kSuccess) return;
-    if (q != kErrorNotReady) {
-      CX_THROW(Error, "rank ", rank_, ": ", desc_.describe(), " failed on GPU ", device_, ": ", d.error_text(q));
-    }
-    ncclResult_t async = ncclSuccess;
-    if (polls % 16 == 15 && api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
-        async != ncclInProgress) {
-      fail_async(async);
-    }
-    if (dl_.expired()) {
-      CX_THROW(TimeoutError, "rank ", rank_, ": ", desc_.describe(), " on GPU ", device_, " did not complete within ",
-               dl_.timeout_ms, " ms (operation_timeout_ms, DISTRIBUTED_OPERATION_TIMEOUT_MS): a peer rank is late, "
-               "stuck or dead. The NCCL communicator has been aborted");
-    }
-    // Spin briefly (a small collective finishes in microseconds), then yield, then sleep.
-    if (++polls < 64) {
-      continue;
-    } else if (polls < 200) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(polls < 2000 ? 20 : 200));
-    }
+  if (n == 0) make_current();  // the waiting thread may not be the one that launched
+  CUresult q = d.cuEventQuery(done.get());
+  if (q == kSuccess) return true;
+  if (q != kErrorNotReady) {
+    CX_THROW(Error, "rank ", rank_, ": ", desc.describe(), " failed on GPU ", device_, ": ", d.error_text(q));
   }
+  ncclResult_t async = ncclSuccess;
+  if (n % 16 == 15 && api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+      async != ncclInProgress) {
+    fail_async(async, desc);
+  }
+  if (dl.expired()) {
+    CX_THROW(TimeoutError, "rank ", rank_, ": ", desc.describe(), " on GPU ", device_, " did not complete within ",
+             dl.timeout_ms, " ms (operation_timeout_ms, DISTRIBUTED_OPERATION_TIMEOUT_MS): a peer rank is late, "
+             "stuck or dead. The NCCL communicator has been aborted");
+  }
+  return false;
 }
 
 // ---- the collectives ---------------------------------------------------------------
@@ -401,13 +409,13 @@ void NcclBackend::run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp 
   if (avg_by_hand) {
     scale(buf, count, dt, 1.0 / size_);
   }
-  finish();
+  land();
 }
 
 void NcclBackend::run_broadcast(void* buf, size_t bytes, int root, const Ready& ready) {
   start(ready);
   check(api_->ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, run_));
-  finish();
+  land();
 }
 
 void NcclBackend::run_all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready) {
@@ -424,7 +432,7 @@ void NcclBackend::run_all_gather(const void* in, const std::vector<void*>& outs,
     for (int r = 0; r < size_; ++r) check(api_->ncclBroadcast(in, outs[r], bytes, ncclUint8, r, comm_, run_));
     check(api_->ncclGroupEnd());
   }
-  finish();
+  land();
 }
 
 void NcclBackend::run_reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt,
@@ -449,7 +457,7 @@ void NcclBackend::run_reduce_scatter(const std::vector<const void*>& ins, void* 
     }
     check(api_->ncclGroupEnd());
   }
-  finish();
+  land();
 }
 
 void NcclBackend::run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready) {
@@ -459,7 +467,7 @@ void NcclBackend::run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, 
   }
   start(ready);
   check(api_->ncclReduce(buf, buf, count, to_nccl(dt), to_nccl(op), root, comm_, run_));
-  finish();
+  land();
 }
 
 void NcclBackend::run_scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root,
@@ -471,7 +479,7 @@ void NcclBackend::run_scatter(const std::vector<const void*>& ins, void* out, si
   }
   check(api_->ncclRecv(out, bytes, ncclUint8, root, comm_, run_));
   check(api_->ncclGroupEnd());
-  finish();
+  land();
 }
 
 void NcclBackend::run_gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root,
@@ -483,7 +491,7 @@ void NcclBackend::run_gather(const void* in, const std::vector<void*>& outs, siz
     for (int r = 0; r < size_; ++r) check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, run_));
   }
   check(api_->ncclGroupEnd());
-  finish();
+  land();
 }
 
 void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
@@ -495,26 +503,26 @@ void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std:
     check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, run_));
   }
   check(api_->ncclGroupEnd());
-  finish();
+  land();
 }
 
 void NcclBackend::run_send(const void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
   check(api_->ncclSend(buf, bytes, ncclUint8, peer, comm_, run_));
-  finish();
+  land();
 }
 
 void NcclBackend::run_recv(void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
   check(api_->ncclRecv(buf, bytes, ncclUint8, peer, comm_, run_));
-  finish();
+  land();
 }
 
 void NcclBackend::run_barrier() {
   start(Ready{});
   check(api_->ncclAllReduce(reinterpret_cast<void*>(scratch_), reinterpret_cast<void*>(scratch_), 1, ncclFloat32,
                             ncclSum, comm_, run_));
-  finish();
+  land();
 }
 
 }  // namespace cx::distributed

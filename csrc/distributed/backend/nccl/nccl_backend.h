@@ -3,12 +3,14 @@
 //
 // Streams and completion. A collective is submitted with the caller's CUDA
 // stream (the array's __cuda_array_interface__ 'stream', or the legacy default
-// stream). At submission an event is recorded on that stream (mark()); when the
-// work runs later (async), the backend's own stream waits for that event and
-// NCCL runs there. A blocking call runs right after its submission, so NCCL
-// runs on the caller's stream itself, as a hand-written NCCL call would: no
-// cross-stream wait, which costs microseconds on a small collective. Either
-// way the running thread then polls a completion event (and, every few polls,
+// stream), and launched at once on the submitting thread (Note [Collectives
+// that are launches] in backend.h). A blocking call launches NCCL on the
+// caller's stream itself, as a hand-written NCCL call would: no cross-stream
+// wait, which costs microseconds on a small collective. An async one (or a
+// blocking one while async ones are still in flight) launches on the
+// backend's own stream, made to wait for the caller's first, so the caller's
+// stream is not held up by the collective. Either way an event recorded after
+// the launch is what the waiting thread polls (and, every few polls,
 // ncclCommGetAsyncError) until done or until the group's deadline. So a
 // blocking collective returns, and Work::wait() of an async one returns, only
 // once the result is in the array: the caller's stream is ordered after it
@@ -40,12 +42,11 @@ namespace cx::distributed {
 
 class Store;
 
-// A CUDA event recorded on the caller's stream when a collective is submitted
-// (from the backend's pool, to which it returns), and that stream. No event:
-// nothing to wait for (the barrier).
+// The caller's stream, which a collective is ordered after. `known` false:
+// there is none (the barrier).
 struct Ready {
   cuda::CUstream stream = nullptr;
-  std::shared_ptr<cuda::Event> event;
+  bool known = false;
 };
 
 // Events to reuse: creating and destroying one per collective costs more than
@@ -67,8 +68,8 @@ class NcclBackend : public Backend {
   ~NcclBackend() override;
 
   // Each checks, on the submitting thread, that every buffer is memory of this
-  // rank's GPU (TypeMismatch otherwise) and records the event the collective
-  // will wait for on `stream`.
+  // rank's GPU (TypeMismatch otherwise), and makes this GPU's context current
+  // there, where the body runs next.
   Body all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) override;
   Body broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) override;
   Body all_gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, uintptr_t stream) override;
@@ -86,12 +87,14 @@ class NcclBackend : public Backend {
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
 
   void begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) override;
+  bool launches() const override { return true; }
+  Poll launched() override;
   void abort(ErrorKind kind, const std::string& msg) override;  // ncclCommAbort
   void close(const Deadline& dl) override;                       // ncclCommDestroy
 
  private:
   Ready mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what);
-  // Each runs the collective after `ready` and returns when it is complete.
+  // Each launches the collective after the work queued on `ready` so far.
   void run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready);
   void run_broadcast(void* buf, size_t bytes, int root, const Ready& ready);
   void run_all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready);
@@ -112,8 +115,10 @@ class NcclBackend : public Backend {
   void make_current() const;
   void start(const Ready& ready);     // picks the stream to run on (run_), ordered after `ready`
   void check(nccl::ncclResult_t r);  // throws for a failed NCCL call
-  void finish();                     // records, then polls to completion
-  [[noreturn]] void fail_async(nccl::ncclResult_t r);
+  void land();                       // records the event that launched()'s Poll queries
+  // One look at a launched collective (`n`: how many looks before this one).
+  bool poll(const cuda::Event& done, const OpDesc& desc, const Deadline& dl, int n);
+  [[noreturn]] void fail_async(nccl::ncclResult_t r, const OpDesc& desc);
 
   int rank_, size_, device_;
   const nccl::NcclApi* api_ = nullptr;
@@ -121,8 +126,9 @@ class NcclBackend : public Backend {
   cuda::CUstream stream_ = nullptr;  // our own, for work that runs after its submission
   cuda::CUstream run_ = nullptr;     // the stream the running body launches on
   bool on_submitter_ = false;
-  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
-  cuda::CUevent done_ = nullptr;
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();  // the launched collectives' ends
+  std::shared_ptr<cuda::Event> landed_;  // the last body's, until launched() hands it on
+  cuda::CUevent ready_ = nullptr;  // recorded on the caller's stream for our stream to wait on
   cuda::CUdeviceptr scratch_ = 0;  // 4 bytes: the barrier's all-reduce
   nccl::ncclComm_t comm_ = nullptr;
   std::unique_ptr<cuda::Module> scale_;  // scale.cu: AVG by hand on NCCL < 2.10
