@@ -5,6 +5,7 @@ against pycyxwiz on the CPU, side by side in one run.
     python benchmarks/gpu_train.py                # after pip install . on a GPU machine
     python benchmarks/gpu_train.py --epochs 2 --samples 30000
     python benchmarks/gpu_train.py --checks       # the non-finite check's cost: nonfinite "raise" vs "off"
+    python benchmarks/gpu_train.py --precision bf16   # bf16 GEMMs: matmul_precision against torch's autocast
 
 Same MLP, data, batch size and optimizer (Adam 1e-3) for all three; every loop copies each
 batch from host memory to the device once (PyTorch: x[idx].to('cuda') with a pinned-free
@@ -41,7 +42,8 @@ def build_cx(cx, sizes):
     return m
 
 
-def run_cx(backend: str, sizes, X, y, batch: int, epochs: int, nonfinite: str = "raise") -> float:
+def run_cx(backend: str, sizes, X, y, batch: int, epochs: int, nonfinite: str = "raise",
+           precision: str = "float32") -> float:
     import pycyxwiz as cx
 
     D = cx.distributed
@@ -53,6 +55,7 @@ def run_cx(backend: str, sizes, X, y, batch: int, epochs: int, nonfinite: str = 
         tr = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
         c = D.DistributedTrainingConfig()
         c.batch_size, c.verbose, c.shuffle, c.nonfinite = batch, False, True, nonfinite
+        c.matmul_precision = precision
         c.epochs = 1
         tr.fit(X[: batch * 20], y[: batch * 20], c)  # warm-up: allocations, cuBLAS handles, NCCL
         c.epochs = epochs
@@ -73,14 +76,19 @@ def build_torch(torch, sizes):
     return torch.nn.Sequential(*layers).cuda()
 
 
-def run_torch(sizes, X, y, batch: int, epochs: int) -> float:
+def run_torch(sizes, X, y, batch: int, epochs: int, precision: str = "float32") -> float:
+    """PyTorch's loop; `precision` as pycyxwiz's matmul_precision: float32 GEMMs, TF32 GEMMs
+    (allow_tf32), or bf16: the forward and loss under torch.autocast(dtype=torch.bfloat16)."""
+    import contextlib
+
     import torch
 
     model = build_torch(torch, sizes)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
     Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs, as pycyxwiz's
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
     def epoch(n_rows):
         perm = torch.randperm(n_rows)
@@ -88,8 +96,9 @@ def run_torch(sizes, X, y, batch: int, epochs: int) -> float:
         for b in range(0, n_rows, batch):
             idx = perm[b:b + batch]
             xb, yb = Xt[idx].cuda(non_blocking=False), yt[idx].cuda(non_blocking=False)
-            out = model(xb)
-            loss = loss_fn(out, yb)
+            with autocast():
+                out = model(xb)
+                loss = loss_fn(out, yb)
             opt.zero_grad(set_to_none=False)
             loss.backward()
             opt.step()
@@ -113,30 +122,35 @@ def main() -> int:
     ap.add_argument("--checks", action="store_true",
                     help="only the GPU trainer with nonfinite='raise' against 'off', alternating (--rounds each)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--precision", choices=["float32", "tf32", "bf16"], default="float32",
+                    help="pycyxwiz's matmul_precision, and the same in PyTorch (bf16: autocast)")
     args = ap.parse_args()
     X, y = data(args.samples, 784, 10)
     if args.checks:
         return checks(X, y, args.epochs, args.rounds)
     rows = []
-    print("== training throughput, global samples/s (world size 1, Adam, CrossEntropy)", flush=True)
+    print(f"== training throughput, global samples/s (world size 1, Adam, CrossEntropy, GEMMs {args.precision})",
+          flush=True)
     print(f"{'model':>22} {'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx CPU':>10} {'cx/torch':>9} {'GPU/CPU':>8}")
     for sizes in ([784, 256, 10], [784, 2048, 2048, 10]):
         for batch in (64, 512, 4096):
-            g = run_cx("nccl", sizes, X, y, batch, args.epochs)
+            g = run_cx("nccl", sizes, X, y, batch, args.epochs, precision=args.precision)
             try:
-                t = run_torch(sizes, X, y, batch, args.epochs)
+                t = run_torch(sizes, X, y, batch, args.epochs, args.precision)
             except ImportError:
                 t = float("nan")
             big = sizes[1] > 1024
-            c = float("nan") if args.no_cpu or (big and batch < 4096) else run_cx("cpu", sizes, X[:8192], y[:8192],
+            c = float("nan") if args.no_cpu or args.precision != "float32" or (big and batch < 4096) else run_cx("cpu", sizes, X[:8192], y[:8192],
                                                                                 batch, 1)
-            row = dict(model="-".join(map(str, sizes)), batch=batch, cx_gpu=g, torch_gpu=t, cx_cpu=c,
+            row = dict(model="-".join(map(str, sizes)), batch=batch, precision=args.precision, cx_gpu=g, torch_gpu=t,
+                       cx_cpu=c,
                        cx_over_torch=g / t, gpu_over_cpu=g / c)
             rows.append(row)
             print(f"{row['model']:>22} {batch:>6} {g:>10.0f} {t:>10.0f} {c:>10.0f} {g / t:>9.2f} {g / c:>8.1f}",
                   flush=True)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "partial", "gpu_train.json"), "w") as f:
+    name = "gpu_train.json" if args.precision == "float32" else f"gpu_train_{args.precision}.json"
+    with open(os.path.join(ROOT, "benchmarks", "results", "partial", name), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 

@@ -528,6 +528,42 @@ def test_the_gpu_trainer_refuses_sync_batchnorm_at_construction():
     assert "ERR" in r.stdout and "layer 1" in r.stdout and "runs on the CPU backend only for now" in r.stdout
 
 
+def _one_sgd_step_on_the_gpu(precision):
+    """(X, W before, W after) one SGD step (lr 1) of a 1024 -> 256 Linear without bias toward 0 under MSE, the whole
+    batch at once, on the GPU trainer with matmul_precision `precision` (None: the default)."""
+    c = D.DistributedConfig()
+    c.backend = NCCL
+    D.init(c)
+    try:
+        lin = cx.LinearModule(1024, 256, bias=False, seed=5)
+        m = cx.SequentialModel()
+        m.add(lin)
+        X = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+        w0 = np.array(lin.weight, copy=True)
+        cfg = D.DistributedTrainingConfig(epochs=1, batch_size=512, shuffle=False, verbose=False)
+        if precision:
+            cfg.matmul_precision = precision
+        D.DistributedTrainer(m, cx.MSELoss(), cx.SGDOptimizer(1.0)).fit(X, np.zeros((512, 256), np.float32), cfg)
+        return X, w0, np.array(lin.weight)
+    finally:
+        D.finalize()
+
+
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("precision,low,high", [(None, 0.0, 3e-5), ("tf32", 1e-5, 5e-3), ("bf16", 1e-4, 2e-2)])
+def test_matmul_precision_rounds_the_gemm_inputs_on_the_gpu(precision, low, high):
+    X, w0, w1 = _one_sgd_step_on_the_gpu(precision)
+    # The step in float64: y = X W^T, dL/dy = 2 y / y.size (MSE toward 0), dW = dL/dy^T X.
+    X64, w64 = X.astype(np.float64), w0.astype(np.float64)
+    y = X64 @ w64.T
+    step = -(2.0 / y.size) * (y.T @ X64)
+    err = _rel(w1.astype(np.float64) - w64, step)
+    # float32 GEMMs agree with float64 to rounding; tf32 (10-bit mantissa) and bf16 (7-bit) inputs miss it by
+    # their rounding, which shows they were used, and by no more.
+    assert low <= err < high, (precision, err)
+
+
 def _refusal_on_the_gpu(configure) -> str:
     """fit() of a small model on the GPU trainer after configure(cfg) -> the callbacks to pass; the error's text."""
     c = D.DistributedConfig()

@@ -265,6 +265,30 @@ def test_misuse_is_reported(case, exc, text):
     assert o.exc_type == exc and text in o.message, (o.exc_type, o.message)
 
 
+def fit_with_matmul_precision(precision):
+    X, y, _, _ = digits.split()
+    tr = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
+    return tr.fit(X[:64], y[:64], config(epochs=1, batch_size=16, matmul_precision=precision)).train_losses
+
+
+def test_matmul_precision_other_than_float32_is_refused_by_the_cpu_trainer_on_every_rank():
+    outs = ranks.spawn(fit_with_matmul_precision, 2, args=("bf16",), timeout=60)
+    for o in outs:
+        assert o.exc_type == "ValueError", (o.exc_type, o.message)
+        assert (f"DistributedTrainer (rank {o.rank}): matmul_precision='bf16' rounds the inputs of the GPU's matrix "
+                "products (cuBLAS, BackendType.NCCL); the CPU trainer's are float32 only") in o.message, o.message
+    # float32, the default, trains as ever
+    (losses,) = ranks.run(fit_with_matmul_precision, 1, args=("float32",))
+    assert len(losses) == 1 and np.isfinite(losses[0])
+
+
+def test_a_matmul_precision_that_does_not_exist_is_refused_before_fit_starts():
+    for bad in ("fp16", "bfloat16", None):
+        with pytest.raises(ValueError, match=r"DistributedTrainingConfig.matmul_precision must be 'float32', 'tf32' "
+                                             r"or 'bf16', got " + repr(repr(bad))[1:-1]):
+            D.DistributedTrainer._check_config(config(matmul_precision=bad))
+
+
 @pytest.mark.parametrize("case, exc, text", [
     ("missing", "OSError", "load_checkpoint: cannot read"),
     ("corrupt", "OSError", "is not a readable pycyxwiz checkpoint"),

@@ -127,6 +127,9 @@ void def_host_side(CoreClass& c) {
   c.def_property_readonly("ddp", &TrainerCore::ddp_ptr)
       .def("set_nonfinite", &TrainerCore::set_nonfinite, py::arg("mode"),
            "DistributedTrainingConfig.nonfinite: the DDP's nonfinite from now on (the GPU refuses 'skip'/'warn').")
+      .def("set_matmul_precision", &TrainerCore::set_matmul_precision, py::arg("name"),
+           "DistributedTrainingConfig.matmul_precision: 'float32', 'tf32' or 'bf16' for the GPU's GEMMs from now on "
+           "(the CPU refuses all but 'float32').")
       .def("set_shard_optimizer_state", &TrainerCore::set_shard_optimizer_state,
            py::call_guard<py::gil_scoped_release>(), py::arg("on"),
            "Collective: ZeRO-1 on or off (the optimizer's state is cut to this rank's shard, or gathered whole).")

@@ -24,7 +24,16 @@ struct Library {
   cublasStatus_t (*set_stream)(cublasHandle_t, CUstream) = nullptr;
   cublasStatus_t (*sgemm)(cublasHandle_t, int, int, int, int, int, const float*, const float*, int, const float*, int,
                           const float*, float*, int) = nullptr;
+  // cublasGemmEx(handle, opA, opB, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute,
+  // algo); optional (null: float32 only).
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, int, int, int, int, int, const void*, const void*, int, int, const void*,
+                            int, int, const void*, void*, int, int, int, int) = nullptr;
 };
+
+// cudaDataType_t, cublasComputeType_t and cublasGemmAlgo_t values (library_types.h, cublas_api.h).
+constexpr int kCudaR32F = 0;
+constexpr int kComputeFast16BF = 75, kComputeFastTf32 = 77;
+constexpr int kGemmDefault = -1;
 
 std::mutex g_mu;
 std::vector<std::string> g_dirs;
@@ -47,6 +56,7 @@ const Library* open_library(const std::string& path, std::string* why) {
   c->destroy = reinterpret_cast<decltype(c->destroy)>(::dlsym(lib, "cublasDestroy_v2"));
   c->set_stream = reinterpret_cast<decltype(c->set_stream)>(::dlsym(lib, "cublasSetStream_v2"));
   c->sgemm = reinterpret_cast<decltype(c->sgemm)>(::dlsym(lib, "cublasSgemm_v2"));
+  c->gemm_ex = reinterpret_cast<decltype(c->gemm_ex)>(::dlsym(lib, "cublasGemmEx"));
   if (!c->create || !c->destroy || !c->set_stream || !c->sgemm) {
     *why = path + " lacks cublasCreate_v2/cublasSetStream_v2/cublasSgemm_v2";
     delete c;
@@ -71,6 +81,20 @@ std::vector<std::string> candidates() {
 const Library& library(const void* p) { return *static_cast<const Library*>(p); }
 
 }  // namespace
+
+const char* gemm_precision_name(GemmPrecision p) {
+  switch (p) {
+    case GemmPrecision::kTf32: return "tf32";
+    case GemmPrecision::kBf16: return "bf16";
+    default: return "float32";
+  }
+}
+
+GemmPrecision gemm_precision_from_name(const std::string& name) {
+  for (GemmPrecision p : {GemmPrecision::kFloat32, GemmPrecision::kTf32, GemmPrecision::kBf16})
+    if (name == gemm_precision_name(p)) return p;
+  CX_THROW(InvalidArgument, "matmul_precision must be 'float32', 'tf32' or 'bf16', got '", name, "'");
+}
 
 void set_cublas_search_dirs(std::vector<std::string> dirs) {
   std::lock_guard<std::mutex> lk(g_mu);
@@ -110,13 +134,37 @@ const std::string& Cublas::path() const {
   return lib_ ? library(lib_).path : none;
 }
 
+bool Cublas::has_gemm_ex() const { return lib_ && library(lib_).gemm_ex; }
+
+// Note [GEMM precision]
+// DistributedTrainingConfig.matmul_precision = "bf16" or "tf32" is PyTorch's
+// mixed precision for the part that costs: the matrix products. Each stays a
+// float32 GEMM to us (float32 matrices in, float32 result out), and cuBLAS is
+// allowed to round its inputs to bfloat16 (8 bits of mantissa) or TF32 (10)
+// on the tensor cores, summing the products in float32 (cublasGemmEx with
+// CUBLAS_COMPUTE_32F_FAST_16BF / _FAST_TF32). Weights, gradients, optimizer
+// state and every other layer stay float32, so nothing else changes: no cast
+// kernels of ours, no loss scaling (bfloat16 has float32's range). torch's
+// autocast rounds the same GEMM inputs and also stores their outputs in
+// bfloat16; ours keeps them in float32, at no cost to the GEMM's speed.
 void Cublas::sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
-                   int ldb, float beta, float* C, int ldc) {
+                   int ldb, float beta, float* C, int ldc, GemmPrecision p) {
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a
   // row-major matrix read column-major is its transpose: swap the operands.
-  cublasStatus_t r = library(lib_).sgemm(handle_, tb ? kCublasOpT : kCublasOpN, ta ? kCublasOpT : kCublasOpN, N, M,
-                                         K, &alpha, B, ldb, A, lda, &beta, C, ldc);
-  if (r != 0) CX_THROW(Error, "cublasSgemm failed with status ", r, " (", M, "x", N, "x", K, ")");
+  const Library& lib = library(lib_);
+  const int opb = tb ? kCublasOpT : kCublasOpN, opa = ta ? kCublasOpT : kCublasOpN;
+  cublasStatus_t r;
+  if (p == GemmPrecision::kFloat32) {
+    r = lib.sgemm(handle_, opb, opa, N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc);
+  } else {
+    const int compute = p == GemmPrecision::kBf16 ? kComputeFast16BF : kComputeFastTf32;
+    r = lib.gemm_ex(handle_, opb, opa, N, M, K, &alpha, B, kCudaR32F, ldb, A, kCudaR32F, lda, &beta, C, kCudaR32F,
+                    ldc, compute, kGemmDefault);
+  }
+  if (r != 0) {
+    CX_THROW(Error, p == GemmPrecision::kFloat32 ? "cublasSgemm" : "cublasGemmEx", " failed with status ", r, " (",
+             M, "x", N, "x", K, ", ", gemm_precision_name(p), ")");
+  }
 }
 
 }  // namespace cx::cuda

@@ -188,6 +188,15 @@ void Device::launch_raw(CUfunction f, unsigned gx, unsigned gy, unsigned bx, uns
   check_cu(cuda_driver().cuLaunchKernel(f, gx, gy, 1, bx, by, 1, 0, stream_, args, nullptr), "launching a kernel");
 }
 
+void Device::set_gemm_precision(GemmPrecision p) {
+  if (p != GemmPrecision::kFloat32) {
+    CX_CHECK(cublas_ && cublas_->has_gemm_ex(), InvalidArgument, "matmul_precision='", gemm_precision_name(p),
+             "' needs cuBLAS with cublasGemmEx, but this GPU's GEMM is the ", gemm_desc_,
+             ": install nvidia-cublas (pip install pycyxwiz[cuda13]), or keep matmul_precision='float32'");
+  }
+  precision_ = p;
+}
+
 unsigned Device::grid_for(size_t n, unsigned block) {
   size_t g = (n + block - 1) / block;
   return static_cast<unsigned>(std::clamp<size_t>(g, 1, 8192));
@@ -197,7 +206,7 @@ void Device::gemm(bool ta, bool tb, int M, int N, int K, float alpha, const floa
                   int ldb, float beta, float* C, int ldc) {
   if (M == 0 || N == 0) return;
   if (cublas_) {
-    cublas_->sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    cublas_->sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, precision_);
     return;
   }
   int ita = ta, itb = tb;

@@ -101,6 +101,11 @@ class Device {
             float beta, float* C, int ldc);
   // "cuBLAS (<path>)" or "pycyxwiz tiled kernel (<why>)".
   const std::string& gemm_backend() const { return gemm_desc_; }
+  // What gemm()'s inputs are rounded to (Note [GEMM precision] in blas.cpp);
+  // anything but float32 needs cuBLAS with cublasGemmEx (InvalidArgument
+  // saying why not otherwise).
+  void set_gemm_precision(GemmPrecision p);
+  GemmPrecision gemm_precision() const { return precision_; }
 
   // Kernels of csrc/cuda/nn.cu, by name (cached).
   CUfunction fn(const char* name) { return nn_->fn(name); }
@@ -131,6 +136,7 @@ class Device {
   std::unique_ptr<Cublas> cublas_;
   std::string gemm_desc_;
   CUfunction sgemm_ = nullptr;
+  GemmPrecision precision_ = GemmPrecision::kFloat32;
 };
 
 }  // namespace cx::cuda

@@ -62,6 +62,8 @@ class GpuEngine : public Engine {
   void broadcast_buffers() override;
 
   std::string describe() const override;  // "cuda:0 (NVIDIA H100 80GB HBM3), GEMM: cuBLAS (...)"
+  // TrainerCore::set_matmul_precision's, on the device's GEMMs.
+  void set_matmul_precision(cuda::GemmPrecision p) { dev_->set_gemm_precision(p); }
 
  private:
   // Copies the batch to the device; returns its targets' device copies.

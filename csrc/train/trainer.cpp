@@ -71,6 +71,18 @@ void TrainerCore::set_nonfinite(const std::string& mode) {
   ddp_->set_nonfinite(mode);  // the GPU engine reads it too
 }
 
+void TrainerCore::set_matmul_precision(const std::string& name) {
+  const cuda::GemmPrecision p = cuda::gemm_precision_from_name(name);
+  if (cpu_engine_) {
+    CX_CHECK(p == cuda::GemmPrecision::kFloat32, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
+             "): matmul_precision='", name, "' rounds the inputs of the GPU's matrix products (cuBLAS, "
+             "BackendType.NCCL); the CPU trainer's are float32 only. Set DistributedTrainingConfig.matmul_precision "
+             "= 'float32', or train on the GPU");
+    return;
+  }
+  static_cast<GpuEngine&>(*engine_).set_matmul_precision(p);
+}
+
 void TrainerCore::set_shard_optimizer_state(bool on) {
   if (on == (zero_ != nullptr)) return;
   if (on) {

@@ -95,6 +95,10 @@ class TrainerCore {
   // DistributedTrainingConfig.nonfinite: the DDP's DDPConfig.nonfinite from now on (the GPU engine checks
   // its device gradients by the same mode: Note [Non-finite gradients on the GPU] in gpu_engine.cpp).
   void set_nonfinite(const std::string& mode);
+  // DistributedTrainingConfig.matmul_precision ("float32", "tf32", "bf16": Note [GEMM precision] in
+  // cuda/blas.cpp), for every GEMM of the model on the GPU from now on, evaluation too. The CPU trainer's GEMMs
+  // are float32 only: it refuses the others by name.
+  void set_matmul_precision(const std::string& name);
   // The whole optimizer state (collective while sharded): Optimizer::state_dict(into), whose `into` comes
   // back empty while sharded (the gathered state is in fresh arrays); and loading a whole one (each rank
   // keeps its shard while sharded).

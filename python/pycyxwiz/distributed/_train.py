@@ -120,7 +120,8 @@ class DistributedTrainingConfig:
     __slots__ = ("epochs", "batch_size", "shuffle", "seed", "verbose", "log_every_n_batches",
                  "checkpoint_every_n_epochs", "checkpoint_dir", "save_on_master_only", "validation_split",
                  "resume_from", "auto_resume", "drop_last", "scheduler", "check_every_n_steps", "on_divergence",
-                 "shard_optimizer_state", "grad_clip_norm", "grad_clip_value", "nonfinite", "detect_anomaly")
+                 "shard_optimizer_state", "grad_clip_norm", "grad_clip_value", "nonfinite", "detect_anomaly",
+                 "matmul_precision")
 
     def __init__(self, **kw: Any) -> None:
         self.epochs: int = 10
@@ -156,6 +157,10 @@ class DistributedTrainingConfig:
         # Anomaly mode (as torch.autograd.detect_anomaly) during fit: the first layer whose output or gradient
         # went NaN/inf is named (model.detect_anomaly). Costs a read of every activation and gradient.
         self.detect_anomaly: bool = False
+        # What the GPU's matrix products round their inputs to: "float32" (none), "tf32" or "bf16" (tensor cores,
+        # summed in float32; everything else stays float32: Note [GEMM precision] in csrc/cuda/blas.cpp). For fit
+        # and for evaluate/predict after it. GPU backend only; the CPU trainer refuses all but "float32".
+        self.matmul_precision: str = "float32"
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -496,6 +501,7 @@ class DistributedTrainer:
         self._core.set_grad_clip(float(config.grad_clip_norm or 0.0), float(config.grad_clip_value or 0.0))
         if config.nonfinite is not None:
             self._core.set_nonfinite(config.nonfinite)
+        self._core.set_matmul_precision(config.matmul_precision)
         resume_from, resumed_by_itself = self._resume(config, cbs, resume_from)
         self._callbacks = cbs
         if not self._resume_pending:
@@ -992,6 +998,9 @@ class DistributedTrainer:
         if c.nonfinite is not None and c.nonfinite not in ("raise", "skip", "warn", "off"):
             raise ValueError(f"DistributedTrainingConfig.nonfinite must be 'raise', 'skip', 'warn', 'off' or None "
                              f"(the DDPConfig's), got {c.nonfinite!r}")
+        if c.matmul_precision not in ("float32", "tf32", "bf16"):
+            raise ValueError(f"DistributedTrainingConfig.matmul_precision must be 'float32', 'tf32' or 'bf16', got "
+                             f"{c.matmul_precision!r}")
         if not isinstance(c.detect_anomaly, bool):
             raise ValueError(f"DistributedTrainingConfig.detect_anomaly must be True or False, got "
                              f"{c.detect_anomaly!r}")

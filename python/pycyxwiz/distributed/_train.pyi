@@ -174,6 +174,7 @@ class DistributedTrainingConfig:
     grad_clip_value: Optional[float]  # None; clamp each element of it to [-v, v]
     nonfinite: Optional[str]        # None: the DDPConfig's ("raise"); "raise", "skip", "warn" or "off"
     detect_anomaly: bool            # False; True: name the first layer whose output or gradient went inf/NaN
+    matmul_precision: str           # "float32"; "tf32" or "bf16": the GPU's GEMM inputs rounded so (GPU only)
     def __init__(self, **kw: Any) -> None: ...
 
 class DistributedTrainingHistory:
