@@ -297,6 +297,17 @@ def test_cuda_array_interface_layout_errors_are_clear():
     del bad.__cuda_array_interface__["data"]
     with pytest.raises(TypeError, match="invalid __cuda_array_interface__"):
         core._array_view(bad, NCCL)
+    for field, value, why in (("shape", (2, "3"), "shape must hold integers"),
+                              ("shape", [2, 3], "shape must be a tuple"),
+                              ("typestr", b"<f4", "typestr must be a str"),
+                              ("data", (-1, False), "data's pointer must be a non-negative integer"),
+                              ("data", (1,), r"data must be \(pointer, read_only\)"),
+                              ("stream", "7", "stream must be a non-negative integer"),
+                              ("strides", (4,), "strides and shape differ in length")):
+        bad = FakeCudaArray()
+        bad.__cuda_array_interface__[field] = value
+        with pytest.raises(TypeError, match=r"has an invalid __cuda_array_interface__ \(" + why):
+            core._array_view(bad, NCCL)
 
 
 # ---- the unique id through the store ---------------------------------------------------------
