@@ -108,7 +108,7 @@ def test_importing_pycyxwiz_loads_no_gpu_library():
 DRIVER_ENTRY_POINTS = (
     "cuInit cuDriverGetVersion cuDeviceGetCount cuDeviceGet cuDeviceGetName cuDevicePrimaryCtxRetain "
     "cuDevicePrimaryCtxRelease_v2 cuCtxSetCurrent cuCtxSynchronize cuStreamCreate cuStreamDestroy_v2 "
-    "cuStreamSynchronize cuStreamWaitEvent cuEventCreate cuEventDestroy_v2 cuEventRecord cuEventQuery "
+    "cuStreamSynchronize cuStreamQuery cuStreamWaitEvent cuEventCreate cuEventDestroy_v2 cuEventRecord cuEventQuery "
     "cuMemAlloc_v2 cuMemFree_v2 cuMemHostAlloc cuMemFreeHost cuPointerGetAttribute cuPointerGetAttributes "
     "cuModuleLoadData cuModuleUnload cuModuleGetFunction cuLaunchKernel cuMemcpyHtoDAsync_v2 "
     "cuMemcpyDtoHAsync_v2 cuMemcpyDtoDAsync_v2 cuMemsetD8Async cuGetErrorName cuGetErrorString").split()

@@ -60,6 +60,7 @@ Loaded load() {
     bind_symbol(lib, d.cuStreamCreate, "cuStreamCreate", d.path);
     bind_symbol(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", d.path);
     bind_symbol(lib, d.cuStreamSynchronize, "cuStreamSynchronize", d.path);
+    bind_symbol(lib, d.cuStreamQuery, "cuStreamQuery", d.path);
     bind_symbol(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", d.path);
     bind_symbol(lib, d.cuEventCreate, "cuEventCreate", d.path);
     bind_symbol(lib, d.cuEventDestroy, "cuEventDestroy_v2", d.path);

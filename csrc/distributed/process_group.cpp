@@ -262,7 +262,7 @@ ProcessGroup::WorkPtr ProcessGroup::launch(std::shared_ptr<Work> w, bool async, 
     backend_->begin(w->desc_, Deadline::after_ms(cfg_.operation_timeout_ms), on_caller_stream);
     w->body_();
     w->body_ = nullptr;
-    w->poll_ = backend_->launched();
+    w->poll_ = backend_->launched(async);
   } catch (const Error& e) {
     w->body_ = nullptr;
     fail(*w, e.kind(), e.what());

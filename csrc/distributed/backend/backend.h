@@ -95,19 +95,21 @@ class Backend {
   // since: NCCL then launches on that stream itself.
   virtual void begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) = 0;
 
-  // Note [Collectives that are launches]. A backend whose collectives are
-  // launches on a GPU stream (NCCL) says so here. ProcessGroup then runs every
-  // body on the submitting thread, in submission order, async or not: the body
-  // only launches (NCCL's own calls are asynchronous), and launched() hands
-  // back how to wait for what it launched. No thread is woken to start a
-  // collective, which costs microseconds for each one, and an async collective
-  // is on the GPU when the call returns, as with torch's NCCL backend.
+  // A backend whose collectives are launches on a GPU stream (NCCL) says so
+  // here (Note [Collectives that are launches] in process_group.cpp): then
+  // ProcessGroup runs every body on the submitting thread, in submission
+  // order, async or not; the body only launches, and launched() hands back how
+  // to wait for what it launched.
   virtual bool launches() const { return false; }
   // A check of a launched collective, for whichever thread waits: true once
   // complete; throws its failure, or the deadline's TimeoutError. Never blocks.
   using Poll = std::function<bool()>;
-  // Right after a body ran (launches() only): the Poll of what it launched.
-  virtual Poll launched() { return {}; }
+  // Right after a body ran (launches() only): the Poll of what it launched;
+  // `async`: it may be polled later, after other launches.
+  virtual Poll launched(bool async) {
+    (void)async;
+    return {};
+  }
   // Fails the group: peers are told why where the backend can tell them (CPU),
   // the communicator is torn down where it cannot (NCCL: ncclCommAbort).
   virtual void abort(ErrorKind kind, const std::string& msg) = 0;

@@ -155,7 +155,7 @@ void NcclBackend::setup(Store* store, const Deadline& dl) {
   init.kind = CollectiveKind::kInit;
   begin(init, dl, false);
   run_barrier();
-  Poll landed = launched();
+  Poll landed = launched(false);
   while (!landed()) std::this_thread::yield();
 }
 
@@ -208,7 +208,6 @@ void NcclBackend::close(const Deadline&) {
     comm_ = nullptr;
   }
   scale_.reset();
-  landed_.reset();
   events_ = std::make_shared<EventPool>();  // the pooled events go while the context is current
   if (scratch_) d.cuMemFree(scratch_);
   if (ready_) d.cuEventDestroy(ready_);
@@ -274,22 +273,26 @@ void NcclBackend::fail_async(ncclResult_t r, const OpDesc& desc) {
            ". A peer rank probably died or lost its network; the NCCL communicator has been aborted");
 }
 
-void NcclBackend::land() {
-  landed_ = events_->take();
-  check_cu(cuda_driver().cuEventRecord(landed_->get(), run_), "cuEventRecord");
-}
-
-Backend::Poll NcclBackend::launched() {
-  return [this, done = std::move(landed_), desc = desc_, dl = dl_, n = 0]() mutable {
-    return poll(*done, desc, dl, n++);
+Backend::Poll NcclBackend::launched(bool async) {
+  // A blocking collective is waited for at once, by a query of the stream it ran on: work queued there after
+  // it can only make the wait longer, and a query costs less than recording an event and querying that. An
+  // async one gets an event, so its wait does not include what is launched after it.
+  std::shared_ptr<cuda::Event> done;
+  if (async) {
+    done = events_->take();
+    check_cu(cuda_driver().cuEventRecord(done->get(), run_), "cuEventRecord");
+  }
+  return [this, done = std::move(done), stream = run_, desc = desc_, dl = dl_, n = 0]() mutable {
+    return poll(done.get(), stream, desc, dl, n++);
   };
 }
 
-bool NcclBackend::poll(const cuda::Event& done, const OpDesc& desc, const Deadline& dl, int n) {
+bool NcclBackend::poll(const cuda::Event* done, cuda::CUstream stream, const OpDesc& desc, const Deadline& dl,
+                       int n) {
   if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
   const CudaDriver& d = cuda_driver();
   if (n == 0) make_current();  // the waiting thread may not be the one that launched
-  CUresult q = d.cuEventQuery(done.get());
+  CUresult q = done ? d.cuEventQuery(done->get()) : d.cuStreamQuery(stream);
   if (q == kSuccess) return true;
   if (q != kErrorNotReady) {
     CX_THROW(Error, "rank ", rank_, ": ", desc.describe(), " failed on GPU ", device_, ": ", d.error_text(q));
@@ -409,13 +412,11 @@ void NcclBackend::run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp 
   if (avg_by_hand) {
     scale(buf, count, dt, 1.0 / size_);
   }
-  land();
 }
 
 void NcclBackend::run_broadcast(void* buf, size_t bytes, int root, const Ready& ready) {
   start(ready);
   check(api_->ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, run_));
-  land();
 }
 
 void NcclBackend::run_all_gather(const void* in, const std::vector<void*>& outs, size_t bytes, const Ready& ready) {
@@ -432,7 +433,6 @@ void NcclBackend::run_all_gather(const void* in, const std::vector<void*>& outs,
     for (int r = 0; r < size_; ++r) check(api_->ncclBroadcast(in, outs[r], bytes, ncclUint8, r, comm_, run_));
     check(api_->ncclGroupEnd());
   }
-  land();
 }
 
 void NcclBackend::run_reduce_scatter(const std::vector<const void*>& ins, void* out, size_t count, DataType dt,
@@ -457,7 +457,6 @@ void NcclBackend::run_reduce_scatter(const std::vector<const void*>& ins, void* 
     }
     check(api_->ncclGroupEnd());
   }
-  land();
 }
 
 void NcclBackend::run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, const Ready& ready) {
@@ -467,7 +466,6 @@ void NcclBackend::run_reduce(void* buf, size_t count, DataType dt, ReduceOp op, 
   }
   start(ready);
   check(api_->ncclReduce(buf, buf, count, to_nccl(dt), to_nccl(op), root, comm_, run_));
-  land();
 }
 
 void NcclBackend::run_scatter(const std::vector<const void*>& ins, void* out, size_t bytes, int root,
@@ -479,7 +477,6 @@ void NcclBackend::run_scatter(const std::vector<const void*>& ins, void* out, si
   }
   check(api_->ncclRecv(out, bytes, ncclUint8, root, comm_, run_));
   check(api_->ncclGroupEnd());
-  land();
 }
 
 void NcclBackend::run_gather(const void* in, const std::vector<void*>& outs, size_t bytes, int root,
@@ -491,7 +488,6 @@ void NcclBackend::run_gather(const void* in, const std::vector<void*>& outs, siz
     for (int r = 0; r < size_; ++r) check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, run_));
   }
   check(api_->ncclGroupEnd());
-  land();
 }
 
 void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes,
@@ -503,26 +499,22 @@ void NcclBackend::run_all_to_all(const std::vector<const void*>& ins, const std:
     check(api_->ncclRecv(outs[r], bytes, ncclUint8, r, comm_, run_));
   }
   check(api_->ncclGroupEnd());
-  land();
 }
 
 void NcclBackend::run_send(const void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
   check(api_->ncclSend(buf, bytes, ncclUint8, peer, comm_, run_));
-  land();
 }
 
 void NcclBackend::run_recv(void* buf, size_t bytes, int peer, const Ready& ready) {
   start(ready);
   check(api_->ncclRecv(buf, bytes, ncclUint8, peer, comm_, run_));
-  land();
 }
 
 void NcclBackend::run_barrier() {
   start(Ready{});
   check(api_->ncclAllReduce(reinterpret_cast<void*>(scratch_), reinterpret_cast<void*>(scratch_), 1, ncclFloat32,
                             ncclSum, comm_, run_));
-  land();
 }
 
 }  // namespace cx::distributed

@@ -4,14 +4,15 @@
 // Streams and completion. A collective is submitted with the caller's CUDA
 // stream (the array's __cuda_array_interface__ 'stream', or the legacy default
 // stream), and launched at once on the submitting thread (Note [Collectives
-// that are launches] in backend.h). A blocking call launches NCCL on the
+// that are launches] in process_group.cpp). A blocking call launches NCCL on the
 // caller's stream itself, as a hand-written NCCL call would: no cross-stream
 // wait, which costs microseconds on a small collective. An async one (or a
 // blocking one while async ones are still in flight) launches on the
 // backend's own stream, made to wait for the caller's first, so the caller's
-// stream is not held up by the collective. Either way an event recorded after
-// the launch is what the waiting thread polls (and, every few polls,
-// ncclCommGetAsyncError) until done or until the group's deadline. So a
+// stream is not held up by the collective. The waiting thread then polls an
+// event recorded after an async launch, or the stream a blocking one ran on
+// (and, every few polls, ncclCommGetAsyncError) until done or until the
+// group's deadline. So a
 // blocking collective returns, and Work::wait() of an async one returns, only
 // once the result is in the array: the caller's stream is ordered after it
 // with no further synchronisation, and a hung or failed collective surfaces as
@@ -88,7 +89,7 @@ class NcclBackend : public Backend {
 
   void begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) override;
   bool launches() const override { return true; }
-  Poll launched() override;
+  Poll launched(bool async) override;
   void abort(ErrorKind kind, const std::string& msg) override;  // ncclCommAbort
   void close(const Deadline& dl) override;                       // ncclCommDestroy
 
@@ -115,9 +116,9 @@ class NcclBackend : public Backend {
   void make_current() const;
   void start(const Ready& ready);     // picks the stream to run on (run_), ordered after `ready`
   void check(nccl::ncclResult_t r);  // throws for a failed NCCL call
-  void land();                       // records the event that launched()'s Poll queries
-  // One look at a launched collective (`n`: how many looks before this one).
-  bool poll(const cuda::Event& done, const OpDesc& desc, const Deadline& dl, int n);
+  // One look at a launched collective: its event `done`, or without one the stream it ran on (`n`: how many
+  // looks before this one).
+  bool poll(const cuda::Event* done, cuda::CUstream stream, const OpDesc& desc, const Deadline& dl, int n);
   [[noreturn]] void fail_async(nccl::ncclResult_t r, const OpDesc& desc);
 
   int rank_, size_, device_;
@@ -127,7 +128,6 @@ class NcclBackend : public Backend {
   cuda::CUstream run_ = nullptr;     // the stream the running body launches on
   bool on_submitter_ = false;
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();  // the launched collectives' ends
-  std::shared_ptr<cuda::Event> landed_;  // the last body's, until launched() hands it on
   cuda::CUevent ready_ = nullptr;  // recorded on the caller's stream for our stream to wait on
   cuda::CUdeviceptr scratch_ = 0;  // 4 bytes: the barrier's all-reduce
   nccl::ncclComm_t comm_ = nullptr;
