@@ -207,6 +207,45 @@ def test_standalone_module_forward_backward():
     np.testing.assert_allclose(lin.gradients()[0], gy.T @ x, rtol=1e-5)
 
 
+def _phi(x):
+    """The standard normal CDF and density, in float64."""
+    return 0.5 * (1 + _erf(x / math.sqrt(2))), np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+# name -> (factory, y(x), dL/dx(x, gy)) in float64; the derivative at 0 is the one the layers take (x > 0).
+ACTIVATIONS = {
+    "relu": (cx.ReLUModule, lambda x: np.where(x > 0, x, 0.0), lambda x, g: np.where(x > 0, g, 0.0)),
+    "leaky_relu": (lambda: cx.LeakyReLUModule(0.2), lambda x: np.where(x > 0, x, 0.2 * x),
+                   lambda x, g: np.where(x > 0, g, 0.2 * g)),
+    "leaky_relu_negative_slope": (lambda: cx.LeakyReLUModule(-1.5), lambda x: np.where(x > 0, x, -1.5 * x),
+                                  lambda x, g: np.where(x > 0, g, -1.5 * g)),
+    # sigmoid(x) = (1 + tanh(x/2)) / 2: no exp to overflow at x = -1e4, and not the layer's formula
+    "sigmoid": (cx.SigmoidModule, lambda x: 0.5 * (1 + np.tanh(x / 2)),
+                lambda x, g: g * 0.25 * (1 - np.tanh(x / 2) ** 2)),
+    "tanh": (cx.TanhModule, np.tanh, lambda x, g: g * (1 - np.tanh(x) ** 2)),
+    "gelu": (cx.GELUModule, lambda x: x * _phi(x)[0], lambda x, g: g * (_phi(x)[0] + x * _phi(x)[1])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_matches_its_formula_from_saturation_to_zero(name):
+    """Forward and backward at once over -1e4..1e4, 0 included: where the sigmoid's and GELU's naive forms
+    overflow or cancel, and where the derivatives of ReLU and LeakyReLU change. Both devices compute
+    these formulas (csrc/cuda/act_rules.h); tests/test_gpu.py compares the GPU with the CPU."""
+    factory, fwd, bwd = ACTIVATIONS[name]
+    wide = [0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 50.0, -50.0, 100.0, -100.0, 1e4, -1e4]
+    x32 = np.concatenate([np.linspace(-30, 30, 1199), wide]).astype(np.float32).reshape(-1, 7)
+    gy32 = RNG.standard_normal(x32.shape).astype(np.float32)
+    x64, gy64 = x32.astype(np.float64), gy32.astype(np.float64)
+    model = cx.SequentialModel()
+    model.add(factory())
+    y = model.forward(x32)
+    gx = model.backward(gy32)
+    # float32's own rounding; absolute near zero, where the backward's y(1 - y) or 1 - y^2 cancels in float32.
+    np.testing.assert_allclose(y, fwd(x64), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gx, bwd(x64, gy64), rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- losses
 
 def ce64(z, t_onehot):

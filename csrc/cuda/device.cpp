@@ -89,11 +89,13 @@ Event::~Event() {
 // (the default since CUDA 12.2) resolving one loads it, and loading while an
 // NCCL kernel waits on peers is what Note [First step of a shape] (in
 // train/gpu_engine.cpp) avoids.
-const char* const kNnKernels[] = {"cx_nn_bias_add", "cx_nn_col_sum_add", "cx_nn_act_fwd",   "cx_nn_act_bwd",
-                                  "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul",
-                                  "cx_nn_bn_fwd",     "cx_nn_bn_bwd",      "cx_nn_ce_labels",  "cx_nn_ce_dense",
-                                  "cx_nn_mse",        "cx_nn_bce",         "cx_nn_adam",       "cx_nn_sgd",
-                                  "cx_nn_rmsprop",    "cx_nn_sgemm"};
+const char* const kNnKernels[] = {
+    "cx_nn_bias_add", "cx_nn_col_sum_add",
+    "cx_nn_relu_fwd", "cx_nn_relu_bwd", "cx_nn_leaky_relu_fwd", "cx_nn_leaky_relu_bwd", "cx_nn_sigmoid_fwd",
+    "cx_nn_sigmoid_bwd", "cx_nn_tanh_fwd", "cx_nn_tanh_bwd", "cx_nn_gelu_fwd", "cx_nn_gelu_bwd",
+    "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul", "cx_nn_bn_fwd", "cx_nn_bn_bwd",
+    "cx_nn_ce_labels", "cx_nn_ce_dense", "cx_nn_mse", "cx_nn_bce",
+    "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm"};
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none

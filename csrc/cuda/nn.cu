@@ -1,6 +1,9 @@
 // The model stack's CUDA kernels: layers, losses, optimizer updates and a
-// fallback GEMM, each the device twin of a loop in csrc/nn/ (same formulas,
-// same float32 rounding where the order of operations allows). Launched through
+// fallback GEMM, each the device twin of a loop in csrc/nn/. Per-element
+// formulas (activations, the MSE and BCE terms, optimizer updates) are written
+// once, in cuda/act_rules.h and cuda/update_rules.h, and called by both; the
+// rest repeat the CPU's formula (same float32 rounding where the order of
+// operations allows: softmax, cross-entropy, BatchNorm). Launched through
 // the driver API (cuda::Device::launch) by each module's, loss's and optimizer's
 // GPU code (csrc/nn/*_gpu.cpp), which owns grid sizes and argument order: change
 // a signature here and there together.
@@ -9,6 +12,7 @@
 // so any grid covers any n.
 #include <cstdint>
 
+#include "cuda/act_rules.h"
 #include "cuda/update_rules.h"
 
 #define CX_LOOP(i, n) \
@@ -16,6 +20,7 @@
        i += (unsigned long long)blockDim.x * gridDim.x)
 
 typedef unsigned long long u64;
+namespace rules = cx::nn::rules;
 
 // ---------------------------------------------------------------- layers
 
@@ -42,46 +47,49 @@ extern "C" __global__ void cx_nn_col_sum_add(float* gb, const float* g, u64 rows
   }
 }
 
-// Activations: 0 ReLU, 1 LeakyReLU(slope), 2 Sigmoid, 3 Tanh, 4 GELU (exact).
-extern "C" __global__ void cx_nn_act_fwd(int kind, const float* x, float* y, u64 n, float slope) {
-  CX_LOOP(i, n) {
-    float v = x[i];
-    float o;
-    switch (kind) {
-      case 0: o = v <= 0.0f ? 0.0f : v; break;  // a NaN stays NaN, as on the CPU
-      case 1: o = v > 0.0f ? v : slope * v; break;
-      case 2: {
-        float e = expf(-fabsf(v));
-        o = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        break;
-      }
-      case 3: o = tanhf(v); break;
-      default: o = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f)); break;
-    }
-    y[i] = o;
-  }
+// Activations: cuda/act_rules.h's formulas, which the CPU's loops use too. All of
+// one signature, (x, y, n, slope) and (x, y, gy, gx, n, slope), so that
+// ActivationModule launches each alike; slope is LeakyReLU's, the others ignore
+// it, as they do whichever of x and y their backward does not read.
+
+extern "C" __global__ void cx_nn_relu_fwd(const float* x, float* y, u64 n, float slope) {
+  CX_LOOP(i, n) y[i] = rules::relu_fwd(x[i]);
+}
+extern "C" __global__ void cx_nn_relu_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
+                                          float slope) {
+  CX_LOOP(i, n) gx[i] = rules::relu_bwd(x[i], gy[i]);
 }
 
-extern "C" __global__ void cx_nn_act_bwd(int kind, const float* x, const float* y, const float* gy, float* gx,
-                                         u64 n, float slope) {
-  CX_LOOP(i, n) {
-    float g = gy[i];
-    float o;
-    switch (kind) {
-      case 0: o = x[i] > 0.0f ? g : 0.0f; break;
-      case 1: o = x[i] > 0.0f ? g : slope * g; break;
-      case 2: o = g * y[i] * (1.0f - y[i]); break;
-      case 3: o = g * (1.0f - y[i] * y[i]); break;
-      default: {
-        float v = x[i];
-        float cdf = 0.5f * (1.0f + erff(v * 0.70710678118654752f));
-        float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
-        o = g * (cdf + v * pdf);
-        break;
-      }
-    }
-    gx[i] = o;
-  }
+extern "C" __global__ void cx_nn_leaky_relu_fwd(const float* x, float* y, u64 n, float slope) {
+  CX_LOOP(i, n) y[i] = rules::leaky_relu_fwd(x[i], slope);
+}
+extern "C" __global__ void cx_nn_leaky_relu_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
+                                                float slope) {
+  CX_LOOP(i, n) gx[i] = rules::leaky_relu_bwd(x[i], gy[i], slope);
+}
+
+extern "C" __global__ void cx_nn_sigmoid_fwd(const float* x, float* y, u64 n, float slope) {
+  CX_LOOP(i, n) y[i] = rules::sigmoid_fwd(x[i]);
+}
+extern "C" __global__ void cx_nn_sigmoid_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
+                                             float slope) {
+  CX_LOOP(i, n) gx[i] = rules::sigmoid_bwd(y[i], gy[i]);
+}
+
+extern "C" __global__ void cx_nn_tanh_fwd(const float* x, float* y, u64 n, float slope) {
+  CX_LOOP(i, n) y[i] = rules::tanh_fwd(x[i]);
+}
+extern "C" __global__ void cx_nn_tanh_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
+                                          float slope) {
+  CX_LOOP(i, n) gx[i] = rules::tanh_bwd(y[i], gy[i]);
+}
+
+extern "C" __global__ void cx_nn_gelu_fwd(const float* x, float* y, u64 n, float slope) {
+  CX_LOOP(i, n) y[i] = rules::gelu_fwd(x[i]);
+}
+extern "C" __global__ void cx_nn_gelu_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
+                                          float slope) {
+  CX_LOOP(i, n) gx[i] = rules::gelu_bwd(x[i], gy[i]);
 }
 
 // Softmax over each row of (rows, cols): one warp per row.
@@ -310,29 +318,24 @@ __device__ void cx_block_add2(double a, double b, double* stats) {
   }
 }
 
-// MSE: stats[0] += sum (o-t)^2; g = 2(o-t)/n.
+// MSE (act_rules.h's mse): stats[0] += sum (o-t)^2; g = 2(o-t)/n.
 extern "C" __global__ void cx_nn_mse(const float* o, const float* t, float* g, double* stats, u64 n) {
-  const float scale = 2.0f / (float)n;
+  const float inv_n = 1.0f / (float)n;
   double acc = 0.0;
-  CX_LOOP(i, n) {
-    float d = o[i] - t[i];
-    acc += (double)d * d;
-    g[i] = scale * d;
-  }
+  CX_LOOP(i, n) acc += rules::mse(o[i], t[i], inv_n, g[i]);
   cx_block_add2(acc, 0.0, stats);
 }
 
-// BCE with logits: stats[0] += sum of the element losses, stats[1] += elements
-// on the right side of 0 (the caller divides by the row width); g = (sig-t)/n.
+// BCE with logits (act_rules.h's bce_with_logits): stats[0] += sum of the element
+// losses, stats[1] += elements on the right side of 0 (the caller divides by the
+// row width); g = (sig-t)/n.
 extern "C" __global__ void cx_nn_bce(const float* x, const float* t, float* g, double* stats, u64 n) {
-  const float invN = 1.0f / (float)n;
+  const float inv_n = 1.0f / (float)n;
   double acc = 0.0, hit = 0.0;
   CX_LOOP(i, n) {
-    float v = x[i], e = expf(-fabsf(v));
-    acc += (double)(fmaxf(v, 0.0f) - v * t[i] + log1pf(e));
-    float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    g[i] = (sig - t[i]) * invN;
-    hit += (v > 0.0f) == (t[i] > 0.5f) ? 1.0 : 0.0;
+    const float v = x[i], ti = t[i];
+    acc += (double)rules::bce_with_logits(v, ti, inv_n, g[i]);
+    hit += (v > 0.0f) == (ti > 0.5f) ? 1.0 : 0.0;
   }
   cx_block_add2(acc, hit, stats);
 }
@@ -346,19 +349,19 @@ extern "C" __global__ void cx_nn_adam(float* p, const float* g, float* m, float*
                                       float eps, float step_size, float inv_bc2_sqrt, float l2, float decay,
                                       const unsigned int* skip) {
   if (skip && *skip) return;
-  CX_LOOP(i, n) cx::nn::rules::adam(p[i], g[i], m[i], v[i], b1, b2, eps, step_size, inv_bc2_sqrt, l2, decay);
+  CX_LOOP(i, n) rules::adam(p[i], g[i], m[i], v[i], b1, b2, eps, step_size, inv_bc2_sqrt, l2, decay);
 }
 
 extern "C" __global__ void cx_nn_sgd(float* p, const float* g, float* buf, u64 n, float lr, float mu, int nesterov,
                                      float l2, const unsigned int* skip) {
   if (skip && *skip) return;
-  CX_LOOP(i, n) cx::nn::rules::sgd(p[i], g[i], buf ? buf + i : nullptr, lr, mu, nesterov != 0, l2);
+  CX_LOOP(i, n) rules::sgd(p[i], g[i], buf ? buf + i : nullptr, lr, mu, nesterov != 0, l2);
 }
 
 extern "C" __global__ void cx_nn_rmsprop(float* p, const float* g, float* v, float* buf, u64 n, float lr, float a,
                                          float eps, float mu, float l2, const unsigned int* skip) {
   if (skip && *skip) return;
-  CX_LOOP(i, n) cx::nn::rules::rmsprop(p[i], g[i], v[i], buf ? buf + i : nullptr, lr, a, eps, mu, l2);
+  CX_LOOP(i, n) rules::rmsprop(p[i], g[i], v[i], buf ? buf + i : nullptr, lr, a, eps, mu, l2);
 }
 
 // ---------------------------------------------------------------- GEMM fallback

@@ -7,11 +7,7 @@
 
 #include <math.h>
 
-#ifdef __CUDACC__
-#define CX_HD __host__ __device__ __forceinline__
-#else
-#define CX_HD inline
-#endif
+#include "cuda/host_device.h"
 
 namespace cx::nn::rules {
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "cuda/act_rules.h"
 
 namespace cx::nn {
 
@@ -117,12 +118,8 @@ float MSELoss::forward(const float* o, const Shape& shape, const float* t, const
   grad_.resize(shape);
   float* g = grad_.data();
   double total = 0.0;
-  const float scale = 2.0f / static_cast<float>(n);
-  for (size_t i = 0; i < n; ++i) {
-    float d = o[i] - t[i];
-    total += static_cast<double>(d) * d;
-    g[i] = scale * d;
-  }
+  const float inv_n = 1.0f / static_cast<float>(n);
+  for (size_t i = 0; i < n; ++i) total += rules::mse(o[i], t[i], inv_n, g[i]);  // cuda/act_rules.h, as the GPU
   have_ = true;
   return static_cast<float>(total / static_cast<double>(n));
 }
@@ -133,13 +130,8 @@ float BCEWithLogitsLoss::forward(const float* x, const Shape& shape, const float
   grad_.resize(shape);
   float* g = grad_.data();
   double total = 0.0;
-  const float invN = 1.0f / static_cast<float>(n);
-  for (size_t i = 0; i < n; ++i) {
-    float e = std::exp(-std::fabs(x[i]));
-    total += static_cast<double>(std::max(x[i], 0.0f) - x[i] * t[i] + std::log1p(e));
-    float sig = x[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    g[i] = (sig - t[i]) * invN;
-  }
+  const float inv_n = 1.0f / static_cast<float>(n);
+  for (size_t i = 0; i < n; ++i) total += static_cast<double>(rules::bce_with_logits(x[i], t[i], inv_n, g[i]));
   have_ = true;
   return static_cast<float>(total / static_cast<double>(n));
 }

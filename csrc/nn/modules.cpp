@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "cuda/act_rules.h"
 #include "nn/blas.h"
 #include "nn/registry.h"
 #include "nn/sequential.h"
@@ -108,83 +109,69 @@ Shape ElementwiseModule::output_shape(const Shape& in) const {
   return in;
 }
 
+// The formulas are cuda/act_rules.h's, which the GPU kernels use too.
+
 void ReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
   size_t n = numel(in);
-  // x <= 0 ? 0 : x keeps a NaN a NaN, as np.maximum(x, 0) and torch.relu do (x > 0 ? x : 0 made it 0,
-  // hiding a bad input row behind a finite loss).
-  for (size_t i = 0; i < n; ++i) y[i] = x[i] <= 0.0f ? 0.0f : x[i];
+  for (size_t i = 0; i < n; ++i) y[i] = rules::relu_fwd(x[i]);
 }
 void ReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  // gy[i] read whatever x[i] is, so that the compiler makes this a vector select, not a branch per element
-  // (a branch mispredicted half the time was ten times slower than the forward pass).
-  for (size_t i = 0; i < n; ++i) {
-    const float g = gy[i];
-    gx[i] = x[i] > 0.0f ? g : 0.0f;
-  }
+  for (size_t i = 0; i < n; ++i) gx[i] = rules::relu_bwd(x[i], gy[i]);  // a vector select (act_rules.h)
 }
 
 LeakyReLUModule::LeakyReLUModule(float s) : slope_(s) {
   CX_CHECK(std::isfinite(s), InvalidArgument, "LeakyReLUModule: negative_slope must be finite, got ", s);
 }
 std::string LeakyReLUModule::repr() const { return "LeakyReLU(negative_slope=" + fmt_float(slope_) + ")"; }
+// slope_ copied out first: y might alias it, so the loop would load it again for every element.
 void LeakyReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : slope_ * x[i];
+  const float slope = slope_;
+  for (size_t i = 0; i < n; ++i) y[i] = rules::leaky_relu_fwd(x[i], slope);
 }
 void LeakyReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                                const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) {  // a vector select, as ReLU's
-    const float g = gy[i];
-    gx[i] = x[i] > 0.0f ? g : slope_ * g;
-  }
+  const float slope = slope_;
+  for (size_t i = 0; i < n; ++i) gx[i] = rules::leaky_relu_bwd(x[i], gy[i], slope);
 }
 void LeakyReLUModule::write_config(ByteWriter& w) const { w.f32(slope_); }
 
 void SigmoidModule::forward(const float* x, const Shape& in, float* y, bool) {
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) {
-    // Stable on both sides: exp of a non-positive number never overflows.
-    float e = std::exp(-std::fabs(x[i]));
-    y[i] = x[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-  }
+  for (size_t i = 0; i < n; ++i) y[i] = rules::sigmoid_fwd(x[i]);
 }
 void SigmoidModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
                              const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) gx[i] = gy[i] * y[i] * (1.0f - y[i]);
+  for (size_t i = 0; i < n; ++i) gx[i] = rules::sigmoid_bwd(y[i], gy[i]);
 }
 
 void TanhModule::forward(const float* x, const Shape& in, float* y, bool) {
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
+  for (size_t i = 0; i < n; ++i) y[i] = rules::tanh_fwd(x[i]);
 }
 void TanhModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) gx[i] = gy[i] * (1.0f - y[i] * y[i]);
+  for (size_t i = 0; i < n; ++i) gx[i] = rules::tanh_bwd(y[i], gy[i]);
 }
 
 void GELUModule::forward(const float* x, const Shape& in, float* y, bool) {
   size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * 0.70710678118654752f));
+  for (size_t i = 0; i < n; ++i) y[i] = rules::gelu_fwd(x[i]);
 }
 void GELUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
   if (!gx) return;
   size_t n = numel(in);
-  const float kInvSqrt2Pi = 0.39894228040143268f;
-  for (size_t i = 0; i < n; ++i) {
-    float cdf = 0.5f * (1.0f + std::erf(x[i] * 0.70710678118654752f));
-    float pdf = kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]);
-    gx[i] = gy[i] * (cdf + x[i] * pdf);
-  }
+  for (size_t i = 0; i < n; ++i) gx[i] = rules::gelu_bwd(x[i], gy[i]);
 }
 
 // ---------------------------------------------------------------- Softmax

@@ -58,8 +58,9 @@ class ElementwiseModule : public Module {
   Shape output_shape(const Shape& in) const override;
 };
 
-// The activations share their GPU code: one kernel each way, told which function
-// by a code (nn.cu's cx_nn_act_fwd/bwd).
+// The activations' formulas are cuda/act_rules.h's, for both devices. On the GPU
+// each has a kernel each way (cuda/nn.cu's cx_nn_<name>_fwd/_bwd), all of one
+// signature, so that one launch serves them all.
 class ActivationModule : public ElementwiseModule {
  public:
   void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
@@ -68,8 +69,8 @@ class ActivationModule : public ElementwiseModule {
                 const float* gy, float* gx, const ParamDone& done) override;
 
  protected:
-  virtual int device_code() const = 0;  // cx_nn_act_fwd's: 0 ReLU, 1 LeakyReLU, 2 Sigmoid, 3 Tanh, 4 GELU
-  virtual float device_slope() const { return 0.0f; }
+  virtual const char* device_kernel(bool backward) const = 0;
+  virtual float device_slope() const { return 0.0f; }  // the kernels' last argument: LeakyReLU's slope
 };
 
 class ReLUModule : public ActivationModule {
@@ -83,7 +84,7 @@ class ReLUModule : public ActivationModule {
                 const ParamDone& done) override;
 
  protected:
-  int device_code() const override { return 0; }
+  const char* device_kernel(bool backward) const override;
 };
 
 class LeakyReLUModule : public ActivationModule {
@@ -100,7 +101,7 @@ class LeakyReLUModule : public ActivationModule {
   float negative_slope() const { return slope_; }
 
  protected:
-  int device_code() const override { return 1; }
+  const char* device_kernel(bool backward) const override;
   float device_slope() const override { return slope_; }
 
  private:
@@ -118,7 +119,7 @@ class SigmoidModule : public ActivationModule {
                 const ParamDone& done) override;
 
  protected:
-  int device_code() const override { return 2; }
+  const char* device_kernel(bool backward) const override;
 };
 
 class TanhModule : public ActivationModule {
@@ -132,7 +133,7 @@ class TanhModule : public ActivationModule {
                 const ParamDone& done) override;
 
  protected:
-  int device_code() const override { return 3; }
+  const char* device_kernel(bool backward) const override;
 };
 
 // Exact GELU: x * Phi(x), Phi the standard normal CDF (PyTorch's default).
@@ -147,7 +148,7 @@ class GELUModule : public ActivationModule {
                 const ParamDone& done) override;
 
  protected:
-  int device_code() const override { return 4; }
+  const char* device_kernel(bool backward) const override;
 };
 
 // Softmax over the features of each row of (batch, features).

@@ -48,16 +48,26 @@ void LinearModule::backward(const DeviceParams& d, DeviceState*, const float* x,
 
 // ---- activations ---------------------------------------------------------------------
 
+// Each activation's pair of kernels; every one takes (x, y, n, slope) forward and (x, y, gy, gx, n, slope)
+// backward, whatever of those its formula reads.
+const char* ReLUModule::device_kernel(bool bwd) const { return bwd ? "cx_nn_relu_bwd" : "cx_nn_relu_fwd"; }
+const char* LeakyReLUModule::device_kernel(bool bwd) const {
+  return bwd ? "cx_nn_leaky_relu_bwd" : "cx_nn_leaky_relu_fwd";
+}
+const char* SigmoidModule::device_kernel(bool bwd) const { return bwd ? "cx_nn_sigmoid_bwd" : "cx_nn_sigmoid_fwd"; }
+const char* TanhModule::device_kernel(bool bwd) const { return bwd ? "cx_nn_tanh_bwd" : "cx_nn_tanh_fwd"; }
+const char* GELUModule::device_kernel(bool bwd) const { return bwd ? "cx_nn_gelu_bwd" : "cx_nn_gelu_fwd"; }
+
 void ActivationModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {
   const u64 n = numel(in);
-  d.dev.launch(d.dev.fn("cx_nn_act_fwd"), Device::grid_for(n), 256, device_code(), x, y, n, device_slope());
+  d.dev.launch(d.dev.fn(device_kernel(false)), Device::grid_for(n), 256, x, y, n, device_slope());
 }
 
 void ActivationModule::backward(const DeviceParams& d, DeviceState*, const float* x, const float* y, const Shape& in,
                                 const float* gy, float* gx, const ParamDone&) {
   if (!gx) return;
   const u64 n = numel(in);
-  d.dev.launch(d.dev.fn("cx_nn_act_bwd"), Device::grid_for(n), 256, device_code(), x, y, gy, gx, n, device_slope());
+  d.dev.launch(d.dev.fn(device_kernel(true)), Device::grid_for(n), 256, x, y, gy, gx, n, device_slope());
 }
 
 // ---- Softmax -----------------------------------------------------------------------
