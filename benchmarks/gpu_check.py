@@ -102,6 +102,14 @@ def correctness_world1() -> None:
         works = [D.all_reduce(cp.full(1000, i, cp.int64), async_op=True) for i in range(8)]
         for w in works:
             w.wait()
+        # Five async collectives in flight, then a blocking one: it runs behind them (Note [Collectives that
+        # are launches]), so when it returns every one of them is complete.
+        xs = [cp.full(1 << 20, i, cp.float32) for i in range(6)]
+        outs = [cp.zeros(1 << 20, cp.float32) for _ in range(6)]
+        works = [D.all_gather(outs[i], xs[i], async_op=True) for i in range(5)]
+        D.all_gather(outs[5], xs[5])
+        assert all(w.is_completed() for w in works)
+        assert all(cp.array_equal(o, x) for o, x in zip(outs, xs))
 
     def data_movement():
         x = cp.arange(1000, dtype=cp.float32)
