@@ -87,8 +87,15 @@ def test_every_kernel_the_host_code_launches_is_in_the_build():
     host = "".join(read(os.path.join(root, sub, f)) for sub in ("cuda", "nn", "train")
                    for f in os.listdir(os.path.join(root, sub)) if f.endswith(".cpp"))
     named = set(re.findall(r'"(cx_nn_\w+)"', host))
-    defined = set(re.findall(r'__global__ void (cx_nn_\w+)\(', read(os.path.join(root, "cuda", "nn.cu"))))
+    nn_cu = read(os.path.join(root, "cuda", "nn.cu"))
+    defined = set(re.findall(r'__global__ void (cx_nn_\w+)\(', nn_cu))
+    defined |= {f"cx_nn_{a}_{d}" for a in re.findall(r"^CX_ACTIVATION\((\w+),", nn_cu, re.M) for d in ("fwd", "bwd")}
     assert len(named) >= 15 and named <= defined, named - defined
+    # Device resolves every kernel at construction (kNnKernels): one loaded lazily later could wait for the
+    # whole context while an NCCL kernel waits on peers (Note [First step of a shape]).
+    device = read(os.path.join(root, "cuda", "device.cpp"))
+    preloaded = set(re.findall(r'"(cx_nn_\w+)"', device[device.index("kNnKernels[]"):]))
+    assert defined <= preloaded, f"not in kNnKernels: {sorted(defined - preloaded)}"
     blob = read(cx._core.__file__, "rb")
     missing = [k for k in named if k.encode() + b"\0" not in blob]
     assert not missing, f"not in the embedded fatbin: {missing}"

@@ -95,7 +95,7 @@ const char* const kNnKernels[] = {
     "cx_nn_sigmoid_bwd", "cx_nn_tanh_fwd", "cx_nn_tanh_bwd", "cx_nn_gelu_fwd", "cx_nn_gelu_bwd",
     "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul", "cx_nn_bn_fwd", "cx_nn_bn_bwd",
     "cx_nn_ce_labels", "cx_nn_ce_dense", "cx_nn_mse", "cx_nn_bce",
-    "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm"};
+    "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm", "cx_nn_count_nonfinite"};
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none

@@ -51,46 +51,20 @@ extern "C" __global__ void cx_nn_col_sum_add(float* gb, const float* g, u64 rows
 // one signature, (x, y, n, slope) and (x, y, gy, gx, n, slope), so that
 // ActivationModule launches each alike; slope is LeakyReLU's, the others ignore
 // it, as they do whichever of x and y their backward does not read.
+#define CX_ACTIVATION(name, forward, backward)                                                              \
+  extern "C" __global__ void cx_nn_##name##_fwd(const float* x, float* y, u64 n, float slope) {             \
+    CX_LOOP(i, n) y[i] = forward;                                                                           \
+  }                                                                                                         \
+  extern "C" __global__ void cx_nn_##name##_bwd(const float* x, const float* y, const float* gy, float* gx, \
+                                                u64 n, float slope) {                                       \
+    CX_LOOP(i, n) gx[i] = backward;                                                                         \
+  }
 
-extern "C" __global__ void cx_nn_relu_fwd(const float* x, float* y, u64 n, float slope) {
-  CX_LOOP(i, n) y[i] = rules::relu_fwd(x[i]);
-}
-extern "C" __global__ void cx_nn_relu_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
-                                          float slope) {
-  CX_LOOP(i, n) gx[i] = rules::relu_bwd(x[i], gy[i]);
-}
-
-extern "C" __global__ void cx_nn_leaky_relu_fwd(const float* x, float* y, u64 n, float slope) {
-  CX_LOOP(i, n) y[i] = rules::leaky_relu_fwd(x[i], slope);
-}
-extern "C" __global__ void cx_nn_leaky_relu_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
-                                                float slope) {
-  CX_LOOP(i, n) gx[i] = rules::leaky_relu_bwd(x[i], gy[i], slope);
-}
-
-extern "C" __global__ void cx_nn_sigmoid_fwd(const float* x, float* y, u64 n, float slope) {
-  CX_LOOP(i, n) y[i] = rules::sigmoid_fwd(x[i]);
-}
-extern "C" __global__ void cx_nn_sigmoid_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
-                                             float slope) {
-  CX_LOOP(i, n) gx[i] = rules::sigmoid_bwd(y[i], gy[i]);
-}
-
-extern "C" __global__ void cx_nn_tanh_fwd(const float* x, float* y, u64 n, float slope) {
-  CX_LOOP(i, n) y[i] = rules::tanh_fwd(x[i]);
-}
-extern "C" __global__ void cx_nn_tanh_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
-                                          float slope) {
-  CX_LOOP(i, n) gx[i] = rules::tanh_bwd(y[i], gy[i]);
-}
-
-extern "C" __global__ void cx_nn_gelu_fwd(const float* x, float* y, u64 n, float slope) {
-  CX_LOOP(i, n) y[i] = rules::gelu_fwd(x[i]);
-}
-extern "C" __global__ void cx_nn_gelu_bwd(const float* x, const float* y, const float* gy, float* gx, u64 n,
-                                          float slope) {
-  CX_LOOP(i, n) gx[i] = rules::gelu_bwd(x[i], gy[i]);
-}
+CX_ACTIVATION(relu, rules::relu_fwd(x[i]), rules::relu_bwd(x[i], gy[i]))
+CX_ACTIVATION(leaky_relu, rules::leaky_relu_fwd(x[i], slope), rules::leaky_relu_bwd(x[i], gy[i], slope))
+CX_ACTIVATION(sigmoid, rules::sigmoid_fwd(x[i]), rules::sigmoid_bwd(y[i], gy[i]))
+CX_ACTIVATION(tanh, rules::tanh_fwd(x[i]), rules::tanh_bwd(y[i], gy[i]))
+CX_ACTIVATION(gelu, rules::gelu_fwd(x[i]), rules::gelu_bwd(x[i], gy[i]))
 
 // Softmax over each row of (rows, cols): one warp per row.
 extern "C" __global__ void cx_nn_softmax_fwd(const float* x, float* y, u64 rows, u64 cols) {
