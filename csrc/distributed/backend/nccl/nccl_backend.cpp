@@ -192,6 +192,7 @@ std::shared_ptr<cuda::Event> EventPool::take() {
 }
 
 void NcclBackend::abort(ErrorKind, const std::string&) {
+  std::lock_guard<std::mutex> lk(comm_mu_);
   if (comm_) {
     api_->ncclCommAbort(comm_);
     comm_ = nullptr;
@@ -202,6 +203,7 @@ void NcclBackend::close(const Deadline&) {
   if (!ctx_) return;  // construction failed before anything was made
   const CudaDriver& d = cuda_driver();
   d.cuCtxSetCurrent(ctx_);
+  std::lock_guard<std::mutex> lk(comm_mu_);
   if (comm_) {
     // Every collective has completed (each one is waited for), so nothing is in flight.
     api_->ncclCommDestroy(comm_);
@@ -289,18 +291,25 @@ Backend::Poll NcclBackend::launched(bool async) {
 
 bool NcclBackend::poll(const cuda::Event* done, cuda::CUstream stream, const OpDesc& desc, const Deadline& dl,
                        int n) {
-  if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
   const CudaDriver& d = cuda_driver();
   if (n == 0) make_current();  // the waiting thread may not be the one that launched
   CUresult q = done ? d.cuEventQuery(done->get()) : d.cuStreamQuery(stream);
-  if (q == kSuccess) return true;
+  if (q == kSuccess) {
+    // An aborted communicator's kernels end too, with nothing done: that is no success.
+    std::lock_guard<std::mutex> lk(comm_mu_);
+    if (!comm_) CX_THROW(Error, "rank ", rank_, ": ", desc.describe(), ": the NCCL communicator was aborted");
+    return true;
+  }
   if (q != kErrorNotReady) {
     CX_THROW(Error, "rank ", rank_, ": ", desc.describe(), " failed on GPU ", device_, ": ", d.error_text(q));
   }
-  ncclResult_t async = ncclSuccess;
-  if (n % 16 == 15 && api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
-      async != ncclInProgress) {
-    fail_async(async, desc);
+  if (n % 16 == 15) {
+    std::lock_guard<std::mutex> lk(comm_mu_);  // abort() may end the communicator from another thread
+    if (!comm_) CX_THROW(Error, "rank ", rank_, ": the NCCL communicator was aborted");
+    ncclResult_t async = ncclSuccess;
+    if (api_->ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      fail_async(async, desc);
+    }
   }
   if (dl.expired()) {
     CX_THROW(TimeoutError, "rank ", rank_, ": ", desc.describe(), " on GPU ", device_, " did not complete within ",

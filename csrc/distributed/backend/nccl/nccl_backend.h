@@ -130,6 +130,10 @@ class NcclBackend : public Backend {
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();  // the launched collectives' ends
   cuda::CUevent ready_ = nullptr;  // recorded on the caller's stream for our stream to wait on
   cuda::CUdeviceptr scratch_ = 0;  // 4 bytes: the barrier's all-reduce
+  // Launches use comm_ under ProcessGroup's exec_mu_, as abort() and close() do; a waiting thread's poll
+  // runs without it (Note [Collectives that are launches]), so its reads of comm_ and abort()'s end of it
+  // also take comm_mu_.
+  std::mutex comm_mu_;
   nccl::ncclComm_t comm_ = nullptr;
   std::unique_ptr<cuda::Module> scale_;  // scale.cu: AVG by hand on NCCL < 2.10
   OpDesc desc_;
