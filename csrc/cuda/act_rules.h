@@ -19,8 +19,14 @@ CX_HD float relu_fwd(float x) { return x <= 0.0f ? 0.0f : x; }
 // mispredicted half the time was ten times slower than the forward pass).
 CX_HD float relu_bwd(float x, float g) { return x > 0.0f ? g : 0.0f; }
 
-CX_HD float leaky_relu_fwd(float x, float slope) { return x > 0.0f ? x : slope * x; }
-CX_HD float leaky_relu_bwd(float x, float g, float slope) { return x > 0.0f ? g : slope * g; }
+// x > 0 ? x : slope * x, written as a sum of two selects of a value or 0: GCC if-converts those, while the
+// product on one side of a select stays a branch under -ftrapping-math (the default), which left the CPU's loop
+// scalar at 7x ReLU's time. The same values, but that a zero result is +0 where the select gave -0.
+CX_HD float leaky_relu_fwd(float x, float slope) { return (x <= 0.0f ? 0.0f : x) + slope * (x > 0.0f ? 0.0f : x); }
+CX_HD float leaky_relu_bwd(float x, float g, float slope) {
+  const bool pos = x > 0.0f;
+  return (pos ? g : 0.0f) + slope * (pos ? 0.0f : g);
+}
 
 // The sigmoid from e = exp(-|x|), which never overflows: stable on both sides. BCE's log term uses the same e.
 CX_HD float sigmoid_stable(float x, float e) { return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e); }
