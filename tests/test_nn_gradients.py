@@ -246,6 +246,48 @@ def test_activation_matches_its_formula_from_saturation_to_zero(name):
     np.testing.assert_allclose(gx, bwd(x64, gy64), rtol=1e-6, atol=1e-6)
 
 
+def _forward_in_a_child(scalar: str) -> dict:
+    """Sigmoid and Tanh forward over a wide range and the special values, in a child process with
+    CX_NN_SCALAR=scalar (read once per process)."""
+    import io
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import io, sys, numpy as np, pycyxwiz as cx\n"
+        "rng = np.random.default_rng(1)\n"
+        "x = np.concatenate([rng.uniform(-1, 1, 20000), rng.uniform(-12, 12, 20000), rng.uniform(-110, 110, 20000),\n"
+        "                    np.linspace(-0.7, 0.7, 2001), [0.0, -0.0, np.inf, -np.inf, np.nan, 0.625, -0.625, 87.3,\n"
+        "                    -87.3, -87.4, -88.0, -103.0, -104.0, -130.0, 1e-30, -1e-30, 1e-45, 20.0, -20.0]]).astype(np.float32)\n"
+        "out = {'x': x}\n"
+        "for name, mod in (('sigmoid', cx.SigmoidModule()), ('tanh', cx.TanhModule())):\n"
+        "    m = cx.SequentialModel(); m.add(mod); out[name] = np.asarray(m.forward(x.reshape(1, -1))).ravel()\n"
+        "buf = io.BytesIO(); np.savez(buf, **out); sys.stdout.buffer.write(buf.getvalue())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "CX_NN_SCALAR": scalar},
+                       capture_output=True, check=True, cwd="/")
+    return dict(np.load(io.BytesIO(r.stdout)))
+
+
+def test_sigmoid_and_tanh_on_eight_lanes_stay_within_a_few_ulp_of_the_rules():
+    """Note [Vector exp] (csrc/nn/kernels.cpp): the AVX2 forward against the rules' libm calls (CX_NN_SCALAR=1)
+    and float64, in ulps of the true value, subnormal results included; NaN, the infinities and -0 as the rules."""
+    vec, ref = _forward_in_a_child("0"), _forward_in_a_child("1")
+    x = vec["x"].astype(np.float64)
+    with np.errstate(over="ignore"):
+        exact = {"sigmoid": 1.0 / (1.0 + np.exp(-x)), "tanh": np.tanh(x)}
+    for name in ("sigmoid", "tanh"):
+        a, b, t = vec[name], ref[name], exact[name]
+        nan = np.isnan(t)
+        assert np.array_equal(np.isnan(a), nan) and np.array_equal(np.isnan(b), nan), name
+        ulp = np.maximum(np.spacing(np.abs(t[~nan]).astype(np.float32)).astype(np.float64), 2.0 ** -149)
+        assert np.max(np.abs(a[~nan] - t[~nan]) / ulp) <= 3.0, name
+        assert np.max(np.abs(b[~nan] - t[~nan]) / ulp) <= 3.0, name  # the reference is as good
+        special = ~nan & (np.isinf(x) | (x == 0))
+        np.testing.assert_array_equal(a[special], b[special])
+        assert np.array_equal(np.signbit(a[special]), np.signbit(b[special])), name  # tanh(-0) is -0
+
+
 # ---------------------------------------------------------------- losses
 
 def ce64(z, t_onehot):

@@ -166,14 +166,16 @@ def test_a_file_from_before_the_layer_registry_loads_and_is_written_byte_for_byt
     model = every_layer_model()
     assert repr(loaded) == repr(model)
     np.testing.assert_array_equal(loaded.flat_parameters(), model.flat_parameters())
+    # The running statistics are those of a forward pass through Sigmoid, Tanh and GELU, which this build
+    # computes within a few ulp of the build that wrote the file (Note [Vector exp] in csrc/nn/kernels.cpp).
     for a, b in zip(loaded, model):
         if isinstance(b, cx.BatchNormModule):
-            np.testing.assert_array_equal(a.running_mean, b.running_mean)
-            np.testing.assert_array_equal(a.running_var, b.running_var)
+            np.testing.assert_allclose(a.running_mean, b.running_mean, rtol=1e-6)
+            np.testing.assert_allclose(a.running_var, b.running_var, rtol=1e-6)
     x = RNG.standard_normal((3, 2, 3)).astype(np.float32)
-    np.testing.assert_array_equal(loaded.eval().forward(x), model.eval().forward(x))
+    np.testing.assert_allclose(loaded.eval().forward(x), model.eval().forward(x), rtol=1e-6)
     new = tmp_path / "new.cyxmodel"
-    model.save(new)
+    loaded.save(new)
     assert new.read_bytes() == EVERY_LAYER_V1
 
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/env.h"
+#include "cuda/act_rules.h"
 #include "cuda/update_rules.h"
 
 namespace cx::nn::kernels {
@@ -112,6 +113,89 @@ __attribute__((target_clones("avx2", "default"))) void sgd(float* __restrict p, 
       p[i] -= lr * b;
     }
   }
+}
+
+namespace {
+
+// Note [Vector exp]
+// Sigmoid and Tanh spend their time in expf/tanhf, one libm call per element
+// (45 and 85 ms for 4M floats, against ReLU's 3.7 and PyTorch's 4.5 and 16).
+// exp8 is Cephes' expf on 8 lanes: x = n ln2 + r with |r| <= ln2/2 (ln2 in two
+// parts, so r is exact), e^r by a degree-7 polynomial, 2^n built in the exponent
+// bits; relative error under 2e-7 (about 1.5 ulp) where the result is normal.
+// Only x <= 0 is asked for here (e^-|x|), so it cannot overflow; below -80 it
+// is e^(x+40) e^-40, so that a subnormal result is rounded once, as expf's is.
+// Tanh below |x| = 0.625 is Cephes' odd polynomial ((1 - e)/(1 + e) loses digits
+// there); above, (1 - e)/(1 + e) with e = e^-2|x|. The scalar path keeps the
+// rules' libm calls, so CX_NN_SCALAR=1 gives the reference they are tested on.
+__attribute__((target("avx2,fma"))) __m256 exp8(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-80.0f), _CMP_LT_OQ);
+  x = _mm256_add_ps(x, _mm256_and_ps(tiny, _mm256_set1_ps(40.0f)));
+  const __m256 lo = _mm256_set1_ps(-87.33654475f);
+  const __m256 flush = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // e^x under 1e-55: 0 in float
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  p = _mm256_andnot_ps(flush, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+  return _mm256_blendv_ps(p, _mm256_mul_ps(p, _mm256_set1_ps(4.24835426e-18f)), tiny);  // e^-40
+}
+
+__attribute__((target("avx2,fma"))) size_t sigmoid_avx2(const float* x, float* y, size_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 e = exp8(_mm256_or_ps(v, sign));  // e^-|x|
+    const __m256 d = _mm256_add_ps(one, e);
+    __m256 out = _mm256_blendv_ps(_mm256_div_ps(e, d), _mm256_div_ps(one, d), _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
+    out = _mm256_blendv_ps(out, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN in, NaN out
+    _mm256_storeu_ps(y + i, out);
+  }
+  return i;
+}
+
+__attribute__((target("avx2,fma"))) size_t tanh_avx2(const float* x, float* y, size_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 a = _mm256_andnot_ps(sign, v);
+    const __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 z = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), a, a);
+    __m256 out = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+    out = _mm256_or_ps(out, _mm256_and_ps(v, sign));  // tanh is odd: -0 stays -0
+    out = _mm256_blendv_ps(out, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    _mm256_storeu_ps(y + i, out);
+  }
+  return i;
+}
+
+}  // namespace
+
+void sigmoid(const float* x, float* y, size_t n) {
+  size_t i = have_avx2() ? sigmoid_avx2(x, y, n) : 0;
+  for (; i < n; ++i) y[i] = rules::sigmoid_fwd(x[i]);
+}
+
+void tanh(const float* x, float* y, size_t n) {
+  size_t i = have_avx2() ? tanh_avx2(x, y, n) : 0;
+  for (; i < n; ++i) y[i] = rules::tanh_fwd(x[i]);
 }
 
 double sum_squares(const float* x, size_t n) {

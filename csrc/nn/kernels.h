@@ -25,6 +25,11 @@ void rmsprop(float* p, const float* g, float* v, float* buf, size_t n, float lr,
 // p -= lr*d. buf may be null when momentum == 0.
 void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentum, bool nesterov, float l2);
 
+// Sigmoid and Tanh forward over n floats: the formulas of cuda/act_rules.h (the scalar path, and the GPU's),
+// or with AVX2 an 8-wide exp (Note [Vector exp] in kernels.cpp) within a few ulp of them; a NaN stays NaN.
+void sigmoid(const float* x, float* y, size_t n);
+void tanh(const float* x, float* y, size_t n);
+
 // sum of squares in double (for global-norm clipping).
 double sum_squares(const float* x, size_t n);
 void scale(float* x, size_t n, float s);

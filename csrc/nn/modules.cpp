@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "cuda/act_rules.h"
 #include "nn/blas.h"
+#include "nn/kernels.h"
 #include "nn/registry.h"
 #include "nn/sequential.h"
 #include "nn/serialize.h"
@@ -142,8 +143,7 @@ void LeakyReLUModule::backward(const float* x, const float*, const Shape& in, co
 void LeakyReLUModule::write_config(ByteWriter& w) const { w.f32(slope_); }
 
 void SigmoidModule::forward(const float* x, const Shape& in, float* y, bool) {
-  size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = rules::sigmoid_fwd(x[i]);
+  kernels::sigmoid(x, y, numel(in));  // the rule, or 8 lanes within a few ulp of it (Note [Vector exp])
 }
 void SigmoidModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
                              const ParamDone&) {
@@ -153,8 +153,7 @@ void SigmoidModule::backward(const float*, const float* y, const Shape& in, cons
 }
 
 void TanhModule::forward(const float* x, const Shape& in, float* y, bool) {
-  size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = rules::tanh_fwd(x[i]);
+  kernels::tanh(x, y, numel(in));  // the rule, or 8 lanes within a few ulp of it (Note [Vector exp])
 }
 void TanhModule::backward(const float*, const float* y, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
