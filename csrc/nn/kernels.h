@@ -29,6 +29,9 @@ void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentu
 // or with AVX2 an 8-wide exp (Note [Vector exp] in kernels.cpp) within a few ulp of them; a NaN stays NaN.
 void sigmoid(const float* x, float* y, size_t n);
 void tanh(const float* x, float* y, size_t n);
+// GELU (exact) forward, and its backward gx = gy * GELU'(x), likewise, its erf to float32's rounding of 1.
+void gelu(const float* x, float* y, size_t n);
+void gelu_backward(const float* x, const float* gy, float* gx, size_t n);
 
 // sum of squares in double (for global-norm clipping).
 double sum_squares(const float* x, size_t n);

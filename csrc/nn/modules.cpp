@@ -163,14 +163,11 @@ void TanhModule::backward(const float*, const float* y, const Shape& in, const f
 }
 
 void GELUModule::forward(const float* x, const Shape& in, float* y, bool) {
-  size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = rules::gelu_fwd(x[i]);
+  kernels::gelu(x, y, numel(in));  // the rule, or 8 lanes (Note [Vector exp])
 }
 void GELUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
-  if (!gx) return;
-  size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) gx[i] = rules::gelu_bwd(x[i], gy[i]);
+  if (gx) kernels::gelu_backward(x, gy, gx, numel(in));
 }
 
 // ---------------------------------------------------------------- Softmax
