@@ -1,5 +1,5 @@
 // defines: the vectorised loops over flat buffers that optimizers, losses,
-// clipping and the image layers (nn/layers/) use. Each has a plain scalar reference beside an AVX2 path picked at
+// clipping, Sigmoid/Tanh/GELU and the image layers (nn/layers/) use. Each has a plain scalar reference beside an AVX2 path picked at
 // run time (the shipped build targets baseline x86-64; see DESIGN.md "Build").
 // PYCYXWIZ_NN_SCALAR=1 in the environment forces the scalar paths.
 #pragma once
