@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 EVERY_STEP = ["loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong",
@@ -47,3 +49,14 @@ def test_the_training_benchmark_refuses_a_hidden_layer_of_no_width():
                        text=True, timeout=60)
     assert r.returncode == 2
     assert "--busy must be >= 0, --rounds >= 1 and --hidden >= 1" in r.stderr, r.stderr
+
+
+def test_the_activations_benchmark_prints_both_libraries_side_by_side():
+    pytest.importorskip("torch", reason="PyTorch (the bench or torch extra) is the side it compares with")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.activations", "--names", "gelu", "--rounds", "1",
+                        "--repeat", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    header, row = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["activation"], ["gelu"])]
+    assert header[1:4] == ["cx_forward_ms", "torch_forward_ms", "forward_ratio"], header
+    assert all(float(v) > 0 for v in row[1:]), row  # every column measured, PyTorch's too
+    assert "activations.json" in r.stdout
