@@ -90,9 +90,10 @@ class Backend {
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
 
   // The next body to run belongs to `desc`; its waits give up at `dl`.
-  // `on_submitter`: it runs on the submitting thread right after its submission
-  // (a blocking call), so nothing can have been queued on the caller's stream
-  // since: NCCL then launches on that stream itself.
+  // `on_submitter`: a blocking call that runs on the submitting thread right
+  // after its submission, with nothing of this group still in flight, so
+  // nothing can have been queued on the caller's stream since: NCCL then
+  // launches on that stream itself.
   virtual void begin(const OpDesc& desc, const Deadline& dl, bool on_submitter) = 0;
 
   // A backend whose collectives are launches on a GPU stream (NCCL) says so

@@ -12,11 +12,11 @@
 // stream is not held up by the collective. The waiting thread then polls an
 // event recorded after an async launch, or the stream a blocking one ran on
 // (and, every few polls, ncclCommGetAsyncError) until done or until the
-// group's deadline. So a
-// blocking collective returns, and Work::wait() of an async one returns, only
-// once the result is in the array: the caller's stream is ordered after it
-// with no further synchronisation, and a hung or failed collective surfaces as
-// an exception on the host instead of a stream that never drains.
+// group's deadline. So a blocking collective returns, and Work::wait() of an
+// async one returns, only once the result is in the array: the caller's
+// stream is ordered after it with no further synchronisation, and a hung or
+// failed collective surfaces as an exception on the host instead of a stream
+// that never drains.
 //
 // Failure. An NCCL async error (a peer died, the network failed) raises
 // DistributedConnectionError; the deadline passing raises
