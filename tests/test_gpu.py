@@ -617,6 +617,19 @@ def test_the_gpu_trainer_refuses_gradient_clipping_and_ema_by_name():
     assert msg.startswith("callback EMA.on_train_begin: EMA is not supported on the GPU trainer yet"), msg
 
 
+@gpu
+@needs_gpu_nccl
+def test_a_reduced_matmul_precision_without_cublas_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("CX_GPU_GEMM", "tiled")  # read when the trainer opens the GPU: our own GEMM, no cuBLAS
+
+    def bf16(cfg):
+        cfg.matmul_precision = "bf16"
+        return None
+    msg = _refusal_on_the_gpu(bf16)
+    assert ("matmul_precision='bf16' needs cuBLAS with cublasGemmEx, but this GPU's GEMM is the pycyxwiz tiled "
+            "kernel (CX_GPU_GEMM=tiled)") in msg, msg
+
+
 # ---- non-finite gradients on the GPU (Note [Non-finite gradients on the GPU] in csrc/train/gpu_engine.cpp) ----
 
 NAN_FIT = """
