@@ -146,10 +146,15 @@ def spawn(fn: Callable, world: int, args: tuple = (), env: Optional[dict] = None
 
 
 def run(fn: Callable, world: int, args: tuple = (), **kw) -> list:
-    """Like spawn, but every rank must succeed; returns their values in rank order."""
+    """Like spawn, but every rank must succeed, and exit cleanly (a rank that aborts while exiting fails its job
+    under torchrun or any launcher); returns their values in rank order."""
     outs = spawn(fn, world, args, **kw)
     bad = [o for o in outs if not o.ok]
+    lines = [f"rank {o.rank}: {o.exc_type}: {o.message}\n{o.trace}" for o in bad]
+    for o in outs:
+        if o.ok and o.exitcode not in (0, None):  # None: still exiting after 5 s, not judged here
+            bad.append(o)
+            lines.append(f"rank {o.rank}: returned its result, then exited with code {o.exitcode} (a crash at exit)")
     if bad:
-        lines = [f"rank {o.rank}: {o.exc_type}: {o.message}\n{o.trace}" for o in bad]
         raise RankFailure(f"{len(bad)} of {world} ranks failed:\n" + "\n".join(lines))
     return [o.value for o in outs]

@@ -131,17 +131,29 @@ class _Work(dist._Work):
 
 def _complete(q: "queue.SimpleQueue[Any]") -> None:
     # Completes the futures of a group's async collectives, in submission order (the order they run in). A
-    # thread of its own: the group's communication thread never waits for the GIL.
+    # thread of its own: the group's communication thread never waits for the GIL. It holds nothing between
+    # items (Note [The futures thread ends before the interpreter]).
     while True:
         item = q.get()
         if item is None:
             return
         work, fut, result = item
+        del item
         try:
             work.wait()
             fut.set_result(result)
         except BaseException as e:  # the collective's error, raised to whoever waits on the future
             fut.set_exception(e)
+        del work, fut, result
+
+
+# Note [The futures thread ends before the interpreter]
+# A daemon thread that is still running when the interpreter finalizes is stopped where it next takes the
+# GIL, by pthread_exit, whose unwinding aborts the process ("terminate called without an active exception")
+# when it crosses C++ that may not throw. The futures thread met that: after shutdown's None it returned,
+# and its frame dropped the last item's tensors, whose deallocation (torch's C++) gives up the GIL and takes
+# it back; when the main thread was already finalizing, 1 exit in 4 of a 4-rank DDP job aborted, a failed
+# rank to torchrun. So the thread keeps nothing between items, and shutdown waits for it to end.
 
 
 def _peer_address(store: Any) -> str:
@@ -199,6 +211,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         secret = _secret(store, rank, timeout) if size > 1 else ""
         self._g = _d.Group(cfg, store, _peer_address(store) if size > 1 else "127.0.0.1", secret)
         self._q: Optional["queue.SimpleQueue[Any]"] = None
+        self._futures: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._nccl: Any = None
         _live.add(self)
@@ -231,8 +244,9 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         with self._lock:
             if self._q is None:
                 self._q = queue.SimpleQueue()
-                threading.Thread(target=_complete, args=(self._q,), daemon=True,
-                                 name=f"cyxwiz-futures-{self.rank()}").start()
+                self._futures = threading.Thread(target=_complete, args=(self._q,), daemon=True,
+                                                 name=f"cyxwiz-futures-{self.rank()}")
+                self._futures.start()
             self._q.put((work, fut, result))
 
     def _ret(self, work: Any, async_op: bool, result: Any) -> Optional[_Work]:
@@ -263,7 +277,12 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
             pass  # torch's store went with rank 0, which has finished: nothing is left to compare
         finally:
             if self._q is not None:
-                self._q.put(None)
+                self._q.put(None)  # after the core's shutdown, which ends every queued collective
+            t = self._futures
+            if t is not None and t is not threading.current_thread():
+                # Its waits have ended with the core's shutdown; what is left is setting futures, whose
+                # callbacks are the user's (DDP's hooks): bounded by the group's timeout, not forever.
+                t.join(self._timeout.total_seconds())
 
     def abort(self) -> None:
         self._g.abort("the process group was aborted (ProcessGroup.abort)")
