@@ -75,9 +75,13 @@ ALGORITHM_COLUMNS = ("pycyxwiz-flat", "pycyxwiz-hier", "pycyxwiz-hier-seq")
 # one per rank] in pycyxwiz/launch.py), not run by default: every other column's ranks get a session
 # each, as pycyxwiz's launcher and torchrun give them, except Open MPI's, which mpirun keeps in its one.
 SESSION_COLUMNS = ("pycyxwiz-one-session", "pycyxwiz-shm-one-session")
-EXTRA_COLUMNS = ALGORITHM_COLUMNS + SESSION_COLUMNS
+# pycyxwiz through shared memory with large messages copied twice, through the rings, as before single copies
+# (CX_SHM_SINGLE_COPY=0; Note [Single-copy large messages] in csrc/distributed/transport/shm/shm.h).
+COPY_COLUMNS = ("pycyxwiz-shm-two-copies",)
+EXTRA_COLUMNS = ALGORITHM_COLUMNS + SESSION_COLUMNS + COPY_COLUMNS
 LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
            "pycyxwiz-one-session": {"CX_SHM": "0"}, "pycyxwiz-shm-one-session": {"CX_SHM": "1"},
+           "pycyxwiz-shm-two-copies": {"CX_SHM": "1", "CX_SHM_SINGLE_COPY": "0"},
            "pycyxwiz-flat": {"CX_SHM": "1", "CX_ALGORITHM": "flat"},
            "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"},
            "pycyxwiz-hier-seq": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical", "CX_HIER_SLICE_BYTES": str(1 << 40)}}

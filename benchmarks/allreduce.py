@@ -37,6 +37,7 @@ phases one after the other (ratio seq/flat).
 Columns pycyxwiz-one-session and pycyxwiz-shm-one-session start pycyxwiz's ranks in one session, as
 `launch --one-session` does (Note [One session or one per rank] in pycyxwiz/launch.py; ratio "one/own
 session" against the same transport with a session per rank, as every other column but Open MPI's has).
+Column pycyxwiz-shm-two-copies is pycyxwiz-shm with CX_SHM_SINGLE_COPY=0 (ratio "one/two copies").
 
 Writes benchmarks/results/partial/<name>.json and <name>.png (name defaults to the op's short name).
 """
@@ -185,6 +186,8 @@ def tables(payload: dict, markdown: bool = False) -> str:
         for one, own in (("pycyxwiz-one-session", "pycyxwiz"), ("pycyxwiz-shm-one-session", "pycyxwiz-shm")):
             if one in libs and own in libs:
                 pairs.append((one, own, f"{'shm ' if 'shm' in own else ''}one/own session"))
+        if "pycyxwiz-shm-two-copies" in libs and "pycyxwiz-shm" in libs:
+            pairs.append(("pycyxwiz-shm", "pycyxwiz-shm-two-copies", "one/two copies"))
         if "mpi-default" in libs:
             if "pycyxwiz-shm-one-session" in libs:
                 pairs.append(("pycyxwiz-shm-one-session", "mpi-default", "shm one session/mpi-default"))

@@ -350,6 +350,59 @@ def test_async_work_handles_complete_in_submission_order(world):
         assert "completed" in rep
 
 
+# ---- keyword arguments ---------------------------------------------------------------
+# The module's collectives read their keywords before pybind11 does (Note [Keyword arguments before pybind11's
+# dispatcher] in csrc/bindings/keywords.h): every form a caller writes must land each value in its parameter.
+
+def keyword_forms_body():
+    r, p = D.get_rank(), D.get_world_size()
+    total = sum(range(1, p + 1))
+    got = {}
+    x = np.full(5, float(r + 1), np.float32)
+    D.all_reduce(x, op=D.ReduceOp.MAX)
+    got["op="] = x.tolist() == [float(p)] * 5
+    x = np.full(5, float(r + 1), np.float32)
+    w = D.all_reduce(x, async_op=True)  # op left out before a keyword: its default, SUM
+    got["async_op= after a gap"] = w.wait() and x.tolist() == [float(total)] * 5
+    x = np.full(5, float(r + 1), np.float32)
+    w = D.all_reduce(dtype=None, async_op=True, op=D.ReduceOp.MIN, arr=x)  # every one by name, out of order
+    got["all by name"] = w.wait() and x.tolist() == [1.0] * 5
+    x = np.full(5, float(r + 1), np.float32)
+    kw = {"o" + "p": D.ReduceOp.PRODUCT}  # a name made at run time (not the interned string)
+    D.all_reduce(x, **kw)
+    got["built name"] = x.tolist() == [float(np.prod(np.arange(1, p + 1)))] * 5
+    b = np.full(3, float(r), np.float64)
+    D.broadcast(b, src=p - 1)
+    got["broadcast src="] = b.tolist() == [float(p - 1)] * 3
+    b = np.full(3, float(r), np.float64)
+    D.reduce(b, op=D.ReduceOp.MAX, dst=p - 1)  # dst after op, by name
+    got["reduce dst= op="] = r != p - 1 or b.tolist() == [float(p - 1)] * 3
+    out = np.zeros((p, 2), np.int32)
+    D.all_gather(arr=np.full(2, r, np.int32), out=out)
+    got["all_gather by name"] = out.tolist() == [[k, k] for k in range(p)]
+    got["barrier async_op="] = D.barrier(async_op=True).wait()
+    errors = []
+    for call in (lambda: D.all_reduce(x, opp=D.ReduceOp.SUM),         # an unknown keyword
+                 lambda: D.all_reduce(x, D.ReduceOp.SUM, op=D.ReduceOp.SUM),  # op twice
+                 lambda: D.all_reduce(op=D.ReduceOp.SUM),             # arr missing
+                 lambda: D.all_reduce(x, op="SUM")):                  # op of the wrong type
+        try:
+            call()
+            errors.append("no error")
+        except TypeError as e:
+            errors.append(str(e))
+    return got, errors
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_collectives_take_every_keyword_form_and_refuse_bad_ones_by_pybind11s_message(world):
+    for got, errors in ranks.run(keyword_forms_body, world):
+        assert all(got.values()), got
+        assert "opp=" in errors[0] and "all_reduce(): incompatible function arguments" in errors[0], errors
+        assert all("all_reduce(): incompatible function arguments" in e for e in errors[1:]), errors
+        assert "'SUM'" in errors[3], errors
+
+
 # ---- the world of one, in this very process ---------------------------------------
 
 def test_plain_process_without_launcher_is_a_world_of_one(monkeypatch):

@@ -401,6 +401,8 @@ def test_init_twice_is_refused(monkeypatch):
      "CX_ALGORITHM='tree' is not valid: expected 'auto', 'flat' or 'hierarchical'"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM": "yes"}, "CX_SHM='yes' is not valid: expected 0 (TCP only) or 1"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM_RING_BYTES": "100"}, "CX_SHM_RING_BYTES='100'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "CX_SHM_SINGLE_COPY": "on"},
+     "CX_SHM_SINGLE_COPY='on' is not valid: expected 0 (large messages copied through the rings) or 1"),
     ({"RANK": "0", "WORLD_SIZE": "2", "CX_SOCKET_BUFFER_BYTES": "4096"},
      "CX_SOCKET_BUFFER_BYTES='4096' is not valid: expected bytes, 65536 (64 KiB) .. 1073741824 (1 GiB)"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0' is not valid: expected a positive"),
@@ -408,7 +410,7 @@ def test_init_twice_is_refused(monkeypatch):
 def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
               "DISTRIBUTED_OPERATION_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
-              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES", "CX_SOCKET_BUFFER_BYTES",
+              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES", "CX_SHM_SINGLE_COPY", "CX_SOCKET_BUFFER_BYTES",
               "LOCAL_WORLD_SIZE", "CX_ALGORITHM", "CX_HIER_SLICE_BYTES"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():

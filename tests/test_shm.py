@@ -205,3 +205,109 @@ def test_segment_files_of_ranks_killed_during_init_are_removed_at_the_next_init(
         for path in files.values():
             if os.path.exists(path):
                 os.unlink(path)
+
+
+# ---- single copies of large messages (Note [Single-copy large messages] in shm/shm.h) ----------------------
+
+def _single_copy_allowed() -> bool:
+    """What the transport will find: Yama (where the kernel has it) lets a process read a sibling's memory with
+    process_vm_readv only at ptrace_scope 0, unless it runs as root (CAP_SYS_PTRACE)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read())
+    except OSError:
+        return True
+    return scope == 0 or (os.geteuid() == 0 and scope < 3)
+
+
+def large_collectives():
+    r, p = D.get_rank(), D.get_world_size()
+    n = (3 << 20) // 4 + 5  # 3 MiB of float32 and a little: past the single-copy threshold, not a multiple of p
+    x = contribution(r, n, "float32", "SUM")
+    D.all_reduce(x)
+    ok = {"all_reduce": np.array_equal(x, expected(p, n, "float32", "SUM"))}
+    b = np.arange(n, dtype=np.float64) * (r + 1)
+    D.broadcast(b, src=p - 1)
+    ok["broadcast"] = np.array_equal(b, np.arange(n, dtype=np.float64) * p)
+    m = (1 << 20) + 3
+    out = np.zeros((p, m), np.float32)
+    D.all_gather(out, np.full(m, float(r), np.float32))
+    ok["all_gather"] = np.array_equal(out, np.repeat(np.arange(p, dtype=np.float32)[:, None], m, 1))
+    mine = np.zeros(m, np.float32)
+    D.reduce_scatter(mine, np.stack([np.full(m, float(r * p + j), np.float32) for j in range(p)]))
+    ok["reduce_scatter"] = np.array_equal(mine, np.full(m, float(sum(k * p + r for k in range(p))), np.float32))
+    y = contribution(r, n, "float32", "MAX")
+    D.reduce(y, dst=p - 1, op=D.ReduceOp.MAX)
+    ok["reduce"] = r != p - 1 or np.array_equal(y, expected(p, n, "float32", "MAX"))
+    got = np.zeros(m, np.float32)
+    D.scatter(got, [np.full(m, float(j), np.float32) for j in range(p)] if r == 0 else None, src=0)
+    ok["scatter"] = np.array_equal(got, np.full(m, float(r), np.float32))
+    outs = [np.zeros(m, np.float32) for _ in range(p)] if r == p - 1 else None
+    D.gather(np.full(m, float(r), np.float32), outs, dst=p - 1)
+    ok["gather"] = r != p - 1 or all(np.array_equal(o, np.full(m, float(j), np.float32)) for j, o in enumerate(outs))
+    a2a = np.zeros((p, m), np.float32)
+    D.all_to_all(a2a, np.stack([np.full(m, float(r * p + j), np.float32) for j in range(p)]))
+    ok["all_to_all"] = np.array_equal(a2a, np.stack([np.full(m, float(j * p + r), np.float32) for j in range(p)]))
+    z = np.full(n, float(r), np.float32)
+    if r == 0:
+        D.send(z, 1)
+    elif r == 1:
+        D.recv(z, 0)
+    ok["send/recv"] = r != 1 or np.array_equal(z, np.zeros(n, np.float32))
+    if p == 4:  # 2 MiB on 4 ranks: halving-doubling, at the threshold
+        h = contribution(r, (2 << 20) // 4, "float32", "SUM")
+        D.all_reduce(h)
+        ok["halving-doubling"] = np.array_equal(h, expected(p, (2 << 20) // 4, "float32", "SUM"))
+    return ok, int(cx._core.dist._single_copies())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("single_copy", ["default", "0"])
+def test_large_messages_are_copied_once_where_the_kernel_allows_and_arrive_intact_either_way(world, single_copy,
+                                                                                             monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    env = {} if single_copy == "default" else {"CX_SHM_SINGLE_COPY": "0"}
+    copied = single_copy == "default" and _single_copy_allowed()
+    for ok, copies in ranks.run(large_collectives, world, env=env, timeout=120):
+        assert all(ok.values()), ok
+        assert (copies > 0) == copied, (copies, copied)
+
+
+def die_around_a_large_message(how):
+    D.init()  # not the harness's: its finalize would raise the loss of rank 1 again, over our result
+    r = D.get_rank()
+    x = np.ones(4 << 20, np.float32)  # 16 MiB: every message is a single copy where allowed
+    D.all_reduce(x)
+    if r == 1:
+        if how == "left its buffer's address":
+            w = D.send(x, 0, async_op=True)  # noqa: F841  kept: dropping an unfinished Work waits for it
+            time.sleep(0.05)  # the address is on its way to rank 0, which reads it after we are gone
+        else:
+            time.sleep(0.3)  # the others' sends to us wait for our acknowledgement by now
+        os._exit(9)
+    t0 = time.monotonic()
+    try:
+        if how == "left its buffer's address":
+            if r == 0:
+                time.sleep(0.5)
+                D.recv(x, 1)
+            else:
+                return None
+        else:
+            D.all_reduce(x)
+    except cx.distributed.DistributedConnectionError as e:
+        return time.monotonic() - t0, str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["left its buffer's address", "died while the others send to it"])
+def test_a_peer_that_dies_around_a_single_copy_is_named_on_the_others(how, monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    outs = ranks.spawn(die_around_a_large_message, 3, args=(how,), env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 30000},
+                       timeout=60, init=False)
+    assert outs[1].exc_type == "Died"
+    for o in (outs[0], outs[2]) if how != "left its buffer's address" else (outs[0],):
+        assert o.ok and isinstance(o.value, tuple), o
+        waited, message = o.value
+        assert waited < 5, waited
+        assert "rank 1" in message and ("exited, crashed or was killed" in message or "lost" in message), message

@@ -10,6 +10,7 @@
 #include "bindings/arrays.h"
 #include "bindings/bindings.h"
 #include "bindings/collective_docs.h"
+#include "bindings/keywords.h"
 #include "common/error.h"
 #include "distributed/default_group.h"
 #include "distributed/store/store_interface.h"
@@ -333,6 +334,21 @@ void bind_collectives(py::module_& m) {
         py::arg("dst"), py::arg("async_op") = false, docs::kSend);
   m.def("recv", [=](py::object a, int src, bool as) { return recv(dflt("recv()"), a, src, as); }, py::arg("arr"),
         py::arg("src"), py::arg("async_op") = false, docs::kRecv);
+  // Note [Keyword arguments before pybind11's dispatcher]: the defaults are the m.def's above.
+  const py::object sum = py::cast(ReduceOp::kSum), no = py::bool_(false), none = py::none(), zero = py::int_(0);
+  const py::object required;
+  keyword_front(m, "all_reduce", {{"arr", required}, {"op", sum}, {"async_op", no}, {"dtype", none}});
+  keyword_front(m, "broadcast", {{"arr", required}, {"src", zero}, {"async_op", no}});
+  keyword_front(m, "all_gather", {{"out", required}, {"arr", required}, {"async_op", no}});
+  keyword_front(m, "reduce_scatter",
+                {{"out", required}, {"inputs", required}, {"op", sum}, {"async_op", no}, {"dtype", none}});
+  keyword_front(m, "reduce", {{"arr", required}, {"dst", zero}, {"op", sum}, {"async_op", no}, {"dtype", none}});
+  keyword_front(m, "scatter", {{"arr", required}, {"scatter_list", none}, {"src", zero}, {"async_op", no}});
+  keyword_front(m, "gather", {{"arr", required}, {"gather_list", none}, {"dst", zero}, {"async_op", no}});
+  keyword_front(m, "all_to_all", {{"out", required}, {"inputs", required}, {"async_op", no}});
+  keyword_front(m, "barrier", {{"async_op", no}});
+  keyword_front(m, "send", {{"arr", required}, {"dst", required}, {"async_op", no}});
+  keyword_front(m, "recv", {{"arr", required}, {"src", required}, {"async_op", no}});
   bind_group(m);
 }
 

@@ -5,6 +5,7 @@
 
 #include "bindings/bindings.h"
 #include "distributed/default_group.h"
+#include "distributed/transport/shm/shm.h"
 
 namespace cx::bindings {
 
@@ -77,6 +78,9 @@ void bind_process_group(py::module_& m) {
   m.def("get_config", [] { return require_default_group("get_config()")->config(); });
   // For the benchmarks: payload bytes this rank has sent over its transport (0 with NCCL).
   m.def("_bytes_sent", [] { return require_default_group("_bytes_sent()")->bytes_sent(); });
+  // For the tests: messages this process has copied straight out of a peer's memory (Note [Single-copy large
+  // messages] in transport/shm/shm.h).
+  m.def("_single_copies", [] { return shm::single_copies(); });
   m.def("_set_call_site", &set_call_site, py::arg("site"),
         "CX_DEBUG=DETAIL: the Python call site (file:line) of the next collective on this thread; \"\" clears it. "
         "Internal (Note [Call sites in CX_DEBUG=DETAIL]).");

@@ -153,6 +153,10 @@ Config Config::from_environment() {
     c.generation = static_cast<int>(*v);
   }
   if (auto v = env::integer("CX_SHM_RING_BYTES", 4096, 1LL << 30, "bytes (4096 .. 2^30)")) c.shm_ring_bytes = *v;
+  if (auto v = env::integer("CX_SHM_SINGLE_COPY", 0, 1, "0 (large messages copied through the rings) or 1 (copied "
+                            "once, out of the sender's memory, where the kernel allows)")) {
+    c.shm_single_copy = *v == 1;
+  }
   if (auto v = env::integer("CX_CHECK_INTERVAL", 0, 1LL << 40, "a number of collectives (0: off)")) {
     c.check_interval = *v;
   }

@@ -57,6 +57,9 @@ struct Config {
   // pairs] in transport/shm/negotiate.cpp). CX_SHM=0 keeps every pair on TCP.
   bool shm = true;
   int64_t shm_ring_bytes = 1 << 20;  // ring per ordered pair; CX_SHM_RING_BYTES
+  // Large messages between ranks on one host copied once, out of the sender's memory, where the kernel allows
+  // it (Note [Single-copy large messages] in transport/shm/shm.h); CX_SHM_SINGLE_COPY=0 keeps two copies.
+  bool shm_single_copy = true;
   // Which start of the job this is: RESTART_COUNT, set by the launchers (0 the
   // first time, k after the k-th restart: Note [Restarts] in pycyxwiz/launch.py).
   // Rank 0's store admits only ranks of its own generation, so a rank left over

@@ -140,6 +140,7 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const
   topt.spin_us = default_spin_us(cfg);
   topt.shm = cfg.shm;
   topt.shm_ring_bytes = static_cast<size_t>(cfg.shm_ring_bytes) / 64 * 64;
+  topt.shm_single_copy = cfg.shm_single_copy;
   auto backend = std::make_unique<CpuBackend>(
       std::make_unique<MeshTransport>(*store, cfg.rank, cfg.world_size, id.nonce, secret, dl, topt), opt,
       cfg.algorithm);

@@ -13,7 +13,7 @@ namespace cx::distributed {
 Channel::Channel(int rank, int peer, net::Fd fd, std::string addr, Operation& op)
     : rank_(rank), peer_(peer), fd_(std::move(fd)), addr_(std::move(addr)), op_(op) {}
 
-void Channel::check_header(const char* early, size_t early_n) {
+void Channel::check_header(const char* early, size_t early_n, bool remote_ok) {
   const char* h = rhdr_;
   if (!frame::has_magic(h)) {
     CX_THROW(ConnectionError, "rank ", rank_, ": garbled data from rank ", peer_, " during ", op_.desc.describe(),
@@ -36,7 +36,7 @@ void Channel::check_header(const char* early, size_t early_n) {
     }
     frame::raise_abort(h, msg, rank_, peer_, op_.desc);
   }
-  if (frame::type(h) != frame::kData) unknown_frame(frame::type(h));
+  if (frame::type(h) != frame::kData && !(remote_ok && frame::type(h) == frame::kRemote)) unknown_frame(frame::type(h));
   OpDesc theirs = frame::desc(h);
   if (!(theirs == op_.desc)) {
     CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", op_.desc.describe(), " but rank ",

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "distributed/net/socket.h"
@@ -50,7 +51,7 @@ class Channel {
 
   int fd() const { return fd_.get(); }
   const std::string& addr() const { return addr_; }
-  bool busy() const { return !sends_.empty() || !recvs_.empty(); }
+  bool busy() const { return !sends_.empty() || !recvs_.empty() || !unacked_.empty(); }
 
   // Queues a send of request `id` and starts writing at once: small messages
   // usually leave in this one call.
@@ -84,6 +85,7 @@ class Channel {
     size_t done;  // bytes of header + payload written
     Transport::Req id;
     char hdr[frame::kHeaderBytes];
+    bool remote = false;  // a REMOTE frame: its payload on the wire is buf's address (Note [Single-copy large messages])
   };
   struct RecvOp {
     char* buf;
@@ -92,9 +94,9 @@ class Channel {
     Transport::Req id;
   };
 
-  void queue_send(Transport::Req id, const char* buf, size_t len) {
-    SendOp op{buf, len, 0, id, {}};
-    frame::fill(op.hdr, frame::kData, op_.desc, len, 0);
+  void queue_send(Transport::Req id, const char* buf, size_t len, bool remote = false) {
+    SendOp op{buf, len, 0, id, {}, remote};
+    frame::fill(op.hdr, remote ? frame::kRemote : frame::kData, op_.desc, len, 0);
     sends_.push_back(op);
   }
   void complete(Transport::Req id) {
@@ -104,7 +106,8 @@ class Channel {
   // Validates rhdr_ against the operation and the front receive; throws on a
   // mismatch or a peer's abort. `early` holds bytes that arrived right after the
   // header (read in the same call).
-  void check_header(const char* early, size_t early_n);
+  // A REMOTE frame passes only where `remote_ok` (a shared-memory channel).
+  void check_header(const char* early, size_t early_n, bool remote_ok = false);
   // Reads on, after the connection failed under us, for the ABORT frame the
   // peer may have left; throws its error if there is one. `skip` payload bytes
   // come before the next header.
@@ -121,6 +124,9 @@ class Channel {
   Operation& op_;
   std::deque<SendOp> sends_;
   std::deque<RecvOp> recvs_;
+  // REMOTE frames written and not yet read by the peer: the request, and the count of the peer's acks that
+  // completes it (Note [Single-copy large messages]).
+  std::deque<std::pair<Transport::Req, uint64_t>> unacked_;
   char rhdr_[frame::kHeaderBytes];  // header of the frame being received
   size_t rhdr_got_ = 0;
   bool in_payload_ = false;

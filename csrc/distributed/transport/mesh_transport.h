@@ -28,6 +28,7 @@ struct MeshOptions {
   int spin_us = 50;  // busy-poll at most this long before sleeping (Note [Waiting on a busy machine])
   bool shm = true;   // same-host pairs use shared-memory rings (CX_SHM)
   size_t shm_ring_bytes = 1 << 20;  // per ordered pair (CX_SHM_RING_BYTES)
+  bool shm_single_copy = true;      // CX_SHM_SINGLE_COPY (Note [Single-copy large messages])
 };
 
 class MeshTransport : public Transport {

@@ -31,12 +31,21 @@ namespace cx::distributed::shm {
 struct alignas(64) Bell {
   std::atomic<uint32_t> seq{0};
   std::atomic<uint32_t> sleeping{0};
+  // Written once by the owner at creation, for its peers' process_vm_readv (Note [Single-copy large messages]):
+  // its pid, and the address in its own memory of `magic`, which a peer reads back to learn that it may.
+  int32_t pid = 0;
+  uint32_t magic = 0;
+  uint64_t magic_addr = 0;
 };
 
 struct alignas(64) RingCtl {
   std::atomic<uint64_t> head{0};
   char pad_[64 - sizeof(std::atomic<uint64_t>)];
   std::atomic<uint64_t> tail{0};
+  // Stored by the reader, as `tail` (Note [Single-copy large messages]): how many single-copy frames it has
+  // read out of the writer's memory, and whether it can (1) at all.
+  std::atomic<uint64_t> acks{0};
+  std::atomic<uint32_t> can_read{0};
 };
 
 struct Ring {
@@ -96,6 +105,31 @@ void notify(Bell* b);
 void about_to_sleep(Bell* b);
 // Sleeps until the bell moves past `seen` or `timeout_ms` passes.
 void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
+
+// Note [Single-copy large messages]
+// Through the rings a message is copied twice: into the ring by the sender, out of it by the receiver. From
+// kSingleCopyMinBytes up a sender that its receiver can read (RingCtl::can_read) writes only a REMOTE frame:
+// the DATA frame's header (same descriptor, same length, so it is checked alike) and the address of its
+// buffer; the receiver copies the bytes straight out of the sender's memory into its own with
+// process_vm_readv (one copy, in the kernel) and counts the frame in RingCtl::acks, which completes the
+// sender's request (its buffer must stay put until then, as any isend's). Whether a receiver may read its
+// peer is tried once, when the channel is made: it reads the peer's Bell::magic through process_vm_readv.
+// That needs the same user and ptrace access (Yama's ptrace_scope 0, or CAP_SYS_PTRACE; a container's seccomp
+// may forbid the call): where it fails the pair keeps the two copies, and so does CX_SHM_SINGLE_COPY=0. We do
+// not call prctl(PR_SET_PTRACER_ANY) to make it work, as Open MPI does: that would let any process of the
+// user attach to every rank.
+// Measured on 2 vCPUs, no other jobs (benchmarks/README.md, "A machine to ourselves"): Open MPI 5, which copies
+// large messages once this way, was 1.3-1.4x our two-copy all_reduce at 4 MiB.
+constexpr size_t kSingleCopyMinBytes = 64 * 1024;
+constexpr size_t kSingleCopyMinCollectiveBytes = 2u << 20;
+
+// True if this process may read `peer`'s memory (its Bell, mapped here) with process_vm_readv.
+bool can_read_peer(const Bell* peer);
+// Copies `len` bytes at `addr` in process `pid` into dst; returns 0, or the errno of the failure (ESRCH: the
+// peer is gone; EFAULT: the address is not mapped there).
+int read_peer(int pid, char* dst, uint64_t addr, size_t len);
+// REMOTE frames this process has read (all its groups), for the tests: whether single copies happen.
+uint64_t single_copies();
 
 // hostname + boot id: equal on two ranks that may share memory.
 std::string host_key();

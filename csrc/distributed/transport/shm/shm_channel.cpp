@@ -3,6 +3,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 namespace cx::distributed {
@@ -10,15 +11,22 @@ namespace cx::distributed {
 using frame::kHeaderBytes;
 
 ShmChannel::ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operation& op, const shm::Segment& own,
-                       shm::Segment theirs)
+                       shm::Segment theirs, bool single_copy)
     : Channel(rank, peer, std::move(fd), std::move(addr), op),
       theirs_(std::move(theirs)),
       in_(own.ring(peer)),
       out_(theirs_.ring(rank)),
-      bell_(theirs_.bell()) {}
+      bell_(theirs_.bell()),
+      peer_pid_(bell_->pid) {
+  // Note [Single-copy large messages]: tell the peer whether we can read its memory.
+  if (single_copy && shm::can_read_peer(bell_)) in_.ctl->can_read.store(1, std::memory_order_release);
+}
 
 void ShmChannel::isend(Transport::Req id, const char* buf, size_t len) {
-  queue_send(id, buf, len);
+  const bool remote = len >= shm::kSingleCopyMinBytes &&
+                      op_.desc.count * dtype_size(op_.desc.dtype) >= shm::kSingleCopyMinCollectiveBytes &&
+                      out_.ctl->can_read.load(std::memory_order_acquire) == 1;
+  queue_send(id, buf, len, remote);
   progress_send();
 }
 
@@ -26,6 +34,18 @@ bool ShmChannel::progress() {
   bool moved = false;
   if (!sends_.empty()) moved |= progress_send();
   if (!recvs_.empty()) moved |= progress_recv();
+  if (!unacked_.empty()) moved |= progress_acks();
+  return moved;
+}
+
+bool ShmChannel::progress_acks() {
+  const uint64_t acks = out_.ctl->acks.load(std::memory_order_acquire);
+  bool moved = false;
+  while (!unacked_.empty() && acks >= unacked_.front().second) {
+    complete(unacked_.front().first);
+    unacked_.pop_front();
+    moved = true;
+  }
   return moved;
 }
 
@@ -44,15 +64,23 @@ bool ShmChannel::progress_send() {
       moved = true;
       if (s.done < kHeaderBytes) break;
     }
+    // A REMOTE frame's payload on the wire is the buffer's address; the bytes stay where they are.
+    const uintptr_t where = reinterpret_cast<uintptr_t>(s.buf);
+    const char* payload = s.remote ? reinterpret_cast<const char*>(&where) : s.buf;
+    const size_t wire = s.remote ? sizeof(uint64_t) : s.len;
     const size_t sent = s.done - kHeaderBytes;
-    if (sent < s.len) {
-      size_t n = shm::write(out_, s.buf + sent, s.len - sent);
+    if (sent < wire) {
+      size_t n = shm::write(out_, payload + sent, wire - sent);
       if (n == 0) break;
       s.done += n;
       moved = true;
     }
-    if (s.done == kHeaderBytes + s.len) {
-      complete(s.id);
+    if (s.done == kHeaderBytes + wire) {
+      if (s.remote) {
+        unacked_.emplace_back(s.id, ++remote_sent_);  // done when the peer has read it
+      } else {
+        complete(s.id);
+      }
       sends_.pop_front();
     } else {
       break;  // ring full
@@ -73,11 +101,30 @@ bool ShmChannel::progress_recv() {
       rhdr_got_ += n;
       if (rhdr_got_ < kHeaderBytes) break;
       rhdr_got_ = 0;
-      check_header(nullptr, 0);
+      check_header(nullptr, 0, true);
       in_payload_ = true;
       r.done = 0;
+      remote_in_ = frame::type(rhdr_) == frame::kRemote;
+      raddr_got_ = 0;
     }
-    if (r.done < r.len) {
+    if (remote_in_) {
+      if (raddr_got_ < sizeof(raddr_)) {
+        size_t n = shm::read(in_, raddr_ + raddr_got_, sizeof(raddr_) - raddr_got_);
+        if (n == 0) break;
+        moved = true;
+        raddr_got_ += n;
+        if (raddr_got_ < sizeof(raddr_)) break;
+      }
+      uint64_t addr;
+      std::memcpy(&addr, raddr_, sizeof(addr));
+      if (const int err = shm::read_peer(peer_pid_, r.buf, addr, r.len)) {
+        salvage_abort(0);  // the peer's own error, if it left one
+        lost_connection("receiving from", err);
+      }
+      r.done = r.len;
+      in_.ctl->acks.fetch_add(1, std::memory_order_release);  // the peer's buffer is free again
+      moved = true;
+    } else if (r.done < r.len) {
       size_t n = shm::read(in_, r.buf + r.done, r.len - r.done);
       if (n == 0) break;
       moved = true;
@@ -134,6 +181,7 @@ void ShmChannel::abort(ErrorKind kind, const std::string& text) {
   }
   sends_.clear();
   recvs_.clear();
+  unacked_.clear();
   shm::ring_bell(bell_);  // a peer asleep on its bell looks at the socket now
   half_close();
 }

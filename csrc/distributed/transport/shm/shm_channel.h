@@ -14,8 +14,10 @@ class ShmChannel final : public Channel {
   // `own`: our segment, holding the ring from `peer` to us; `theirs`: the
   // peer's segment, mapped, holding the ring to it and its doorbell. The
   // channel keeps `theirs` mapped; `own` must outlive it.
+  // `single_copy`: read the peer's large messages out of its memory where the kernel allows (Note [Single-copy
+  // large messages] in shm.h).
   ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operation& op, const shm::Segment& own,
-             shm::Segment theirs);
+             shm::Segment theirs, bool single_copy);
 
   void isend(Transport::Req id, const char* buf, size_t len) override;
   bool progress() override;
@@ -26,10 +28,17 @@ class ShmChannel final : public Channel {
  private:
   bool progress_send();
   bool progress_recv();
+  bool progress_acks();
 
   shm::Segment theirs_;
   shm::Ring in_, out_;  // peer -> us (in our segment), us -> peer (in its segment)
   shm::Bell* bell_;     // the peer's doorbell
+  // Note [Single-copy large messages] in shm.h.
+  int peer_pid_;
+  uint64_t remote_sent_ = 0;        // REMOTE frames written to the peer
+  bool remote_in_ = false;          // the frame being received is a REMOTE one
+  char raddr_[8] = {};              // its sender's buffer address, as it arrives
+  size_t raddr_got_ = 0;
 };
 
 }  // namespace cx::distributed
