@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "distributed/transport/transport.h"
+
 namespace cx::distributed::shm {
 
 struct alignas(64) Bell {
@@ -117,11 +119,23 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 // That needs the same user and ptrace access (Yama's ptrace_scope 0, or CAP_SYS_PTRACE; a container's seccomp
 // may forbid the call): where it fails the pair keeps the two copies, and so does CX_SHM_SINGLE_COPY=0. We do
 // not call prctl(PR_SET_PTRACER_ANY) to make it work, as Open MPI does: that would let any process of the
-// user attach to every rank.
+// user attach to every rank. A sender whose collective fails (its deadline, a peer's abort) returns while a
+// REMOTE frame of it may still be unread; a receiver that reads it later can get what the program has since
+// written there, in a collective that the failure will end on that rank too (the group is poisoned either way).
 // Measured on 2 vCPUs, no other jobs (benchmarks/README.md, "A machine to ourselves"): Open MPI 5, which copies
 // large messages once this way, was 1.3-1.4x our two-copy all_reduce at 4 MiB.
+// Where it pays, measured side by side (benchmarks/README.md, "Single copies"): in all_reduce,
+// reduce_scatter and all_gather whose count is 2 MiB or more (1.15-1.8x on 2 ranks, 1.0-1.6x on 4); below
+// that the rings' two copies stay in the cores' caches and beat a system call per chunk (0.88-1.04x at
+// 256 KiB-1 MiB). Not in broadcast (0.70-1.05x) nor send/recv: there the rings' two copies run at once on
+// two cores, one of which a single copy leaves idle.
 constexpr size_t kSingleCopyMinBytes = 64 * 1024;
 constexpr size_t kSingleCopyMinCollectiveBytes = 2u << 20;
+inline bool single_copy_pays(const OpDesc& d) {
+  return (d.kind == CollectiveKind::kAllReduce || d.kind == CollectiveKind::kReduceScatter ||
+          d.kind == CollectiveKind::kAllGather) &&
+         d.count * dtype_size(d.dtype) >= kSingleCopyMinCollectiveBytes;
+}
 
 // True if this process may read `peer`'s memory (its Bell, mapped here) with process_vm_readv.
 bool can_read_peer(const Bell* peer);

@@ -23,8 +23,7 @@ ShmChannel::ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operati
 }
 
 void ShmChannel::isend(Transport::Req id, const char* buf, size_t len) {
-  const bool remote = len >= shm::kSingleCopyMinBytes &&
-                      op_.desc.count * dtype_size(op_.desc.dtype) >= shm::kSingleCopyMinCollectiveBytes &&
+  const bool remote = len >= shm::kSingleCopyMinBytes && shm::single_copy_pays(op_.desc) &&
                       out_.ctl->can_read.load(std::memory_order_acquire) == 1;
   queue_send(id, buf, len, remote);
   progress_send();
