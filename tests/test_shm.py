@@ -311,3 +311,31 @@ def test_a_peer_that_dies_around_a_single_copy_is_named_on_the_others(how, monke
         waited, message = o.value
         assert waited < 5, waited
         assert "rank 1" in message and ("exited, crashed or was killed" in message or "lost" in message), message
+
+
+def fit_a_wide_model():
+    import digits
+
+    Xtr, ytr, _, _ = digits.split()
+    m = cx.SequentialModel()  # 64-1024-1024-10: 1.1 M parameters, 4.5 MB of gradients: single copies
+    m.add(cx.LinearModule(64, 1024, seed=3))
+    m.add(cx.ReLUModule())
+    m.add(cx.LinearModule(1024, 1024, seed=4))
+    m.add(cx.ReLUModule())
+    m.add(cx.LinearModule(1024, 10, seed=5))
+    trainer = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    trainer.fit(Xtr[:512], ytr[:512], D.DistributedTrainingConfig(epochs=1, batch_size=64, verbose=False, seed=1))
+    return m.flat_parameters().copy(), int(cx._core.dist._single_copies())
+
+
+def test_training_with_single_copies_is_bitwise_the_training_with_two(monkeypatch):
+    # The trainer's gradient all-reduce (buckets with the fused non-finite check) over the same path: a single
+    # copy moves the same bytes, so the parameters must not differ by a bit.
+    monkeypatch.delenv("CX_SHM", raising=False)
+    one = ranks.run(fit_a_wide_model, 2, timeout=120)
+    two = ranks.run(fit_a_wide_model, 2, env={"CX_SHM_SINGLE_COPY": "0"}, timeout=120)
+    assert all(c == 0 for _, c in two)
+    assert all((c > 0) == _single_copy_allowed() for _, c in one), [c for _, c in one]
+    for (p1, _), (p2, _) in zip(one, two):
+        assert np.array_equal(p1, p2)
+    assert np.array_equal(one[0][0], one[1][0])
