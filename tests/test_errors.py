@@ -410,8 +410,8 @@ def test_init_twice_is_refused(monkeypatch):
 def test_invalid_environment_names_the_variable_and_value(monkeypatch, env, needle):
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DISTRIBUTED_BACKEND", "DISTRIBUTED_TIMEOUT_MS",
               "DISTRIBUTED_OPERATION_TIMEOUT_MS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "CX_CHUNK_BYTES",
-              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES", "CX_SHM_SINGLE_COPY", "CX_SOCKET_BUFFER_BYTES",
-              "LOCAL_WORLD_SIZE", "CX_ALGORITHM", "CX_HIER_SLICE_BYTES"]:
+              "CX_HD_MAX_BYTES", "CX_SPIN_US", "CX_SHM", "CX_SHM_RING_BYTES", "CX_SHM_SINGLE_COPY",
+              "CX_SOCKET_BUFFER_BYTES", "LOCAL_WORLD_SIZE", "CX_ALGORITHM", "CX_HIER_SLICE_BYTES"]:
         monkeypatch.delenv(v, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -38,7 +38,10 @@ Py_ssize_t slot_of(const Front& f, PyObject* key, size_t first) {
 PyObject* front_call(const Front* f, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
   const size_t np = f->names.size();
-  if (nkw == 0 || nargs > static_cast<Py_ssize_t>(np)) return PyObject_Vectorcall(f->inner.ptr(), args, static_cast<size_t>(nargs), kwnames);
+  const auto as_called = [&] {
+    return PyObject_Vectorcall(f->inner.ptr(), args, static_cast<size_t>(nargs), kwnames);
+  };
+  if (nkw == 0 || nargs > static_cast<Py_ssize_t>(np)) return as_called();
   PyObject* slot[kMaxParams] = {};
   std::copy(args, args + nargs, slot);
   size_t used = static_cast<size_t>(nargs);
@@ -57,7 +60,7 @@ PyObject* front_call(const Front* f, PyObject* const* args, Py_ssize_t nargs, Py
       slot[i] = f->dflt[i].ptr();
     }
   }
-  if (!plain) return PyObject_Vectorcall(f->inner.ptr(), args, static_cast<size_t>(nargs), kwnames);  // its TypeError
+  if (!plain) return as_called();  // its TypeError
   return PyObject_Vectorcall(f->inner.ptr(), slot, used, nullptr);
 }
 

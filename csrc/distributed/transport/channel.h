@@ -85,7 +85,8 @@ class Channel {
     size_t done;  // bytes of header + payload written
     Transport::Req id;
     char hdr[frame::kHeaderBytes];
-    bool remote = false;  // a REMOTE frame: its payload on the wire is buf's address (Note [Single-copy large messages])
+    // A REMOTE frame: its payload on the wire is buf's address (Note [Single-copy large messages] in shm/shm.h).
+    bool remote = false;
   };
   struct RecvOp {
     char* buf;

@@ -22,7 +22,8 @@ constexpr size_t kHeaderBytes = 40;
 constexpr uint32_t kMagic = 0x31465843;  // "CXF1"
 constexpr uint8_t kData = 1;
 constexpr uint8_t kAbort = 2;
-constexpr uint8_t kRemote = 3;  // shared memory only: a DATA header, then the sender's buffer address (Note [Single-copy large messages])
+// Shared memory only: a DATA header, then the sender's buffer address (Note [Single-copy large messages]).
+constexpr uint8_t kRemote = 3;
 constexpr uint64_t kMaxAbortMessage = 64 * 1024;  // longer ABORT payloads are not read
 constexpr size_t kMaxAbortText = 2048;             // what of it is shown to the user
 
