@@ -317,6 +317,72 @@ def test_cuda_array_interface_layout_errors_are_clear():
             core._array_view(bad, NCCL)
 
 
+FAKE_CUPY = r"""
+import sys, types
+import numpy as np
+import pycyxwiz as cx
+NCCL = cx.distributed.BackendType.NCCL
+current = [0]
+class Interface:
+    def __get__(self, a, owner):
+        a.reads += 1
+        return dict(shape=a.shape, typestr=a.dtype.str, data=(a.data.ptr if a.size else 0, False),
+                    strides=None if a._c_contiguous else a.strides, version=3, stream=current[0] or 1)
+class ndarray:  # what pycyxwiz reads of a cupy.ndarray, and its __cuda_array_interface__ as CuPy builds it
+    __cuda_array_interface__ = Interface()
+    def __init__(self, shape, dtype, ptr=0x7F0000001000, c_contiguous=True, strides=None):
+        self.shape, self.dtype, self._c_contiguous, self.strides = shape, np.dtype(dtype), c_contiguous, strides
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.size = int(np.prod(shape))
+        self.reads = 0
+class Subclass(ndarray):
+    pass
+cupy = types.ModuleType("cupy"); cupy.ndarray = ndarray
+stream = types.ModuleType("cupy.cuda.stream"); stream.get_current_stream_ptr = lambda: current[0]
+sys.modules["cupy"], sys.modules["cupy.cuda.stream"] = cupy, stream
+class OnlyInterface:
+    def __init__(self, a):
+        self.__cuda_array_interface__ = a.__cuda_array_interface__
+view = cx._core.dist._array_view
+for s in (0, 7):
+    current[0] = s
+    for shape, dtype in (((2, 3), "f4"), ((5,), "f8"), ((), "f2"), ((0,), "i8"), ((4, 1), "u1"), ((3,), "?"),
+                         ((2,), "i1"), ((6,), "i4")):
+        a = ndarray(shape, dtype)
+        want = view(OnlyInterface(a), NCCL)
+        a.reads = 0
+        assert view(a, NCCL) == want and a.reads == 0, (view(a, NCCL), want, a.reads)
+    a = ndarray((3,), "u2")
+    want = view(OnlyInterface(a), NCCL, dtype="bfloat16"), view(OnlyInterface(a), NCCL, reduce=False)
+    a.reads = 0
+    assert (view(a, NCCL, dtype="bfloat16"), view(a, NCCL, reduce=False)) == want and a.reads == 0
+b = Subclass((2,), "f4")  # not cupy.ndarray itself: read through its interface
+view(b, NCCL)
+assert b.reads == 1
+t = ndarray((3, 2), "f4", c_contiguous=False, strides=(4, 12))  # a transposed view: the interface's error
+try:
+    view(t, NCCL)
+    raise SystemExit("no error")
+except ValueError as e:
+    assert "C-contiguous" in str(e) and "cupy.ascontiguousarray" in str(e) and t.reads == 1, (e, t.reads)
+for dtype, err in (("i2", "cannot be reduced"), (">f4", "little-endian")):
+    try:
+        view(ndarray((3,), dtype), NCCL)
+        raise SystemExit("no error")
+    except TypeError as e:
+        assert err in str(e), e
+print("ok")
+"""
+
+
+def test_a_cupy_array_is_read_through_its_attributes_as_its_interface_says():
+    """Note [CuPy arrays without their interface]: a cupy.ndarray is read without building its
+    __cuda_array_interface__, and gives the same view. A stand-in CuPy (the module names pycyxwiz looks up) in a
+    fresh interpreter; test_cupy_arrays_read_through_attributes_match_their_interface checks the real one."""
+    r = subprocess.run([sys.executable, "-c", FAKE_CUPY], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
 # ---- the unique id through the store ---------------------------------------------------------
 
 def exchange_id(fail_rank, first_byte=-1):
@@ -375,6 +441,32 @@ def _gpu_ready():
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs an NVIDIA GPU, libnccl.so.2 and CuPy")
+
+
+@gpu
+@needs_gpu
+def test_cupy_arrays_read_through_attributes_match_their_interface():
+    """Note [CuPy arrays without their interface], on real CuPy arrays: every dtype, empty and 0-d arrays, on
+    the default stream and inside `with cupy.cuda.Stream()` (the stream the collective is ordered after)."""
+    import cupy as cp
+
+    class OnlyInterface:
+        def __init__(self, a):
+            self.__cuda_array_interface__ = a.__cuda_array_interface__
+
+    view = core._array_view
+    for stream in (None, cp.cuda.Stream(non_blocking=True), cp.cuda.Stream.ptds):
+        with stream if stream is not None else cp.cuda.Stream.null:
+            for a in (cp.ones((2, 3), cp.float32), cp.zeros(0, cp.int64), cp.array(3.0), cp.ones(5, cp.float16),
+                      cp.ones((4, 1), cp.uint8), cp.ones(3, cp.bool_), cp.ones(2, cp.int8), cp.ones(7, cp.int32)):
+                assert view(a, NCCL) == view(OnlyInterface(a), NCCL), (a.dtype, a.shape, stream)
+            u = cp.ones(3, cp.uint16)
+            assert view(u, NCCL, dtype="bfloat16") == view(OnlyInterface(u), NCCL, dtype="bfloat16")
+            assert view(u, NCCL, reduce=False) == view(OnlyInterface(u), NCCL, reduce=False)
+            want = (stream.ptr if stream is not None else 0) or 1  # CuPy says 1 for the legacy default stream
+            assert view(u, NCCL, reduce=False)["stream"] == want
+    with pytest.raises(ValueError, match="C-contiguous.*cupy.ascontiguousarray"):
+        view(cp.ones((2, 3), cp.float32).T, NCCL)
 
 
 @gpu

@@ -19,10 +19,7 @@ namespace cx::distributed {
 
 // ---- Work -------------------------------------------------------------------
 
-bool Work::done() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return done_;
-}
+bool Work::done() { return done_.load(std::memory_order_acquire); }
 
 bool Work::is_completed() {
   if (group_ && !done()) return group_->await(*this, 0, true);
@@ -31,22 +28,24 @@ bool Work::is_completed() {
 
 bool Work::wait(int64_t timeout_ms) {
   if (group_ && !done() && !group_->await(*this, timeout_ms)) return false;
-  std::unique_lock<std::mutex> lk(mu_);
-  if (timeout_ms < 0) {
-    cv_.wait(lk, [&] { return done_; });
-  } else if (!cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return done_; })) {
-    return false;
+  if (!done()) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (timeout_ms < 0) {
+      cv_.wait(lk, [&] { return done(); });
+    } else if (!cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return done(); })) {
+      return false;
+    }
   }
-  if (error_) rethrow_as(error_->first, error_->second);
+  if (error_) rethrow_as(error_->first, error_->second);  // written before done_ was set
   return true;
 }
 
 void Work::finish(std::optional<std::pair<ErrorKind, std::string>> err) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    done_ = true;
     error_ = std::move(err);
     body_ = nullptr;
+    done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
 }
@@ -256,8 +255,10 @@ ProcessGroup::WorkPtr ProcessGroup::launch(std::shared_ptr<Work> w, bool async, 
                                            std::unique_lock<std::mutex>& lk) {
   while (!inflight_.empty() && inflight_.front()->done()) inflight_.pop_front();
   const bool on_caller_stream = !async && inflight_.empty();
+  FlightEntry& e = ring_[w->op_ % kFlightEntries];  // running from now, as set_state would say it
+  e.state = FlightEntry::kRunning;
+  e.start_us = e.submit_us;
   lk.unlock();
-  set_state(*w, FlightEntry::kRunning);
   try {
     backend_->begin(w->desc_, Deadline::after_ms(cfg_.operation_timeout_ms), on_caller_stream);
     w->body_();
@@ -284,7 +285,8 @@ ProcessGroup::WorkPtr ProcessGroup::launch(std::shared_ptr<Work> w, bool async, 
 }
 
 bool ProcessGroup::await(Work& w, int64_t timeout_ms, bool once) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  const auto until = timeout_ms < 0 ? std::chrono::steady_clock::time_point::max()
+                                    : std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   std::unique_lock<std::mutex> pl(w.poll_mu_, std::defer_lock);
   if (once) {
     if (!pl.try_lock()) return w.done();  // another thread is polling it

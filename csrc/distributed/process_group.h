@@ -80,7 +80,7 @@ class Work {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;
+  std::atomic<bool> done_{false};  // set under mu_ (for cv_); read without it by done()
   std::optional<std::pair<ErrorKind, std::string>> error_;
   OpDesc desc_;
   Backend::Body body_;

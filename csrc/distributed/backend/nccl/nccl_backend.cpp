@@ -222,10 +222,11 @@ void NcclBackend::close(const Deadline&) {
   ctx_ = nullptr;
 }
 
-Ready NcclBackend::mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what) {
+Ready NcclBackend::mark(uintptr_t stream, const void* const* bufs, size_t n, const char* what) {
   const CudaDriver& d = cuda_driver();
   make_current();
-  for (const void* p : bufs) {
+  for (size_t i = 0; i < n; ++i) {
+    const void* p = bufs[i];
     if (!p) continue;  // an empty array
     // One driver call for both attributes; memory the driver does not know reads as type 0.
     int attrs[2] = {kPointerAttributeMemoryType, kPointerAttributeDeviceOrdinal};
@@ -322,12 +323,12 @@ bool NcclBackend::poll(const cuda::Event* done, cuda::CUstream stream, const OpD
 // ---- the collectives ---------------------------------------------------------------
 
 Backend::Body NcclBackend::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t stream) {
-  auto ready = mark(stream, {buf}, "the array");
+  auto ready = mark(stream, buf, "the array");
   return [=] { run_all_reduce(buf, count, dt, op, ready); };
 }
 
 Backend::Body NcclBackend::broadcast(void* buf, size_t count, DataType dt, int root, uintptr_t stream) {
-  auto ready = mark(stream, {buf}, "the array");
+  auto ready = mark(stream, buf, "the array");
   return [=, bytes = count * dtype_size(dt)] { run_broadcast(buf, bytes, root, ready); };
 }
 
@@ -348,7 +349,7 @@ Backend::Body NcclBackend::reduce_scatter(std::vector<const void*> ins, void* ou
 }
 
 Backend::Body NcclBackend::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t stream) {
-  auto ready = mark(stream, {buf}, "the array");
+  auto ready = mark(stream, buf, "the array");
   return [=] { run_reduce(buf, count, dt, op, root, ready); };
 }
 
@@ -381,12 +382,12 @@ Backend::Body NcclBackend::barrier(uint64_t) {
 }
 
 Backend::Body NcclBackend::send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) {
-  auto ready = mark(stream, {buf}, "the array");
+  auto ready = mark(stream, buf, "the array");
   return [=, bytes = count * dtype_size(dt)] { run_send(buf, bytes, dst, ready); };
 }
 
 Backend::Body NcclBackend::recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) {
-  auto ready = mark(stream, {buf}, "the array");
+  auto ready = mark(stream, buf, "the array");
   return [=, bytes = count * dtype_size(dt)] { run_recv(buf, bytes, src, ready); };
 }
 

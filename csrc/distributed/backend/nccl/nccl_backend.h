@@ -94,7 +94,11 @@ class NcclBackend : public Backend {
   void close(const Deadline& dl) override;                       // ncclCommDestroy
 
  private:
-  Ready mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what);
+  Ready mark(uintptr_t stream, const void* const* bufs, size_t n, const char* what);
+  Ready mark(uintptr_t stream, const std::vector<const void*>& bufs, const char* what) {
+    return mark(stream, bufs.data(), bufs.size(), what);
+  }
+  Ready mark(uintptr_t stream, const void* buf, const char* what) { return mark(stream, &buf, 1, what); }
   // Each launches the collective after the work queued on `ready` so far.
   void run_all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, const Ready& ready);
   void run_broadcast(void* buf, size_t bytes, int root, const Ready& ready);
