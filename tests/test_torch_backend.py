@@ -685,3 +685,40 @@ def test_a_cuda_torch_tensor_is_all_reduced_in_place_by_the_nccl_backend():
     # One GPU: one rank (NCCL cannot run two ranks on one device); the DLPack path is what is checked.
     (values,) = ranks.run(cuda_tensor_through_nccl, 1, env={"DISTRIBUTED_BACKEND": "nccl"}, timeout=120)
     assert values == [2.0] * 4
+
+
+def cuda_tensors_under_cyxwiz() -> dict:
+    import torch.distributed as dist
+
+    _init("cyxwiz")
+    out = {}
+    t = torch.arange(6, dtype=torch.float32, device="cuda")
+    dist.all_reduce(t)
+    out["all_reduce"] = t.cpu().tolist()
+    w = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    w.wait()
+    out["async"] = t.cpu().tolist()
+    dist.broadcast(t, src=0)
+    g = torch.empty(6, device="cuda")
+    dist.all_gather_into_tensor(g, t)
+    out["all_gather_into_tensor"] = g.cpu().tolist()
+    r = torch.empty(6, device="cuda")
+    dist.reduce_scatter_tensor(r, t * 2)
+    out["reduce_scatter_tensor"] = r.cpu().tolist()
+    c = torch.full((2,), 5.0)  # a CPU tensor in the same group still goes to cyxwiz
+    dist.all_reduce(c)
+    out["cpu"] = c.tolist()
+    out["backend"] = str(dist.get_backend())
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+def test_cuda_tensors_under_the_cyxwiz_backend_go_to_torchs_nccl():
+    # One GPU: one rank (NCCL refuses two ranks on one device), so this checks the forwarding, not a reduction.
+    (out,) = ranks.run(cuda_tensors_under_cyxwiz, 1, init=False, timeout=120)
+    want = [float(i) for i in range(6)]
+    assert out["all_reduce"] == want and out["async"] == want and out["all_gather_into_tensor"] == want, out
+    assert out["reduce_scatter_tensor"] == [2 * v for v in want] and out["cpu"] == [5.0, 5.0], out
+    assert "cyxwiz" in out["backend"], out
