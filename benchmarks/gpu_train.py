@@ -35,6 +35,8 @@ def data(n: int, d: int, classes: int):
 def build_cx(cx, sizes):
     cx.manual_seed(0)
     m = cx.SequentialModel()
+    if sizes == "cnn":
+        return build_cx_cnn(cx, m)
     for i in range(len(sizes) - 1):
         m.add(cx.LinearModule(sizes[i], sizes[i + 1]))
         if i < len(sizes) - 2:
@@ -65,9 +67,51 @@ def run_cx(backend: str, sizes, X, y, batch: int, epochs: int, nonfinite: str = 
         D.finalize()
 
 
+# --cnn: a small ResNet on 3x32x32 images (CIFAR's size): a stem, one residual block, a downsampling
+# convolution, global average pooling and a linear head; every convolution without bias before BatchNorm.
+def build_cx_cnn(cx, m):
+    def conv_bn(seq, cin, cout, stride=1):
+        seq.add(cx.Conv2dModule(cin, cout, 3, stride=stride, padding=1, bias=False))
+        seq.add(cx.BatchNorm2dModule(cout))
+
+    conv_bn(m, 3, 32)
+    m.add(cx.ReLUModule())
+    block = cx.SequentialModel()
+    conv_bn(block, 32, 32)
+    block.add(cx.ReLUModule())
+    conv_bn(block, 32, 32)
+    m.add(cx.ResidualModule(block))
+    m.add(cx.ReLUModule())
+    conv_bn(m, 32, 64, stride=2)
+    m.add(cx.ReLUModule())
+    m.add(cx.GlobalAvgPool2dModule())
+    m.add(cx.LinearModule(64, 10))
+    return m
+
+
+def build_torch_cnn(torch):
+    nn = torch.nn
+
+    def conv_bn(cin, cout, stride=1):
+        return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout)]
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(*conv_bn(32, 32), nn.ReLU(), *conv_bn(32, 32))
+
+        def forward(self, x):
+            return self.block(x) + x
+
+    return nn.Sequential(*conv_bn(3, 32), nn.ReLU(), Residual(), nn.ReLU(), *conv_bn(32, 64, 2), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).cuda()
+
+
 def build_torch(torch, sizes):
     """build_cx's MLP in PyTorch, on the GPU."""
     torch.manual_seed(0)
+    if sizes == "cnn":
+        return build_torch_cnn(torch)
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
@@ -124,7 +168,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--precision", choices=["float32", "tf32", "bf16"], default="float32",
                     help="pycyxwiz's matmul_precision, and the same in PyTorch (bf16: autocast)")
+    ap.add_argument("--cnn", action="store_true",
+                    help="a small ResNet on 3x32x32 images instead of the MLPs (batch 32, 128, 512; no CPU column)")
     args = ap.parse_args()
+    if args.cnn:
+        return cnn_rows(args)
     X, y = data(args.samples, 784, 10)
     if args.checks:
         return checks(X, y, args.epochs, args.rounds)
@@ -151,6 +199,25 @@ def main() -> int:
     os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
     name = "gpu_train.json" if args.precision == "float32" else f"gpu_train_{args.precision}.json"
     with open(os.path.join(ROOT, "benchmarks", "results", "partial", name), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+def cnn_rows(args) -> int:
+    X, y = data(args.samples, 3 * 32 * 32, 10)
+    X = X.reshape(-1, 3, 32, 32)
+    print(f"== training throughput, small ResNet on 3x32x32, global samples/s (world size 1, Adam, GEMMs "
+          f"{args.precision})", flush=True)
+    print(f"{'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx/torch':>9}")
+    rows = []
+    for batch in (32, 128, 512):
+        g = run_cx("nccl", "cnn", X, y, batch, args.epochs, precision=args.precision)
+        t = run_torch("cnn", X, y, batch, args.epochs, args.precision)
+        rows.append(dict(model="resnet-small", batch=batch, precision=args.precision, cx_gpu=g, torch_gpu=t,
+                         cx_over_torch=g / t))
+        print(f"{batch:>6} {g:>10.0f} {t:>10.0f} {g / t:>9.2f}", flush=True)
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "partial", f"gpu_train_cnn_{args.precision}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 

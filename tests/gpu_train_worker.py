@@ -53,6 +53,28 @@ def build(case: str):
         X = rng.standard_normal((120, 4, 5)).astype(np.float32)
         t = rng.random((120, 6)).astype(np.float32)
         return m, cx.CrossEntropyLoss(), X, t / t.sum(1, keepdims=True)
+    if case == "cnn":  # every image layer: Conv2d (padded, strided, 1x1), BatchNorm2d, both Residual forms, pools
+        # No bias before BatchNorm2d (see mlp_ce).
+        BN[:] = [cx.BatchNorm2dModule(6), cx.BatchNorm2dModule(6), cx.BatchNorm2dModule(8)]
+        block = cx.SequentialModel()
+        add(block, cx.Conv2dModule(6, 6, 3, padding=1, bias=False), BN[1], cx.ReLUModule(),
+            cx.Conv2dModule(6, 6, 3, padding=1))
+        down, side = cx.SequentialModel(), cx.SequentialModel()
+        add(down, cx.Conv2dModule(6, 8, 3, stride=2, padding=1), cx.ReLUModule())
+        add(side, cx.Conv2dModule(6, 8, 1, stride=2, bias=False), BN[2])
+        add(m, cx.Conv2dModule(2, 6, 3, padding=1, bias=False), BN[0], cx.ReLUModule(), cx.MaxPool2dModule(2),
+            cx.ResidualModule(block), cx.ResidualModule(down, side), cx.AvgPool2dModule(2, stride=1),
+            cx.GlobalAvgPool2dModule(), cx.LinearModule(8, 4))
+        X = rng.standard_normal((96, 2, 8, 8)).astype(np.float32)
+        y = (X[:, 0].mean((1, 2)) > 0).astype(np.int64) + 2 * (X[:, 1, :4].mean((1, 2)) > 0)
+        return m, cx.CrossEntropyLoss(), X, y
+    if case == "cnn_groups":  # grouped and dilated, overlapping windows, the 1x1 convolution's direct path
+        add(m, cx.Conv2dModule(4, 8, 3, padding=2, dilation=2, groups=2), cx.ReLUModule(),
+            cx.MaxPool2dModule(3, stride=2), cx.Conv2dModule(8, 8, 1), cx.AvgPool2dModule(3, stride=1),
+            cx.FlattenModule(), cx.LinearModule(32, 3))
+        X = rng.standard_normal((80, 4, 9, 9)).astype(np.float32)
+        y = (X[:, :3].mean((2, 3))).argmax(1).astype(np.int64)
+        return m, cx.CrossEntropyLoss(), X, y
     raise SystemExit(f"unknown case {case}")
 
 
@@ -76,7 +98,7 @@ def main() -> None:
     ev = trainer.evaluate(X, y, batch_size=64)
     sd = opt.state_dict()
     arrays = {f"opt_{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
-    bn = [np.asarray(a) for b in BN for a in (b.running_mean, b.running_var)] if case == "mlp_ce" else []
+    bn = [np.asarray(a) for b in BN for a in (b.running_mean, b.running_var)] if case in ("mlp_ce", "cnn") else []
     np.savez(out, losses=np.array(h.train_losses), accs=np.array(h.train_accuracies), eval=np.array(ev),
              params=np.array(model.flat_parameters()),
              step=np.array(sd["step"]), device=np.array(trainer.device),

@@ -84,13 +84,14 @@ def test_every_kernel_the_host_code_launches_is_in_the_build():
         with open(path, mode) as f:
             return f.read()
 
-    host = "".join(read(os.path.join(root, sub, f)) for sub in ("cuda", "nn", "train")
-                   for f in os.listdir(os.path.join(root, sub)) if f.endswith(".cpp"))
+    host = "".join(read(os.path.join(d, f)) for sub in ("cuda", "nn", "train")
+                   for d, _, files in os.walk(os.path.join(root, sub)) for f in files if f.endswith(".cpp"))
     named = set(re.findall(r'"(cx_nn_\w+)"', host))
     nn_cu = read(os.path.join(root, "cuda", "nn.cu"))
     defined = set(re.findall(r'__global__ void (cx_nn_\w+)\(', nn_cu))
     defined |= {f"cx_nn_{a}_{d}" for a in re.findall(r"^CX_ACTIVATION\((\w+),", nn_cu, re.M) for d in ("fwd", "bwd")}
     assert len(named) >= 15 and named <= defined, named - defined
+    assert {"cx_nn_im2col", "cx_nn_bn2d_fwd", "cx_nn_add"} <= named  # nn/layers/ is read too
     # Device resolves every kernel at construction (kNnKernels): one loaded lazily later could wait for the
     # whole context while an NCCL kernel waits on peers (Note [First step of a shape]).
     device = read(os.path.join(root, "cuda", "device.cpp"))
@@ -544,7 +545,8 @@ def _same_training(cpu, gpu):
 @needs_gpu_nccl
 @pytest.mark.parametrize("case,opt", [("mlp_ce", "sgd"), ("mlp_ce", "adam"), ("mlp_ce", "adamw"),
                                       ("mlp_ce", "rmsprop"), ("mse", "adam"), ("bce", "sgd"),
-                                      ("softmax_dense", "adam")])
+                                      ("softmax_dense", "adam"), ("cnn", "sgd"), ("cnn", "adam"),
+                                      ("cnn_groups", "adam")])
 def test_training_on_the_gpu_matches_the_cpu(tmp_path, case, opt):
     _same_training(_train(tmp_path, case, opt, "cpu"), _train(tmp_path, case, opt, "nccl"))
 

@@ -95,7 +95,10 @@ const char* const kNnKernels[] = {
     "cx_nn_sigmoid_bwd", "cx_nn_tanh_fwd", "cx_nn_tanh_bwd", "cx_nn_gelu_fwd", "cx_nn_gelu_bwd",
     "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul", "cx_nn_bn_fwd", "cx_nn_bn_bwd",
     "cx_nn_ce_labels", "cx_nn_ce_dense", "cx_nn_mse", "cx_nn_bce",
-    "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm", "cx_nn_count_nonfinite"};
+    "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm", "cx_nn_count_nonfinite",
+    "cx_nn_im2col", "cx_nn_col2im", "cx_nn_swap01", "cx_nn_channel_sum_add", "cx_nn_maxpool_fwd",
+    "cx_nn_maxpool_bwd", "cx_nn_avgpool_fwd", "cx_nn_avgpool_bwd", "cx_nn_gap_fwd", "cx_nn_gap_bwd",
+    "cx_nn_bn2d_fwd", "cx_nn_bn2d_bwd", "cx_nn_add"};
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none

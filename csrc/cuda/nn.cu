@@ -182,6 +182,252 @@ extern "C" __global__ void cx_nn_bn_bwd(const float* gy, const float* xhat, cons
   }
 }
 
+// ---------------------------------------------------------------- image layers (NCHW)
+// The device twins of csrc/nn/layers/: convolution as GEMM over a batch's unfolding, pooling, BatchNorm2d,
+// the residual sum. Each output element is written by one thread that gathers what it sums (no atomics), in
+// the order the CPU's loop adds the same terms where that order is cheap to keep.
+
+// Block reduction of a double over blockDim.x (a power of two, at most 256) threads; every thread gets it.
+static __device__ double cx_block_sum(double v, double* red) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned o = blockDim.x / 2; o; o >>= 1) {
+    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+    __syncthreads();
+  }
+  const double r = red[0];
+  __syncthreads();  // red is reused by the next reduction
+  return r;
+}
+
+// Unfolding of nb samples x (nb, C, H, W): col row (c, i, j) (c*k*k + i*k + j), column m*P + oh*OW + ow holds
+// x[m, c, oh*s - p + i*d, ow*s - p + j*d], 0 in the padding. Note [Convolution as GEMM] in nn/layers/conv2d.h.
+extern "C" __global__ void cx_nn_im2col(const float* x, float* col, u64 nb, u64 C, u64 H, u64 W, u64 k, u64 s,
+                                        u64 p, u64 d, u64 OH, u64 OW) {
+  const u64 P = OH * OW, cols = nb * P;
+  CX_LOOP(t, C * k * k * cols) {
+    const u64 r = t / cols, q = t % cols;
+    const u64 m = q / P, pp = q % P, oh = pp / OW, ow = pp % OW;
+    const u64 c = r / (k * k), i = (r / k) % k, j = r % k;
+    const long long h = (long long)(oh * s + i * d) - (long long)p, w = (long long)(ow * s + j * d) - (long long)p;
+    col[t] = (h >= 0 && h < (long long)H && w >= 0 && w < (long long)W) ? x[((m * C + c) * H + h) * W + w] : 0.0f;
+  }
+}
+
+// Its transpose: dx[m, c, h, w] = the sum of the columns unfolded from that pixel, in (i, j) order as the CPU's
+// fold adds them. Overwrites dx.
+extern "C" __global__ void cx_nn_col2im(const float* dcol, float* dx, u64 nb, u64 C, u64 H, u64 W, u64 k, u64 s,
+                                        u64 p, u64 d, u64 OH, u64 OW) {
+  const u64 P = OH * OW, cols = nb * P;
+  CX_LOOP(t, nb * C * H * W) {
+    const u64 w = t % W, h = (t / W) % H, c = (t / (W * H)) % C, m = t / (W * H * C);
+    float acc = 0.0f;
+    for (u64 i = 0; i < k; ++i) {
+      const long long hh = (long long)(h + p) - (long long)(i * d);
+      if (hh < 0 || hh % (long long)s) continue;
+      const u64 oh = (u64)hh / s;
+      if (oh >= OH) continue;
+      for (u64 j = 0; j < k; ++j) {
+        const long long ww = (long long)(w + p) - (long long)(j * d);
+        if (ww < 0 || ww % (long long)s) continue;
+        const u64 ow = (u64)ww / s;
+        if (ow >= OW) continue;
+        acc += dcol[((c * k + i) * k + j) * cols + m * P + oh * OW + ow];
+      }
+    }
+    dx[t] = acc;
+  }
+}
+
+// dst (B, A, P) = src (A, B, P) with its first two axes swapped, plus bias[a] (bias may be null): the GEMM's
+// (channels, samples x pixels) output into NCHW, and NCHW gradients into the GEMM's layout.
+extern "C" __global__ void cx_nn_swap01(const float* src, float* dst, const float* bias, u64 A, u64 B, u64 P) {
+  CX_LOOP(t, A * B * P) {
+    const u64 q = t % P, a = (t / P) % A, b = t / (P * A);
+    const float v = src[(a * B + b) * P + q];
+    dst[t] = bias ? v + bias[a] : v;
+  }
+}
+
+// gb[c] += the sum of g[n, c, :] over n < N (S values each), in double: one block per channel.
+extern "C" __global__ void cx_nn_channel_sum_add(float* gb, const float* g, u64 N, u64 C, u64 S) {
+  __shared__ double red[256];
+  const u64 c = blockIdx.x;
+  double acc = 0.0;
+  for (u64 t = threadIdx.x; t < N * S; t += blockDim.x) acc += g[((t / S) * C + c) * S + t % S];
+  acc = cx_block_sum(acc, red);
+  if (threadIdx.x == 0) gb[c] += (float)acc;
+}
+
+// MaxPool2d over planes of H x W: the window's first maximum (a NaN wins, as on the CPU) and its index in the
+// plane.
+extern "C" __global__ void cx_nn_maxpool_fwd(const float* x, float* y, unsigned* arg, u64 planes, u64 H, u64 W,
+                                             u64 OH, u64 OW, u64 k, u64 s) {
+  CX_LOOP(t, planes * OH * OW) {
+    const u64 ow = t % OW, oh = (t / OW) % OH, pl = t / (OW * OH);
+    const float* xp = x + pl * H * W;
+    u64 best = oh * s * W + ow * s;
+    float bv = xp[best];
+    for (u64 i = 0; i < k; ++i)
+      for (u64 j = 0; j < k; ++j) {
+        const u64 at = (oh * s + i) * W + ow * s + j;
+        const float v = xp[at];
+        if (v > bv || (isnan(v) && !isnan(bv))) bv = v, best = at;
+      }
+    y[t] = bv;
+    arg[t] = (unsigned)best;
+  }
+}
+
+// The windows over input row h (or column): [lo, hi] of the outputs, empty when lo > hi.
+static __device__ void cx_windows(u64 h, u64 k, u64 s, u64 O, u64& lo, u64& hi) {
+  lo = h + 1 >= k ? (h + 1 - k + s - 1) / s : 0;
+  hi = h / s < O ? h / s : O - 1;
+}
+
+// dx[pixel] = the sum of gy over the windows whose maximum it was, in output order (as the CPU adds them).
+extern "C" __global__ void cx_nn_maxpool_bwd(const float* gy, const unsigned* arg, float* gx, u64 planes, u64 H,
+                                             u64 W, u64 OH, u64 OW, u64 k, u64 s) {
+  CX_LOOP(t, planes * H * W) {
+    const u64 w = t % W, h = (t / W) % H, pl = t / (W * H);
+    u64 h0, h1, w0, w1;
+    cx_windows(h, k, s, OH, h0, h1);
+    cx_windows(w, k, s, OW, w0, w1);
+    const unsigned at = (unsigned)(h * W + w);
+    float acc = 0.0f;
+    for (u64 oh = h0; oh <= h1 && oh < OH; ++oh)
+      for (u64 ow = w0; ow <= w1 && ow < OW; ++ow) {
+        const u64 o = (pl * OH + oh) * OW + ow;
+        if (arg[o] == at) acc += gy[o];
+      }
+    gx[t] = acc;
+  }
+}
+
+// AvgPool2d: the window's sum in (i, j) order, times 1/k^2.
+extern "C" __global__ void cx_nn_avgpool_fwd(const float* x, float* y, u64 planes, u64 H, u64 W, u64 OH, u64 OW,
+                                             u64 k, u64 s, float inv) {
+  CX_LOOP(t, planes * OH * OW) {
+    const u64 ow = t % OW, oh = (t / OW) % OH, pl = t / (OW * OH);
+    const float* xp = x + pl * H * W;
+    float acc = 0.0f;
+    for (u64 i = 0; i < k; ++i)
+      for (u64 j = 0; j < k; ++j) acc += xp[(oh * s + i) * W + ow * s + j];
+    y[t] = acc * inv;
+  }
+}
+
+// dx[pixel] = the sum of gy/k^2 over the windows holding it (oh up, then ow down: the CPU loop's order).
+extern "C" __global__ void cx_nn_avgpool_bwd(const float* gy, float* gx, u64 planes, u64 H, u64 W, u64 OH, u64 OW,
+                                             u64 k, u64 s, float inv) {
+  CX_LOOP(t, planes * H * W) {
+    const u64 w = t % W, h = (t / W) % H, pl = t / (W * H);
+    u64 h0, h1, w0, w1;
+    cx_windows(h, k, s, OH, h0, h1);
+    cx_windows(w, k, s, OW, w0, w1);
+    float acc = 0.0f;
+    for (u64 oh = h0; oh <= h1 && oh < OH; ++oh)
+      for (u64 ow = w1 + 1; ow-- > w0;)
+        if (ow < OW) acc += gy[(pl * OH + oh) * OW + ow] * inv;
+    gx[t] = acc;
+  }
+}
+
+// GlobalAvgPool2d: y[plane] = the plane's mean (summed in double), one warp per plane.
+extern "C" __global__ void cx_nn_gap_fwd(const float* x, float* y, u64 planes, u64 S) {
+  const u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32;
+  const unsigned lane = threadIdx.x % 32;
+  if (warp >= planes) return;
+  double acc = 0.0;
+  for (u64 q = lane; q < S; q += 32) acc += x[warp * S + q];
+  for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) y[warp] = (float)(acc / (double)S);
+}
+
+extern "C" __global__ void cx_nn_gap_bwd(const float* gy, float* gx, u64 planes, u64 S, float inv) {
+  CX_LOOP(t, planes * S) gx[t] = gy[t / S] * inv;
+}
+
+// BatchNorm over (N, C, S = H*W), one block per channel (BatchNormModule::forward_nchw's arithmetic): batch
+// statistics summed in double, the running statistics updated, the mean and 1/std kept for backward (which
+// recomputes x-hat from x). Eval: the running statistics.
+extern "C" __global__ void cx_nn_bn2d_fwd(const float* x, float* y, float* mean_out, float* invstd, const float* gamma,
+                                          const float* beta, float* rmean, float* rvar, u64 N, u64 C, u64 S,
+                                          float eps, float momentum, int training) {
+  __shared__ double red[256];
+  const u64 c = blockIdx.x, M = N * S;
+  float mean_f, is;
+  if (training) {
+    double acc = 0.0;
+    for (u64 t = threadIdx.x; t < M; t += blockDim.x) acc += x[((t / S) * C + c) * S + t % S];
+    const double sum = cx_block_sum(acc, red);
+    mean_f = (float)(sum / (double)M);
+    double v = 0.0;
+    for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
+      const float dv = x[((t / S) * C + c) * S + t % S] - mean_f;
+      v += (double)dv * dv;
+    }
+    const double var = cx_block_sum(v, red);
+    is = (float)(1.0 / sqrt(var / (double)M + eps));
+    if (threadIdx.x == 0) {
+      rmean[c] = (float)((1.0 - momentum) * rmean[c] + momentum * (sum / (double)M));
+      rvar[c] = (float)((1.0 - momentum) * rvar[c] + momentum * var / (double)(M - 1));
+    }
+  } else {
+    mean_f = rmean[c];
+    is = 1.0f / sqrtf(rvar[c] + eps);
+  }
+  if (threadIdx.x == 0) {
+    mean_out[c] = mean_f;
+    invstd[c] = is;
+  }
+  const float a = gamma[c] * is, b = beta[c];
+  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
+    const u64 i = ((t / S) * C + c) * S + t % S;
+    y[i] = a * (x[i] - mean_f) + b;
+  }
+}
+
+// dbeta[c] += sum gy, dgamma[c] += invstd * sum gy (x - mean), and (gx != null) dL/dx = k1 gy + k2 (x - mean) + k3.
+extern "C" __global__ void cx_nn_bn2d_bwd(const float* gy, const float* x, const float* mean, const float* invstd,
+                                          const float* gamma, float* dgamma, float* dbeta, float* gx, u64 N, u64 C,
+                                          u64 S, int training) {
+  __shared__ double red[256];
+  const u64 c = blockIdx.x, M = N * S;
+  const float m = mean[c];
+  double a1 = 0.0, a2 = 0.0;
+  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
+    const u64 i = ((t / S) * C + c) * S + t % S;
+    a1 += gy[i];
+    a2 += (double)(gy[i] * (x[i] - m));
+  }
+  const double s1 = cx_block_sum(a1, red);
+  const double s2 = cx_block_sum(a2, red) * invstd[c];
+  if (threadIdx.x == 0) {
+    dbeta[c] += (float)s1;
+    dgamma[c] += (float)s2;
+  }
+  if (!gx) return;
+  const double gi = (double)gamma[c] * invstd[c];
+  float k1, k2 = 0.0f, k3 = 0.0f;  // eval: gx = gamma * invstd * gy, as the CPU's affine gives it
+  if (training) {
+    const double inv_m = 1.0 / (double)M;
+    k1 = (float)gi;
+    k2 = (float)(-gi * invstd[c] * inv_m * s2);
+    k3 = (float)(-gi * inv_m * s1);
+  } else {
+    k1 = gamma[c] * invstd[c];
+  }
+  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
+    const u64 i = ((t / S) * C + c) * S + t % S;
+    gx[i] = training ? k1 * gy[i] + k2 * (x[i] - m) + k3 : k1 * gy[i];
+  }
+}
+
+extern "C" __global__ void cx_nn_add(const float* a, const float* b, float* out, u64 n) {
+  CX_LOOP(i, n) out[i] = a[i] + b[i];
+}
+
 // ---------------------------------------------------------------- losses
 // Each writes dL/d(output) and adds its sums into stats (double): stats[0] the
 // loss summed as the CPU sums it (over rows, or over elements), stats[1] the

@@ -131,6 +131,7 @@ void DropoutModule::backward(const DeviceParams& d, DeviceState* s, const float*
 namespace {
 struct BatchNormState : DeviceState {
   Buffer xhat, invstd, rmean, rvar;
+  Buffer mean;  // images (N, C, H, W): backward recomputes x-hat from x, mean and invstd
   bool last_training = false;
 };
 }  // namespace
@@ -140,6 +141,7 @@ std::unique_ptr<DeviceState> BatchNormModule::make_device_state(cuda::Device&) c
   s->rmean.reserve(f_ * sizeof(float));
   s->rvar.reserve(f_ * sizeof(float));
   s->invstd.reserve(f_ * sizeof(float));
+  s->mean.reserve(f_ * sizeof(float));
   return s;
 }
 
@@ -163,6 +165,16 @@ std::vector<std::pair<float*, size_t>> BatchNormModule::device_buffers(DeviceSta
 void BatchNormModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
                               bool training) {
   auto& st = *static_cast<BatchNormState*>(s);
+  if (in.size() == 4) {  // BatchNorm2dModule: BatchNormModule::forward_nchw's arithmetic, one block per channel
+    if (training)
+      CX_CHECK(in[0] * in[2] * in[3] >= 2, InvalidArgument, repr(), " needs more than one value per channel (batch "
+               "x height x width) in training mode, got input ", shape_str(in));
+    st.last_training = training;
+    d.dev.launch(d.dev.fn("cx_nn_bn2d_fwd"), static_cast<unsigned>(f_), 256, x, y, st.mean.f(), st.invstd.f(),
+                 static_cast<const float*>(param(d, 0)), static_cast<const float*>(param(d, 1)), st.rmean.f(),
+                 st.rvar.f(), u64(in[0]), u64(f_), u64(in[2] * in[3]), eps_, momentum_, training ? 1 : 0);
+    return;
+  }
   if (training)  // as the CPU forward says it
     CX_CHECK(in[0] >= 2, InvalidArgument, repr(), " needs a batch of at least 2 in training mode, got ",
              shape_str(in));
@@ -173,9 +185,20 @@ void BatchNormModule::forward(const DeviceParams& d, DeviceState* s, const float
                st.rvar.f(), u64(in[0]), u64(in[1]), eps_, momentum_, training ? 1 : 0);
 }
 
-void BatchNormModule::backward(const DeviceParams& d, DeviceState* s, const float*, const float*, const Shape& in,
+void BatchNormModule::backward(const DeviceParams& d, DeviceState* s, const float* x, const float*, const Shape& in,
                                const float* gy, float* gx, const ParamDone& done) {
   const auto& st = *static_cast<const BatchNormState*>(s);
+  if (in.size() == 4) {
+    d.dev.launch(d.dev.fn("cx_nn_bn2d_bwd"), static_cast<unsigned>(f_), 256, gy, x,
+                 static_cast<const float*>(st.mean.f()), static_cast<const float*>(st.invstd.f()),
+                 static_cast<const float*>(param(d, 0)), grad(d, 0), grad(d, 1), gx, u64(in[0]), u64(f_),
+                 u64(in[2] * in[3]), st.last_training ? 1 : 0);
+    if (done) {
+      done(1);
+      done(0);
+    }
+    return;
+  }
   d.dev.launch(d.dev.fn("cx_nn_bn_bwd"), Device::grid_for(in[1]), 256, gy, static_cast<const float*>(st.xhat.f()),
                static_cast<const float*>(st.invstd.f()), static_cast<const float*>(param(d, 0)), grad(d, 0),
                grad(d, 1), gx, u64(in[0]), u64(in[1]), st.last_training ? 1 : 0);

@@ -1,5 +1,6 @@
 // defines: BatchNorm2dModule, batch normalisation of NCHW images (as
-// torch.nn.BatchNorm2d), CPU only for now (nn/cpu_only.h).
+// torch.nn.BatchNorm2d), on the CPU and the GPU (BatchNormModule's device code
+// takes images: modules_gpu.cpp).
 //
 // BatchNormModule over (batch, C, H, W): the statistics of channel c are those
 // of its batch*H*W values, gamma (weight, starts at 1) and beta (bias, starts
@@ -12,17 +13,14 @@
 // two share.
 #pragma once
 
-#include "nn/cpu_only.h"
 #include "nn/modules.h"
 
 namespace cx::nn {
 
-class BatchNorm2dModule : public CpuOnly<BatchNormModule> {
+class BatchNorm2dModule : public BatchNormModule {
  public:
-  using CpuOnly::backward;  // the GPU ones (refusals)
-  using CpuOnly::forward;
   explicit BatchNorm2dModule(size_t features, float eps = 1e-5f, float momentum = 0.1f)
-      : CpuOnly("BatchNorm2dModule", features, eps, momentum) {}
+      : BatchNormModule("BatchNorm2dModule", features, eps, momentum) {}
   std::string type_name() const override { return "BatchNorm2d"; }
   Shape output_shape(const Shape& in) const override;
 };

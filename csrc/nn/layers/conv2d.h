@@ -1,5 +1,5 @@
 // defines: Conv2dModule, 2-D convolution over NCHW float32 images (as
-// torch.nn.Conv2d, square kernels), CPU only for now (nn/cpu_only.h).
+// torch.nn.Conv2d, square kernels), on the CPU and the GPU (layers_gpu.cpp).
 //
 // Shapes: input (batch, in_channels, H, W) -> output (batch, out_channels, OH, OW) with
 //   OH = (H + 2*padding - dilation*(kernel_size-1) - 1) / stride + 1   (the same for OW).
@@ -39,7 +39,7 @@
 
 #include <cstdint>
 
-#include "nn/cpu_only.h"
+#include "nn/module.h"
 #include "nn/tensor.h"
 
 namespace cx::nn {
@@ -48,10 +48,8 @@ struct Conv2dGeometry {
   size_t in, out, k, stride, padding, dilation, groups;
 };
 
-class Conv2dModule : public CpuOnly<Module> {
+class Conv2dModule : public Module {
  public:
-  using CpuOnly::backward;  // the GPU ones (refusals)
-  using CpuOnly::forward;
   // Throws InvalidArgument naming the argument for sizes < 1 (padding < 0), or
   // channels not divisible by groups.
   Conv2dModule(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1,
@@ -62,6 +60,11 @@ class Conv2dModule : public CpuOnly<Module> {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* state, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* state, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
+  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
   void write_config(ByteWriter& w) const override;
 
   const Conv2dGeometry& geometry() const { return g_; }

@@ -1,7 +1,7 @@
 // defines: the 2-D pooling layers over NCHW float32 images — MaxPool2dModule,
 // AvgPool2dModule (torch.nn.MaxPool2d / AvgPool2d with square windows and no
 // padding) and GlobalAvgPool2dModule ((batch, C, H, W) -> (batch, C), the mean
-// of each channel) — CPU only for now (nn/cpu_only.h). No parameters.
+// of each channel), on the CPU and the GPU (layers_gpu.cpp). No parameters.
 //
 // Shapes: a window of kernel_size moved by stride (kernel_size when not given):
 //   OH = (H - kernel_size) / stride + 1   (the same for OW; windows that would
@@ -12,15 +12,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "nn/cpu_only.h"
+#include "nn/module.h"
 
 namespace cx::nn {
 
 // What the two windowed poolings share: the window, the shape rule, the file format.
-class Pool2dModule : public CpuOnly<Module> {
+class Pool2dModule : public Module {
  public:
-  using CpuOnly::backward;  // the GPU ones (refusals)
-  using CpuOnly::forward;
   // Throws InvalidArgument, naming `layer` ("MaxPool2dModule"), for kernel_size or stride < 1.
   Pool2dModule(const char* layer, int64_t kernel_size, int64_t stride);
   std::string repr() const override;
@@ -38,12 +36,15 @@ class Pool2dModule : public CpuOnly<Module> {
 class MaxPool2dModule : public Pool2dModule {
  public:
   MaxPool2dModule(int64_t kernel_size, int64_t stride) : Pool2dModule("MaxPool2dModule", kernel_size, stride) {}
-  using Pool2dModule::backward;  // the GPU ones (refusals)
-  using Pool2dModule::forward;
   std::string type_name() const override { return "MaxPool2d"; }
+  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* state, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* state, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
 
  private:
   std::vector<uint32_t> argmax_;  // per output element: the index of its maximum within its channel's plane
@@ -53,24 +54,28 @@ class MaxPool2dModule : public Pool2dModule {
 class AvgPool2dModule : public Pool2dModule {
  public:
   AvgPool2dModule(int64_t kernel_size, int64_t stride) : Pool2dModule("AvgPool2dModule", kernel_size, stride) {}
-  using Pool2dModule::backward;  // the GPU ones (refusals)
-  using Pool2dModule::forward;
   std::string type_name() const override { return "AvgPool2d"; }
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* state, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* state, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
 };
 
-class GlobalAvgPool2dModule : public CpuOnly<Module> {
+class GlobalAvgPool2dModule : public Module {
  public:
-  using CpuOnly::backward;  // the GPU ones (refusals)
-  using CpuOnly::forward;
   std::string type_name() const override { return "GlobalAvgPool2d"; }
   std::string repr() const override { return "GlobalAvgPool2d()"; }
   Shape output_shape(const Shape& in) const override;
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* state, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* state, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
 };
 
 }  // namespace cx::nn

@@ -1,5 +1,6 @@
 // defines: ResidualModule, y = block(x) + shortcut(x), a container of two
-// SequentialModels (the shortcut the identity when absent), CPU only for now.
+// SequentialModels (the shortcut the identity when absent), on the CPU and the GPU
+// (layers_gpu.cpp: the two models' layers run on the device as DeviceModel runs a model's).
 //
 // The container is one module of its model: its parameters are the block's
 // then the shortcut's, in their own layer order ("block.0.weight", ...,
@@ -22,15 +23,12 @@
 
 #include <memory>
 
-#include "nn/cpu_only.h"
 #include "nn/sequential.h"
 
 namespace cx::nn {
 
-class ResidualModule : public CpuOnly<Module> {
+class ResidualModule : public Module {
  public:
-  using CpuOnly::backward;  // the GPU ones (refusals)
-  using CpuOnly::forward;
   // shortcut may be null (the identity). Throws InvalidArgument if block is
   // null, either model is empty, already held by another ResidualModule or
   // holds a layer with a generator (Dropout).
@@ -43,6 +41,15 @@ class ResidualModule : public CpuOnly<Module> {
   void forward(const float* x, const Shape& in, float* y, bool training) override;
   void backward(const float* x, const float* y, const Shape& in, const float* gy, float* gx,
                 const ParamDone& done) override;
+  void forward(const DeviceParams& d, DeviceState* state, const float* x, const Shape& in, float* y,
+               bool training) override;
+  void backward(const DeviceParams& d, DeviceState* state, const float* x, const float* y, const Shape& in,
+                const float* gy, float* gx, const ParamDone& done) override;
+  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
+  void to_device(cuda::Device& dev, DeviceState* state) const override;
+  void to_host(cuda::Device& dev, const DeviceState* state) override;
+  std::vector<std::pair<float*, size_t>> device_buffers(DeviceState* state) override;
+  void check_runs_on_gpu() const override;
   void write_config(ByteWriter& w) const override;
   std::vector<std::vector<float>*> buffers() override;
   std::vector<SequentialModel*> submodels() override;

@@ -1,0 +1,324 @@
+// The image layers on a GPU (Note [Modules on the GPU] in nn/module.h): Conv2d, the poolings and Residual,
+// each the device twin of its CPU code in this folder, the kernels of cuda/nn.cu queued on the Device's
+// stream. BatchNorm2d is BatchNormModule's device code (nn/modules_gpu.cpp), which takes images.
+// tests/test_gpu.py trains image models on both devices and compares them.
+#include <algorithm>
+
+#include "common/error.h"
+#include "cuda/device.h"
+#include "nn/layers/conv2d.h"
+#include "nn/layers/pooling.h"
+#include "nn/layers/residual.h"
+
+namespace cx::nn {
+
+namespace {
+
+using ull = unsigned long long;
+
+// Note [Convolution on the GPU]
+// The CPU convolves one sample at a time (Note [Convolution as GEMM] in conv2d.h); a GPU wants a few large
+// GEMMs instead. So a chunk of nb samples is unfolded at once into col (K = in*k*k rows, nb*P columns, sample
+// after sample), and each group's product is one GEMM:
+//   forward   t (out x nb*P) = W (out x K) . col, then t's two first axes swapped into y (nb, out, P) + bias
+//   backward  gyT (out x nb*P) = gy (nb, out, P) swapped;  dW += gyT . col^T;  dcol = W^T . gyT, folded into dx
+// The chunk is the whole batch unless col would pass kColFloats; the bias's gradient is one reduction per
+// channel over the batch. The GEMMs are the Device's (cuBLAS, at the trainer's matmul_precision).
+constexpr size_t kColFloats = size_t(32) << 20;  // 128 MB of unfolding at most
+
+struct ConvState : DeviceState {
+  cuda::Buffer col, t;  // the chunk's unfolding (or dcol); its GEMM output (or gyT)
+};
+
+struct ConvPlan {
+  size_t N, C, H, W, O, OH, OW, P, G, Og, Kg, nb;
+};
+
+ConvPlan conv_plan(const Conv2dModule& m, const Shape& in) {
+  const Conv2dGeometry& g = m.geometry();
+  const Shape out = m.output_shape(in);
+  ConvPlan c{};
+  c.N = in[0], c.C = g.in, c.H = in[2], c.W = in[3], c.O = g.out, c.OH = out[2], c.OW = out[3];
+  c.P = c.OH * c.OW, c.G = g.groups, c.Og = g.out / g.groups, c.Kg = g.in / g.groups * g.k * g.k;
+  const size_t per_sample = std::max(c.Kg * c.G, c.O) * c.P;
+  c.nb = std::max<size_t>(1, std::min(c.N, kColFloats / std::max<size_t>(per_sample, 1)));
+  return c;
+}
+
+void unfold_chunk(const DeviceParams& d, const Conv2dGeometry& g, const ConvPlan& c, const float* x, float* col,
+                  size_t nb) {
+  const ull n = ull(c.Kg) * c.G * nb * c.P;
+  d.dev.launch(d.dev.fn("cx_nn_im2col"), cuda::Device::grid_for(n), 256, x, col, ull(nb), ull(c.C), ull(c.H),
+               ull(c.W), ull(g.k), ull(g.stride), ull(g.padding), ull(g.dilation), ull(c.OH), ull(c.OW));
+}
+
+// dst (B, A, P) = src (A, B, P) (+ bias[a]).
+void swap01(const DeviceParams& d, const float* src, float* dst, const float* bias, size_t A, size_t B, size_t P) {
+  const ull n = ull(A) * B * P;
+  d.dev.launch(d.dev.fn("cx_nn_swap01"), cuda::Device::grid_for(n), 256, src, dst, bias, ull(A), ull(B), ull(P));
+}
+
+}  // namespace
+
+std::unique_ptr<DeviceState> Conv2dModule::make_device_state(cuda::Device&) const {
+  return std::make_unique<ConvState>();
+}
+
+void Conv2dModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y, bool) {
+  auto& st = *static_cast<ConvState*>(s);
+  const ConvPlan c = conv_plan(*this, in);
+  st.col.reserve(c.Kg * c.G * c.nb * c.P * sizeof(float));
+  st.t.reserve(c.O * c.nb * c.P * sizeof(float));
+  const float* w = param(d, 0);
+  const float* b = bias_ ? static_cast<const float*>(param(d, 1)) : nullptr;
+  for (size_t n0 = 0; n0 < c.N; n0 += c.nb) {
+    const size_t nb = std::min(c.nb, c.N - n0);
+    const int cols = static_cast<int>(nb * c.P), Og = static_cast<int>(c.Og), Kg = static_cast<int>(c.Kg);
+    unfold_chunk(d, g_, c, x + n0 * c.C * c.H * c.W, st.col.f(), nb);
+    for (size_t g = 0; g < c.G; ++g)
+      d.dev.gemm(false, false, Og, cols, Kg, 1.0f, w + g * c.Og * c.Kg, Kg, st.col.f() + g * c.Kg * cols, cols, 0.0f,
+                 st.t.f() + g * c.Og * cols, cols);
+    swap01(d, st.t.f(), y + n0 * c.O * c.P, b, c.O, nb, c.P);
+  }
+}
+
+void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* x, const float*, const Shape& in,
+                            const float* gy, float* gx, const ParamDone& done) {
+  auto& st = *static_cast<ConvState*>(s);
+  const ConvPlan c = conv_plan(*this, in);
+  st.col.reserve(c.Kg * c.G * c.nb * c.P * sizeof(float));
+  st.t.reserve(c.O * c.nb * c.P * sizeof(float));
+  // Note [Convolution as GEMM]: the bias, then the weight, each final before dx starts.
+  if (bias_) {
+    d.dev.launch(d.dev.fn("cx_nn_channel_sum_add"), static_cast<unsigned>(c.O), 256, grad(d, 1), gy, ull(c.N),
+                 ull(c.O), ull(c.P));
+    if (done) done(1);
+  }
+  const float* w = param(d, 0);
+  float* dw = grad(d, 0);
+  const int Og = static_cast<int>(c.Og), Kg = static_cast<int>(c.Kg);
+  for (size_t n0 = 0; n0 < c.N; n0 += c.nb) {
+    const size_t nb = std::min(c.nb, c.N - n0);
+    const int cols = static_cast<int>(nb * c.P);
+    unfold_chunk(d, g_, c, x + n0 * c.C * c.H * c.W, st.col.f(), nb);
+    swap01(d, gy + n0 * c.O * c.P, st.t.f(), nullptr, nb, c.O, c.P);  // gyT (out, nb*P)
+    for (size_t g = 0; g < c.G; ++g)
+      d.dev.gemm(false, true, Og, Kg, cols, 1.0f, st.t.f() + g * c.Og * cols, cols, st.col.f() + g * c.Kg * cols,
+                 cols, 1.0f, dw + g * c.Og * c.Kg, Kg);
+  }
+  if (done) done(0);
+  if (!gx) return;
+  const bool one_chunk = c.nb >= c.N;  // gyT of the whole batch is still in st.t
+  for (size_t n0 = 0; n0 < c.N; n0 += c.nb) {
+    const size_t nb = std::min(c.nb, c.N - n0);
+    const int cols = static_cast<int>(nb * c.P);
+    if (!one_chunk) swap01(d, gy + n0 * c.O * c.P, st.t.f(), nullptr, nb, c.O, c.P);
+    for (size_t g = 0; g < c.G; ++g)
+      d.dev.gemm(true, false, Kg, cols, Og, 1.0f, w + g * c.Og * c.Kg, Kg, st.t.f() + g * c.Og * cols, cols, 0.0f,
+                 st.col.f() + g * c.Kg * cols, cols);
+    const ull n = ull(nb) * c.C * c.H * c.W;
+    d.dev.launch(d.dev.fn("cx_nn_col2im"), cuda::Device::grid_for(n), 256, static_cast<const float*>(st.col.f()),
+                 gx + n0 * c.C * c.H * c.W, ull(nb), ull(c.C), ull(c.H), ull(c.W), ull(g_.k), ull(g_.stride),
+                 ull(g_.padding), ull(g_.dilation), ull(c.OH), ull(c.OW));
+  }
+}
+
+// ---- pooling -----------------------------------------------------------------------
+
+namespace {
+struct MaxPoolState : DeviceState {
+  cuda::Buffer arg;  // per output: the index of its maximum in its plane (as MaxPool2dModule::argmax_)
+};
+}  // namespace
+
+std::unique_ptr<DeviceState> MaxPool2dModule::make_device_state(cuda::Device&) const {
+  return std::make_unique<MaxPoolState>();
+}
+
+void MaxPool2dModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+                              bool) {
+  auto& st = *static_cast<MaxPoolState*>(s);
+  const Shape out = output_shape(in);
+  const ull planes = ull(in[0]) * in[1], n = planes * out[2] * out[3];
+  st.arg.reserve(n * sizeof(unsigned));
+  d.dev.launch(d.dev.fn("cx_nn_maxpool_fwd"), cuda::Device::grid_for(n), 256, x, y,
+               static_cast<unsigned*>(st.arg.get()), planes, ull(in[2]), ull(in[3]), ull(out[2]), ull(out[3]),
+               ull(k_), ull(s_));
+}
+
+void MaxPool2dModule::backward(const DeviceParams& d, DeviceState* s, const float*, const float*, const Shape& in,
+                               const float* gy, float* gx, const ParamDone&) {
+  if (!gx) return;
+  const auto& st = *static_cast<const MaxPoolState*>(s);
+  const Shape out = output_shape(in);
+  const ull planes = ull(in[0]) * in[1], n = planes * in[2] * in[3];
+  d.dev.launch(d.dev.fn("cx_nn_maxpool_bwd"), cuda::Device::grid_for(n), 256, gy,
+               static_cast<const unsigned*>(st.arg.get()), gx, planes, ull(in[2]), ull(in[3]), ull(out[2]),
+               ull(out[3]), ull(k_), ull(s_));
+}
+
+void AvgPool2dModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y, bool) {
+  const Shape out = output_shape(in);
+  const ull planes = ull(in[0]) * in[1], n = planes * out[2] * out[3];
+  const float inv = 1.0f / static_cast<float>(k_ * k_);
+  d.dev.launch(d.dev.fn("cx_nn_avgpool_fwd"), cuda::Device::grid_for(n), 256, x, y, planes, ull(in[2]), ull(in[3]),
+               ull(out[2]), ull(out[3]), ull(k_), ull(s_), inv);
+}
+
+void AvgPool2dModule::backward(const DeviceParams& d, DeviceState*, const float*, const float*, const Shape& in,
+                               const float* gy, float* gx, const ParamDone&) {
+  if (!gx) return;
+  const Shape out = output_shape(in);
+  const ull planes = ull(in[0]) * in[1], n = planes * in[2] * in[3];
+  const float inv = 1.0f / static_cast<float>(k_ * k_);
+  d.dev.launch(d.dev.fn("cx_nn_avgpool_bwd"), cuda::Device::grid_for(n), 256, gy, gx, planes, ull(in[2]),
+               ull(in[3]), ull(out[2]), ull(out[3]), ull(k_), ull(s_), inv);
+}
+
+void GlobalAvgPool2dModule::forward(const DeviceParams& d, DeviceState*, const float* x, const Shape& in, float* y,
+                                    bool) {
+  output_shape(in);  // the CPU's checks
+  const ull planes = ull(in[0]) * in[1];
+  d.dev.launch(d.dev.fn("cx_nn_gap_fwd"), static_cast<unsigned>((planes + 7) / 8), 256, x, y, planes,
+               ull(in[2]) * in[3]);
+}
+
+void GlobalAvgPool2dModule::backward(const DeviceParams& d, DeviceState*, const float*, const float*, const Shape& in,
+                                     const float* gy, float* gx, const ParamDone&) {
+  if (!gx) return;
+  const ull planes = ull(in[0]) * in[1], S = ull(in[2]) * in[3];
+  d.dev.launch(d.dev.fn("cx_nn_gap_bwd"), cuda::Device::grid_for(planes * S), 256, gy, gx, planes, S,
+               1.0f / static_cast<float>(S));
+}
+
+// ---- Residual ----------------------------------------------------------------------
+
+namespace {
+
+// One of the container's models on the device: its layers run as DeviceModel runs a model's (device_model.cpp),
+// on the outer model's flat parameters (the layers' offsets are into those: Note [Models inside a module]).
+struct SubmodelRun {
+  SequentialModel* model = nullptr;
+  size_t tensor_base = 0;  // the container's index of this model's first parameter tensor
+  std::vector<size_t> first;  // per layer: its first parameter tensor within the model
+  std::vector<std::unique_ptr<DeviceState>> states;
+  std::vector<Shape> shapes;        // input of each layer, then the output
+  std::vector<cuda::Buffer> acts;   // each layer's output
+  cuda::Buffer grads[2];
+  const float* input = nullptr;
+
+  void make(SequentialModel* m, size_t base, cuda::Device& dev) {
+    model = m, tensor_base = base;
+    size_t f = 0;
+    for (size_t i = 0; i < m->size(); ++i) {
+      first.push_back(f);
+      states.push_back(m->module(i)->make_device_state(dev));
+      f += m->module(i)->param_specs().size();
+    }
+  }
+
+  const float* forward(const DeviceParams& d, const float* x, const Shape& in, bool training) {
+    shapes = model->shapes_for(in);
+    acts.resize(model->size());
+    input = x;
+    const float* cur = x;
+    for (size_t i = 0; i < model->size(); ++i) {
+      acts[i].reserve(numel(shapes[i + 1]) * sizeof(float));
+      model->module(i)->forward(d, states[i].get(), cur, shapes[i], acts[i].f(), training);
+      cur = acts[i].f();
+    }
+    return cur;
+  }
+
+  // Returns dL/d(input) (null unless want_gx), valid until this model's next backward.
+  const float* backward(const DeviceParams& d, const float* gy, bool want_gx, const ParamDone& done) {
+    size_t biggest = 0;
+    for (size_t i = want_gx ? 0 : 1; i < model->size(); ++i) biggest = std::max(biggest, numel(shapes[i]));
+    for (auto& b : grads) b.reserve(biggest * sizeof(float));
+    const float* g = gy;
+    for (size_t k = model->size(); k-- > 0;) {
+      const float* x = k ? acts[k - 1].f() : input;
+      float* gx = k || want_gx ? grads[k % 2].f() : nullptr;  // never the buffer g is in (k+1's)
+      ParamDone inner;
+      if (done) inner = [&done, at = tensor_base + first[k]](size_t i) { done(at + i); };
+      model->module(k)->backward(d, states[k].get(), x, acts[k].f(), shapes[k], g, gx, inner);
+      g = gx;
+    }
+    return want_gx ? g : nullptr;
+  }
+};
+
+struct ResidualState : DeviceState {
+  SubmodelRun block, shortcut;  // shortcut.model null: the identity
+};
+
+}  // namespace
+
+void ResidualModule::check_runs_on_gpu() const {
+  for (const auto* m : {block_.get(), shortcut_.get()}) {
+    if (!m) continue;
+    for (size_t i = 0; i < m->size(); ++i) {
+      try {
+        m->module(i)->check_runs_on_gpu();
+      } catch (const InvalidArgument& e) {
+        CX_THROW(InvalidArgument, repr(), ": layer ", i, " of the ", m == block_.get() ? "block" : "shortcut", ": ",
+                 e.what());
+      }
+    }
+  }
+}
+
+std::unique_ptr<DeviceState> ResidualModule::make_device_state(cuda::Device& dev) const {
+  auto st = std::make_unique<ResidualState>();
+  st->block.make(block_.get(), 0, dev);
+  if (shortcut_) st->shortcut.make(shortcut_.get(), block_tensors_, dev);
+  return st;
+}
+
+void ResidualModule::to_device(cuda::Device& dev, DeviceState* s) const {
+  auto& st = *static_cast<ResidualState*>(s);
+  for (SubmodelRun* r : {&st.block, &st.shortcut})
+    for (size_t i = 0; r->model && i < r->model->size(); ++i)
+      if (r->states[i]) r->model->module(i)->to_device(dev, r->states[i].get());
+}
+
+void ResidualModule::to_host(cuda::Device& dev, const DeviceState* s) {
+  const auto& st = *static_cast<const ResidualState*>(s);
+  for (const SubmodelRun* r : {&st.block, &st.shortcut})
+    for (size_t i = 0; r->model && i < r->model->size(); ++i)
+      if (r->states[i]) r->model->module(i)->to_host(dev, r->states[i].get());
+}
+
+std::vector<std::pair<float*, size_t>> ResidualModule::device_buffers(DeviceState* s) {
+  auto& st = *static_cast<ResidualState*>(s);
+  std::vector<std::pair<float*, size_t>> out;  // in buffers()'s order
+  for (SubmodelRun* r : {&st.block, &st.shortcut})
+    for (size_t i = 0; r->model && i < r->model->size(); ++i)
+      if (r->states[i])
+        for (auto b : r->model->module(i)->device_buffers(r->states[i].get())) out.push_back(b);
+  return out;
+}
+
+void ResidualModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+                             bool training) {
+  auto& st = *static_cast<ResidualState*>(s);
+  const float* yb = st.block.forward(d, x, in, training);
+  out_ = st.block.shapes.back();
+  const float* side = shortcut_ ? st.shortcut.forward(d, x, in, training) : x;
+  const ull n = numel(out_);
+  d.dev.launch(d.dev.fn("cx_nn_add"), cuda::Device::grid_for(n), 256, yb, side, y, n);
+}
+
+void ResidualModule::backward(const DeviceParams& d, DeviceState* s, const float*, const float*, const Shape& in,
+                              const float* gy, float* gx, const ParamDone& done) {
+  auto& st = *static_cast<ResidualState*>(s);
+  const bool want_gx = gx != nullptr;
+  const float* side = gy;  // the identity's dL/dx
+  if (shortcut_) side = st.shortcut.backward(d, gy, want_gx, done);  // first: its parameters come after the block's
+  const float* gb = st.block.backward(d, gy, want_gx, done);
+  if (!gx) return;
+  const ull n = numel(in);
+  d.dev.launch(d.dev.fn("cx_nn_add"), cuda::Device::grid_for(n), 256, gb, side, gx, n);
+}
+
+}  // namespace cx::nn
