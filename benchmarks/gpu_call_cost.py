@@ -7,17 +7,11 @@ import sys
 import time
 
 import pycyxwiz as cx
+from gpu_check import median_us  # benchmarks/, this script's folder
 
 
-def med(fn, n=3000, warm=200):
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append(time.perf_counter_ns() - t0)
-    return statistics.median(ts) / 1e3
+def med(fn):
+    return median_us(fn, 3000, warmup=200)
 
 
 def enqueue(launch, wait, n=3000):

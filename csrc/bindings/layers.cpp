@@ -34,7 +34,7 @@ void bind_conv2d(py::module_& m) {
       m, "Conv2dModule",
       "2-D convolution over (batch, in_channels, height, width) float32 images, as torch.nn.Conv2d with a square "
       "kernel: weight (out_channels, in_channels/groups, k, k), bias (out_channels,). Kaiming-uniform init, "
-      "seeded. CPU only for now.\n\n"
+      "seeded. On the CPU and the GPU.\n\n"
       "    model.add(cx.Conv2dModule(3, 16, 3, padding=1))\n"
       "    cx.Conv2dModule(16, 32, 1, stride=2, bias=False)   # a ResNet shortcut")
       .def(py::init([](int64_t in, int64_t out, int64_t k, int64_t stride, int64_t padding, bool bias,
@@ -74,7 +74,7 @@ void bind_residual(py::module_& m) {
       m, "ResidualModule",
       "y = block(x) + shortcut(x), block and shortcut SequentialModels (shortcut=None: the identity). Their "
       "parameters become the residual's, block's first, and move with it into the model; the models may not "
-      "grow afterwards. Nests: a block may hold ResidualModules. CPU only for now.\n\n"
+      "grow afterwards. Nests: a block may hold ResidualModules. On the CPU and the GPU.\n\n"
       "    block = cx.SequentialModel(); block.add(cx.Conv2dModule(16, 16, 3, padding=1)); ...\n"
       "    model.add(cx.ResidualModule(block))")
       .def(py::init([](std::shared_ptr<SequentialModel> block, std::shared_ptr<SequentialModel> shortcut) {
@@ -94,21 +94,22 @@ void bind_layers(py::module_& m) {
         "setting (Note [Unfolding in chunks] in csrc/nn/layers/conv2d.h).");
   bind_pool<MaxPool2dModule>(m, "MaxPool2dModule",
                              "The maximum of each kernel_size x kernel_size window, moved by stride (default: "
-                             "kernel_size), of (batch, C, H, W) images. CPU only for now.\n\n"
+                             "kernel_size), of (batch, C, H, W) images. On the CPU and the GPU.\n\n"
                              "    model.add(cx.MaxPool2dModule(2))             # (N, C, 32, 32) -> (N, C, 16, 16)");
   bind_pool<AvgPool2dModule>(m, "AvgPool2dModule",
                              "The mean of each kernel_size x kernel_size window, moved by stride (default: "
-                             "kernel_size), of (batch, C, H, W) images. CPU only for now.\n\n"
+                             "kernel_size), of (batch, C, H, W) images. On the CPU and the GPU.\n\n"
                              "    model.add(cx.AvgPool2dModule(2))             # (N, C, 32, 32) -> (N, C, 16, 16)");
   module_class<GlobalAvgPool2dModule>(m, "GlobalAvgPool2dModule",
-                                      "The mean of each channel: (batch, C, H, W) -> (batch, C). CPU only for now.\n\n"
+                                      "The mean of each channel: (batch, C, H, W) -> (batch, C). On the CPU and the "
+                                      "GPU.\n\n"
                                       "    model.add(cx.GlobalAvgPool2dModule())   # then a LinearModule(C, classes)")
       .def(py::init<>());
   shared_class<BatchNorm2dModule, BatchNormModule>(
       m, "BatchNorm2dModule",
       "Batch normalisation of (batch, C, H, W) images, per channel over batch, height and width, with running "
       "statistics for eval mode (torch.nn.BatchNorm2d). cx.convert_sync_batchnorm turns it into a "
-      "SyncBatchNormModule. CPU only for now.\n\n"
+      "SyncBatchNormModule. On the CPU and the GPU.\n\n"
       "    model.add(cx.BatchNorm2dModule(16))")
       .def(py::init<size_t, float, float>(), py::arg("num_features"), py::arg("eps") = 1e-5f,
            py::arg("momentum") = 0.1f);
