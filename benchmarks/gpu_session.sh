@@ -2,7 +2,8 @@
 # One call on a lent GPU machine (the device tool): install the scipy-openblas32 wheel carried in .whl/, build
 # pycyxwiz (sm_90 only), then the stages named in STAGES, which share one deadline (BUDGET seconds); each
 # stage's log goes to $OUT/<stage>.log and its tail to stdout. With benchmarks/.old.tar.gz (git archive of an
-# older commit) that commit is built too, and the stage "ab" times both builds' per-call cost side by side.
+# older commit) that commit is built too, and the stages "ab" (NCCL per-call cost) and "cnnab" (a small ResNet's
+# training against PyTorch) time both builds side by side.
 #   here:  git rev-parse --short HEAD > benchmarks/.commit; pip download scipy-openblas32 into .whl/ (device README)
 #   there: STAGES="check pytestall train torch bf16" BUDGET=420 bash benchmarks/gpu_session.sh   (carry .whl)
 set -u
@@ -56,6 +57,8 @@ for s in ${STAGES:-check pytest train torch bf16}; do
         ./launch_distributed.sh 1 python3 examples/train_cnn_digits.py --save "" --quiet &&
         ./launch_distributed.sh 1 python3 examples/train_digits.py --save "" 2>&1 | tail -3' ;;
     cnnbench) stage cnnbench 70 python3 benchmarks/gpu_train.py --cnn --samples 16384 ;;
+    cnnab) stage cnnab 150 bash -c 'for i in 1 2; do for v in old new; do echo "## $v"
+        PYTHONPATH=/tmp/${v}_site:/tmp/site python3 benchmarks/gpu_train.py --cnn --samples 8192; done; done' ;;
     profile) stage profile 90 bash -c "cd benchmarks && python3 gpu_profile.py --sizes 784,256,10 --batch 64 &&
         python3 gpu_profile.py --sizes 784,2048,2048,10 --batch 4096" ;;
   esac
