@@ -231,9 +231,26 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
     cv_.notify_all();
     return w;
   }
-  cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
-  lk.unlock();
-  execute(*w, true);
+  bool waited = false;
+  cv_.wait(lk, [&] {
+    const bool idle = queue_.empty() && !busy_;
+    waited = waited || !idle;
+    return idle;
+  });
+  // Running from now: poison_ and the flight entry under the lock submit() holds (or retook after a wait), as
+  // execute() would check and set them, saving it two turns of mu_ and a clock read.
+  if (poison_) {
+    lk.unlock();
+    execute(*w, true);  // finishes w with the poison's error
+  } else {
+    FlightEntry& e = ring_[w->op_ % kFlightEntries];
+    if (e.op == w->op_) {
+      e.state = FlightEntry::kRunning;
+      e.start_us = waited ? now_us() : e.submit_us;
+    }
+    lk.unlock();
+    execute(*w, true, true);
+  }
   w->wait();  // rethrows the collective's error
   return w;
 }
@@ -328,17 +345,19 @@ bool ProcessGroup::await(Work& w, int64_t timeout_ms, bool once) {
   }
 }
 
-void ProcessGroup::execute(Work& w, bool on_submitter) {
+void ProcessGroup::execute(Work& w, bool on_submitter, bool started) {
   std::lock_guard<std::mutex> ex(exec_mu_);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (poison_) {
-      w.finish(std::make_pair(poison_->first, "the process group failed earlier and cannot be used any more: " +
-                                                  poison_->second));
-      return;
+  if (!started) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (poison_) {
+        w.finish(std::make_pair(poison_->first, "the process group failed earlier and cannot be used any more: " +
+                                                    poison_->second));
+        return;
+      }
     }
+    set_state(w, FlightEntry::kRunning);
   }
-  set_state(w, FlightEntry::kRunning);
   try {
     backend_->begin(w.desc_, Deadline::after_ms(cfg_.operation_timeout_ms), on_submitter);
     w.body_();

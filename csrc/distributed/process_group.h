@@ -208,7 +208,9 @@ class ProcessGroup {
   void fail(Work& w, ErrorKind kind, const std::string& msg);
   void publish_record(const std::string& key);
   Backend& backend();  // throws once the group has been finalized
-  void execute(Work& w, bool on_submitter);
+  // Runs w's body under exec_mu_. `started`: the caller has already checked poison_ and marked w running under
+  // mu_ (a blocking collective its submitter runs at once).
+  void execute(Work& w, bool on_submitter, bool started = false);
   void comm_loop();
   void check_root(int root, const char* what) const;
   void check_peer(int peer, const char* what) const;
