@@ -157,6 +157,21 @@ View numpy_view(const py::handle& obj, const char* what, bool writable, bool red
   return v;
 }
 
+// A GPU array's dtype as its typestr says it ('<f4'): the NumPy dtype and item size, looked up once each.
+struct TypestrInfo {
+  py::object dtype;
+  size_t itemsize;
+};
+const TypestrInfo& typestr_info(const std::string& typestr) {
+  static auto* known = new std::map<std::string, TypestrInfo>();  // never freed: the interpreter outlives it
+  auto it = known->find(typestr);
+  if (it == known->end()) {
+    py::object d = numpy_dtype(typestr);
+    it = known->emplace(typestr, TypestrInfo{d, d.attr("itemsize").cast<size_t>()}).first;
+  }
+  return it->second;  // a map's entries stay where they are
+}
+
 // __cuda_array_interface__ (versions 0..3): shape, typestr, data=(ptr, readonly),
 // strides (None: C-contiguous), mask (must be None), stream (v3; None: no sync).
 // Read through the C API with keys made once: this runs on every GPU
@@ -206,30 +221,21 @@ View gpu_view(const py::handle& obj, const py::object& interface, const char* wh
   if (!shape || !typestr || !data) bad("shape, typestr and data are required");
   if (get(k_mask)) CX_THROW(TypeMismatch, what, " is a masked GPU array; collectives need plain arrays");
   if (!PyTuple_Check(shape)) bad("shape must be a tuple");
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); ++i) v.shape.push_back(integer(PyTuple_GET_ITEM(shape, i), "shape"));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); ++i)
+    v.shape.push_back(integer(PyTuple_GET_ITEM(shape, i), "shape"));
   Py_ssize_t len = 0;
   const char* ts = PyUnicode_Check(typestr) ? PyUnicode_AsUTF8AndSize(typestr, &len) : nullptr;
   if (!ts) {
     PyErr_Clear();
     bad("typestr must be a str");
   }
-  // Each typestr's NumPy dtype and item size, looked up once.
-  struct Known {
-    py::object dtype;
-    size_t itemsize;
-  };
-  static auto* known = new std::map<std::string, Known>();  // never freed: the interpreter outlives it
   const std::string typestr_s(ts, static_cast<size_t>(len));
-  auto it = known->find(typestr_s);
-  if (it == known->end()) {
-    py::object d = numpy_dtype(typestr_s);
-    it = known->emplace(typestr_s, Known{d, d.attr("itemsize").cast<size_t>()}).first;
-  }
-  const size_t itemsize = it->second.itemsize;
+  const TypestrInfo& info = typestr_info(typestr_s);
+  const size_t itemsize = info.itemsize;
   if (typestr_s.size() < 3 || (typestr_s[0] == '>' && itemsize > 1)) {
     CX_THROW(TypeMismatch, what, " has typestr '", typestr_s, "': only little-endian GPU arrays are supported");
   }
-  v.dtype = it->second.dtype;
+  v.dtype = info.dtype;
   if (!PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2) bad("data must be (pointer, read_only)");
   v.ptr = reinterpret_cast<void*>(address(PyTuple_GET_ITEM(data, 0), "data's pointer"));
   if (writable && PyObject_IsTrue(PyTuple_GET_ITEM(data, 1)) == 1) {
@@ -307,27 +313,23 @@ bool cupy_view(const py::handle& obj, View& v, const char* what, bool reduce,
   py::object data = get(obj.ptr(), k_data);
   py::object ptr = data ? get(data.ptr(), k_ptr) : py::object();
   py::object stream = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(names->current_stream));
-  if (!contiguous || !shape || !dtype || !ptr || !stream || contiguous.ptr() != Py_True || !PyTuple_Check(shape.ptr()) ||
-      !PyLong_Check(ptr.ptr()) || !PyLong_Check(stream.ptr())) {
+  if (!contiguous || !shape || !dtype || !ptr || !stream || contiguous.ptr() != Py_True ||
+      !PyTuple_Check(shape.ptr()) || !PyLong_Check(ptr.ptr()) || !PyLong_Check(stream.ptr())) {
     PyErr_Clear();
     return false;
   }
-  // Each dtype object's item size, once (NumPy's dtypes of plain types are singletons).
-  struct Known {
-    py::object dtype;
-    size_t itemsize;
-  };
-  static auto* known = new std::vector<Known>();  // never freed: the interpreter outlives it
-  const Known* k = nullptr;
-  for (const Known& x : *known) {
-    if (x.dtype.ptr() == dtype.ptr()) k = &x;
+  // Each dtype object's typestr_info, found once (NumPy's dtypes of plain types are singletons); the dtype is
+  // held, so its address cannot come back as another's.
+  static auto* seen = new std::vector<std::pair<py::object, const TypestrInfo*>>();  // never freed, as above
+  const TypestrInfo* k = nullptr;
+  for (const auto& [d, info] : *seen) {
+    if (d.ptr() == dtype.ptr()) k = info;
   }
   if (!k) {
-    py::object str = dtype.attr("str");
-    const std::string typestr = py::str(str);
+    const std::string typestr = py::str(dtype.attr("str"));
     if (typestr.size() < 3 || typestr[0] == '>') return false;  // the interface's path words the error
-    known->push_back(Known{dtype, dtype.attr("itemsize").cast<size_t>()});
-    k = &known->back();
+    k = &typestr_info(typestr);
+    seen->emplace_back(dtype, k);
   }
   View out;
   out.obj = py::reinterpret_borrow<py::object>(obj);
