@@ -273,6 +273,57 @@ def test_large_messages_are_copied_once_where_the_kernel_allows_and_arrive_intac
         assert (copies > 0) == copied, (copies, copied)
 
 
+def _copies_now() -> int:
+    return int(cx._core.dist._single_copies())
+
+
+def mid_size_collectives():
+    """Each collective once at a size below 2 MiB, with messages of 64 KiB or more: its values, and how many
+    single copies this rank made in it."""
+    r, p = D.get_rank(), D.get_world_size()
+    m = (256 << 10) // 4 + 7  # a block of 256 KiB and a little, per rank
+    got = {}
+
+    def run(name, call, check):
+        before = _copies_now()
+        call()
+        got[name] = (bool(check()), _copies_now() - before)
+
+    out = np.zeros((p, m), np.float32)
+    run("all_gather", lambda: D.all_gather(out, np.full(m, float(r), np.float32)),
+        lambda: np.array_equal(out, np.repeat(np.arange(p, dtype=np.float32)[:, None], m, 1)))
+    mine = np.zeros(m, np.float32)
+    blocks = np.stack([np.full(m, float(r * p + j), np.float32) for j in range(p)])
+    run("reduce_scatter", lambda: D.reduce_scatter(mine, blocks),
+        lambda: np.array_equal(mine, np.full(m, float(sum(k * p + r for k in range(p))), np.float32)))
+    n = (1 << 20) // 4 + 3  # 1 MiB and a little
+    b = np.arange(n, dtype=np.float32) * (r + 1)
+    run("broadcast", lambda: D.broadcast(b, src=p - 1), lambda: np.array_equal(b, np.arange(n, dtype=np.float32) * p))
+    x = contribution(r, n, "float32", "SUM")
+    run("all_reduce", lambda: D.all_reduce(x), lambda: np.array_equal(x, expected(p, n, "float32", "SUM")))
+    z = np.full(n, float(r), np.float32)
+    run("send/recv", lambda: D.send(z, 1) if r == 0 else D.recv(z, 0) if r == 1 else None,
+        lambda: r != 1 or np.array_equal(z, np.zeros(n, np.float32)))
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_each_rank_has_a_core(world,
+                                                                                                    monkeypatch):
+    # Note [Single-copy large messages] in shm.h: which collectives take single copies below 2 MiB, and that what
+    # they move arrives intact either way.
+    monkeypatch.delenv("CX_SHM", raising=False)
+    allowed = _single_copy_allowed()
+    core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
+    want = {"all_gather": allowed, "reduce_scatter": allowed, "broadcast": allowed and core_each,
+            "all_reduce": False, "send/recv": False}
+    got = ranks.run(mid_size_collectives, world, timeout=120)
+    for name, copied in want.items():
+        assert all(g[name][0] for g in got), (name, [g[name] for g in got])
+        copies = sum(g[name][1] for g in got)
+        assert (copies > 0) == copied, (name, copies, copied, world)
+
+
 def die_around_a_large_message(how):
     D.init()  # not the harness's: its finalize would raise the loss of rank 1 again, over our result
     r = D.get_rank()

@@ -141,6 +141,7 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const
   topt.shm = cfg.shm;
   topt.shm_ring_bytes = static_cast<size_t>(cfg.shm_ring_bytes) / 64 * 64;
   topt.shm_single_copy = cfg.shm_single_copy;
+  topt.core_each = !oversubscribed(cfg);
   auto backend = std::make_unique<CpuBackend>(
       std::make_unique<MeshTransport>(*store, cfg.rank, cfg.world_size, id.nonce, secret, dl, topt), opt,
       cfg.algorithm);

@@ -293,7 +293,7 @@ MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, 
     if (j == rank) continue;
     if (pairs.peers[j].ok()) {
       channels_[j] = std::make_unique<ShmChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_, seg_,
-                                                  std::move(pairs.peers[j]), opt_.shm_single_copy);
+                                                  std::move(pairs.peers[j]), opt_.shm_single_copy, opt_.core_each);
     } else {
       channels_[j] = std::make_unique<TcpChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_);
     }

@@ -29,6 +29,7 @@ struct MeshOptions {
   bool shm = true;   // same-host pairs use shared-memory rings (CX_SHM)
   size_t shm_ring_bytes = 1 << 20;  // per ordered pair (CX_SHM_RING_BYTES)
   bool shm_single_copy = true;      // CX_SHM_SINGLE_COPY (Note [Single-copy large messages])
+  bool core_each = true;            // no more ranks on this host than cores
 };
 
 class MeshTransport : public Transport {

@@ -95,6 +95,17 @@ class Segment {
 // Copies up to n bytes into / out of the ring; returns how many moved (0 when
 // full / empty).
 size_t write(const Ring& r, const char* src, size_t n);
+
+// Note [Publishing in pieces]
+// The reader of a ring reads whatever the writer has published (`head`), so the two copies of a message (into
+// the ring, out of it) overlap only as far as the writer publishes before it is done. A payload is therefore
+// written and published kPublishBytes at a time: the reader starts on the first piece while the writer copies
+// the second, and a message costs about one copy and a piece instead of two copies end to end. That matters
+// where one side only sends and the other only receives, as in a broadcast (2 vCPUs, 2 ranks: 256 KiB 8.9 ->
+// 14.4 GB/s, 1 MiB 13.9 -> 16.9; 4 ranks 256 KiB 2.0 -> 3.7, 4 MiB 3.2 -> 4.0; benchmarks/README.md, "Pieces and
+// single copies"); all_reduce and all_gather, whose ranks send and receive at once, were level (16, 32 and 64
+// KiB pieces alike there). Each piece is one more release store of `head`, on a line the reader polls anyway.
+constexpr size_t kPublishBytes = 32 * 1024;
 size_t read(const Ring& r, char* dst, size_t n);
 
 // Bumps the bell and wakes its owner if it sleeps.
@@ -124,17 +135,38 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 // written there, in a collective that the failure will end on that rank too (the group is poisoned either way).
 // Measured on 2 vCPUs, no other jobs (benchmarks/README.md, "A machine to ourselves"): Open MPI 5, which copies
 // large messages once this way, was 1.3-1.4x our two-copy all_reduce at 4 MiB.
-// Where it pays, measured side by side (benchmarks/README.md, "Single copies"): in all_reduce,
-// reduce_scatter and all_gather whose count is 2 MiB or more (1.15-1.8x on 2 ranks, 1.0-1.6x on 4); below
-// that the rings' two copies stay in the cores' caches and beat a system call per chunk (0.88-1.04x at
-// 256 KiB-1 MiB). Not in broadcast (0.70-1.05x) nor send/recv: there the rings' two copies run at once on
-// two cores, one of which a single copy leaves idle.
+// Where it pays, by collective, measured side by side (benchmarks/README.md, "Single copies" and "Pieces and
+// single copies"), for messages of kSingleCopyMinBytes up:
+// - all_gather and reduce_scatter, at every size: 1.2-1.9x on 2 ranks at 256 KiB-2 MiB, 1.2-1.5x on 4 at 1-4
+//   MiB, 1.15-1.8x from 2 MiB up.
+// - all_reduce from kSingleCopyMinAllReduceBytes (1.15-1.8x on 2 ranks, 1.0-1.6x on 4). Below it two copies
+//   win, 0.5-0.8x with single copies at 64-256 KiB: recursive doubling and halving-doubling add what they
+//   receive into their buffer at once, and that reduction ran 4x longer over what process_vm_readv had written
+//   than over bytes that the ring's memcpy had just brought into the cache (perf, 128 KiB on 2 ranks:
+//   reduce_into 42% of a 29 us call against 13% of 21 us).
+// - broadcast below kSingleCopyMaxBroadcastBytes where every rank on the host has a core (1.9x at 64 KiB and
+//   256 KiB, 1.2x at 1 MiB on 2 ranks, where Open MPI's single copy was 1.6-2.6x ours). From 2 MiB up the
+//   rings' two copies run at once on two cores and are as fast, or faster (0.70-0.79x with single copies at 64
+//   MiB). With more ranks than cores it was mixed (0.8-1.0x on 4 ranks): a single-copy send completes only
+//   once its receiver has run, and there it often waits for a core.
+// - Not send/recv and the other rooted collectives: not measured.
 constexpr size_t kSingleCopyMinBytes = 64 * 1024;
-constexpr size_t kSingleCopyMinCollectiveBytes = 2u << 20;
-inline bool single_copy_pays(const OpDesc& d) {
-  return (d.kind == CollectiveKind::kAllReduce || d.kind == CollectiveKind::kReduceScatter ||
-          d.kind == CollectiveKind::kAllGather) &&
-         d.count * dtype_size(d.dtype) >= kSingleCopyMinCollectiveBytes;
+constexpr size_t kSingleCopyMinAllReduceBytes = 2u << 20;
+constexpr size_t kSingleCopyMaxBroadcastBytes = 2u << 20;
+// `core_each`: no more ranks on this host than cores.
+inline bool single_copy_pays(const OpDesc& d, bool core_each) {
+  const size_t bytes = d.count * dtype_size(d.dtype);
+  switch (d.kind) {
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kReduceScatter:
+      return true;
+    case CollectiveKind::kAllReduce:
+      return bytes >= kSingleCopyMinAllReduceBytes;
+    case CollectiveKind::kBroadcast:
+      return core_each && bytes < kSingleCopyMaxBroadcastBytes;
+    default:
+      return false;
+  }
 }
 
 // True if this process may read `peer`'s memory (its Bell, mapped here) with process_vm_readv.

@@ -11,19 +11,20 @@ namespace cx::distributed {
 using frame::kHeaderBytes;
 
 ShmChannel::ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operation& op, const shm::Segment& own,
-                       shm::Segment theirs, bool single_copy)
+                       shm::Segment theirs, bool single_copy, bool core_each)
     : Channel(rank, peer, std::move(fd), std::move(addr), op),
       theirs_(std::move(theirs)),
       in_(own.ring(peer)),
       out_(theirs_.ring(rank)),
       bell_(theirs_.bell()),
-      peer_pid_(bell_->pid) {
+      peer_pid_(bell_->pid),
+      core_each_(core_each) {
   // Note [Single-copy large messages]: tell the peer whether we can read its memory.
   if (single_copy && shm::can_read_peer(bell_)) in_.ctl->can_read.store(1, std::memory_order_release);
 }
 
 void ShmChannel::isend(Transport::Req id, const char* buf, size_t len) {
-  const bool remote = len >= shm::kSingleCopyMinBytes && shm::single_copy_pays(op_.desc) &&
+  const bool remote = len >= shm::kSingleCopyMinBytes && shm::single_copy_pays(op_.desc, core_each_) &&
                       out_.ctl->can_read.load(std::memory_order_acquire) == 1;
   queue_send(id, buf, len, remote);
   progress_send();
@@ -67,9 +68,10 @@ bool ShmChannel::progress_send() {
     const uintptr_t where = reinterpret_cast<uintptr_t>(s.buf);
     const char* payload = s.remote ? reinterpret_cast<const char*>(&where) : s.buf;
     const size_t wire = s.remote ? sizeof(uint64_t) : s.len;
-    const size_t sent = s.done - kHeaderBytes;
-    if (sent < wire) {
-      size_t n = shm::write(out_, payload + sent, wire - sent);
+    // Note [Publishing in pieces] in shm.h: the peer reads each piece while we copy the next.
+    while (s.done < kHeaderBytes + wire) {
+      const size_t sent = s.done - kHeaderBytes;
+      const size_t n = shm::write(out_, payload + sent, std::min(wire - sent, shm::kPublishBytes));
       if (n == 0) break;
       s.done += n;
       moved = true;

@@ -15,9 +15,9 @@ class ShmChannel final : public Channel {
   // peer's segment, mapped, holding the ring to it and its doorbell. The
   // channel keeps `theirs` mapped; `own` must outlive it.
   // `single_copy`: read the peer's large messages out of its memory where the kernel allows (Note [Single-copy
-  // large messages] in shm.h).
+  // large messages] in shm.h); `core_each`: no more ranks on this host than cores, which decides it for some.
   ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operation& op, const shm::Segment& own,
-             shm::Segment theirs, bool single_copy);
+             shm::Segment theirs, bool single_copy, bool core_each);
 
   void isend(Transport::Req id, const char* buf, size_t len) override;
   bool progress() override;
@@ -35,6 +35,7 @@ class ShmChannel final : public Channel {
   shm::Bell* bell_;     // the peer's doorbell
   // Note [Single-copy large messages] in shm.h.
   int peer_pid_;
+  bool core_each_;
   uint64_t remote_sent_ = 0;        // REMOTE frames written to the peer
   bool remote_in_ = false;          // the frame being received is a REMOTE one
   char raddr_[8] = {};              // its sender's buffer address, as it arrives
