@@ -304,19 +304,27 @@ def mid_size_collectives():
     z = np.full(n, float(r), np.float32)
     run("send/recv", lambda: D.send(z, 1) if r == 0 else D.recv(z, 0) if r == 1 else None,
         lambda: r != 1 or np.array_equal(z, np.zeros(n, np.float32)))
+    k = (16 << 10) // 4 + 1  # 16 KiB and a little: single copies only where every rank has a core
+    small = np.zeros((p, k), np.float32)
+    run("small all_gather", lambda: D.all_gather(small, np.full(k, float(r), np.float32)),
+        lambda: np.array_equal(small, np.repeat(np.arange(p, dtype=np.float32)[:, None], k, 1)))
+    c = np.arange(k, dtype=np.float32) * (r + 1)
+    run("small broadcast", lambda: D.broadcast(c, src=0), lambda: np.array_equal(c, np.arange(k, dtype=np.float32)))
     return got
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_each_rank_has_a_core(world,
                                                                                                     monkeypatch):
+    # From 64 KiB messages; from 8 KiB where every rank on the host has a core.
     # Note [Single-copy large messages] in shm.h: which collectives take single copies below 2 MiB, and that what
     # they move arrives intact either way.
     monkeypatch.delenv("CX_SHM", raising=False)
     allowed = _single_copy_allowed()
     core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
     want = {"all_gather": allowed, "reduce_scatter": allowed, "broadcast": allowed and core_each,
-            "all_reduce": False, "send/recv": False}
+            "all_reduce": False, "send/recv": False, "small all_gather": allowed and core_each,
+            "small broadcast": allowed and core_each}
     got = ranks.run(mid_size_collectives, world, timeout=120)
     for name, copied in want.items():
         assert all(g[name][0] for g in got), (name, [g[name] for g in got])

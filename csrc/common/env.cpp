@@ -50,9 +50,9 @@ const std::vector<Variable>& variables() {
       {"CX_SHM", "0: every pair of ranks talks TCP, even on one host", "1: ranks on one host share memory"},
       {"CX_SHM_RING_BYTES", "shared-memory ring per ordered pair of ranks on one host", "1 MiB"},
       {"CX_SHM_SINGLE_COPY", "0: large messages between ranks on one host go through the rings (two copies)",
-       "1: messages from 64 KiB are copied once, out of the sender's memory (process_vm_readv), where the kernel "
-       "allows it: in all_gather and reduce_scatter, all_reduce of 2 MiB or more, and broadcast below 2 MiB where "
-       "each rank on the host has a core"},
+       "1: messages from 64 KiB (8 KiB where each rank on the host has a core) are copied once, out of the sender's "
+       "memory (process_vm_readv), where the kernel allows it: in all_gather and reduce_scatter, all_reduce of 2 MiB "
+       "or more, and broadcast below 2 MiB where each rank on the host has a core"},
       {"CX_CHUNK_BYTES", "pipelining unit of the ring and chain algorithms",
        "256 KiB through shared memory, else 512 KiB (1 MiB with more ranks than cores)"},
       {"CX_SMALL_ALLREDUCE_BYTES", "at or below: recursive-doubling all_reduce", "128 KiB for 2 ranks, else 512 KiB"},

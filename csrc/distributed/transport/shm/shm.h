@@ -95,6 +95,7 @@ class Segment {
 // Copies up to n bytes into / out of the ring; returns how many moved (0 when
 // full / empty).
 size_t write(const Ring& r, const char* src, size_t n);
+size_t read(const Ring& r, char* dst, size_t n);
 
 // Note [Publishing in pieces]
 // The reader of a ring reads whatever the writer has published (`head`), so the two copies of a message (into
@@ -106,7 +107,6 @@ size_t write(const Ring& r, const char* src, size_t n);
 // single copies"); all_reduce and all_gather, whose ranks send and receive at once, were level (16, 32 and 64
 // KiB pieces alike there). Each piece is one more release store of `head`, on a line the reader polls anyway.
 constexpr size_t kPublishBytes = 32 * 1024;
-size_t read(const Ring& r, char* dst, size_t n);
 
 // Bumps the bell and wakes its owner if it sleeps.
 void ring_bell(Bell* b);
@@ -136,9 +136,12 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 // Measured on 2 vCPUs, no other jobs (benchmarks/README.md, "A machine to ourselves"): Open MPI 5, which copies
 // large messages once this way, was 1.3-1.4x our two-copy all_reduce at 4 MiB.
 // Where it pays, by collective, measured side by side (benchmarks/README.md, "Single copies" and "Pieces and
-// single copies"), for messages of kSingleCopyMinBytes up:
-// - all_gather and reduce_scatter, at every size: 1.2-1.9x on 2 ranks at 256 KiB-2 MiB, 1.2-1.5x on 4 at 1-4
-//   MiB, 1.15-1.8x from 2 MiB up.
+// single copies"), for messages of kSingleCopyMinBytes up, or kSingleCopyMinBytesCoreEach where every rank on
+// the host has a core (there broadcast 1.5-1.8x at 8-32 KiB, all_gather and reduce_scatter 1.1-1.3x at 16-64 KiB
+// on 2 ranks; with more ranks than cores messages of 16-32 KiB measured 0.74-0.95x, within that run's noise
+// but never ahead, so they keep the higher bound):
+// - all_gather and reduce_scatter, at every size: 1.3-2.2x on 2 ranks at 256 KiB-2 MiB, 1.1-1.3x on 4 at 256
+//   KiB-4 MiB; 1.15-1.8x from 2 MiB up.
 // - all_reduce from kSingleCopyMinAllReduceBytes (1.15-1.8x on 2 ranks, 1.0-1.6x on 4). Below it two copies
 //   win, 0.5-0.8x with single copies at 64-256 KiB: recursive doubling and halving-doubling add what they
 //   receive into their buffer at once, and that reduction ran 4x longer over what process_vm_readv had written
@@ -151,10 +154,13 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 //   once its receiver has run, and there it often waits for a core.
 // - Not send/recv and the other rooted collectives: not measured.
 constexpr size_t kSingleCopyMinBytes = 64 * 1024;
+constexpr size_t kSingleCopyMinBytesCoreEach = 8 * 1024;
 constexpr size_t kSingleCopyMinAllReduceBytes = 2u << 20;
 constexpr size_t kSingleCopyMaxBroadcastBytes = 2u << 20;
+// Whether a message of `len` bytes of the collective `d` goes as a single copy, where the receiver can read us.
 // `core_each`: no more ranks on this host than cores.
-inline bool single_copy_pays(const OpDesc& d, bool core_each) {
+inline bool single_copy_pays(const OpDesc& d, size_t len, bool core_each) {
+  if (len < (core_each ? kSingleCopyMinBytesCoreEach : kSingleCopyMinBytes)) return false;
   const size_t bytes = d.count * dtype_size(d.dtype);
   switch (d.kind) {
     case CollectiveKind::kAllGather:
