@@ -332,6 +332,35 @@ def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_
         assert (copies > 0) == copied, (name, copies, copied, world)
 
 
+# ---- ranks that share cores with other programs (Note [Ranks that share cores with other programs]) -------------
+
+def all_reduces_beside_busy_programs():
+    r, p = D.get_rank(), D.get_world_size()
+    before = int(cx._core.dist._slept_for_others())
+    ok = True
+    for n in (2, 1000, (64 << 10) + 3):
+        for _ in range(30):
+            x = contribution(r, n, "float32", "SUM")
+            D.all_reduce(x)
+            ok = ok and bool(np.array_equal(x, expected(p, n, "float32", "SUM")))
+    return ok, int(cx._core.dist._slept_for_others()) - before
+
+
+@pytest.mark.skipif(os.sysconf("SC_NPROCESSORS_ONLN") >= 4,
+                    reason="needs more ranks (4) than cores on this host")
+def test_ranks_sharing_cores_with_busy_programs_sleep_without_spinning_and_still_reduce_right(monkeypatch):
+    monkeypatch.delenv("CX_SHM", raising=False)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(2)]
+    try:
+        got = ranks.run(all_reduces_beside_busy_programs, 4, timeout=120)
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    assert all(ok for ok, _ in got), got
+    assert sum(slept for _, slept in got) > 0, got
+
+
 def die_around_a_large_message(how):
     D.init()  # not the harness's: its finalize would raise the loss of rank 1 again, over our result
     r = D.get_rank()

@@ -6,6 +6,7 @@
 #include "bindings/bindings.h"
 #include "distributed/default_group.h"
 #include "distributed/transport/shm/shm.h"
+#include "distributed/transport/spin_policy.h"
 
 namespace cx::bindings {
 
@@ -81,6 +82,9 @@ void bind_process_group(py::module_& m) {
   // For the tests: messages this process has copied straight out of a peer's memory (Note [Single-copy large
   // messages] in transport/shm/shm.h).
   m.def("_single_copies", [] { return shm::single_copies(); });
+  // For the tests: waits that slept without spinning, the ranks sharing cores with other programs' threads (Note
+  // [Ranks that share cores with other programs] in transport/spin_policy.h).
+  m.def("_slept_for_others", [] { return OthersOnTheCpus::sleeps(); });
   m.def("_set_call_site", &set_call_site, py::arg("site"),
         "CX_DEBUG=DETAIL: the Python call site (file:line) of the next collective on this thread; \"\" clears it. "
         "Internal (Note [Call sites in CX_DEBUG=DETAIL]).");

@@ -271,7 +271,12 @@ class Acceptor {
 
 MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, const std::string& secret,
                              const Deadline& dl, MeshOptions opt)
-    : rank_(rank), world_(world), opt_(opt), spin_(opt.spin_us), channels_(static_cast<size_t>(world)) {
+    : rank_(rank),
+      world_(world),
+      opt_(opt),
+      spin_(opt.spin_us),
+      others_(world),
+      channels_(static_cast<size_t>(world)) {
   Setup s{store, rank, world, nonce, secret, dl, std::vector<net::Fd>(static_cast<size_t>(world)),
           std::vector<std::string>(static_cast<size_t>(world))};
   net::Fd listener = publish(s);
@@ -289,6 +294,9 @@ MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, 
   }
   seg_ = std::move(pairs.own);
   hosts_ = std::move(pairs.hosts);
+  if (static_cast<int>(hosts_.size()) == world) {
+    others_ = OthersOnTheCpus(static_cast<int>(std::count(hosts_.begin(), hosts_.end(), hosts_[rank_])));
+  }
   for (int j = 0; j < world; ++j) {
     if (j == rank) continue;
     if (pairs.peers[j].ok()) {
@@ -308,11 +316,13 @@ void MeshTransport::begin(const OpDesc& desc, const Deadline& dl) {
   op_.deadline = dl;
   op_.done.clear();
   op_.pending = 0;
+  peer_of_.clear();
 }
 
 Transport::Req MeshTransport::isend(int peer, const void* buf, size_t bytes) {
   Req id = static_cast<Req>(op_.done.size());
   op_.done.push_back(0);
+  peer_of_.push_back(peer);
   ++op_.pending;
   count_sent(bytes);
   channels_[peer]->isend(id, static_cast<const char*>(buf), bytes);
@@ -322,6 +332,7 @@ Transport::Req MeshTransport::isend(int peer, const void* buf, size_t bytes) {
 Transport::Req MeshTransport::irecv(int peer, void* buf, size_t bytes) {
   Req id = static_cast<Req>(op_.done.size());
   op_.done.push_back(0);
+  peer_of_.push_back(peer);
   ++op_.pending;
   channels_[peer]->irecv(id, static_cast<char*>(buf), bytes);
   return id;
@@ -414,7 +425,12 @@ void MeshTransport::wait(Req r) {
   // Note [Waiting on a busy machine]: spin (for a budget the policy learns), or
   // spin only briefly while the core has lately been wanted by others.
   const auto start = Clock::now();
-  const auto budget = std::chrono::microseconds(spin_.budget_us(start));
+  auto budget = std::chrono::microseconds(spin_.budget_us(start));
+  // Note [Ranks that share cores with other programs]: then sleep at once.
+  if (!opt_.core_each && channels_[peer_of_[static_cast<size_t>(r)]]->wait_on().bell && others_.runnable(start)) {
+    budget = std::chrono::microseconds(0);
+    OthersOnTheCpus::count_sleep();
+  }
   auto spin_until = start + budget;
   auto last = start;
   bool spun = false, lost_core = false;

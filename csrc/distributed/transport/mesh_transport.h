@@ -65,11 +65,14 @@ class MeshTransport : public Transport {
   int world_;
   MeshOptions opt_;
   SpinPolicy spin_;
+  // Consulted only where ranks share cores (Note [Ranks that share cores with other programs]).
+  OthersOnTheCpus others_;
   std::vector<int> hosts_;  // index = rank: its host (Note [Hosts of the ranks] in shm/negotiate.cpp)
   Operation op_;
   shm::Segment seg_;  // ours: our doorbell and the rings into us (unmapped if no pair shares memory)
   std::vector<std::unique_ptr<Channel>> channels_;  // index = rank; channels_[rank_] empty
   bool aborted_ = false;
+  std::vector<int> peer_of_;  // index = request of the current operation: its peer
 };
 
 }  // namespace cx::distributed

@@ -1,9 +1,11 @@
 // defines: SpinPolicy, how long MeshTransport::wait busy-polls before it sleeps,
-// learned from the waits before (Note [Waiting on a busy machine]).
+// learned from the waits before (Note [Waiting on a busy machine]); OthersOnTheCpus,
+// whether other programs want the CPUs (Note [Ranks that share cores with other programs]).
 #pragma once
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 
 namespace cx::distributed {
 
@@ -51,6 +53,42 @@ namespace cx::distributed {
 // machine, --busy 2, 4 ranks through shared memory, 3 alternating rounds, load
 // 8.5-9.5) 8 B-256 KiB were 0.62-0.70x as fast and 4 MiB 1.30x; with two ranks
 // per core a longer spin takes the core from the peer it waits for.
+// Note [Ranks that share cores with other programs]
+// With more ranks on a host than cores, a waiting rank's peer often waits for the rank's own core. On an
+// otherwise idle machine the spin's sched_yield hands that core over at once (4 ranks on 2 vCPUs: 3-7 us for
+// 8 B through shared memory), and sleeping instead costs tens of us (a wake-up that crosses to an idle vCPU).
+// Beside busy programs (other sessions: another job, data loaders) a yield hands the core to whoever the
+// scheduler prefers, often the busy program, for its whole time slice: 62-75 us a call in most runs, where
+// sleeping at once (no spin) took 14-36 us, since a woken rank is run promptly. So a rank that shares cores
+// with its peers (more local ranks than cores) and waits on shared-memory rings sleeps without spinning while
+// other threads are runnable: /proc/loadavg's count of runnable threads, less the ranks on this host, at least
+// one, looked at every kLook. Measured with 2 busy-loop processes on 2 vCPUs (benchmarks/README.md, "Busy, 4
+// ranks, 8 B"): 8 B all_reduce on 4 ranks 74 -> 39 us, 4 KiB 65 -> 23 us (Open MPI 8.8 and 25), level from 1
+// MiB. The count also holds the job's own other threads (a trainer's communication thread while its compute
+// thread runs), so in training on an idle machine the rule may take hold: the 4-rank training benchmark
+// measured level there (145k against 143k samples/s, then 143k against 143k, base first). Not over TCP,
+// where sleeping at once was slower (57 against 31 us), nor with a core per rank, where the peer runs
+// elsewhere and the spin finds it (2 ranks: 0.8 us against 0.9-7.0 us sleeping).
+class OthersOnTheCpus {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr auto kLook = std::chrono::milliseconds(10);
+
+  explicit OthersOnTheCpus(int local_ranks) : local_(local_ranks) {}
+  // Whether threads besides our ranks were runnable when last looked (reads /proc/loadavg past kLook).
+  bool runnable(Clock::time_point now);
+  // The runnable threads in a /proc/loadavg line ("0.52 0.61 0.70 3/152 4321"), or -1 if it is not one.
+  static int runnable_in(const char* loadavg);
+  // For the tests: waits of this process that slept at once because of others (all its groups).
+  static void count_sleep();
+  static uint64_t sleeps();
+
+ private:
+  int local_;
+  Clock::time_point next_{};
+  bool others_ = false;
+};
+
 class SpinPolicy {
  public:
   using Clock = std::chrono::steady_clock;
