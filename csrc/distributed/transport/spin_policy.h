@@ -66,7 +66,9 @@ namespace cx::distributed {
 // ranks, 8 B"): 8 B all_reduce on 4 ranks 74 -> 39 us, 4 KiB 65 -> 23 us (Open MPI 8.8 and 25), level from 1
 // MiB. The count also holds the job's own other threads (a trainer's communication thread while its compute
 // thread runs), so in training on an idle machine the rule may take hold: the 4-rank training benchmark
-// measured level there (145k against 143k samples/s, then 143k against 143k, base first). Not over TCP,
+// measured level there (145k against 143k samples/s, then 143k against 143k, base first). In a container
+// /proc/loadavg counts the whole machine's threads, so ranks there sleep at once more often than they need to
+// (a slower wait, never a wrong result); without /proc the rule never applies. Not over TCP,
 // where sleeping at once was slower (57 against 31 us), nor with a core per rank, where the peer runs
 // elsewhere and the spin finds it (2 ranks: 0.8 us against 0.9-7.0 us sleeping).
 class OthersOnTheCpus {
