@@ -433,7 +433,7 @@ void MeshTransport::wait(Req r) {
   }
   auto spin_until = start + budget;
   auto last = start;
-  bool spun = false, lost_core = false;
+  bool spun = false, lost_core = false, slept = false;
   while (!op_.done[static_cast<size_t>(r)]) {
     if (progress()) {
       last = Clock::now();
@@ -450,9 +450,12 @@ void MeshTransport::wait(Req r) {
     }
     if (op_.deadline.expired()) timed_out();
     block();
+    slept = true;
     last = Clock::now();
   }
-  spin_.after_wait(start, last, spun, lost_core);  // `last` was read after the progress or block that finished it
+  // `last` was read after the progress or block that finished it. Note [Two ranks that wake each other]: a
+  // sleep counts only on a machine without other programs running.
+  spin_.after_wait(start, last, spun, lost_core, slept && !others_.runnable(last));
 }
 
 void MeshTransport::wait_all() {

@@ -91,6 +91,20 @@ class OthersOnTheCpus {
   bool others_ = false;
 };
 
+// Note [Two ranks that wake each other]
+// A wait that outlasts the spin sleeps, and waking a sleeping rank costs ~90-130 us on these VMs (its vCPU went
+// idle). If that is more than the peer's spin budget, the two feed each other: the woken rank arrives at the
+// next collective late by its wake-up, so its peer's wait outlasts its spin and sleeps too, and so on; each
+// wait then takes ~130 us, more than the full budget, so the rule that restores the budget never fires. One
+// slow moment (start-up, a long wait that halved the budget) starts it for good. Seen in `python -m
+// benchmarks.torch_backend`: a column's 8 B all_reduce at 105-146 us in every call of a run, where the same
+// column took 4-8 us in other runs; 7 of 12 columns in six runs of `--parts allreduce --worlds 2 --sizes 8 64K
+// --rounds 1 --columns cyxwiz cyxwiz-shm`, none with CX_SPIN_US=500. So a wait that ended asleep within 8 times
+// the full budget sets the next budget to 1.5 times what it took (at most 8 times the full budget): the next
+// wait outlasts the peer's wake-up and does not sleep, which ends the cycle; the first wait that ends within
+// the full budget restores it. After the change: 1 of 12 columns stuck (at 46 us). Only on a machine where no
+// other programs' threads run (OthersOnTheCpus): beside busy programs a longer spin keeps the core from the peer
+// and loses (2 ranks beside 2 busy loops: a steady 32 us a call against 0.9 us, found before this condition).
 class SpinPolicy {
  public:
   using Clock = std::chrono::steady_clock;
@@ -107,9 +121,9 @@ class SpinPolicy {
     return now < no_spin_until_ ? std::min(budget_us_, kBackoffSpinUs) : budget_us_;
   }
 
-  // After a wait that started at `start` and ended at `end`: `spun` if it
-  // busy-polled at all, `lost_core` if a gap between two of its polls exceeded kLostCore.
-  void after_wait(Clock::time_point start, Clock::time_point end, bool spun, bool lost_core) {
+  // After a wait that started at `start` and ended at `end`: `spun` if it busy-polled at all, `lost_core` if a
+  // gap between two of its polls exceeded kLostCore, `slept` if it ended asleep.
+  void after_wait(Clock::time_point start, Clock::time_point end, bool spun, bool lost_core, bool slept) {
     if (!spun) return;
     if (lost_core) {
       no_spin_until_ = end + backoff_;
@@ -122,6 +136,9 @@ class SpinPolicy {
       budget_us_ = max_us_;
     } else if (took > std::chrono::microseconds(8 * max_us_)) {
       budget_us_ = std::max(max_us_ / 8, budget_us_ / 2);
+    } else if (slept) {  // Note [Two ranks that wake each other]
+      const auto us = std::chrono::duration_cast<std::chrono::microseconds>(took).count();
+      budget_us_ = static_cast<int>(std::min<long long>(8LL * max_us_, us + us / 2));
     }
   }
 
