@@ -53,6 +53,7 @@ namespace cx::distributed {
 // machine, --busy 2, 4 ranks through shared memory, 3 alternating rounds, load
 // 8.5-9.5) 8 B-256 KiB were 0.62-0.70x as fast and 4 MiB 1.30x; with two ranks
 // per core a longer spin takes the core from the peer it waits for.
+
 // Note [Ranks that share cores with other programs]
 // With more ranks on a host than cores, a waiting rank's peer often waits for the rank's own core. On an
 // otherwise idle machine the spin's sched_yield hands that core over at once (4 ranks on 2 vCPUs: 3-7 us for
