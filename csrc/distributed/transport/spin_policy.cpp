@@ -9,18 +9,21 @@
 namespace cx::distributed {
 
 namespace {
+
 std::atomic<uint64_t> g_sleeps{0};
-}  // namespace
 
-void OthersOnTheCpus::count_sleep() { g_sleeps.fetch_add(1, std::memory_order_relaxed); }
-uint64_t OthersOnTheCpus::sleeps() { return g_sleeps.load(std::memory_order_relaxed); }
-
-int OthersOnTheCpus::runnable_in(const char* loadavg) {
+// The runnable threads in a /proc/loadavg line ("0.52 0.61 0.70 3/152 4321"), or -1 if it is not one.
+int runnable_in(const char* loadavg) {
   double load[3];
   int running = 0, total = 0;
   if (std::sscanf(loadavg, "%lf %lf %lf %d/%d", &load[0], &load[1], &load[2], &running, &total) != 5) return -1;
   return running;
 }
+
+}  // namespace
+
+void OthersOnTheCpus::count_sleep() { g_sleeps.fetch_add(1, std::memory_order_relaxed); }
+uint64_t OthersOnTheCpus::sleeps() { return g_sleeps.load(std::memory_order_relaxed); }
 
 bool OthersOnTheCpus::runnable(Clock::time_point now) {
   if (now < next_) return others_;

@@ -80,8 +80,6 @@ class OthersOnTheCpus {
   explicit OthersOnTheCpus(int local_ranks) : local_(local_ranks) {}
   // Whether threads besides our ranks were runnable when last looked (reads /proc/loadavg past kLook).
   bool runnable(Clock::time_point now);
-  // The runnable threads in a /proc/loadavg line ("0.52 0.61 0.70 3/152 4321"), or -1 if it is not one.
-  static int runnable_in(const char* loadavg);
   // For the tests: waits of this process that slept at once because of others (all its groups).
   static void count_sleep();
   static uint64_t sleeps();
