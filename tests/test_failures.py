@@ -207,6 +207,11 @@ def broadcast_from_self():
     return timed(lambda: D.broadcast(x, src=D.get_rank()))  # every rank believes it is the source
 
 
+def broadcast_from_self_mid_size():
+    x = np.full((256 << 10) // 4, float(D.get_rank()), np.float32)  # from the root to all where pairs copy once
+    return timed(lambda: D.broadcast(x, src=D.get_rank()))
+
+
 def scatter_against_gather():
     r = D.get_rank()
     out = np.zeros(2, np.float32)
@@ -227,6 +232,7 @@ def reduce_to_self():
 
 ROOT_DISAGREEMENTS = [
     (broadcast_from_self, ["broadcast(count=4, dtype=float32, root={r})"] * 3),
+    (broadcast_from_self_mid_size, ["broadcast(count=65536, dtype=float32, root={r})"] * 3),
     (scatter_against_gather, ["scatter(count=2, dtype=float32, root=0)"] * 2 + ["gather(count=2, dtype=float32, root=0)"]),
     (gather_to_self, ["gather(count=2, dtype=float32, root={r})"] * 3),
     (reduce_to_self, ["reduce(count=4, dtype=float32, op=SUM, root={r})"] * 3),

@@ -266,11 +266,18 @@ def large_collectives():
 def test_large_messages_are_copied_once_where_the_kernel_allows_and_arrive_intact_either_way(world, single_copy,
                                                                                              monkeypatch):
     monkeypatch.delenv("CX_SHM", raising=False)
-    env = {} if single_copy == "default" else {"CX_SHM_SINGLE_COPY": "0"}
-    copied = single_copy == "default" and _single_copy_allowed()
+    env, copied = _single_copy_setting(single_copy)
     for ok, copies in ranks.run(large_collectives, world, env=env, timeout=120):
         assert all(ok.values()), ok
         assert (copies > 0) == copied, (copies, copied)
+
+
+def _single_copy_setting(single_copy: str) -> tuple[dict, bool]:
+    """The ranks' environment for a test's CX_SHM_SINGLE_COPY setting ("default" or "0"), and whether their large
+    messages will be copied once under it."""
+    if single_copy == "default":
+        return {}, _single_copy_allowed()
+    return {"CX_SHM_SINGLE_COPY": single_copy}, False
 
 
 def _copies_now() -> int:
@@ -318,11 +325,13 @@ def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_
                                                                                                     monkeypatch):
     # From 64 KiB messages; from 8 KiB where every rank on the host has a core.
     # Note [Single-copy large messages] in shm.h: which collectives take single copies below 2 MiB, and that what
-    # they move arrives intact either way.
+    # they move arrives intact either way. The 1 MiB broadcast on 4 ranks goes from the root to all, in single
+    # copies wherever the ranks run (Note [Broadcast from the root to all] in broadcast.cpp; on 3 ranks not
+    # above 768 KiB).
     monkeypatch.delenv("CX_SHM", raising=False)
     allowed = _single_copy_allowed()
     core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
-    want = {"all_gather": allowed, "reduce_scatter": allowed, "broadcast": allowed and core_each,
+    want = {"all_gather": allowed, "reduce_scatter": allowed, "broadcast": allowed and (core_each or world == 4),
             "all_reduce": False, "send/recv": False, "small all_gather": allowed and core_each,
             "small broadcast": allowed and core_each}
     got = ranks.run(mid_size_collectives, world, timeout=120)
@@ -330,6 +339,50 @@ def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_
         assert all(g[name][0] for g in got), (name, [g[name] for g in got])
         copies = sum(g[name][1] for g in got)
         assert (copies > 0) == copied, (name, copies, copied, world)
+
+
+# ---- the broadcast from the root to all (Note [Broadcast from the root to all] in broadcast.cpp) -------------------
+
+STAR_SIZES = (64 << 10, (64 << 10) + 4, 256 << 10, (768 << 10) - 4, 768 << 10, (2 << 20) - 4, 2 << 20)
+
+
+def broadcasts_from_every_root():
+    """Broadcasts around the bounds of the root-to-all broadcast, from every root: whether each arrived intact,
+    and how many single copies this rank made in it; and the setup as the group describes it."""
+    r, p = D.get_rank(), D.get_world_size()
+    rows = []
+    for nbytes in STAR_SIZES:
+        want = np.arange(nbytes // 4, dtype=np.float32)
+        for root in range(p):
+            b = want * (r + 1)
+            before = _copies_now()
+            D.broadcast(b, src=root)
+            rows.append((nbytes, root, bool(np.array_equal(b, want * (root + 1))), _copies_now() - before))
+    return rows, cx._core.dist._describe_setup()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("single_copy", ["default", "0"])
+def test_mid_size_broadcasts_on_more_than_two_ranks_go_from_the_root_to_all_in_one_copy_each(world, single_copy,
+                                                                                            monkeypatch):
+    # Above 64 KiB and below 2 MiB (768 KiB on 3 ranks), where every pair copies once: each receiver reads the
+    # root's buffer once, from whichever root; elsewhere, and with CX_SHM_SINGLE_COPY=0, the tree or the chain.
+    monkeypatch.delenv("CX_SHM", raising=False)
+    env, allowed = _single_copy_setting(single_copy)
+    core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
+    bound = (768 << 10) if world == 3 else (2 << 20)
+    for rank, (rows, setup) in enumerate(ranks.run(broadcasts_from_every_root, world, env=env, timeout=120)):
+        assert ("from the root to every rank at once (single copies) below " in setup) == allowed, setup
+        assert len(rows) == len(STAR_SIZES) * world
+        for nbytes, root, ok, copies in rows:
+            assert ok, (rank, nbytes, root)
+            star = allowed and (64 << 10) < nbytes < bound
+            if rank == root:
+                assert copies == 0, (rank, nbytes, root, copies)
+            elif star:
+                assert copies == 1, (rank, nbytes, root, copies)
+            elif not (allowed and core_each and nbytes < (2 << 20)):  # else the size rule's single copies
+                assert copies == 0, (rank, nbytes, root, copies)
 
 
 # ---- ranks that share cores with other programs (Note [Ranks that share cores with other programs]) -------------

@@ -103,6 +103,10 @@ algo::AlgoOptions default_options(const Config& cfg) {
 // runs recursive doubling, every exchange across hosts carries the whole message
 // once per rank of the host, 2-8x the hierarchical cost at 64-1024 ranks.
 constexpr size_t kHierarchicalMinBytes = 32 * 1024;
+// Note [Broadcast from the root to all] in broadcast.cpp: below these, where every rank copies once (on three
+// ranks the chain's two hops are as fast from 768 KiB).
+constexpr size_t kStarBroadcastMaxBytes = 2u << 20;
+constexpr size_t kStarBroadcastMaxBytesThreeRanks = 768u << 10;
 
 // Note [Tuning agreed at init]
 // Chunk size and the small-message threshold decide message boundaries, so all
@@ -149,6 +153,7 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const
   init.kind = CollectiveKind::kInit;
   backend->begin(init, dl, true);
   backend->barrier(0)();
+  backend->agree_on_single_copies();
   return backend;
 }
 
@@ -165,6 +170,15 @@ CpuBackend::CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOpt
   if (h && (algorithm == Algorithm::kHierarchical || h->pays())) {
     hier_ = std::move(h);
     forced_ = algorithm == Algorithm::kHierarchical;
+  }
+}
+
+void CpuBackend::agree_on_single_copies() {
+  if (t_->size() < 3) return;  // the broadcast from the root to all is for more than two ranks
+  int32_t all = t_->reads_peers() ? 1 : 0;
+  algo::all_reduce(*t_, &all, 1, DataType::kInt32, ReduceOp::kMin, opt_);
+  if (all == 1) {
+    opt_.star_broadcast_max_bytes = t_->size() == 3 ? kStarBroadcastMaxBytesThreeRanks : kStarBroadcastMaxBytes;
   }
 }
 
@@ -189,6 +203,10 @@ std::string CpuBackend::flat_description() const {
   return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
                         " bytes, else the ring; broadcast: binomial tree up to ", opt_.small_broadcast_bytes,
+                        opt_.star_broadcast_max_bytes
+                            ? detail::concat(" bytes, from the root to every rank at once (single copies) below ",
+                                             opt_.star_broadcast_max_bytes)
+                            : std::string(),
                         " bytes, else a pipelined chain; chunk ", opt_.chunk_bytes, " bytes");
 }
 

@@ -48,6 +48,11 @@ class CpuBackend : public Backend {
   uint64_t bytes_sent() const override { return t_->bytes_sent(); }
   std::string describe() const override;
 
+  // At init, inside its operation, on every rank at once: whether every rank copies every other's messages once
+  // (Transport::reads_peers), which decides the mid-size broadcast (Note [Broadcast from the root to all] in
+  // algorithms/broadcast.cpp).
+  void agree_on_single_copies();
+
  private:
   std::string flat_description() const;
   // Whether a collective moving `bytes` goes hierarchical (Note [When to go hierarchical] in

@@ -32,6 +32,7 @@ struct Operation {
   Deadline deadline{};
   std::vector<char> done;  // per request of the current operation
   int pending = 0;         // requests posted and not complete
+  bool copy_once = false;  // Transport::copy_once() was called in this operation
 };
 
 // What a busy channel waits on when no byte moves.
@@ -63,6 +64,9 @@ class Channel {
   // byte moved. Throws ConnectionError, MismatchError, or a peer's abort error.
   virtual bool progress() = 0;
   virtual WaitOn wait_on() const = 0;
+  // Whether each side of the pair copies the other's messages straight out of its memory (Note [Single-copy
+  // large messages] in shm/shm.h); known once the peer has made its channel too.
+  virtual bool copies_once() const { return false; }
   // The socket of a channel whose data does not travel on it (WaitOn::bell)
   // polled readable and the channel is still busy after its rings were drained:
   // the peer aborted or died. Throws its error.

@@ -316,7 +316,15 @@ void MeshTransport::begin(const OpDesc& desc, const Deadline& dl) {
   op_.deadline = dl;
   op_.done.clear();
   op_.pending = 0;
+  op_.copy_once = false;
   peer_of_.clear();
+}
+
+bool MeshTransport::reads_peers() const {
+  for (const auto& c : channels_) {
+    if (c && !c->copies_once()) return false;
+  }
+  return world_ > 1;
 }
 
 Transport::Req MeshTransport::isend(int peer, const void* buf, size_t bytes) {

@@ -48,9 +48,11 @@ class MeshTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return world_; }
   std::vector<int> hosts() const override { return hosts_; }
+  bool reads_peers() const override;
   void begin(const OpDesc& desc, const Deadline& dl) override;
   Req isend(int peer, const void* buf, size_t bytes) override;
   Req irecv(int peer, void* buf, size_t bytes) override;
+  void copy_once() override { op_.copy_once = true; }
   void wait(Req r) override;
   void wait_all() override;
   void abort(ErrorKind kind, const std::string& msg) override;

@@ -68,6 +68,10 @@ class Transport {
   // host's lowest rank, the same on every rank; empty where unknown (then
   // collectives treat the group as flat).
   virtual std::vector<int> hosts() const { return {}; }
+  // Whether this rank and every other copy each other's messages once, straight out of the sender's memory
+  // (shared memory with single copies: Note [Single-copy large messages] in shm/shm.h). What this rank knows of
+  // its own pairs; valid once every rank has made its transport (after the first operation).
+  virtual bool reads_peers() const { return false; }
 
   // Starts an operation: messages sent from now on carry `desc`, messages
   // received must carry an equal one, and every wait gives up at `dl`.
@@ -77,6 +81,10 @@ class Transport {
   // and (for a send) unchanged until the request completes.
   virtual Req isend(int peer, const void* buf, size_t bytes) = 0;
   virtual Req irecv(int peer, void* buf, size_t bytes) = 0;
+  // The sends posted from now until the operation ends go as single copies to every peer that can read our
+  // memory, whatever the size rule for the collective says: for an algorithm built on them (Note [Broadcast
+  // from the root to all] in algorithms/broadcast.cpp).
+  virtual void copy_once() {}
 
   // Drives progress until `r` is complete. Throws TimeoutError, ConnectionError
   // (peer closed or died), MismatchError, or the error a peer aborted with.

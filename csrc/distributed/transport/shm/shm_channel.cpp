@@ -24,7 +24,7 @@ ShmChannel::ShmChannel(int rank, int peer, net::Fd fd, std::string addr, Operati
 }
 
 void ShmChannel::isend(Transport::Req id, const char* buf, size_t len) {
-  const bool remote = shm::single_copy_pays(op_.desc, len, core_each_) &&
+  const bool remote = (op_.copy_once || shm::single_copy_pays(op_.desc, len, core_each_)) &&
                       out_.ctl->can_read.load(std::memory_order_acquire) == 1;
   queue_send(id, buf, len, remote);
   progress_send();
