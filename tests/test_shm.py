@@ -326,8 +326,8 @@ def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_
     # From 64 KiB messages; from 8 KiB where every rank on the host has a core.
     # Note [Single-copy large messages] in shm.h: which collectives take single copies below 2 MiB, and that what
     # they move arrives intact either way. The 1 MiB broadcast on 4 ranks goes from the root to all, in single
-    # copies wherever the ranks run (Note [Broadcast from the root to all] in broadcast.cpp; on 3 ranks not
-    # above 768 KiB).
+    # copies wherever the ranks run (Note [Broadcast from the root to all] in broadcast.cpp; on 3 ranks not from
+    # 768 KiB to 4 MiB).
     monkeypatch.delenv("CX_SHM", raising=False)
     allowed = _single_copy_allowed()
     core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
@@ -343,7 +343,7 @@ def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_
 
 # ---- the broadcast from the root to all (Note [Broadcast from the root to all] in broadcast.cpp) -------------------
 
-STAR_SIZES = (64 << 10, (64 << 10) + 4, 256 << 10, (768 << 10) - 4, 768 << 10, (2 << 20) - 4, 2 << 20)
+STAR_SIZES = (64 << 10, (64 << 10) + 4, (768 << 10) - 4, 768 << 10, (2 << 20) - 4, 2 << 20, (4 << 20) - 4, 4 << 20)
 
 
 def broadcasts_from_every_root():
@@ -363,20 +363,20 @@ def broadcasts_from_every_root():
 
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("single_copy", ["default", "0"])
-def test_mid_size_broadcasts_on_more_than_two_ranks_go_from_the_root_to_all_in_one_copy_each(world, single_copy,
-                                                                                            monkeypatch):
-    # Above 64 KiB and below 2 MiB (768 KiB on 3 ranks), where every pair copies once: each receiver reads the
-    # root's buffer once, from whichever root; elsewhere, and with CX_SHM_SINGLE_COPY=0, the tree or the chain.
+def test_broadcasts_on_more_than_two_ranks_go_from_the_root_to_all_in_one_copy_each(world, single_copy,
+                                                                                    monkeypatch):
+    # Above 64 KiB (but not from 768 KiB to 4 MiB on 3 ranks), where every pair copies once: each receiver reads
+    # the root's buffer once, from whichever root; elsewhere, and with CX_SHM_SINGLE_COPY=0, the tree or the chain.
     monkeypatch.delenv("CX_SHM", raising=False)
     env, allowed = _single_copy_setting(single_copy)
     core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
-    bound = (768 << 10) if world == 3 else (2 << 20)
     for rank, (rows, setup) in enumerate(ranks.run(broadcasts_from_every_root, world, env=env, timeout=120)):
-        assert ("from the root to every rank at once (single copies) below " in setup) == allowed, setup
+        assert ("else from the root to every rank at once (single copies)" in setup) == allowed, setup
+        assert ("a pipelined chain from 786432 to 4194304 bytes" in setup) == (allowed and world == 3), setup
         assert len(rows) == len(STAR_SIZES) * world
         for nbytes, root, ok, copies in rows:
             assert ok, (rank, nbytes, root)
-            star = allowed and (64 << 10) < nbytes < bound
+            star = allowed and nbytes > (64 << 10) and not (world == 3 and (768 << 10) <= nbytes < (4 << 20))
             if rank == root:
                 assert copies == 0, (rank, nbytes, root, copies)
             elif star:

@@ -7,7 +7,7 @@
 // | all_reduce     | recursive doubling (n <= threshold)  | log2(p)+2  | log2(p) * n          |
 // (threshold: 128 KiB for 2 ranks, 512 KiB for more; Note [small all_reduce threshold])
 // | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
-// | broadcast      | root to all, single copies (p > 2, mid)| 1          | n (root: (p-1) * n)  |
+// | broadcast      | root to all, single copies (p > 2)    | 1          | n (root: (p-1) * n)  |
 // | all_gather     | ring                                 | p-1        | (p-1) * n            |
 // | reduce_scatter | ring                                 | p-1        | (p-1) * n            |
 // | reduce         | binomial tree, chunked               | log2(p)    | n                    |
@@ -32,9 +32,11 @@ struct AlgoOptions {
   size_t chunk_bytes = 512 * 1024;        // pipelining unit of the ring and chain algorithms
   size_t small_allreduce_bytes = 128 * 1024;  // at or below: recursive doubling
   size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
-  // p > 2, above small_broadcast_bytes and below this: the root sends to every rank at once, each copying once
-  // out of its memory; 0 unless every rank can (agreed at init: Note [Broadcast from the root to all]).
-  size_t star_broadcast_max_bytes = 0;
+  // p > 2, above small_broadcast_bytes and outside [star_broadcast_skip_from, star_broadcast_skip_to): the root
+  // sends to every rank at once, each copying once out of its memory. Off unless every rank can (agreed at init:
+  // Note [Broadcast from the root to all] in broadcast.cpp).
+  bool star_broadcast = false;
+  size_t star_broadcast_skip_from = 0, star_broadcast_skip_to = 0;
   int depth = 4;                          // receives kept in flight
   size_t halving_doubling_max_bytes = 0;  // p a power of two >= 4 and n at most this: halving-doubling
   // Slice of the pipelined hierarchical all_reduce; 0: from the cost model

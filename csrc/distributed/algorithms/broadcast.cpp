@@ -66,15 +66,17 @@ void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, const Al
 
 // Note [Broadcast from the root to all]
 // Where every rank of the group copies every other's messages once, straight out of the sender's memory (one
-// host, shared memory, single copies: Note [Single-copy large messages] in shm/shm.h), a mid-size broadcast on
-// more than two ranks goes from the root to every rank at once: the root posts its buffer's address to each
-// (Transport::copy_once) and waits until all have read it; each reads it in one copy, all at the same time. The
-// chain moves each byte twice per hop through the rings where ranks outnumber cores (single copies there wait
-// for their receiver to get a core), and below a chunk (512 KiB) its hops run one after the other. Measured side
-// by side on 2 vCPUs (benchmarks/README.md, "Broadcast from the root to all"): 4 ranks 256 KiB-1.5 MiB
-// 1.1-1.9x the chain, 3 ranks 128-768 KiB 1.2-2.2x, level at 64-128 KiB on 4 ranks and at 1-1.5 MiB on 3. From
-// 2 MiB the chain, as for the single-copy bound of the broadcast. Every rank must agree to it, as on any
-// algorithm: CpuBackend asks all ranks at init (an all_reduce of their Transport::reads_peers).
+// host, shared memory, single copies: Note [Single-copy large messages] in shm/shm.h), a broadcast of more than
+// small_broadcast_bytes on more than two ranks goes from the root to every rank at once: the root posts its
+// buffer's address to each (Transport::copy_once) and waits until all have read it; each reads it in one copy,
+// all at the same time. The chain costs more hops in a row: through the rings each byte is copied twice per hop
+// where ranks outnumber cores (single copies there wait for their receiver to get a core), and below a chunk its
+// hops run one after the other. Measured side by side on 2 vCPUs (benchmarks/README.md, "Broadcast from the
+// root to all"): 4 ranks 1.1-1.9x the chain at 96 KiB-64 MiB (level at 1-3 MiB), 8 ranks 1.4-2.0x; on 3 ranks
+// 1.1-2.4x below 768 KiB and 1.2-2.2x from 4 MiB, but 0.65-0.9x between, where the chain's two hops keep up,
+// so three ranks keep the chain there (star_broadcast_skip_from/to). 2 ranks keep the chain (one hop). Every
+// rank must agree to it, as on any algorithm: CpuBackend asks all ranks at init (an all_reduce of their
+// Transport::reads_peers).
 void broadcast_star(Transport& t, void* buf, size_t bytes, int root) {
   t.copy_once();
   if (t.rank() == root) {
@@ -89,7 +91,8 @@ void broadcast_star(Transport& t, void* buf, size_t bytes, int root) {
 
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o) {
   if (t.size() == 1) return;
-  if (t.size() > 2 && bytes > o.small_broadcast_bytes && bytes < o.star_broadcast_max_bytes) {
+  if (o.star_broadcast && t.size() > 2 && bytes > o.small_broadcast_bytes &&
+      !(bytes >= o.star_broadcast_skip_from && bytes < o.star_broadcast_skip_to)) {
     broadcast_star(t, buf, bytes, root);
     return;
   }

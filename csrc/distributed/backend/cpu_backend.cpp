@@ -103,10 +103,9 @@ algo::AlgoOptions default_options(const Config& cfg) {
 // runs recursive doubling, every exchange across hosts carries the whole message
 // once per rank of the host, 2-8x the hierarchical cost at 64-1024 ranks.
 constexpr size_t kHierarchicalMinBytes = 32 * 1024;
-// Note [Broadcast from the root to all] in broadcast.cpp: below these, where every rank copies once (on three
-// ranks the chain's two hops are as fast from 768 KiB).
-constexpr size_t kStarBroadcastMaxBytes = 2u << 20;
-constexpr size_t kStarBroadcastMaxBytesThreeRanks = 768u << 10;
+// Note [Broadcast from the root to all] in broadcast.cpp: on three ranks the chain's two hops are faster here.
+constexpr size_t kStarBroadcastSkipFromThreeRanks = 768u << 10;
+constexpr size_t kStarBroadcastSkipToThreeRanks = 4u << 20;
 
 // Note [Tuning agreed at init]
 // Chunk size and the small-message threshold decide message boundaries, so all
@@ -177,8 +176,10 @@ void CpuBackend::agree_on_single_copies() {
   if (t_->size() < 3) return;  // the broadcast from the root to all is for more than two ranks
   int32_t all = t_->reads_peers() ? 1 : 0;
   algo::all_reduce(*t_, &all, 1, DataType::kInt32, ReduceOp::kMin, opt_);
-  if (all == 1) {
-    opt_.star_broadcast_max_bytes = t_->size() == 3 ? kStarBroadcastMaxBytesThreeRanks : kStarBroadcastMaxBytes;
+  opt_.star_broadcast = all == 1;
+  if (all == 1 && t_->size() == 3) {
+    opt_.star_broadcast_skip_from = kStarBroadcastSkipFromThreeRanks;
+    opt_.star_broadcast_skip_to = kStarBroadcastSkipToThreeRanks;
   }
 }
 
@@ -203,11 +204,13 @@ std::string CpuBackend::flat_description() const {
   return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
                         " bytes, else the ring; broadcast: binomial tree up to ", opt_.small_broadcast_bytes,
-                        opt_.star_broadcast_max_bytes
-                            ? detail::concat(" bytes, from the root to every rank at once (single copies) below ",
-                                             opt_.star_broadcast_max_bytes)
-                            : std::string(),
-                        " bytes, else a pipelined chain; chunk ", opt_.chunk_bytes, " bytes");
+                        !opt_.star_broadcast ? std::string(" bytes, else a pipelined chain")
+                        : opt_.star_broadcast_skip_to
+                            ? detail::concat(" bytes, a pipelined chain from ", opt_.star_broadcast_skip_from,
+                                             " to ", opt_.star_broadcast_skip_to,
+                                             " bytes, else from the root to every rank at once (single copies)")
+                            : std::string(" bytes, else from the root to every rank at once (single copies)"),
+                        "; chunk ", opt_.chunk_bytes, " bytes");
 }
 
 // Bodies capture the transport by pointer: the group runs them before it closes us.

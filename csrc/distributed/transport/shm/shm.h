@@ -151,9 +151,9 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 //   256 KiB, 1.2x at 1 MiB on 2 ranks, where Open MPI's single copy was 1.6-2.6x ours). From 2 MiB up the
 //   rings' two copies run at once on two cores and are as fast, or faster (0.70-0.79x with single copies at 64
 //   MiB). With more ranks than cores it was mixed (0.8-1.0x on 4 ranks): a single-copy send completes only
-//   once its receiver has run, and there it often waits for a core. On more than two ranks the mid sizes go
-//   from the root to all in single copies instead, wherever the ranks run (Transport::copy_once; Note [Broadcast
-//   from the root to all] in algorithms/broadcast.cpp).
+//   once its receiver has run, and there it often waits for a core. On more than two ranks a broadcast above
+//   64 KiB goes from the root to all in single copies instead, wherever the ranks run (Transport::copy_once;
+//   Note [Broadcast from the root to all] in algorithms/broadcast.cpp).
 // - Not send/recv and the other rooted collectives: not measured.
 constexpr size_t kSingleCopyMinBytes = 64 * 1024;
 constexpr size_t kSingleCopyMinBytesCoreEach = 8 * 1024;
