@@ -72,11 +72,11 @@ void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, const Al
 // all at the same time. The chain costs more hops in a row: through the rings each byte is copied twice per hop
 // where ranks outnumber cores (single copies there wait for their receiver to get a core), and below a chunk its
 // hops run one after the other. Measured side by side on 2 vCPUs (benchmarks/README.md, "Broadcast from the
-// root to all"): 4 ranks 1.1-1.9x the chain at 96 KiB-64 MiB (level at 1-3 MiB), 8 ranks 1.4-2.0x; on 3 ranks
-// 1.1-2.4x below 768 KiB and 1.2-2.2x from 4 MiB, but 0.65-0.9x between, where the chain's two hops keep up,
-// so three ranks keep the chain there (star_broadcast_skip_from/to). 2 ranks keep the chain (one hop). Every
-// rank must agree to it, as on any algorithm: CpuBackend asks all ranks at init (an all_reduce of their
-// Transport::reads_peers).
+// root to all"): 4 ranks 1.1-1.8x the chain at 128 KiB-64 MiB, 8 ranks 1.5-2.0x; 3 ranks 1.3-2.5x below 768
+// KiB and 1.2-2.2x from 4 MiB, but 0.65-0.9x between, where the chain's two hops keep up, so three ranks keep
+// the chain there (star_broadcast_skip_from/to). 2 ranks keep the chain (one hop). Not measured where every
+// rank has a core (the chain copies once there too). Every rank must agree to it, as on any algorithm:
+// CpuBackend asks all ranks at init (an all_reduce of their Transport::reads_peers).
 void broadcast_star(Transport& t, void* buf, size_t bytes, int root) {
   t.copy_once();
   if (t.rank() == root) {
