@@ -9,7 +9,9 @@ rank's report; the parent takes the max over ranks per call, then the median.
 
 Sizes follow nccl-tests: all_reduce and broadcast move a buffer of `size` bytes; all_gather's
 `size` is the gathered output (each rank contributes size/n); reduce_scatter's `size` is the
-input (each rank keeps size/n). float32 SUM throughout. "pingpong" is the library's own
+input (each rank keeps size/n); all_to_all's is each rank's input and output (size/n to and
+from each rank); scatter's is the root's input and gather's the root's output (size/n per
+rank), root 0. float32 SUM throughout. "pingpong" is the library's own
 point-to-point round trip (rank 0 sends `size` bytes to rank 1, which sends them back; other
 ranks idle): the transport's round trip, the yardstick for barrier and tiny all-reduce cost.
 """
@@ -23,7 +25,8 @@ import numpy as np
 
 from benchmarks._worker_io import run_rank
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather", "barrier",
+       "pingpong")
 
 
 def iterations(nbytes: int, scale: float = 1.0) -> tuple[int, int]:
@@ -43,10 +46,12 @@ def _counts(op: str, nbytes: int, world: int) -> tuple[int, int]:
     if op in ("all_reduce", "broadcast", "pingpong"):
         return n, n
     per_rank = max(1, n // world)
-    if op == "all_gather":
+    if op in ("all_gather", "gather"):
         return per_rank, per_rank * world
-    if op == "reduce_scatter":
+    if op in ("reduce_scatter", "scatter"):
         return per_rank * world, per_rank
+    if op == "all_to_all":
+        return per_rank * world, per_rank * world
     return 0, 0
 
 
@@ -58,7 +63,7 @@ class Case:
         n_in, n_out = _counts(op, nbytes, comm.world)
         self.inp = np.zeros(n_in, np.float32)
         self.out = self.inp if op in ("all_reduce", "broadcast", "pingpong") else np.zeros(n_out, np.float32)
-        self.bytes = (n_in if op != "all_gather" else n_out) * 4
+        self.bytes = (n_in if op not in ("all_gather", "gather") else n_out) * 4
         self.call = self._bind()
 
     def _bind(self):
@@ -68,32 +73,43 @@ class Case:
             return self.comm.barrier
         if op == "pingpong":
             return self._pingpong()
+        w, root = self.comm.world, self.comm.rank == 0
         if name == "pycyxwiz":
             d = self.comm.d
             return {
+                "scatter": lambda: d.scatter(out, inp.reshape(w, -1) if root else None, src=0),
+                "gather": lambda: d.gather(inp, out.reshape(w, -1) if root else None, dst=0),
                 "all_reduce": lambda: d.all_reduce(inp, op=d.ReduceOp.SUM),
                 "broadcast": lambda: d.broadcast(inp, src=0),
                 "all_gather": lambda: d.all_gather(out, inp),
                 "reduce_scatter": lambda: d.reduce_scatter(out, inp),
+                "all_to_all": lambda: d.all_to_all(out.reshape(self.comm.world, -1), inp.reshape(self.comm.world, -1)),
             }[op]
         if name == "gloo":
             torch, dist = self.comm.torch, self.comm.dist
             ti, to = torch.from_numpy(inp), torch.from_numpy(out)  # shares memory, no copies
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            blocks = list(torch.from_numpy(out if op == "gather" else inp).chunk(w))
             return {
+                "scatter": lambda: dist.scatter(to, blocks if root else None, src=0),
+                "gather": lambda: dist.gather(ti, blocks if root else None, dst=0),
                 "all_reduce": lambda: dist.all_reduce(ti),
                 "broadcast": lambda: dist.broadcast(ti, 0),
                 "all_gather": lambda: gather(to, ti),
                 "reduce_scatter": lambda: scatter(to, ti),
+                "all_to_all": lambda: dist.all_to_all_single(to, ti),
             }[op]
         if name == "mpi":
             MPI, comm = self.comm.MPI, self.comm.comm
             return {
+                "scatter": lambda: comm.Scatter(inp, out, root=0),
+                "gather": lambda: comm.Gather(inp, out, root=0),
                 "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, inp, op=MPI.SUM),
                 "broadcast": lambda: comm.Bcast(inp, root=0),
                 "all_gather": lambda: comm.Allgather(inp, out),
                 "reduce_scatter": lambda: comm.Reduce_scatter_block(inp, out, op=MPI.SUM),
+                "all_to_all": lambda: comm.Alltoall(inp, out),
             }[op]
         raise ValueError(name)
 
@@ -126,9 +142,11 @@ class Case:
         got = self.out[idx]
         if self.op in ("all_reduce", "reduce_scatter"):
             ok = np.all(got == n * (n + 1) / 2)
-        elif self.op == "broadcast":
+        elif self.op in ("broadcast", "scatter"):  # the root's buffer, all ones
             ok = np.all(got == 1)
-        else:  # all_gather: segment k holds k+1
+        elif self.op == "gather" and r != 0:
+            ok = np.all(got == -1)  # untouched off the root
+        else:  # all_gather, all_to_all, gather at the root: segment k holds k+1 (rank k's)
             ok = np.all(got == idx // (self.out.size // n) + 1)
         self.inp.fill(0)  # timed calls run on zeros: sums never overflow to inf
         if self.out is not self.inp:

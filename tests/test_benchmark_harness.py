@@ -1,6 +1,7 @@
 """The benchmark harness keeps the committed results for complete runs (its timings are never tested
 here: speed lives in benchmarks/, run by hand)."""
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,25 @@ def test_the_activations_benchmark_prints_both_libraries_side_by_side():
     assert header[1:4] == ["cx_forward_ms", "torch_forward_ms", "forward_ratio"], header
     assert all(float(v) > 0 for v in row[1:]), row  # every column measured, PyTorch's too
     assert "activations.json" in r.stdout
+
+
+@pytest.mark.parametrize("op", ["all_to_all", "scatter", "gather"])
+def test_the_collective_benchmark_checks_the_exchanges_and_rooted_collectives_it_times(op, tmp_path):
+    # Its own check (rank-dependent inputs, outputs against the closed form) passes for pycyxwiz and, where
+    # PyTorch is installed, gloo, on 3 ranks.
+    libs = ["pycyxwiz-shm", "pycyxwiz"]
+    try:
+        import torch  # noqa: F401
+        libs.append("gloo")
+    except ImportError:
+        pass
+    out = tmp_path / op
+    r = subprocess.run([sys.executable, "-m", "benchmarks.allreduce", "--op", op, "--worlds", "3", "--libs", *libs,
+                        "--sizes", "96K", "--iters-scale", "0.1", "--rounds", "1", "--no-loopback", "--name", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    columns = json.loads(out.with_suffix(".json").read_text())["columns"]
+    assert sorted(c["lib"] for c in columns) == sorted(libs)
+    for c in columns:
+        assert c["ok"], c
+        assert [(x["nominal"], x["correct"]) for x in c["results"]] == [(96 << 10, True)], c

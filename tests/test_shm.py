@@ -303,6 +303,15 @@ def mid_size_collectives():
     blocks = np.stack([np.full(m, float(r * p + j), np.float32) for j in range(p)])
     run("reduce_scatter", lambda: D.reduce_scatter(mine, blocks),
         lambda: np.array_equal(mine, np.full(m, float(sum(k * p + r for k in range(p))), np.float32)))
+    a2a = np.zeros((p, m), np.float32)
+    run("all_to_all", lambda: D.all_to_all(a2a, blocks),
+        lambda: np.array_equal(a2a, np.stack([np.full(m, float(j * p + r), np.float32) for j in range(p)])))
+    part = np.zeros(m, np.float32)
+    run("scatter", lambda: D.scatter(part, blocks if r == 0 else None, src=0),
+        lambda: np.array_equal(part, np.full(m, float(r), np.float32)))
+    outs = np.zeros((p, m), np.float32) if r == p - 1 else None
+    run("gather", lambda: D.gather(np.full(m, float(r), np.float32), outs, dst=p - 1),
+        lambda: r != p - 1 or np.array_equal(outs, np.repeat(np.arange(p, dtype=np.float32)[:, None], m, 1)))
     n = (1 << 20) // 4 + 3  # 1 MiB and a little
     b = np.arange(n, dtype=np.float32) * (r + 1)
     run("broadcast", lambda: D.broadcast(b, src=p - 1), lambda: np.array_equal(b, np.arange(n, dtype=np.float32) * p))
@@ -321,8 +330,8 @@ def mid_size_collectives():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_each_rank_has_a_core(world,
-                                                                                                    monkeypatch):
+def test_below_2_mib_gathers_reduce_scatters_all_to_alls_and_scatters_copy_once_and_broadcasts_mostly(world,
+                                                                                                     monkeypatch):
     # From 64 KiB messages; from 8 KiB where every rank on the host has a core.
     # Note [Single-copy large messages] in shm.h: which collectives take single copies below 2 MiB, and that what
     # they move arrives intact either way. The 1 MiB broadcast on 4 ranks goes from the root to all, in single
@@ -331,7 +340,9 @@ def test_below_2_mib_gathers_and_reduce_scatters_copy_once_and_broadcasts_where_
     monkeypatch.delenv("CX_SHM", raising=False)
     allowed = _single_copy_allowed()
     core_each = world <= os.sysconf("SC_NPROCESSORS_ONLN")
-    want = {"all_gather": allowed, "reduce_scatter": allowed, "broadcast": allowed and (core_each or world == 4),
+    # Gathers keep two copies (the root would copy every block itself, one after the other).
+    want = {"all_gather": allowed, "reduce_scatter": allowed, "all_to_all": allowed, "scatter": allowed,
+            "gather": False, "broadcast": allowed and (core_each or world == 4),
             "all_reduce": False, "send/recv": False, "small all_gather": allowed and core_each,
             "small broadcast": allowed and core_each}
     got = ranks.run(mid_size_collectives, world, timeout=120)

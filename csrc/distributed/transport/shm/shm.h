@@ -142,6 +142,10 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 // but never ahead, so they keep the higher bound):
 // - all_gather and reduce_scatter, at every size: 1.3-2.2x on 2 ranks at 256 KiB-2 MiB, 1.1-1.3x on 4 at 256
 //   KiB-4 MiB; 1.15-1.8x from 2 MiB up.
+// - all_to_all and scatter, at every size: all_to_all 1.2-2.0x on 2-4 ranks at 64 KiB-64 MiB, scatter 1.3-2.2x on
+//   2 ranks and 1.6-6x on 4 at 256 KiB-64 MiB (its receivers copy at once, where through the rings the root
+//   wrote every block itself first). Not gather: the root then copies every block itself, one after the other,
+//   where through the rings the senders' copies run beside its own (0.41-0.90x on 4 ranks at 256 KiB-64 MiB).
 // - all_reduce from kSingleCopyMinAllReduceBytes (1.15-1.8x on 2 ranks, 1.0-1.6x on 4). Below it two copies
 //   win, 0.5-0.8x with single copies at 64-256 KiB: recursive doubling and halving-doubling add what they
 //   receive into their buffer at once, and that reduction ran 4x longer over what process_vm_readv had written
@@ -154,7 +158,7 @@ void wait_bell(Bell* b, uint32_t seen, int timeout_ms);
 //   once its receiver has run, and there it often waits for a core. On more than two ranks a broadcast above
 //   64 KiB goes from the root to all in single copies instead, wherever the ranks run (Transport::copy_once;
 //   Note [Broadcast from the root to all] in algorithms/broadcast.cpp).
-// - Not send/recv and the other rooted collectives: not measured.
+// - Not send/recv and reduce: not measured.
 constexpr size_t kSingleCopyMinBytes = 64 * 1024;
 constexpr size_t kSingleCopyMinBytesCoreEach = 8 * 1024;
 constexpr size_t kSingleCopyMinAllReduceBytes = 2u << 20;
@@ -167,6 +171,8 @@ inline bool single_copy_pays(const OpDesc& d, size_t len, bool core_each) {
   switch (d.kind) {
     case CollectiveKind::kAllGather:
     case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kAllToAll:
+    case CollectiveKind::kScatter:
       return true;
     case CollectiveKind::kAllReduce:
       return bytes >= kSingleCopyMinAllReduceBytes;
