@@ -1,11 +1,11 @@
-"""The whole suite in one command (< 15 minutes on a 2-core machine).
+"""The whole suite in one command (< 20 minutes on a 2-core machine).
 
     python -m benchmarks                # same as python -m benchmarks.run_all
     python -m benchmarks --quick        # ~3 minutes: fewer sizes and calls, no 4-rank training
     python -m benchmarks --skip train memory
 
-Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather and
-reduce_scatter (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
+Runs, in order: loopback TCP limit, all_reduce (8 B .. 256 MiB), broadcast, all_gather,
+reduce_scatter, all_to_all, scatter and gather (8 B .. 64 MiB), barrier latency, 8-byte send/recv round trip, training
 (1, 2, 4 ranks), the trainer's extras (callbacks and NpyDataset against neither, 2 ranks), convolutional
 networks against PyTorch on the CPU (benchmarks/cnn.py), communication hooks (2, 4 ranks; over 127.0.0.1, and again with each rank on a host
 of its own behind a 1 Gbit/s link where network namespaces can be made), the torch.distributed backend
@@ -35,7 +35,8 @@ from benchmarks import cnn, hooks, loopback, memory, torch_backend, train, train
 from benchmarks._launch import LIBRARIES, PARTIAL, RESULTS, mpi_available
 from benchmarks._report import format_table, human_size, machine_info, output_dir, set_output_dir, write_json
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather", "barrier",
+               "pingpong")
 STEPS = ("loopback", *COLLECTIVES, "train", "train_extras", "cnn", "hooks", "torch_backend", "memory")
 OTHER_SIZES = [s for s in coll.DEFAULT_SIZES if s <= 64 << 20]
 HOOKS_LINK = "1gbit"  # the hooks' second run: each rank its own host behind a link of this rate

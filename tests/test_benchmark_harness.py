@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-EVERY_STEP = ["loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "pingpong",
-              "train", "train_extras", "cnn", "hooks", "torch_backend", "memory"]
+EVERY_STEP = ["loopback", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather",
+              "barrier", "pingpong", "train", "train_extras", "cnn", "hooks", "torch_backend", "memory"]
 
 
 def digest(folder):
