@@ -239,13 +239,16 @@ ROOT_DISAGREEMENTS = [
 ]
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
 @pytest.mark.parametrize("body, calls, world", [(b, c, w) for b, c in ROOT_DISAGREEMENTS for w in (2, 3)
                                                 if not (b is scatter_against_gather and w == 2)])  # rank 2 differs
-def test_ranks_disagreeing_on_a_root_fail_at_the_call_naming_each_ranks_call(body, calls, world):
+def test_ranks_disagreeing_on_a_root_fail_at_the_call_naming_each_ranks_call(body, calls, world, shm):
     """Note [Rooted collectives agree on their root]: a broadcast or scatter whose ranks each think themselves
     the root used to return on every rank (named only at a later barrier or finalize), a gather or reduce to
-    wait for the operation deadline. Now every rank raises at the call, at once, naming each rank's call."""
-    outs = ranks.spawn(body, world, env=LONG, timeout=60)
+    wait for the operation deadline. Now every rank raises at the call, at once, naming each rank's call;
+    through shared memory and over TCP, where the empty frames that carry the check wait to ride along with the
+    next frame (Note [Empty frames ride along] in tcp_channel.cpp)."""
+    outs = ranks.spawn(body, world, env={**LONG, "CX_SHM": shm}, timeout=60)
     calls = [c.format(r=r) for r, c in enumerate(calls)][:world]
     if body is scatter_against_gather:
         # Rank 1 agrees with the root (rank 0) and has its block before the disagreement of ranks 0 and 2 is

@@ -11,9 +11,17 @@ namespace cx::distributed {
 
 using frame::kHeaderBytes;
 
+// Note [Empty frames ride along]
+// A rooted collective posts an empty frame to the next rank before its own messages (Note [Rooted collectives
+// agree on their root] in cpu_backend.cpp). Over loopback TCP every sendmsg costs microseconds of the sender's
+// time, and the empty frame's went before the data: a broadcast or scatter of 8 B on 2 ranks took 6.9-8.3 us,
+// 4.2-4.6 us without the frame (side by side, an experiment switch). So an empty frame is only queued; it leaves
+// with the next frame posted to the same peer, whatever frames are queued going out in one sendmsg, or at the next
+// progress pass, which every wait makes first. Whoever waits has sent it, so a peer that waits for it is never
+// kept waiting by us.
 void TcpChannel::isend(Transport::Req id, const char* buf, size_t len) {
   queue_send(id, buf, len);
-  progress_send();
+  if (len) progress_send();
 }
 
 bool TcpChannel::progress() {
@@ -31,16 +39,19 @@ WaitOn TcpChannel::wait_on() const {
 }
 
 bool TcpChannel::progress_send() {
+  constexpr size_t kFramesPerCall = 8;  // queued frames that leave in one sendmsg (Note [Empty frames ride along])
   bool moved = false;
   while (!sends_.empty()) {
-    SendOp& s = sends_.front();
-    iovec iov[2];
+    iovec iov[2 * kFramesPerCall];
     int n = 0;
-    if (s.done < kHeaderBytes) {
-      iov[n++] = {s.hdr + s.done, kHeaderBytes - s.done};
-      if (s.len) iov[n++] = {const_cast<char*>(s.buf), s.len};
-    } else {
-      iov[n++] = {const_cast<char*>(s.buf) + (s.done - kHeaderBytes), s.len - (s.done - kHeaderBytes)};
+    for (size_t i = 0; i < sends_.size() && i < kFramesPerCall; ++i) {
+      const SendOp& s = sends_[i];
+      if (s.done < kHeaderBytes) {
+        iov[n++] = {const_cast<char*>(s.hdr) + s.done, kHeaderBytes - s.done};
+        if (s.len) iov[n++] = {const_cast<char*>(s.buf), s.len};
+      } else {
+        iov[n++] = {const_cast<char*>(s.buf) + (s.done - kHeaderBytes), s.len - (s.done - kHeaderBytes)};
+      }
     }
     msghdr mh{};
     mh.msg_iov = iov;
@@ -51,8 +62,12 @@ bool TcpChannel::progress_send() {
       peer_closed("sending to");
     }
     moved = true;
-    s.done += static_cast<size_t>(k);
-    if (s.done == kHeaderBytes + s.len) {
+    for (size_t left = static_cast<size_t>(k); left > 0;) {
+      SendOp& s = sends_.front();
+      const size_t took = std::min(left, kHeaderBytes + s.len - s.done);
+      s.done += took;
+      left -= took;
+      if (s.done < kHeaderBytes + s.len) break;
       complete(s.id);
       sends_.pop_front();
     }

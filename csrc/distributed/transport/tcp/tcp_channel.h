@@ -1,6 +1,8 @@
 // defines: TcpChannel, the Channel that moves frames over the pair's
 // non-blocking TCP socket: sendmsg of header and payload together, one readv of
 // the next header and payload, so a small message costs one syscall each way.
+// Empty frames wait for the next frame to the peer or the next progress pass, and
+// leave with it in one sendmsg (Note [Empty frames ride along]).
 #pragma once
 
 #include "distributed/transport/channel.h"
