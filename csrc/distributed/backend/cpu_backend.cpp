@@ -227,7 +227,12 @@ namespace {
 // previous rank's: where ranks disagree, some neighbours do, and the receiver
 // raises MismatchError naming both calls; its abort reaches every rank at once.
 // Posted before the algorithm's own messages and awaited after them: one small
-// frame per rank, not a round trip.
+// frame per rank, not a round trip; over TCP it leaves with the rank's first
+// message to that peer, or when the rank first waits (Note [Empty frames ride
+// along] in tcp_channel.cpp). The root still waits for its neighbour's frame,
+// so a rooted collective returns on no rank before the rank before it has
+// called it (Open MPI's root of a small broadcast returns once its message is
+// written).
 template <typename F>
 void agreeing_on_the_root(Transport& t, F&& run) {
   const int p = t.size();
