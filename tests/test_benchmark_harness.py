@@ -63,10 +63,10 @@ def test_the_activations_benchmark_prints_both_libraries_side_by_side():
     assert "activations.json" in r.stdout
 
 
-@pytest.mark.parametrize("op", ["all_to_all", "scatter", "gather"])
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "all_to_all", "scatter", "gather"])
 def test_the_collective_benchmark_checks_the_exchanges_and_rooted_collectives_it_times(op, tmp_path):
     # Its own check (rank-dependent inputs, outputs against the closed form) passes for pycyxwiz and, where
-    # PyTorch is installed, gloo, on 3 ranks.
+    # PyTorch is installed, gloo, on 3 ranks, at 8 bytes (fewer elements than ranks) and 96 KiB.
     libs = ["pycyxwiz-shm", "pycyxwiz"]
     try:
         import torch  # noqa: F401
@@ -75,11 +75,11 @@ def test_the_collective_benchmark_checks_the_exchanges_and_rooted_collectives_it
         pass
     out = tmp_path / op
     r = subprocess.run([sys.executable, "-m", "benchmarks.allreduce", "--op", op, "--worlds", "3", "--libs", *libs,
-                        "--sizes", "96K", "--iters-scale", "0.1", "--rounds", "1", "--no-loopback", "--name", str(out)],
+                        "--sizes", "8", "96K", "--iters-scale", "0.1", "--rounds", "1", "--no-loopback", "--name", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     columns = json.loads(out.with_suffix(".json").read_text())["columns"]
     assert sorted(c["lib"] for c in columns) == sorted(libs)
     for c in columns:
         assert c["ok"], c
-        assert [(x["nominal"], x["correct"]) for x in c["results"]] == [(96 << 10, True)], c
+        assert [(x["nominal"], x["correct"]) for x in c["results"]] == [(8, True), (96 << 10, True)], c
