@@ -48,7 +48,8 @@ constexpr const char* kReduceScatter =
     "Reduce block r of every rank's `inputs` into `out` on rank r (inputs are left untouched).\n\n"
     "    out = np.empty(4, np.float32)\n"
     "    cx.distributed.reduce_scatter(out, np.ones((world, 4), np.float32))   # out == world\n\n"
-    "`inputs` is a list of world_size arrays shaped as `out`, or one array of world_size blocks."
+    "`inputs` is a list of world_size arrays shaped as `out`, or one array of world_size blocks;\n"
+    "`out` may be one of them (`reduce_scatter(blocks[rank], blocks)`)."
     CX_DOC_REDUCIBLE CX_DOC_TAIL;
 
 constexpr const char* kReduce =
@@ -75,8 +76,8 @@ constexpr const char* kAllToAll =
     "Exchange blocks: block k of rank j's `inputs` lands in block j of rank k's `out`.\n\n"
     "    out = np.empty((world, 4), np.float32)\n"
     "    cx.distributed.all_to_all(out, np.arange(world * 4, dtype=np.float32).reshape(world, 4))\n\n"
-    "`inputs` and `out` are lists of world_size equal arrays, or arrays of world_size rows.\n"
-    "Moves bytes: any dtype works." CX_DOC_TAIL;
+    "`inputs` and `out` are lists of world_size equal arrays, or arrays of world_size rows; `out` may\n"
+    "be `inputs` itself (`all_to_all(a, a)`). Moves bytes: any dtype works." CX_DOC_TAIL;
 
 constexpr const char* kBarrier =
     "Block until every rank has called barrier().\n\n"
