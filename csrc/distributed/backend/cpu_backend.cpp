@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -265,6 +267,23 @@ bool any_overlap(const std::vector<const void*>& ins, const void* out, size_t by
   return false;
 }
 
+// Whether any block of `outs` overlaps any of `ins`. Where each side's blocks lie within bounds that do not meet
+// (an input array and an output array), one pass over each; else block against block.
+bool any_overlap(const std::vector<const void*>& ins, const std::vector<void*>& outs, size_t bytes) {
+  auto span = [](const auto& blocks) {
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (const void* p : blocks) {
+      lo = std::min(lo, reinterpret_cast<uintptr_t>(p));
+      hi = std::max(hi, reinterpret_cast<uintptr_t>(p));
+    }
+    return std::make_pair(lo, hi);
+  };
+  const auto [in_lo, in_hi] = span(ins);
+  const auto [out_lo, out_hi] = span(outs);
+  if (!bytes || in_lo >= out_hi + bytes || out_lo >= in_hi + bytes) return false;
+  return std::any_of(outs.begin(), outs.end(), [&](const void* out) { return any_overlap(ins, out, bytes); });
+}
+
 }  // namespace
 
 Backend::Body CpuBackend::all_reduce(void* buf, size_t count, DataType dt, ReduceOp op, uintptr_t) {
@@ -378,14 +397,12 @@ Backend::Body CpuBackend::all_to_all(std::vector<const void*> ins, std::vector<v
     // Note [Inputs that are also outputs]
     std::vector<char> aside;
     std::vector<const void*> copied;
-    for (void* out : outs) {
-      if (!any_overlap(ins, out, bytes)) continue;
+    if (any_overlap(ins, outs, bytes)) {
       aside.resize(ins.size() * bytes);
       for (size_t j = 0; j < ins.size(); ++j) {
         copied.push_back(aside.data() + j * bytes);
         std::memcpy(aside.data() + j * bytes, ins[j], bytes);
       }
-      break;
     }
     algo::all_to_all(*t, copied.empty() ? ins.data() : copied.data(), outs.data(), bytes);
   };
