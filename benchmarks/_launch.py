@@ -78,10 +78,15 @@ SESSION_COLUMNS = ("pycyxwiz-one-session", "pycyxwiz-shm-one-session")
 # pycyxwiz through shared memory with large messages copied twice, through the rings, as before single copies
 # (CX_SHM_SINGLE_COPY=0; Note [Single-copy large messages] in csrc/distributed/transport/shm/shm.h).
 COPY_COLUMNS = ("pycyxwiz-shm-two-copies",)
-EXTRA_COLUMNS = ALGORITHM_COLUMNS + SESSION_COLUMNS + COPY_COLUMNS
+# pycyxwiz over TCP with the machine's congestion control on every connection (CX_TCP_CONGESTION=system), as
+# before reno between ranks on one host (Note [Congestion control between ranks on one host] in
+# csrc/distributed/net/socket.cpp).
+CC_COLUMNS = ("pycyxwiz-system-cc",)
+EXTRA_COLUMNS = ALGORITHM_COLUMNS + SESSION_COLUMNS + COPY_COLUMNS + CC_COLUMNS
 LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
            "pycyxwiz-one-session": {"CX_SHM": "0"}, "pycyxwiz-shm-one-session": {"CX_SHM": "1"},
            "pycyxwiz-shm-two-copies": {"CX_SHM": "1", "CX_SHM_SINGLE_COPY": "0"},
+           "pycyxwiz-system-cc": {"CX_SHM": "0", "CX_TCP_CONGESTION": "system"},
            "pycyxwiz-flat": {"CX_SHM": "1", "CX_ALGORITHM": "flat"},
            "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"},
            "pycyxwiz-hier-seq": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical", "CX_HIER_SLICE_BYTES": str(1 << 40)}}

@@ -38,6 +38,8 @@ Columns pycyxwiz-one-session and pycyxwiz-shm-one-session start pycyxwiz's ranks
 `launch --one-session` does (Note [One session or one per rank] in pycyxwiz/launch.py; ratio "one/own
 session" against the same transport with a session per rank, as every other column but Open MPI's has).
 Column pycyxwiz-shm-two-copies is pycyxwiz-shm with CX_SHM_SINGLE_COPY=0 (ratio "one/two copies").
+Column pycyxwiz-system-cc is pycyxwiz (TCP) with CX_TCP_CONGESTION=system, the machine's congestion control
+on every connection (ratio "cx/system-cc"; Note [Congestion control between ranks on one host]).
 
 Writes benchmarks/results/partial/<name>.json and <name>.png (name defaults to the op's short name).
 """
@@ -190,6 +192,8 @@ def tables(payload: dict, markdown: bool = False) -> str:
                 pairs.append((one, own, f"{'shm ' if 'shm' in own else ''}one/own session"))
         if "pycyxwiz-shm-two-copies" in libs and "pycyxwiz-shm" in libs:
             pairs.append(("pycyxwiz-shm", "pycyxwiz-shm-two-copies", "one/two copies"))
+        if "pycyxwiz-system-cc" in libs and has_cx:
+            pairs.append(("pycyxwiz", "pycyxwiz-system-cc", "cx/system-cc"))
         if "mpi-default" in libs:
             if "pycyxwiz-shm-one-session" in libs:
                 pairs.append(("pycyxwiz-shm-one-session", "mpi-default", "shm one session/mpi-default"))

@@ -19,7 +19,8 @@
 // Calls move kChunk bytes. SPAN (default kChunk) is the buffer they walk through: kChunk keeps
 // the data in cache, 64 MiB makes every byte come from and go to memory, as in a large
 // all-reduce. SOCKBUF 0 keeps the kernel's autotuned buffers; otherwise SO_SNDBUF/SO_RCVBUF
-// are set to it.
+// are set to it. LOOPBACK_CC in the environment names a congestion control (reno, ...) for every
+// socket; unset, the machine's.
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -51,6 +52,8 @@ static int tuned_socket(void) {
   int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
   if (fd < 0) die("socket");
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  const char* cc = getenv("LOOPBACK_CC");  // a congestion control, else the machine's
+  if (cc && *cc && setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, strlen(cc)) != 0) die("TCP_CONGESTION");
   if (sockbuf) {
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sockbuf, sizeof sockbuf);
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sockbuf, sizeof sockbuf);

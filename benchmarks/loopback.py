@@ -5,7 +5,8 @@
 Every figure is bytes per second in one direction (GB/s = 1e9 B/s), between two real processes,
 1 MiB send/recv calls, measured by loopback.c (compiled on first use; Python sockets, the code
 below, where no C compiler is found), with the kernel's default socket buffers and with 4 MiB
-ones; each figure is the better of the two:
+ones, each with the machine's congestion control and with reno (what pycyxwiz's connections on
+one host use); each figure is the best of the four:
   one-way        A sends, B receives, one connection
   two-way (hot)  A and B each send and receive at once, one connection per direction, like a
                  ring's left and right neighbours; the better of two programs: a sender thread and
@@ -37,12 +38,19 @@ import time
 
 CHUNK = 1 << 20
 # Socket buffer sizes tried: the kernel's default (autotuned) and 4 MiB, what a tuned library
-# sets (pycyxwiz's TCP transport does). The limit reported is the better of the two.
+# sets (pycyxwiz's TCP transport does). Congestion controls tried: the machine's, and reno, which
+# pycyxwiz's connections between ranks on one host use (Note [Congestion control between ranks on
+# one host] in csrc/distributed/net/socket.cpp: with BBR, the default on many machines, loopback
+# carries about half as much). The limit reported is the best of them.
 BUFFERS = (0, 4 << 20)
+CONGESTION = ("", "reno")
 _sockbuf = 0
+_cc = ""
 
 
 def _tune(sock: socket.socket) -> socket.socket:
+    if _cc:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, _cc.encode())
     if _sockbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _sockbuf)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _sockbuf)
@@ -170,7 +178,8 @@ def measure_once(mode: str, total: int) -> float:
     """GB/s (1e9 bytes/s) in one direction; for two-way, the mean of the two directions."""
     la, lb, port = _listen()
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.loopback", "--peer", mode,
-                              "--port", str(port), "--bytes", str(total), "--sockbuf", str(_sockbuf)],
+                              "--port", str(port), "--bytes", str(total), "--sockbuf", str(_sockbuf),
+                              "--cc", _cc],
                              stdout=subprocess.PIPE, text=True, cwd=_repo())
     try:
         if mode == "one":
@@ -230,11 +239,20 @@ def _c_binary() -> str | None:
 
 def _c_run(exe: str, mode: str, n: int, buf: int, span: int = CHUNK) -> float:
     out = subprocess.run([exe, mode, str(n), str(buf), str(span)], capture_output=True, text=True, timeout=120,
-                         check=True)
+                         check=True, env={**os.environ, "LOOPBACK_CC": _cc})
     return float(out.stdout.strip())
 
 
 COLD_SPAN = 64 << 20
+
+
+def _machine_cc() -> str | None:
+    """The machine's TCP congestion control (net.ipv4.tcp_congestion_control), None where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def cores() -> int:
@@ -254,9 +272,10 @@ def tcp_ceiling(lb: dict | None, world: int) -> float | None:
 
 def measure(total_bytes: int = 2 << 30, repeats: int = 3, use_c: bool = True) -> dict:
     """Median over `repeats` of each figure (GB/s per direction) for each socket buffer size in
-    BUFFERS, the better buffer size as the limit, and the 8-byte RTT. Uses the C program
-    (loopback.c) when a compiler is found, Python sockets otherwise (hot figures only)."""
-    global _sockbuf
+    BUFFERS and congestion control in CONGESTION, the best of them as the limit, and the 8-byte
+    RTT. Uses the C program (loopback.c) when a compiler is found, Python sockets otherwise (hot
+    figures only)."""
+    global _sockbuf, _cc
     exe = _c_binary() if use_c else None
 
     def med(xs):
@@ -264,8 +283,8 @@ def measure(total_bytes: int = 2 << 30, repeats: int = 3, use_c: bool = True) ->
         return xs[len(xs) // 2], xs
 
     by_buf = {}
-    for buf in BUFFERS:
-        _sockbuf = buf
+    for cc, buf in ((cc, buf) for cc in CONGESTION for buf in BUFFERS):
+        _sockbuf, _cc = buf, cc
         v = {}
         if exe:
             for key, mode, span in (("one_way", "one", CHUNK), ("two_way_threads", "two", CHUNK),
@@ -278,8 +297,8 @@ def measure(total_bytes: int = 2 << 30, repeats: int = 3, use_c: bool = True) ->
             v["one_way_GBps"], v["one_way_all"] = med(measure_once("one", total_bytes) for _ in range(repeats))
             v["two_way_threads_GBps"], v["two_way_threads_all"] = med(measure_once("two", total_bytes)
                                                                       for _ in range(repeats))
-        by_buf["default" if buf == 0 else f"{buf >> 20}MiB"] = v
-    _sockbuf = 0
+        by_buf[("default" if buf == 0 else f"{buf >> 20}MiB") + (f", {cc}" if cc else "")] = v
+    _sockbuf, _cc = 0, ""
 
     def best(*keys):
         vals = [v[k] for v in by_buf.values() for k in keys if v.get(k)]
@@ -292,6 +311,7 @@ def measure(total_bytes: int = 2 << 30, repeats: int = 3, use_c: bool = True) ->
         "two_way_cold_each_GBps": best("two_way_cold_threads_GBps", "two_way_cold_one_thread_GBps"),
         "cores": cores(),
         "rtt_8B_us": _c_run(exe, "rtt", 5000, 0) if exe else measure_rtt(),
+        "congestion_control": _machine_cc(),
         "by_socket_buffer": by_buf,
         "bytes_per_run": total_bytes,
         "chunk": CHUNK,
@@ -306,22 +326,23 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", choices=["one", "two", "rtt"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sockbuf", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--cc", default="", help=argparse.SUPPRESS)
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--python", action="store_true", help="measure with Python sockets, not loopback.c")
     a = ap.parse_args(argv)
     if a.peer:
-        global _sockbuf
-        _sockbuf = a.sockbuf
+        global _sockbuf, _cc
+        _sockbuf, _cc = a.sockbuf, a.cc
         _peer(a.peer, a.port, a.bytes)
         return 0
     res = measure(a.bytes, a.repeats, use_c=not a.python)
-    print(f"method: {res['method']}")
+    print(f"method: {res['method']}; the machine's TCP congestion control: {res['congestion_control']}")
     print(f"loopback TCP, one stream one way:              {res['one_way_GBps']:.2f} GB/s")
     print(f"loopback TCP, both directions at once (hot):   {res['two_way_each_GBps']:.2f} GB/s each way")
     if res.get("two_way_cold_each_GBps"):
         print(f"loopback TCP, both directions at once (cold):  {res['two_way_cold_each_GBps']:.2f} GB/s each way")
     for name, v in res["by_socket_buffer"].items():
-        print(f"  socket buffers {name:>7}: " + ", ".join(f"{k[:-5]} {x:.2f}" for k, x in v.items()
+        print(f"  socket buffers {name:>13}: " + ", ".join(f"{k[:-5]} {x:.2f}" for k, x in v.items()
                                                           if k.endswith("_GBps")))
     print(f"loopback TCP, 8-byte round trip:               {res['rtt_8B_us']:.1f} us (blocking sockets)")
     for world in (2, 4):

@@ -64,6 +64,9 @@ const std::vector<Variable>& variables() {
       {"CX_ALGORITHM", "auto, flat or hierarchical: the collectives' shape across hosts",
        "auto: hierarchical where more than one host has more than one rank"},
       {"CX_SOCKET_BUFFER_BYTES", "SO_SNDBUF/SO_RCVBUF of the data sockets", "the kernel's"},
+      {"CX_TCP_CONGESTION", "TCP congestion control of the connections: system (the machine's), or one the kernel "
+       "has and allows (reno, cubic, bbr, ...)",
+       "auto: reno between ranks of one host that each have a core, else the machine's"},
       // Faults and debugging.
       {"CX_CHECK_INTERVAL",
        "every this many collectives the ranks compare what they called (CollectiveMismatchError if it differs)",

@@ -57,6 +57,7 @@ namespace {
 // too, so that a bad value fails init at once, before any connection.
 void check_read_where_used() {
   net::socket_buffer_bytes();
+  net::tcp_congestion();
   local_world_size_from_environment();
 }
 }  // namespace

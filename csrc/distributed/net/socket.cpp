@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -118,6 +119,73 @@ int socket_buffer_bytes() {
                               .value_or(0));
 }
 
+// Note [Congestion control between ranks on one host]
+// Many machines run BBR (net.ipv4.tcp_congestion_control=bbr; this project's VMs do). Over loopback, where the
+// round trip is microseconds, BBR's model of the path (bandwidth x min RTT) keeps a connection's window at 14-26
+// segments and drops and re-sends some (ss -ti on our data connections after 1.5 GB of ping-pong: cwnd 14-26,
+// 78-144 socket drops; with reno cwnd 57-107, 0-2 drops), so a large message stalls on ACKs. Measured on 2 vCPUs,
+// our TCP transport with the machine's BBR against reno (the kernel's own, which every user may pick), side by
+// side: 2 ranks ping-pong of 1 MiB 341 -> 178 us, of 4 MiB 1544 -> 886 us; loopback itself (benchmarks/
+// loopback.py, both directions, data in memory) 2.2 -> 4.0 GB/s each way; PyTorch DDP of the MLP over "cyxwiz"
+// (TCP) 35.0-36.4 -> 29.6-33.9 ms a step on 2 ranks. So a connection between two ranks of one host, where each
+// rank on the host has a core, uses reno: no congestion is there to control. With more ranks than cores it keeps
+// the machine's: there reno was 1.4-1.9x faster from 2 MiB (4 ranks on 2 cores) but 0.5-0.9x at 128 KiB-1 MiB,
+// where ranks in sessions of their own share the cores (in one session, level), and no rule we found kept both.
+// Across hosts the machine's choice stands (links shared with others, and losses, are what it was made for; over
+// the 1 Gbit/s links of the netns tests the two were level). CX_TCP_CONGESTION names one for every connection
+// (reno, cubic, bbr, ... as the kernel has and allows them), or "system" keeps the machine's everywhere.
+namespace {
+
+bool same_host(int fd) {
+  sockaddr_in self{}, peer{};
+  socklen_t ls = sizeof(self), lp = sizeof(peer);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &ls) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &lp) != 0 || peer.sin_family != AF_INET) {
+    return false;
+  }
+  return self.sin_addr.s_addr == peer.sin_addr.s_addr || (ntohl(peer.sin_addr.s_addr) >> 24) == 127;
+}
+
+bool set_congestion(int fd, const std::string& name) {
+  return ::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), static_cast<socklen_t>(name.size())) == 0;
+}
+
+std::string first_line(const char* path) {
+  std::string line;
+  if (FILE* f = std::fopen(path, "r")) {
+    char buf[256];
+    if (std::fgets(buf, sizeof(buf), f)) line = buf;
+    std::fclose(f);
+  }
+  while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+  return line.empty() ? std::string("unknown") : line;
+}
+
+// CX_TCP_CONGESTION, "auto" where the environment changed under a running job to a bad value (checked at init).
+std::string congestion_or_auto() {
+  try {
+    return tcp_congestion();
+  } catch (const Error&) {
+    return "auto";
+  }
+}
+
+}  // namespace
+
+std::string tcp_congestion() {
+  const char* v = env::get("CX_TCP_CONGESTION");
+  const std::string name = v ? v : "auto";
+  if (name == "auto" || name == "system") return name;
+  Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (probe.valid() && name.size() < 16 && set_congestion(probe.get(), name)) return name;
+  const int e = errno;
+  CX_THROW(InvalidArgument, "environment variable CX_TCP_CONGESTION='", name, "' is not valid: the kernel refused ",
+           "it (", std::strerror(e), "). Expected auto (reno between ranks of one host that each have a core, else ",
+           "the machine's), system (the machine's), or one of the kernel's congestion controls: ",
+           first_line("/proc/sys/net/ipv4/tcp_available_congestion_control"), " (without privileges: ",
+           first_line("/proc/sys/net/ipv4/tcp_allowed_congestion_control"), ")");
+}
+
 void tune_socket(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -132,6 +200,13 @@ void tune_socket(int fd) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
     ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
   }
+  const std::string cc = congestion_or_auto();
+  if (cc != "auto" && cc != "system") set_congestion(fd, cc);
+}
+
+void congestion_between_ranks(int fd, bool core_each) {
+  // Note [Congestion control between ranks on one host]; where the kernel says no, its own choice stays.
+  if (core_each && same_host(fd) && congestion_or_auto() == "auto") set_congestion(fd, "reno");
 }
 
 Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, const std::string& what) {

@@ -68,10 +68,16 @@ void accept_waiting(int listen_fd, const std::function<void(Fd fd, std::string a
                     const std::function<bool()>& make_room);
 
 void set_nonblocking(int fd, bool on);
-void tune_socket(int fd);  // TCP_NODELAY, large buffers, keepalive
+void tune_socket(int fd);  // TCP_NODELAY, buffers, keepalive, a congestion control CX_TCP_CONGESTION names
 // CX_SOCKET_BUFFER_BYTES (0: unset, the kernel's autotuning); throws InvalidArgument
 // naming its range for a value outside it.
 int socket_buffer_bytes();
+// CX_TCP_CONGESTION: "auto" (unset), "system", or a congestion control the kernel lets this process set (which
+// tune_socket gives every socket); throws InvalidArgument naming the kernel's choices.
+std::string tcp_congestion();
+// A connected data socket between two ranks: reno where both are on this host and each rank here has a core,
+// unless CX_TCP_CONGESTION says otherwise (Note [Congestion control between ranks on one host] in socket.cpp).
+void congestion_between_ranks(int fd, bool core_each);
 
 // Blocking exact-length I/O bounded by a deadline (socket may be blocking or not).
 // Throw TimeoutError / ConnectionError with `what` in the message.

@@ -303,6 +303,7 @@ MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, 
       channels_[j] = std::make_unique<ShmChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_, seg_,
                                                   std::move(pairs.peers[j]), opt_.shm_single_copy, opt_.core_each);
     } else {
+      net::congestion_between_ranks(s.socks[j].get(), opt_.core_each);
       channels_[j] = std::make_unique<TcpChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_);
     }
   }

@@ -1,0 +1,126 @@
+"""The TCP congestion control of the ranks' connections (Note [Congestion control between ranks on one host] in
+csrc/distributed/net/socket.cpp), read back from the kernel on each rank's own sockets, not from pycyxwiz.
+
+Ranks on one host (127.0.0.1), CX_SHM=0 so that every pair talks TCP; each case also all-reduces 4 MiB and checks
+it against NumPy.
+"""
+import os
+import socket
+import stat
+
+import numpy as np
+import pytest
+
+import ranks
+
+import pycyxwiz as cx
+
+D = cx.distributed
+CORES = os.sysconf("SC_NPROCESSORS_ONLN")
+
+
+def machine_cc() -> str:
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
+
+
+def available() -> set:
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        return set(f.read().split())
+
+
+def sockets_and_congestion():
+    """This rank's connected TCP sockets as (kind, congestion control): kind "store" for a connection to or from
+    MASTER_PORT, "peer" for the others (the data connections between ranks); after a checked all_reduce."""
+    r, p = D.get_rank(), D.get_world_size()
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(1 << 20).astype(np.float32)
+    want = sum(np.random.default_rng(k).standard_normal(1 << 20).astype(np.float32).astype(np.float64)
+               for k in range(p))
+    D.all_reduce(x)
+    assert np.allclose(x, want, rtol=1e-5, atol=1e-4)
+    master = int(os.environ["MASTER_PORT"])
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with s:
+            if s.family != socket.AF_INET or s.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = s.getpeername()
+            except OSError:
+                continue  # a listening socket
+            cc = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+            kind = "store" if master in (peer[1], s.getsockname()[1]) else "peer"
+            found.append((kind, cc))
+    D.barrier()
+    return found
+
+
+def kinds(outs, kind):
+    return {cc for found in outs for k, cc in found if k == kind}
+
+
+def peer_connections(outs, world):
+    # Every rank holds one connection to each other rank.
+    assert all(sum(k == "peer" for k, _ in found) >= world - 1 for found in outs), outs
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs a core for each of 2 ranks")
+def test_ranks_of_one_host_that_each_have_a_core_talk_reno_and_the_store_keeps_the_machines(monkeypatch):
+    monkeypatch.setenv("CX_SHM", "0")
+    monkeypatch.delenv("CX_TCP_CONGESTION", raising=False)
+    outs = ranks.run(sockets_and_congestion, 2)
+    peer_connections(outs, 2)
+    assert kinds(outs, "peer") == {"reno"}
+    assert kinds(outs, "store") == {machine_cc()}
+
+
+def test_more_ranks_than_cores_keep_the_machines_congestion_control(monkeypatch):
+    monkeypatch.setenv("CX_SHM", "0")
+    monkeypatch.delenv("CX_TCP_CONGESTION", raising=False)
+    world = CORES + 1
+    if world > 8:
+        pytest.skip(f"{CORES} cores: more ranks than cores would be {world} processes")
+    outs = ranks.run(sockets_and_congestion, world)
+    peer_connections(outs, world)
+    assert kinds(outs, "peer") == {machine_cc()}
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs a core for each of 2 ranks")
+def test_system_keeps_the_machines_congestion_control_everywhere(monkeypatch):
+    monkeypatch.setenv("CX_SHM", "0")
+    monkeypatch.setenv("CX_TCP_CONGESTION", "system")
+    outs = ranks.run(sockets_and_congestion, 2)
+    peer_connections(outs, 2)
+    assert kinds(outs, "peer") | kinds(outs, "store") == {machine_cc()}
+
+
+def test_a_named_congestion_control_goes_on_every_connection(monkeypatch):
+    # reno is built into every Linux kernel and allowed to every user. Three ranks, so that on a 2-core machine
+    # the name overrides the rule for more ranks than cores too.
+    monkeypatch.setenv("CX_SHM", "0")
+    monkeypatch.setenv("CX_TCP_CONGESTION", "reno")
+    outs = ranks.run(sockets_and_congestion, 3)
+    peer_connections(outs, 3)
+    assert kinds(outs, "peer") | kinds(outs, "store") == {"reno"}
+
+
+def test_a_congestion_control_the_kernel_refuses_fails_init_naming_the_kernels_choices(monkeypatch):
+    monkeypatch.setenv("CX_TCP_CONGESTION", "no-such-cc")
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError) as ei:
+        D.DistributedConfig.from_environment()
+    msg = str(ei.value)
+    assert "CX_TCP_CONGESTION='no-such-cc' is not valid: the kernel refused it" in msg, msg
+    assert "one of the kernel's congestion controls: " in msg and "reno" in msg, msg
+    assert all(name in msg for name in available()), msg
