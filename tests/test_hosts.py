@@ -57,6 +57,39 @@ WORKER = textwrap.dedent("""
         D.finalize()
         return result
 
+    def congestion():
+        # After a checked all_reduce, this rank's TCP connections to the other ranks (not the store's, on
+        # MASTER_PORT): the two ends' addresses and the congestion control the kernel says each runs.
+        import socket, stat
+        D.init()
+        r, p = D.get_rank(), D.get_world_size()
+        x = np.arange(300_001, dtype=np.float32) * (r + 1)
+        D.all_reduce(x)
+        ok = bool(np.array_equal(x, np.arange(300_001, dtype=np.float32) * (p * (p + 1) // 2)))
+        master = int(os.environ["MASTER_PORT"])
+        conns = []
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                    continue
+                s = socket.socket(fileno=os.dup(int(name)))
+            except OSError:
+                continue
+            with s:
+                try:
+                    peer, own = s.getpeername(), s.getsockname()
+                except OSError:
+                    continue
+                if s.family != socket.AF_INET or master in (peer[1], own[1]):
+                    continue
+                cc = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode()
+                conns.append({"own": own[0], "peer": peer[0], "cc": cc})
+        D.barrier()
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            machine = f.read().strip()
+        D.finalize()
+        return {"sum_ok": ok, "conns": conns, "machine": machine}
+
     def train():
         D.init()
         X, y = cx.datasets.load_digits()
@@ -143,6 +176,20 @@ def test_collectives_across_hosts_match_numpy_and_share_memory_only_within_a_hos
         # Alone on its host: no peer to share memory with. Two on a host: its own segment and its
         # neighbour's, and none of the other host's (TCP between hosts).
         assert r["segments"] == (0 if per_host == 1 else 2), r
+
+
+@pytest.mark.skipif(os.sysconf("SC_NPROCESSORS_ONLN") < 2, reason="needs a core for each of a host's 2 ranks")
+def test_tcp_between_ranks_of_one_host_runs_reno_and_across_hosts_the_machines_congestion_control(tmp_path):
+    # Note [Congestion control between ranks on one host]: 2 hosts of 2 ranks, all over TCP (CX_SHM=0).
+    with hosts.Hosts(2) as h:
+        res = run_on_hosts(h, tmp_path, "congestion", 2, CX_SHM="0")
+    for rank, r in enumerate(res):
+        assert r["ok"] and r["sum_ok"], r
+        same = [c["cc"] for c in r["conns"] if c["peer"] == c["own"]]
+        other = [c["cc"] for c in r["conns"] if c["peer"] != c["own"]]
+        assert len(same) == 1 and len(other) == 2, r  # one connection to each other rank
+        assert same == ["reno"], r
+        assert set(other) == {r["machine"]}, r
 
 
 def test_a_rank_on_another_host_without_the_jobs_secret_is_refused(tmp_path):
