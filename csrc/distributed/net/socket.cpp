@@ -129,8 +129,10 @@ int socket_buffer_bytes() {
 // loopback.py, both directions, data in memory) 2.2 -> 4.0 GB/s each way; PyTorch DDP of the MLP over "cyxwiz"
 // (TCP) 35.0-36.4 -> 29.6-33.9 ms a step on 2 ranks. So a connection between two ranks of one host, where each
 // rank on the host has a core, uses reno: no congestion is there to control. With more ranks than cores it keeps
-// the machine's: there reno was 1.4-1.9x faster from 2 MiB (4 ranks on 2 cores) but 0.5-0.9x at 128 KiB-1 MiB,
-// where ranks in sessions of their own share the cores (in one session, level), and no rule we found kept both.
+// the machine's: there (4 ranks on 2 cores) reno was 1.4-1.9x faster from 2 MiB but 0.5-1.0x at 128 KiB-1 MiB
+// (BBR's figure there depends on what ran before), 0.4-0.6x beside busy programs, also with the ring in place of
+// recursive doubling and halving-doubling; no rule we found kept both (benchmarks/README.md, "TCP between ranks
+// of one host").
 // Across hosts the machine's choice stands (links shared with others, and losses, are what it was made for; over
 // the 1 Gbit/s links of the netns tests the two were level). CX_TCP_CONGESTION names one for every connection
 // (reno, cubic, bbr, ... as the kernel has and allows them), or "system" keeps the machine's everywhere.
@@ -176,9 +178,12 @@ std::string tcp_congestion() {
   const char* v = env::get("CX_TCP_CONGESTION");
   const std::string name = v ? v : "auto";
   if (name == "auto" || name == "system") return name;
-  Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (probe.valid() && name.size() < 16 && set_congestion(probe.get(), name)) return name;
-  const int e = errno;
+  int e = ENAMETOOLONG;  // the kernel's names are shorter than TCP_CA_NAME_MAX (16)
+  if (name.size() < 16) {
+    Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (probe.valid() && set_congestion(probe.get(), name)) return name;
+    e = errno;
+  }
   CX_THROW(InvalidArgument, "environment variable CX_TCP_CONGESTION='", name, "' is not valid: the kernel refused ",
            "it (", std::strerror(e), "). Expected auto (reno between ranks of one host that each have a core, else ",
            "the machine's), system (the machine's), or one of the kernel's congestion controls: ",
