@@ -128,11 +128,14 @@ int socket_buffer_bytes() {
 // side: 2 ranks ping-pong of 1 MiB 341 -> 178 us, of 4 MiB 1544 -> 886 us; loopback itself (benchmarks/
 // loopback.py, both directions, data in memory) 2.2 -> 4.0 GB/s each way; PyTorch DDP of the MLP over "cyxwiz"
 // (TCP) 35.0-36.4 -> 29.6-33.9 ms a step on 2 ranks. So a connection between two ranks of one host, where each
-// rank on the host has a core, uses reno: no congestion is there to control. With more ranks than cores it keeps
-// the machine's: there (4 ranks on 2 cores) reno was 1.4-1.9x faster from 2 MiB but 0.5-1.0x at 128 KiB-1 MiB
-// (BBR's figure there depends on what ran before), 0.4-0.6x beside busy programs, also with the ring in place of
-// recursive doubling and halving-doubling; no rule we found kept both (benchmarks/README.md, "TCP between ranks
-// of one host").
+// rank on the host has a core, uses reno: no congestion is there to control. With more ranks than cores (4 ranks
+// on 2 cores) reno was 1.4-1.9x faster from 2 MiB but 0.5-1.0x at 128 KiB-1 MiB (BBR's figure there depends on what
+// ran before) and 0.4-0.6x beside busy programs, also with the ring in place of recursive doubling and
+// halving-doubling. So there the connections to ranks of this host follow the operation's size (CongestionBySize):
+// reno for an operation of kRenoFromBytes or more, the machine's for one of kMachineFromBytes up to that, and
+// whatever they had for smaller ones, where the window does not matter (a barrier between two large all_reduces
+// switches nothing). A switch is one setsockopt per such connection, made when the operation begins, and only when
+// the size class changes (benchmarks/README.md, "TCP between ranks of one host", has the figures).
 // Across hosts the machine's choice stands (links shared with others, and losses, are what it was made for; over
 // the 1 Gbit/s links of the netns tests the two were level). CX_TCP_CONGESTION names one for every connection
 // (reno, cubic, bbr, ... as the kernel has and allows them), or "system" keeps the machine's everywhere.
@@ -209,9 +212,31 @@ void tune_socket(int fd) {
   if (cc != "auto" && cc != "system") set_congestion(fd, cc);
 }
 
-void congestion_between_ranks(int fd, bool core_each) {
+bool congestion_between_ranks(int fd, bool core_each) {
   // Note [Congestion control between ranks on one host]; where the kernel says no, its own choice stays.
-  if (core_each && same_host(fd) && congestion_or_auto() == "auto") set_congestion(fd, "reno");
+  if (!same_host(fd) || congestion_or_auto() != "auto") return false;
+  if (!core_each) return true;
+  set_congestion(fd, "reno");
+  return false;
+}
+
+void CongestionBySize::add(int fd) {
+  if (fds_.empty()) {
+    char name[16] = {0};
+    socklen_t len = sizeof(name) - 1;
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return;
+    machine_ = name;
+  }
+  fds_.push_back(fd);
+}
+
+void CongestionBySize::before(size_t bytes) {
+  if (fds_.empty() || bytes < kMachineFromBytes) return;
+  const bool reno = bytes >= kRenoFromBytes;
+  if (reno == reno_) return;
+  const std::string& name = reno ? std::string("reno") : machine_;
+  for (int fd : fds_) set_congestion(fd, name);
+  reno_ = reno;
 }
 
 Fd connect_with_retry(const std::string& host, int port, const Deadline& dl, const std::string& what) {

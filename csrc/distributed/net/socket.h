@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "distributed/types.h"
 
@@ -77,7 +78,26 @@ int socket_buffer_bytes();
 std::string tcp_congestion();
 // A connected data socket between two ranks: reno where both are on this host and each rank here has a core,
 // unless CX_TCP_CONGESTION says otherwise (Note [Congestion control between ranks on one host] in socket.cpp).
-void congestion_between_ranks(int fd, bool core_each);
+// True where the socket should follow the operations' sizes instead (CongestionBySize): both on this host, more
+// ranks than cores, CX_TCP_CONGESTION unset or auto.
+bool congestion_between_ranks(int fd, bool core_each);
+
+// The connections to ranks of this host where ranks outnumber cores: reno for operations of kRenoFromBytes and
+// more, the machine's congestion control for those of kMachineFromBytes up to that, unchanged for smaller ones
+// (Note [Congestion control between ranks on one host]). The sockets must outlive it.
+class CongestionBySize {
+ public:
+  static constexpr size_t kMachineFromBytes = 64u << 10;
+  static constexpr size_t kRenoFromBytes = 2u << 20;
+  void add(int fd);              // a connected socket, still on the machine's congestion control
+  void before(size_t bytes);     // an operation of `bytes` (per rank) begins
+  bool empty() const { return fds_.empty(); }
+
+ private:
+  std::vector<int> fds_;
+  std::string machine_;
+  bool reno_ = false;
+};
 
 // Blocking exact-length I/O bounded by a deadline (socket may be blocking or not).
 // Throw TimeoutError / ConnectionError with `what` in the message.

@@ -303,7 +303,7 @@ MeshTransport::MeshTransport(Store& store, int rank, int world, uint64_t nonce, 
       channels_[j] = std::make_unique<ShmChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_, seg_,
                                                   std::move(pairs.peers[j]), opt_.shm_single_copy, opt_.core_each);
     } else {
-      net::congestion_between_ranks(s.socks[j].get(), opt_.core_each);
+      if (net::congestion_between_ranks(s.socks[j].get(), opt_.core_each)) by_size_.add(s.socks[j].get());
       channels_[j] = std::make_unique<TcpChannel>(rank, j, std::move(s.socks[j]), std::move(s.addrs[j]), op_);
     }
   }
@@ -314,6 +314,7 @@ MeshTransport::~MeshTransport() = default;
 void MeshTransport::begin(const OpDesc& desc, const Deadline& dl) {
   if (aborted_) CX_THROW(Error, "transport used after abort");
   op_.desc = desc;
+  by_size_.before(desc.count * dtype_size(desc.dtype));
   op_.deadline = dl;
   op_.done.clear();
   op_.pending = 0;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "distributed/net/socket.h"
 #include "distributed/transport/channel.h"
 #include "distributed/transport/shm/shm.h"
 #include "distributed/transport/spin_policy.h"
@@ -66,6 +67,7 @@ class MeshTransport : public Transport {
   int rank_;
   int world_;
   MeshOptions opt_;
+  net::CongestionBySize by_size_;  // Note [Congestion control between ranks on one host]
   SpinPolicy spin_;
   // Consulted only where ranks share cores (Note [Ranks that share cores with other programs]).
   OthersOnTheCpus others_;
