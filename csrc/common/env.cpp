@@ -66,7 +66,8 @@ const std::vector<Variable>& variables() {
       {"CX_SOCKET_BUFFER_BYTES", "SO_SNDBUF/SO_RCVBUF of the data sockets", "the kernel's"},
       {"CX_TCP_CONGESTION", "TCP congestion control of the connections: system (the machine's), or one the kernel "
        "has and allows (reno, cubic, bbr, ...)",
-       "auto: reno between ranks of one host that each have a core, else the machine's"},
+       "auto: between ranks of one host reno (with more ranks than cores: reno for operations from 2 MiB, the "
+       "machine's from 64 KiB up to that); across hosts the machine's"},
       // Faults and debugging.
       {"CX_CHECK_INTERVAL",
        "every this many collectives the ranks compare what they called (CollectiveMismatchError if it differs)",

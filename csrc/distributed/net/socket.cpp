@@ -188,8 +188,9 @@ std::string tcp_congestion() {
     e = errno;
   }
   CX_THROW(InvalidArgument, "environment variable CX_TCP_CONGESTION='", name, "' is not valid: the kernel refused ",
-           "it (", std::strerror(e), "). Expected auto (reno between ranks of one host that each have a core, else ",
-           "the machine's), system (the machine's), or one of the kernel's congestion controls: ",
+           "it (", std::strerror(e), "). Expected auto (reno between ranks of one host, by operation size where ",
+           "ranks outnumber cores; the machine's across hosts), system (the machine's everywhere), or one of the ",
+           "kernel's congestion controls: ",
            first_line("/proc/sys/net/ipv4/tcp_available_congestion_control"), " (without privileges: ",
            first_line("/proc/sys/net/ipv4/tcp_allowed_congestion_control"), ")");
 }
