@@ -127,8 +127,9 @@ def test_a_named_congestion_control_goes_on_every_connection(monkeypatch):
     assert kinds(outs, "peer") | kinds(outs, "store") == {"reno"}
 
 
-def test_a_congestion_control_the_kernel_refuses_fails_init_naming_the_kernels_choices(monkeypatch):
-    monkeypatch.setenv("CX_TCP_CONGESTION", "no-such-cc")
+@pytest.mark.parametrize("name", ["no-such-cc", "a-name-longer-than-the-kernels-16"])
+def test_a_congestion_control_the_kernel_refuses_fails_init_naming_the_kernels_choices(monkeypatch, name):
+    monkeypatch.setenv("CX_TCP_CONGESTION", name)
     for v in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("RANK", "0")
@@ -136,6 +137,6 @@ def test_a_congestion_control_the_kernel_refuses_fails_init_naming_the_kernels_c
     with pytest.raises(ValueError) as ei:
         D.DistributedConfig.from_environment()
     msg = str(ei.value)
-    assert "CX_TCP_CONGESTION='no-such-cc' is not valid: the kernel refused it" in msg, msg
+    assert f"CX_TCP_CONGESTION='{name}' is not valid: the kernel refused it" in msg, msg
     assert "one of the kernel's congestion controls: " in msg and "reno" in msg, msg
     assert all(name in msg for name in available()), msg

@@ -166,20 +166,17 @@ std::string first_line(const char* path) {
   return line.empty() ? std::string("unknown") : line;
 }
 
-// CX_TCP_CONGESTION, "auto" where the environment changed under a running job to a bad value (checked at init).
-std::string congestion_or_auto() {
-  try {
-    return tcp_congestion();
-  } catch (const Error&) {
-    return "auto";
-  }
+// CX_TCP_CONGESTION as set, "auto" where unset; tcp_congestion() checked it at init (a name the environment
+// changed to since then is tried, and where the kernel refuses it its own choice stays).
+std::string congestion_setting() {
+  const char* v = env::get("CX_TCP_CONGESTION");
+  return v ? v : "auto";
 }
 
 }  // namespace
 
 std::string tcp_congestion() {
-  const char* v = env::get("CX_TCP_CONGESTION");
-  const std::string name = v ? v : "auto";
+  const std::string name = congestion_setting();
   if (name == "auto" || name == "system") return name;
   int e = ENAMETOOLONG;  // the kernel's names are shorter than TCP_CA_NAME_MAX (16)
   if (name.size() < 16) {
@@ -209,13 +206,13 @@ void tune_socket(int fd) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
     ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
   }
-  const std::string cc = congestion_or_auto();
+  const std::string cc = congestion_setting();
   if (cc != "auto" && cc != "system") set_congestion(fd, cc);
 }
 
 bool congestion_between_ranks(int fd, bool core_each) {
   // Note [Congestion control between ranks on one host]; where the kernel says no, its own choice stays.
-  if (!same_host(fd) || congestion_or_auto() != "auto") return false;
+  if (!same_host(fd) || congestion_setting() != "auto") return false;
   if (!core_each) return true;
   set_congestion(fd, "reno");
   return false;
@@ -235,8 +232,7 @@ void CongestionBySize::before(size_t bytes) {
   if (fds_.empty() || bytes < kMachineFromBytes) return;
   const bool reno = bytes >= kRenoFromBytes;
   if (reno == reno_) return;
-  const std::string& name = reno ? std::string("reno") : machine_;
-  for (int fd : fds_) set_congestion(fd, name);
+  for (int fd : fds_) set_congestion(fd, reno ? std::string("reno") : machine_);
   reno_ = reno;
 }
 

@@ -91,7 +91,6 @@ class CongestionBySize {
   static constexpr size_t kRenoFromBytes = 2u << 20;
   void add(int fd);              // a connected socket, still on the machine's congestion control
   void before(size_t bytes);     // an operation of `bytes` (per rank) begins
-  bool empty() const { return fds_.empty(); }
 
  private:
   std::vector<int> fds_;
