@@ -3,6 +3,7 @@ PyTorch's loop from benchmarks/gpu_train.py, each under torch.profiler with CPU 
 (CUPTI sees every kernel and copy in the process, pycyxwiz's driver-API launches included).
 
     python benchmarks/gpu_profile.py --sizes 784,2048,2048,10 --batch 4096
+    python benchmarks/gpu_profile.py --sizes cnn --batch 512     (gpu_train.py --cnn's small ResNet)
 
 Prints, for each, the step time and the kernels and copies sorted by total GPU time.
 """
@@ -28,9 +29,14 @@ def main() -> int:
 
     import pycyxwiz as cx
 
-    sizes = [int(s) for s in args.sizes.split(",")]
     n = args.batch * args.steps
-    X, y = gpu_train.data(n, sizes[0], sizes[-1])
+    if args.sizes == "cnn":
+        sizes = "cnn"
+        X, y = gpu_train.data(n, 3 * 32 * 32, 10)
+        X = X.reshape(-1, 3, 32, 32)
+    else:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        X, y = gpu_train.data(n, sizes[0], sizes[-1])
     D = cx.distributed
     cfg = D.DistributedConfig()
     cfg.backend = D.BackendType.NCCL

@@ -59,6 +59,8 @@ for s in ${STAGES:-check pytest train torch bf16}; do
     cnnbench) stage cnnbench 70 python3 benchmarks/gpu_train.py --cnn --samples 16384 ;;
     cnnab) stage cnnab 150 bash -c 'for i in 1 2; do for v in old new; do echo "## $v"
         PYTHONPATH=/tmp/${v}_site:/tmp/site python3 benchmarks/gpu_train.py --cnn --samples 8192; done; done' ;;
+    cnnprof) TAILN=45 stage cnnprof 90 bash -c "cd benchmarks &&
+        python3 gpu_profile.py --sizes cnn --batch 512 --rows 22" ;;
     profile) stage profile 90 bash -c "cd benchmarks && python3 gpu_profile.py --sizes 784,256,10 --batch 64 &&
         python3 gpu_profile.py --sizes 784,2048,2048,10 --batch 4096" ;;
   esac
