@@ -202,50 +202,72 @@ static __device__ double cx_block_sum(double v, double* red) {
 
 // Unfolding of nb samples x (nb, C, H, W): col row (c, i, j) (c*k*k + i*k + j), column m*P + oh*OW + ow holds
 // x[m, c, oh*s - p + i*d, ow*s - p + j*d], 0 in the padding. Note [Convolution as GEMM] in nn/layers/conv2d.h.
+// A thread per column (adjacent threads, adjacent columns: coalesced writes), blockIdx.y per channel: the
+// column's position is divided out once (32-bit: the chunk's columns are fewer than 2^31, conv_plan), and the
+// thread walks its channel's k*k rows with no division at all.
 extern "C" __global__ void cx_nn_im2col(const float* x, float* col, u64 nb, u64 C, u64 H, u64 W, u64 k, u64 s,
                                         u64 p, u64 d, u64 OH, u64 OW) {
-  const u64 P = OH * OW, cols = nb * P;
-  CX_LOOP(t, C * k * k * cols) {
-    const u64 r = t / cols, q = t % cols;
-    const u64 m = q / P, pp = q % P, oh = pp / OW, ow = pp % OW;
-    const u64 c = r / (k * k), i = (r / k) % k, j = r % k;
-    const long long h = (long long)(oh * s + i * d) - (long long)p, w = (long long)(ow * s + j * d) - (long long)p;
-    col[t] = (h >= 0 && h < (long long)H && w >= 0 && w < (long long)W) ? x[((m * C + c) * H + h) * W + w] : 0.0f;
+  const unsigned P = (unsigned)(OH * OW), cols = (unsigned)(nb * P), ow_n = (unsigned)OW;
+  const int iH = (int)H, iW = (int)W, ik = (int)k, is = (int)s, ip = (int)p, id = (int)d;
+  for (unsigned q = blockIdx.x * blockDim.x + threadIdx.x; q < cols; q += blockDim.x * gridDim.x) {
+    const unsigned m = q / P, pp = q - m * P, oh = pp / ow_n, ow = pp - oh * ow_n;
+    const int h0 = (int)oh * is - ip, w0 = (int)ow * is - ip;
+    for (u64 c = blockIdx.y; c < C; c += gridDim.y) {
+      const float* xc = x + (m * C + c) * H * W;
+      float* out = col + (c * k * k) * cols + q;
+      for (int i = 0; i < ik; ++i) {
+        const int h = h0 + i * id;
+        const bool hin = h >= 0 && h < iH;
+        for (int j = 0; j < ik; ++j, out += cols) {
+          const int w = w0 + j * id;
+          *out = hin && w >= 0 && w < iW ? xc[(u64)h * W + w] : 0.0f;
+        }
+      }
+    }
   }
 }
 
 // Its transpose: dx[m, c, h, w] = the sum of the columns unfolded from that pixel, in (i, j) order as the CPU's
-// fold adds them. Overwrites dx.
+// fold adds them. Overwrites dx. A thread per pixel of a sample (C*H*W < 2^32, conv_plan), blockIdx.y per sample.
 extern "C" __global__ void cx_nn_col2im(const float* dcol, float* dx, u64 nb, u64 C, u64 H, u64 W, u64 k, u64 s,
                                         u64 p, u64 d, u64 OH, u64 OW) {
-  const u64 P = OH * OW, cols = nb * P;
-  CX_LOOP(t, nb * C * H * W) {
-    const u64 w = t % W, h = (t / W) % H, c = (t / (W * H)) % C, m = t / (W * H * C);
-    float acc = 0.0f;
-    for (u64 i = 0; i < k; ++i) {
-      const long long hh = (long long)(h + p) - (long long)(i * d);
-      if (hh < 0 || hh % (long long)s) continue;
-      const u64 oh = (u64)hh / s;
-      if (oh >= OH) continue;
-      for (u64 j = 0; j < k; ++j) {
-        const long long ww = (long long)(w + p) - (long long)(j * d);
-        if (ww < 0 || ww % (long long)s) continue;
-        const u64 ow = (u64)ww / s;
-        if (ow >= OW) continue;
-        acc += dcol[((c * k + i) * k + j) * cols + m * P + oh * OW + ow];
+  const unsigned P = (unsigned)(OH * OW), cols = (unsigned)(nb * P), uW = (unsigned)W, uH = (unsigned)H;
+  const unsigned n = (unsigned)(C * H * W);
+  const int ik = (int)k, is = (int)s, ip = (int)p, id = (int)d, iOH = (int)OH, iOW = (int)OW;
+  for (u64 m = blockIdx.y; m < nb; m += gridDim.y) {
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += blockDim.x * gridDim.x) {
+      const unsigned hw = t / uW, w = t - hw * uW, c = hw / uH, h = hw - c * uH;
+      const float* base = dcol + (u64)c * k * k * cols + m * P;
+      float acc = 0.0f;
+      for (int i = 0; i < ik; ++i) {
+        const int hh = (int)h + ip - i * id;
+        if (hh < 0 || (is > 1 && hh % is)) continue;
+        const int oh = is > 1 ? hh / is : hh;
+        if (oh >= iOH) continue;
+        for (int j = 0; j < ik; ++j) {
+          const int ww = (int)w + ip - j * id;
+          if (ww < 0 || (is > 1 && ww % is)) continue;
+          const int ow = is > 1 ? ww / is : ww;
+          if (ow >= iOW) continue;
+          acc += base[(u64)(i * ik + j) * cols + (unsigned)oh * (unsigned)OW + ow];
+        }
       }
+      dx[m * n + t] = acc;
     }
-    dx[t] = acc;
   }
 }
 
 // dst (B, A, P) = src (A, B, P) with its first two axes swapped, plus bias[a] (bias may be null): the GEMM's
-// (channels, samples x pixels) output into NCHW, and NCHW gradients into the GEMM's layout.
+// (channels, samples x pixels) output into NCHW, and NCHW gradients into the GEMM's layout. blockIdx.y per b;
+// a thread per (a, pixel) of it (A*P < 2^32, conv_plan).
 extern "C" __global__ void cx_nn_swap01(const float* src, float* dst, const float* bias, u64 A, u64 B, u64 P) {
-  CX_LOOP(t, A * B * P) {
-    const u64 q = t % P, a = (t / P) % A, b = t / (P * A);
-    const float v = src[(a * B + b) * P + q];
-    dst[t] = bias ? v + bias[a] : v;
+  const unsigned n = (unsigned)(A * P), uP = (unsigned)P;
+  for (u64 b = blockIdx.y; b < B; b += gridDim.y) {
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += blockDim.x * gridDim.x) {
+      const unsigned a = t / uP, q = t - a * uP;
+      const float v = src[((u64)a * B + b) * P + q];
+      dst[b * n + t] = bias ? v + bias[a] : v;
+    }
   }
 }
 
