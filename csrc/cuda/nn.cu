@@ -271,12 +271,20 @@ extern "C" __global__ void cx_nn_swap01(const float* src, float* dst, const floa
   }
 }
 
+// The index in (N, C, S) of value t of channel c's N*S values (fewer than 2^32: one 32-bit division, where a
+// 64-bit one costs several times as many instructions).
+static __device__ __forceinline__ u64 cx_chan_at(unsigned t, unsigned S, u64 C, u64 c) {
+  const unsigned n = t / S;
+  return ((u64)n * C + c) * S + (t - n * S);
+}
+
 // gb[c] += the sum of g[n, c, :] over n < N (S values each), in double: one block per channel.
 extern "C" __global__ void cx_nn_channel_sum_add(float* gb, const float* g, u64 N, u64 C, u64 S) {
   __shared__ double red[256];
   const u64 c = blockIdx.x;
   double acc = 0.0;
-  for (u64 t = threadIdx.x; t < N * S; t += blockDim.x) acc += g[((t / S) * C + c) * S + t % S];
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  for (unsigned t = threadIdx.x; t < M; t += blockDim.x) acc += g[cx_chan_at(t, uS, C, c)];
   acc = cx_block_sum(acc, red);
   if (threadIdx.x == 0) gb[c] += (float)acc;
 }
@@ -377,16 +385,17 @@ extern "C" __global__ void cx_nn_bn2d_fwd(const float* x, float* y, float* mean_
                                           const float* beta, float* rmean, float* rvar, u64 N, u64 C, u64 S,
                                           float eps, float momentum, int training) {
   __shared__ double red[256];
-  const u64 c = blockIdx.x, M = N * S;
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;  // N*S < 2^32: checked on the host
   float mean_f, is;
   if (training) {
     double acc = 0.0;
-    for (u64 t = threadIdx.x; t < M; t += blockDim.x) acc += x[((t / S) * C + c) * S + t % S];
+    for (unsigned t = threadIdx.x; t < M; t += blockDim.x) acc += x[cx_chan_at(t, uS, C, c)];
     const double sum = cx_block_sum(acc, red);
     mean_f = (float)(sum / (double)M);
     double v = 0.0;
-    for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-      const float dv = x[((t / S) * C + c) * S + t % S] - mean_f;
+    for (unsigned t = threadIdx.x; t < M; t += blockDim.x) {
+      const float dv = x[cx_chan_at(t, uS, C, c)] - mean_f;
       v += (double)dv * dv;
     }
     const double var = cx_block_sum(v, red);
@@ -404,8 +413,8 @@ extern "C" __global__ void cx_nn_bn2d_fwd(const float* x, float* y, float* mean_
     invstd[c] = is;
   }
   const float a = gamma[c] * is, b = beta[c];
-  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-    const u64 i = ((t / S) * C + c) * S + t % S;
+  for (unsigned t = threadIdx.x; t < M; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
     y[i] = a * (x[i] - mean_f) + b;
   }
 }
@@ -415,11 +424,12 @@ extern "C" __global__ void cx_nn_bn2d_bwd(const float* gy, const float* x, const
                                           const float* gamma, float* dgamma, float* dbeta, float* gx, u64 N, u64 C,
                                           u64 S, int training) {
   __shared__ double red[256];
-  const u64 c = blockIdx.x, M = N * S;
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;  // N*S < 2^32: checked on the host
   const float m = mean[c];
   double a1 = 0.0, a2 = 0.0;
-  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-    const u64 i = ((t / S) * C + c) * S + t % S;
+  for (unsigned t = threadIdx.x; t < M; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
     a1 += gy[i];
     a2 += (double)(gy[i] * (x[i] - m));
   }
@@ -440,8 +450,8 @@ extern "C" __global__ void cx_nn_bn2d_bwd(const float* gy, const float* x, const
   } else {
     k1 = gamma[c] * invstd[c];
   }
-  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-    const u64 i = ((t / S) * C + c) * S + t % S;
+  for (unsigned t = threadIdx.x; t < M; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
     gx[i] = training ? k1 * gy[i] + k2 * (x[i] - m) + k3 : k1 * gy[i];
   }
 }

@@ -166,6 +166,8 @@ void BatchNormModule::forward(const DeviceParams& d, DeviceState* s, const float
                               bool training) {
   auto& st = *static_cast<BatchNormState*>(s);
   if (in.size() == 4) {  // BatchNorm2dModule: BatchNormModule::forward_nchw's arithmetic, one block per channel
+    CX_CHECK(in[0] * in[2] * in[3] < (size_t(1) << 32), InvalidArgument, repr(), ": input ", shape_str(in),
+             " has too many values per channel for the GPU's kernels (2^32)");
     if (training)
       CX_CHECK(in[0] * in[2] * in[3] >= 2, InvalidArgument, repr(), " needs more than one value per channel (batch "
                "x height x width) in training mode, got input ", shape_str(in));

@@ -95,6 +95,8 @@ void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* 
   st.t.reserve(c.O * c.nb * c.P * sizeof(float));
   // Note [Convolution as GEMM]: the bias, then the weight, each final before dx starts.
   if (bias_) {
+    CX_CHECK(c.N * c.P < (size_t(1) << 32), InvalidArgument, repr(), ": output of ", c.N * c.P,
+             " values per channel is too many for the GPU's bias gradient (2^32)");
     d.dev.launch(d.dev.fn("cx_nn_channel_sum_add"), static_cast<unsigned>(c.O), 256, grad(d, 1), gy, ull(c.N),
                  ull(c.O), ull(c.P));
     if (done) done(1);
