@@ -23,11 +23,13 @@ using ull = unsigned long long;
 //   forward   t (out x nb*P) = W (out x K) . col, then t's two first axes swapped into y (nb, out, P) + bias
 //   backward  gyT (out x nb*P) = gy (nb, out, P) swapped;  dW += gyT . col^T;  dcol = W^T . gyT, folded into dx
 // The chunk is the whole batch unless col would pass kColFloats; the bias's gradient is one reduction per
-// channel over the batch. The GEMMs are the Device's (cuBLAS, at the trainer's matmul_precision).
+// channel over the batch (Note [Channel sums in runs] in cuda/nn.cu). The GEMMs are the Device's (cuBLAS, at
+// the trainer's matmul_precision).
 constexpr size_t kColFloats = size_t(32) << 20;  // 128 MB of unfolding at most
 
 struct ConvState : DeviceState {
   cuda::Buffer col, t;  // the chunk's unfolding (or dcol); its GEMM output (or gyT)
+  cuda::Buffer part;    // the bias gradient's sums per run of each channel (cx_nn_channel_sums)
 };
 
 struct ConvPlan {
@@ -97,8 +99,13 @@ void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* 
   if (bias_) {
     CX_CHECK(c.N * c.P < (size_t(1) << 32), InvalidArgument, repr(), ": output of ", c.N * c.P,
              " values per channel is too many for the GPU's bias gradient (2^32)");
-    d.dev.launch(d.dev.fn("cx_nn_channel_sum_add"), static_cast<unsigned>(c.O), 256, grad(d, 1), gy, ull(c.N),
-                 ull(c.O), ull(c.P));
+    const unsigned runs = cuda::Device::channel_runs(c.N * c.P);
+    st.part.reserve(runs * c.O * sizeof(double));
+    auto* part = static_cast<double*>(st.part.get());
+    d.dev.launch2(d.dev.fn("cx_nn_channel_sums"), static_cast<unsigned>(c.O), runs, 256, 1, gy, part, ull(c.N),
+                  ull(c.O), ull(c.P));
+    d.dev.launch(d.dev.fn("cx_nn_channel_sum_add"), cuda::Device::grid_for(c.O), 256, grad(d, 1),
+                 static_cast<const double*>(part), ull(c.O), runs);
     if (done) done(1);
   }
   const float* w = param(d, 0);
