@@ -125,6 +125,12 @@ class Device {
   void launch_raw(CUfunction f, unsigned gx, unsigned gy, unsigned bx, unsigned by, void** args);
   // A grid for n elements at 256 threads per block (grid-stride kernels).
   static unsigned grid_for(size_t n, unsigned block = 256);
+  // The runs a channel's `per_channel` values are split in for cx_nn_channel_sums and BatchNorm2d's kernels
+  // (Note [Channel sums in runs] in cuda/nn.cu): at least 4096 values each, at most 64 runs, so C channels
+  // take C x runs blocks.
+  static unsigned channel_runs(size_t per_channel) {
+    return static_cast<unsigned>(per_channel / 4096 >= 64 ? 64 : per_channel / 4096 ? per_channel / 4096 : 1);
+  }
 
  private:
   void release();

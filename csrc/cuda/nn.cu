@@ -202,61 +202,80 @@ static __device__ double cx_block_sum(double v, double* red) {
 
 // Unfolding of nb samples x (nb, C, H, W): col row (c, i, j) (c*k*k + i*k + j), column m*P + oh*OW + ow holds
 // x[m, c, oh*s - p + i*d, ow*s - p + j*d], 0 in the padding. Note [Convolution as GEMM] in nn/layers/conv2d.h.
+// A thread per column (adjacent threads, adjacent columns: coalesced writes), blockIdx.y per channel: the
+// column's position is divided out once (32-bit: the chunk's columns are fewer than 2^31, conv_plan), and the
+// thread walks its channel's k*k rows with no division at all.
 extern "C" __global__ void cx_nn_im2col(const float* x, float* col, u64 nb, u64 C, u64 H, u64 W, u64 k, u64 s,
                                         u64 p, u64 d, u64 OH, u64 OW) {
-  const u64 P = OH * OW, cols = nb * P;
-  CX_LOOP(t, C * k * k * cols) {
-    const u64 r = t / cols, q = t % cols;
-    const u64 m = q / P, pp = q % P, oh = pp / OW, ow = pp % OW;
-    const u64 c = r / (k * k), i = (r / k) % k, j = r % k;
-    const long long h = (long long)(oh * s + i * d) - (long long)p, w = (long long)(ow * s + j * d) - (long long)p;
-    col[t] = (h >= 0 && h < (long long)H && w >= 0 && w < (long long)W) ? x[((m * C + c) * H + h) * W + w] : 0.0f;
+  const unsigned P = (unsigned)(OH * OW), cols = (unsigned)(nb * P), ow_n = (unsigned)OW;
+  const int iH = (int)H, iW = (int)W, ik = (int)k, is = (int)s, ip = (int)p, id = (int)d;
+  for (unsigned q = blockIdx.x * blockDim.x + threadIdx.x; q < cols; q += blockDim.x * gridDim.x) {
+    const unsigned m = q / P, pp = q - m * P, oh = pp / ow_n, ow = pp - oh * ow_n;
+    const int h0 = (int)oh * is - ip, w0 = (int)ow * is - ip;
+    for (u64 c = blockIdx.y; c < C; c += gridDim.y) {
+      const float* xc = x + (m * C + c) * H * W;
+      float* out = col + (c * k * k) * cols + q;
+      for (int i = 0; i < ik; ++i) {
+        const int h = h0 + i * id;
+        const bool hin = h >= 0 && h < iH;
+        for (int j = 0; j < ik; ++j, out += cols) {
+          const int w = w0 + j * id;
+          *out = hin && w >= 0 && w < iW ? xc[(u64)h * W + w] : 0.0f;
+        }
+      }
+    }
   }
 }
 
 // Its transpose: dx[m, c, h, w] = the sum of the columns unfolded from that pixel, in (i, j) order as the CPU's
-// fold adds them. Overwrites dx.
+// fold adds them. Overwrites dx. A thread per pixel of a sample (C*H*W < 2^32, conv_plan), blockIdx.y per sample.
 extern "C" __global__ void cx_nn_col2im(const float* dcol, float* dx, u64 nb, u64 C, u64 H, u64 W, u64 k, u64 s,
                                         u64 p, u64 d, u64 OH, u64 OW) {
-  const u64 P = OH * OW, cols = nb * P;
-  CX_LOOP(t, nb * C * H * W) {
-    const u64 w = t % W, h = (t / W) % H, c = (t / (W * H)) % C, m = t / (W * H * C);
-    float acc = 0.0f;
-    for (u64 i = 0; i < k; ++i) {
-      const long long hh = (long long)(h + p) - (long long)(i * d);
-      if (hh < 0 || hh % (long long)s) continue;
-      const u64 oh = (u64)hh / s;
-      if (oh >= OH) continue;
-      for (u64 j = 0; j < k; ++j) {
-        const long long ww = (long long)(w + p) - (long long)(j * d);
-        if (ww < 0 || ww % (long long)s) continue;
-        const u64 ow = (u64)ww / s;
-        if (ow >= OW) continue;
-        acc += dcol[((c * k + i) * k + j) * cols + m * P + oh * OW + ow];
+  const unsigned P = (unsigned)(OH * OW), cols = (unsigned)(nb * P), uW = (unsigned)W, uH = (unsigned)H;
+  const unsigned n = (unsigned)(C * H * W);
+  const int ik = (int)k, is = (int)s, ip = (int)p, id = (int)d, iOH = (int)OH, iOW = (int)OW;
+  for (u64 m = blockIdx.y; m < nb; m += gridDim.y) {
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += blockDim.x * gridDim.x) {
+      const unsigned hw = t / uW, w = t - hw * uW, c = hw / uH, h = hw - c * uH;
+      const float* base = dcol + (u64)c * k * k * cols + m * P;
+      float acc = 0.0f;
+      for (int i = 0; i < ik; ++i) {
+        const int hh = (int)h + ip - i * id;
+        if (hh < 0 || (is > 1 && hh % is)) continue;
+        const int oh = is > 1 ? hh / is : hh;
+        if (oh >= iOH) continue;
+        for (int j = 0; j < ik; ++j) {
+          const int ww = (int)w + ip - j * id;
+          if (ww < 0 || (is > 1 && ww % is)) continue;
+          const int ow = is > 1 ? ww / is : ww;
+          if (ow >= iOW) continue;
+          acc += base[(u64)(i * ik + j) * cols + (unsigned)oh * (unsigned)OW + ow];
+        }
       }
+      dx[m * n + t] = acc;
     }
-    dx[t] = acc;
   }
 }
 
 // dst (B, A, P) = src (A, B, P) with its first two axes swapped, plus bias[a] (bias may be null): the GEMM's
-// (channels, samples x pixels) output into NCHW, and NCHW gradients into the GEMM's layout.
+// (channels, samples x pixels) output into NCHW, and NCHW gradients into the GEMM's layout. blockIdx.y per b;
+// a thread per (a, pixel) of it (A*P < 2^32, conv_plan).
 extern "C" __global__ void cx_nn_swap01(const float* src, float* dst, const float* bias, u64 A, u64 B, u64 P) {
-  CX_LOOP(t, A * B * P) {
-    const u64 q = t % P, a = (t / P) % A, b = t / (P * A);
-    const float v = src[(a * B + b) * P + q];
-    dst[t] = bias ? v + bias[a] : v;
+  const unsigned n = (unsigned)(A * P), uP = (unsigned)P;
+  for (u64 b = blockIdx.y; b < B; b += gridDim.y) {
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += blockDim.x * gridDim.x) {
+      const unsigned a = t / uP, q = t - a * uP;
+      const float v = src[((u64)a * B + b) * P + q];
+      dst[b * n + t] = bias ? v + bias[a] : v;
+    }
   }
 }
 
-// gb[c] += the sum of g[n, c, :] over n < N (S values each), in double: one block per channel.
-extern "C" __global__ void cx_nn_channel_sum_add(float* gb, const float* g, u64 N, u64 C, u64 S) {
-  __shared__ double red[256];
-  const u64 c = blockIdx.x;
-  double acc = 0.0;
-  for (u64 t = threadIdx.x; t < N * S; t += blockDim.x) acc += g[((t / S) * C + c) * S + t % S];
-  acc = cx_block_sum(acc, red);
-  if (threadIdx.x == 0) gb[c] += (float)acc;
+// The index in (N, C, S) of value t of channel c's N*S values (fewer than 2^32: one 32-bit division, where a
+// 64-bit one costs several times as many instructions).
+static __device__ __forceinline__ u64 cx_chan_at(unsigned t, unsigned S, u64 C, u64 c) {
+  const unsigned n = t / S;
+  return ((u64)n * C + c) * S + (t - n * S);
 }
 
 // MaxPool2d over planes of H x W: the window's first maximum (a NaN wins, as on the CPU) and its index in the
@@ -348,28 +367,78 @@ extern "C" __global__ void cx_nn_gap_bwd(const float* gy, float* gx, u64 planes,
   CX_LOOP(t, planes * S) gx[t] = gy[t / S] * inv;
 }
 
-// BatchNorm over (N, C, S = H*W), one block per channel (BatchNormModule::forward_nchw's arithmetic): batch
-// statistics summed in double, the running statistics updated, the mean and 1/std kept for backward (which
-// recomputes x-hat from x). Eval: the running statistics.
-extern "C" __global__ void cx_nn_bn2d_fwd(const float* x, float* y, float* mean_out, float* invstd, const float* gamma,
-                                          const float* beta, float* rmean, float* rvar, u64 N, u64 C, u64 S,
-                                          float eps, float momentum, int training) {
+// Note [Channel sums in runs]
+// BatchNorm over (N, C, S = H*W) (BatchNormModule::forward_nchw's arithmetic: batch statistics summed in double,
+// the running statistics updated, the mean and 1/std kept for backward, which recomputes x-hat from x; eval: the
+// running statistics). Grid C x P: a channel's M = N*S values (M < 2^32, checked on the host) are split in P
+// runs, one block each, whose sums go to part[p * C + c] (the centred squares, or backward's second sum, to
+// part[(P + p) * C + c]). Each block of a channel then adds the P sums in the same order, so all see the same
+// statistics. One block per channel kept most of an H100 idle (32-64 blocks for 132 SMs): 65% of a small ResNet's
+// step at batch 512. The convolution's bias gradient takes the first pass (cx_nn_channel_sums) too.
+static __device__ __forceinline__ void cx_run(unsigned M, unsigned& lo, unsigned& hi) {
+  const u64 L = (M + (u64)gridDim.y - 1) / gridDim.y;
+  lo = (unsigned)min((u64)M, blockIdx.y * L);
+  hi = (unsigned)min((u64)M, lo + L);
+}
+
+static __device__ double cx_runs_sum(const double* part, u64 C, u64 c) {
+  double s = 0.0;
+  for (unsigned p = 0; p < gridDim.y; ++p) s += part[p * C + c];
+  return s;
+}
+
+// part[p * C + c] = the sum of run p of channel c's values (Device::channel_runs), in double.
+extern "C" __global__ void cx_nn_channel_sums(const float* x, double* part, u64 N, u64 C, u64 S) {
   __shared__ double red[256];
-  const u64 c = blockIdx.x, M = N * S;
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  double acc = 0.0;
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) acc += x[cx_chan_at(t, uS, C, c)];
+  acc = cx_block_sum(acc, red);
+  if (threadIdx.x == 0) part[blockIdx.y * C + c] = acc;
+}
+
+// gb[c] += the sum of g[n, c, :] over n < N (S values each): its runs' sums (cx_nn_channel_sums), in order.
+extern "C" __global__ void cx_nn_channel_sum_add(float* gb, const double* part, u64 C, unsigned runs) {
+  CX_LOOP(c, C) {
+    double s = 0.0;
+    for (unsigned p = 0; p < runs; ++p) s += part[p * C + c];
+    gb[c] += (float)s;
+  }
+}
+
+extern "C" __global__ void cx_nn_bn2d_var(const float* x, double* part, u64 N, u64 C, u64 S) {
+  __shared__ double red[256];
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  const float mean_f = (float)(cx_runs_sum(part, C, c) / (double)M);
+  double v = 0.0;
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const float dv = x[cx_chan_at(t, uS, C, c)] - mean_f;
+    v += (double)dv * dv;
+  }
+  v = cx_block_sum(v, red);
+  if (threadIdx.x == 0) part[((u64)gridDim.y + blockIdx.y) * C + c] = v;
+}
+
+extern "C" __global__ void cx_nn_bn2d_fwd(const float* x, float* y, const double* part, float* mean_out,
+                                          float* invstd, const float* gamma, const float* beta, float* rmean,
+                                          float* rvar, u64 N, u64 C, u64 S, float eps, float momentum, int training) {
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  const bool first = blockIdx.y == 0 && threadIdx.x == 0;
   float mean_f, is;
   if (training) {
-    double acc = 0.0;
-    for (u64 t = threadIdx.x; t < M; t += blockDim.x) acc += x[((t / S) * C + c) * S + t % S];
-    const double sum = cx_block_sum(acc, red);
+    const double sum = cx_runs_sum(part, C, c), var = cx_runs_sum(part + gridDim.y * C, C, c);
     mean_f = (float)(sum / (double)M);
-    double v = 0.0;
-    for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-      const float dv = x[((t / S) * C + c) * S + t % S] - mean_f;
-      v += (double)dv * dv;
-    }
-    const double var = cx_block_sum(v, red);
     is = (float)(1.0 / sqrt(var / (double)M + eps));
-    if (threadIdx.x == 0) {
+    if (first) {
       rmean[c] = (float)((1.0 - momentum) * rmean[c] + momentum * (sum / (double)M));
       rvar[c] = (float)((1.0 - momentum) * rvar[c] + momentum * var / (double)(M - 1));
     }
@@ -377,33 +446,52 @@ extern "C" __global__ void cx_nn_bn2d_fwd(const float* x, float* y, float* mean_
     mean_f = rmean[c];
     is = 1.0f / sqrtf(rvar[c] + eps);
   }
-  if (threadIdx.x == 0) {
+  if (first) {
     mean_out[c] = mean_f;
     invstd[c] = is;
   }
   const float a = gamma[c] * is, b = beta[c];
-  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-    const u64 i = ((t / S) * C + c) * S + t % S;
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
     y[i] = a * (x[i] - mean_f) + b;
+  }
+}
+
+// Backward's sums: gy and gy (x - mean), in double.
+extern "C" __global__ void cx_nn_bn2d_bsum(const float* gy, const float* x, const float* mean, double* part, u64 N,
+                                           u64 C, u64 S) {
+  __shared__ double red[256];
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  const float m = mean[c];
+  double a1 = 0.0, a2 = 0.0;
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
+    a1 += gy[i];
+    a2 += (double)(gy[i] * (x[i] - m));
+  }
+  a1 = cx_block_sum(a1, red);
+  a2 = cx_block_sum(a2, red);
+  if (threadIdx.x == 0) {
+    part[blockIdx.y * C + c] = a1;
+    part[((u64)gridDim.y + blockIdx.y) * C + c] = a2;
   }
 }
 
 // dbeta[c] += sum gy, dgamma[c] += invstd * sum gy (x - mean), and (gx != null) dL/dx = k1 gy + k2 (x - mean) + k3.
 extern "C" __global__ void cx_nn_bn2d_bwd(const float* gy, const float* x, const float* mean, const float* invstd,
-                                          const float* gamma, float* dgamma, float* dbeta, float* gx, u64 N, u64 C,
-                                          u64 S, int training) {
-  __shared__ double red[256];
-  const u64 c = blockIdx.x, M = N * S;
+                                          const float* gamma, float* dgamma, float* dbeta, float* gx,
+                                          const double* part, u64 N, u64 C, u64 S, int training) {
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
   const float m = mean[c];
-  double a1 = 0.0, a2 = 0.0;
-  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-    const u64 i = ((t / S) * C + c) * S + t % S;
-    a1 += gy[i];
-    a2 += (double)(gy[i] * (x[i] - m));
-  }
-  const double s1 = cx_block_sum(a1, red);
-  const double s2 = cx_block_sum(a2, red) * invstd[c];
-  if (threadIdx.x == 0) {
+  const double s1 = cx_runs_sum(part, C, c);
+  const double s2 = cx_runs_sum(part + gridDim.y * C, C, c) * invstd[c];
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
     dbeta[c] += (float)s1;
     dgamma[c] += (float)s2;
   }
@@ -418,8 +506,8 @@ extern "C" __global__ void cx_nn_bn2d_bwd(const float* gy, const float* x, const
   } else {
     k1 = gamma[c] * invstd[c];
   }
-  for (u64 t = threadIdx.x; t < M; t += blockDim.x) {
-    const u64 i = ((t / S) * C + c) * S + t % S;
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
     gx[i] = training ? k1 * gy[i] + k2 * (x[i] - m) + k3 : k1 * gy[i];
   }
 }

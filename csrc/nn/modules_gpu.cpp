@@ -132,6 +132,7 @@ namespace {
 struct BatchNormState : DeviceState {
   Buffer xhat, invstd, rmean, rvar;
   Buffer mean;  // images (N, C, H, W): backward recomputes x-hat from x, mean and invstd
+  mutable Buffer part;  // images: each run's two sums (the kernels' part), 2 x runs x C doubles
   bool last_training = false;
 };
 }  // namespace
@@ -165,14 +166,24 @@ std::vector<std::pair<float*, size_t>> BatchNormModule::device_buffers(DeviceSta
 void BatchNormModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
                               bool training) {
   auto& st = *static_cast<BatchNormState*>(s);
-  if (in.size() == 4) {  // BatchNorm2dModule: BatchNormModule::forward_nchw's arithmetic, one block per channel
+  if (in.size() == 4) {  // BatchNorm2dModule: BatchNormModule::forward_nchw's arithmetic (the kernels' note)
+    CX_CHECK(in[0] * in[2] * in[3] < (size_t(1) << 32), InvalidArgument, repr(), ": input ", shape_str(in),
+             " has too many values per channel for the GPU's kernels (2^32)");
     if (training)
       CX_CHECK(in[0] * in[2] * in[3] >= 2, InvalidArgument, repr(), " needs more than one value per channel (batch "
                "x height x width) in training mode, got input ", shape_str(in));
     st.last_training = training;
-    d.dev.launch(d.dev.fn("cx_nn_bn2d_fwd"), static_cast<unsigned>(f_), 256, x, y, st.mean.f(), st.invstd.f(),
-                 static_cast<const float*>(param(d, 0)), static_cast<const float*>(param(d, 1)), st.rmean.f(),
-                 st.rvar.f(), u64(in[0]), u64(f_), u64(in[2] * in[3]), eps_, momentum_, training ? 1 : 0);
+    const unsigned runs = cuda::Device::channel_runs(in[0] * in[2] * in[3]), C = static_cast<unsigned>(f_);
+    const u64 N = in[0], S = in[2] * in[3];
+    st.part.reserve(2 * runs * f_ * sizeof(double));
+    auto* part = static_cast<double*>(st.part.get());
+    if (training) {
+      d.dev.launch2(d.dev.fn("cx_nn_channel_sums"), C, runs, 256, 1, x, part, N, u64(f_), S);
+      d.dev.launch2(d.dev.fn("cx_nn_bn2d_var"), C, runs, 256, 1, x, part, N, u64(f_), S);
+    }
+    d.dev.launch2(d.dev.fn("cx_nn_bn2d_fwd"), C, runs, 256, 1, x, y, static_cast<const double*>(part), st.mean.f(),
+                  st.invstd.f(), static_cast<const float*>(param(d, 0)), static_cast<const float*>(param(d, 1)),
+                  st.rmean.f(), st.rvar.f(), N, u64(f_), S, eps_, momentum_, training ? 1 : 0);
     return;
   }
   if (training)  // as the CPU forward says it
@@ -189,10 +200,15 @@ void BatchNormModule::backward(const DeviceParams& d, DeviceState* s, const floa
                                const float* gy, float* gx, const ParamDone& done) {
   const auto& st = *static_cast<const BatchNormState*>(s);
   if (in.size() == 4) {
-    d.dev.launch(d.dev.fn("cx_nn_bn2d_bwd"), static_cast<unsigned>(f_), 256, gy, x,
-                 static_cast<const float*>(st.mean.f()), static_cast<const float*>(st.invstd.f()),
-                 static_cast<const float*>(param(d, 0)), grad(d, 0), grad(d, 1), gx, u64(in[0]), u64(f_),
-                 u64(in[2] * in[3]), st.last_training ? 1 : 0);
+    const unsigned runs = cuda::Device::channel_runs(in[0] * in[2] * in[3]), C = static_cast<unsigned>(f_);
+    const u64 N = in[0], S = in[2] * in[3];
+    st.part.reserve(2 * runs * f_ * sizeof(double));  // forward's size unless the eval forward came first
+    auto* part = static_cast<double*>(st.part.get());
+    const auto* mean = static_cast<const float*>(st.mean.f());
+    d.dev.launch2(d.dev.fn("cx_nn_bn2d_bsum"), C, runs, 256, 1, gy, x, mean, part, N, u64(f_), S);
+    d.dev.launch2(d.dev.fn("cx_nn_bn2d_bwd"), C, runs, 256, 1, gy, x, mean, static_cast<const float*>(st.invstd.f()),
+                  static_cast<const float*>(param(d, 0)), grad(d, 0), grad(d, 1), gx, static_cast<const double*>(part),
+                  N, u64(f_), S, st.last_training ? 1 : 0);
     if (done) {
       done(1);
       done(0);

@@ -23,11 +23,13 @@ using ull = unsigned long long;
 //   forward   t (out x nb*P) = W (out x K) . col, then t's two first axes swapped into y (nb, out, P) + bias
 //   backward  gyT (out x nb*P) = gy (nb, out, P) swapped;  dW += gyT . col^T;  dcol = W^T . gyT, folded into dx
 // The chunk is the whole batch unless col would pass kColFloats; the bias's gradient is one reduction per
-// channel over the batch. The GEMMs are the Device's (cuBLAS, at the trainer's matmul_precision).
+// channel over the batch (Note [Channel sums in runs] in cuda/nn.cu). The GEMMs are the Device's (cuBLAS, at
+// the trainer's matmul_precision).
 constexpr size_t kColFloats = size_t(32) << 20;  // 128 MB of unfolding at most
 
 struct ConvState : DeviceState {
   cuda::Buffer col, t;  // the chunk's unfolding (or dcol); its GEMM output (or gyT)
+  cuda::Buffer part;    // the bias gradient's sums per run of each channel (cx_nn_channel_sums)
 };
 
 struct ConvPlan {
@@ -41,21 +43,26 @@ ConvPlan conv_plan(const Conv2dModule& m, const Shape& in) {
   c.N = in[0], c.C = g.in, c.H = in[2], c.W = in[3], c.O = g.out, c.OH = out[2], c.OW = out[3];
   c.P = c.OH * c.OW, c.G = g.groups, c.Og = g.out / g.groups, c.Kg = g.in / g.groups * g.k * g.k;
   const size_t per_sample = std::max(c.Kg * c.G, c.O) * c.P;
+  // The kernels index a sample's pixels, and a chunk's columns, in 32 bits.
+  CX_CHECK(per_sample < (size_t(1) << 31) && c.C * c.H * c.W < (size_t(1) << 32), InvalidArgument, m.repr(),
+           ": input ", shape_str(in), " is too large for one sample's unfolding on the GPU");
   c.nb = std::max<size_t>(1, std::min(c.N, kColFloats / std::max<size_t>(per_sample, 1)));
   return c;
 }
 
+// Blocks of 256 threads over n items in x (grid-stride beyond 2^16 blocks), `rows` in y (at most 2^16 - 1).
+unsigned grid_x(size_t n) { return static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 65535)); }
+unsigned grid_y(size_t rows) { return static_cast<unsigned>(std::min<size_t>(std::max<size_t>(rows, 1), 65535)); }
+
 void unfold_chunk(const DeviceParams& d, const Conv2dGeometry& g, const ConvPlan& c, const float* x, float* col,
                   size_t nb) {
-  const ull n = ull(c.Kg) * c.G * nb * c.P;
-  d.dev.launch(d.dev.fn("cx_nn_im2col"), cuda::Device::grid_for(n), 256, x, col, ull(nb), ull(c.C), ull(c.H),
-               ull(c.W), ull(g.k), ull(g.stride), ull(g.padding), ull(g.dilation), ull(c.OH), ull(c.OW));
+  d.dev.launch2(d.dev.fn("cx_nn_im2col"), grid_x(nb * c.P), grid_y(c.C), 256, 1, x, col, ull(nb), ull(c.C),
+                ull(c.H), ull(c.W), ull(g.k), ull(g.stride), ull(g.padding), ull(g.dilation), ull(c.OH), ull(c.OW));
 }
 
 // dst (B, A, P) = src (A, B, P) (+ bias[a]).
 void swap01(const DeviceParams& d, const float* src, float* dst, const float* bias, size_t A, size_t B, size_t P) {
-  const ull n = ull(A) * B * P;
-  d.dev.launch(d.dev.fn("cx_nn_swap01"), cuda::Device::grid_for(n), 256, src, dst, bias, ull(A), ull(B), ull(P));
+  d.dev.launch2(d.dev.fn("cx_nn_swap01"), grid_x(A * P), grid_y(B), 256, 1, src, dst, bias, ull(A), ull(B), ull(P));
 }
 
 }  // namespace
@@ -90,8 +97,15 @@ void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* 
   st.t.reserve(c.O * c.nb * c.P * sizeof(float));
   // Note [Convolution as GEMM]: the bias, then the weight, each final before dx starts.
   if (bias_) {
-    d.dev.launch(d.dev.fn("cx_nn_channel_sum_add"), static_cast<unsigned>(c.O), 256, grad(d, 1), gy, ull(c.N),
-                 ull(c.O), ull(c.P));
+    CX_CHECK(c.N * c.P < (size_t(1) << 32), InvalidArgument, repr(), ": output of ", c.N * c.P,
+             " values per channel is too many for the GPU's bias gradient (2^32)");
+    const unsigned runs = cuda::Device::channel_runs(c.N * c.P);
+    st.part.reserve(runs * c.O * sizeof(double));
+    auto* part = static_cast<double*>(st.part.get());
+    d.dev.launch2(d.dev.fn("cx_nn_channel_sums"), static_cast<unsigned>(c.O), runs, 256, 1, gy, part, ull(c.N),
+                  ull(c.O), ull(c.P));
+    d.dev.launch(d.dev.fn("cx_nn_channel_sum_add"), cuda::Device::grid_for(c.O), 256, grad(d, 1),
+                 static_cast<const double*>(part), ull(c.O), runs);
     if (done) done(1);
   }
   const float* w = param(d, 0);
@@ -116,10 +130,9 @@ void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* 
     for (size_t g = 0; g < c.G; ++g)
       d.dev.gemm(true, false, Kg, cols, Og, 1.0f, w + g * c.Og * c.Kg, Kg, st.t.f() + g * c.Og * cols, cols, 0.0f,
                  st.col.f() + g * c.Kg * cols, cols);
-    const ull n = ull(nb) * c.C * c.H * c.W;
-    d.dev.launch(d.dev.fn("cx_nn_col2im"), cuda::Device::grid_for(n), 256, static_cast<const float*>(st.col.f()),
-                 gx + n0 * c.C * c.H * c.W, ull(nb), ull(c.C), ull(c.H), ull(c.W), ull(g_.k), ull(g_.stride),
-                 ull(g_.padding), ull(g_.dilation), ull(c.OH), ull(c.OW));
+    d.dev.launch2(d.dev.fn("cx_nn_col2im"), grid_x(c.C * c.H * c.W), grid_y(nb), 256, 1,
+                  static_cast<const float*>(st.col.f()), gx + n0 * c.C * c.H * c.W, ull(nb), ull(c.C), ull(c.H),
+                  ull(c.W), ull(g_.k), ull(g_.stride), ull(g_.padding), ull(g_.dilation), ull(c.OH), ull(c.OW));
   }
 }
 
