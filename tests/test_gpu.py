@@ -712,7 +712,9 @@ def test_the_gpu_trainer_refuses_ema_and_powersgd_by_name():
         m = cx.SequentialModel()
         m.add(cx.LinearModule(4, 3))
         with pytest.raises(ValueError, match="comm_hook = 'powersgd' is not supported on the GPU .*'fp16' or 'bf16'"):
-            D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1), D.DDPConfig(comm_hook="powersgd"))
+            ddp = D.DDPConfig()
+            ddp.comm_hook = "powersgd"
+            D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1), ddp)
     finally:
         D.finalize()
 
