@@ -8,6 +8,7 @@ the per-epoch losses, the evaluation, the final parameters (flat), the optimizer
 BatchNorm statistics and the trainer's device to OUT.npz. Run once with the CPU backend and
 once with NCCL, the two files must agree (the same model, the same data order and dropout masks).
 """
+import os
 import sys
 
 import numpy as np
@@ -88,12 +89,17 @@ OPTIMIZERS = {
 
 def main() -> None:
     case, opt_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    # Optional: CX_TEST_COMM_HOOK (DDPConfig.comm_hook), CX_TEST_CLIP_NORM / CX_TEST_CLIP_VALUE (the clip bounds).
     cx.distributed.init()
     model, loss, X, y = build(case)
     opt = OPTIMIZERS[opt_name]()
-    trainer = cx.distributed.DistributedTrainer(model, loss, opt)
+    ddp = cx.distributed.DDPConfig()
+    ddp.comm_hook = os.environ.get("CX_TEST_COMM_HOOK", "none")
+    trainer = cx.distributed.DistributedTrainer(model, loss, opt, ddp)
     cfg = cx.distributed.DistributedTrainingConfig()
     cfg.epochs, cfg.batch_size, cfg.seed, cfg.verbose = 2, 16, 11, False
+    cfg.grad_clip_norm = float(os.environ["CX_TEST_CLIP_NORM"]) if "CX_TEST_CLIP_NORM" in os.environ else None
+    cfg.grad_clip_value = float(os.environ["CX_TEST_CLIP_VALUE"]) if "CX_TEST_CLIP_VALUE" in os.environ else None
     h = trainer.fit(X, y, cfg)
     ev = trainer.evaluate(X, y, batch_size=64)
     sd = opt.state_dict()

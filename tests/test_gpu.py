@@ -702,13 +702,76 @@ def _refusal_on_the_gpu(configure) -> str:
 
 @gpu
 @needs_gpu_nccl
-def test_the_gpu_trainer_refuses_gradient_clipping_and_ema_by_name():
-    def clip(cfg):
-        cfg.grad_clip_norm = 1.0
-        return None
-    assert "grad_clip_norm is not supported on the GPU yet" in _refusal_on_the_gpu(clip)
+def test_the_gpu_trainer_refuses_ema_and_powersgd_by_name():
     msg = _refusal_on_the_gpu(lambda cfg: [cx.callbacks.EMA(0.9)])
     assert msg.startswith("callback EMA.on_train_begin: EMA is not supported on the GPU trainer yet"), msg
+    c = D.DistributedConfig()
+    c.backend = NCCL
+    D.init(c)
+    try:
+        m = cx.SequentialModel()
+        m.add(cx.LinearModule(4, 3))
+        with pytest.raises(ValueError, match="comm_hook = 'powersgd' is not supported on the GPU .*'fp16' or 'bf16'"):
+            ddp = D.DDPConfig()
+            ddp.comm_hook = "powersgd"
+            D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1), ddp)
+    finally:
+        D.finalize()
+
+
+# Note [The GPU trainer's clipping and 16-bit buckets] (csrc/train/gpu_engine.cpp): each against the CPU trainer
+# with the same setting (at world size 1 the CPU's hooks round to 16 bits too), and against the GPU without it,
+# which it must change.
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("case,opt,env", [
+    ("mlp_ce", "adam", {"CX_TEST_CLIP_NORM": "0.05"}),
+    ("mlp_ce", "sgd", {"CX_TEST_CLIP_VALUE": "0.01"}),
+    ("cnn", "sgd", {"CX_TEST_CLIP_NORM": "0.5", "CX_TEST_CLIP_VALUE": "0.02"}),
+    ("mlp_ce", "adam", {"CX_TEST_COMM_HOOK": "bf16"}),
+    ("mlp_ce", "sgd", {"CX_TEST_COMM_HOOK": "fp16"}),
+    ("cnn", "adam", {"CX_TEST_COMM_HOOK": "bf16", "CX_TEST_CLIP_NORM": "0.5"}),
+])
+def test_clipping_and_16_bit_buckets_train_on_the_gpu_as_on_the_cpu(tmp_path, case, opt, env):
+    gpu = _train(tmp_path, case, opt, "nccl", extra_env=env)
+    _same_training(_train(tmp_path, case, opt, "cpu", extra_env=env), gpu)
+    plain = _train(tmp_path, case, opt, "nccl")
+    assert _rel(gpu["params"], plain["params"]) > 1e-6, "the setting changed nothing"
+
+
+CLIP_NAN = """
+import sys
+sys.path.insert(0, {tests!r})
+import pycyxwiz as cx
+from models import digits_with_a_nan_row
+cx.distributed.init()
+X, y, m = digits_with_a_nan_row()
+t = cx.distributed.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
+c = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=32, shuffle=False, verbose=False, nonfinite="off",
+                                             {clip}=1.0)
+try:
+    t.fit(X, y, c)
+except ValueError as e:
+    print("ERR", e)
+"""
+
+
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("clip", ["grad_clip_norm", "grad_clip_value"])
+def test_a_gradient_the_gpu_cannot_clip_reads_as_on_the_cpu(clip):
+    out = {}
+    for backend in ("cpu", "nccl"):
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND=backend)
+        script = CLIP_NAN.format(tests=os.path.dirname(os.path.abspath(__file__)), clip=clip)
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out[backend] = r.stdout.strip()
+    want = {"grad_clip_norm": "the gradient's norm is nan, so grad_clip_norm cannot clip it",
+            "grad_clip_value": "the gradient holds NaN, so grad_clip_value cannot clip it"}[clip]
+    assert want in out["cpu"], out["cpu"]
+    assert out["nccl"] == out["cpu"]
 
 
 @gpu

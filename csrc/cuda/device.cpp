@@ -98,7 +98,9 @@ const char* const kNnKernels[] = {
     "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm", "cx_nn_count_nonfinite",
     "cx_nn_im2col", "cx_nn_col2im", "cx_nn_swap01", "cx_nn_channel_sum_add", "cx_nn_maxpool_fwd",
     "cx_nn_maxpool_bwd", "cx_nn_avgpool_fwd", "cx_nn_avgpool_bwd", "cx_nn_gap_fwd", "cx_nn_gap_bwd",
-    "cx_nn_channel_sums", "cx_nn_bn2d_var", "cx_nn_bn2d_fwd", "cx_nn_bn2d_bsum", "cx_nn_bn2d_bwd", "cx_nn_add"};
+    "cx_nn_channel_sums", "cx_nn_bn2d_var", "cx_nn_bn2d_fwd", "cx_nn_bn2d_bsum", "cx_nn_bn2d_bwd", "cx_nn_add",
+    "cx_nn_clip_value", "cx_nn_sum_squares", "cx_nn_clip_norm_coef", "cx_nn_scale_by", "cx_nn_narrow16",
+    "cx_nn_widen16"};
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none

@@ -10,6 +10,9 @@
 //
 // Sizes are unsigned long long; every elementwise kernel is a grid-stride loop,
 // so any grid covers any n.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "cuda/act_rules.h"
@@ -735,4 +738,68 @@ extern "C" __global__ void cx_nn_count_nonfinite(const float* g, u64 lo, u64 hi,
     c += (__float_as_uint(g[i]) & 0x7fffffffu) >= 0x7f800000u;  // exponent all ones: inf or NaN
   }
   if (c) add_count(counts + p, total, c);
+}
+
+// ---------------------------------------------------------------- the GPU trainer's step extras
+// Note [The GPU trainer's clipping and 16-bit buckets] in train/gpu_engine.cpp says who calls these and why.
+
+// grad_clip_value: every element into [-v, v], as train::clip_gradients writes it (a NaN stays NaN and is
+// counted into both counters: the value clip's own, and the step's "cannot clip").
+extern "C" __global__ void cx_nn_clip_value(float* g, u64 n, float v, unsigned int* nan_count, unsigned int* bad) {
+  unsigned int c = 0;
+  CX_LOOP(i, n) {
+    const float x = g[i];
+    c += x != x;
+    const float lo = x < -v ? -v : x;
+    g[i] = v < lo ? v : lo;
+  }
+  if (c) add_count(nan_count, bad, c);
+}
+
+// grad_clip_norm's sum of squares, in double: each block's share of a grid-stride loop into part[block]
+// (a fixed grid, so the blocks' shares and their order in cx_nn_clip_norm_coef are the same on every rank).
+extern "C" __global__ void cx_nn_sum_squares(const float* g, u64 n, double* part) {
+  __shared__ double red[256];
+  double acc = 0.0;
+  CX_LOOP(i, n) acc += (double)g[i] * g[i];
+  acc = cx_block_sum(acc, red);
+  if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+// One thread: the norm from the parts in order, and clip_gradients' coefficient max_norm / (norm + 1e-6) where
+// it is below 1 (else 1: nothing to scale); a norm that is not finite cannot be clipped (bad += 1, coef 1).
+extern "C" __global__ void cx_nn_clip_norm_coef(const double* part, unsigned int parts, double max_norm, double* norm,
+                                                float* coef, unsigned int* bad) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double sq = 0.0;
+  for (unsigned int p = 0; p < parts; ++p) sq += part[p];
+  const double nrm = sqrt(sq);
+  *norm = nrm;
+  if (!isfinite(nrm)) {
+    *bad += 1;
+    *coef = 1.0f;
+    return;
+  }
+  const double c = max_norm / (nrm + 1e-6);
+  *coef = c < 1.0 ? (float)c : 1.0f;
+}
+
+extern "C" __global__ void cx_nn_scale_by(float* g, u64 n, const float* coef) {
+  const float c = *coef;
+  if (c == 1.0f) return;
+  CX_LOOP(i, n) g[i] *= c;
+}
+
+// DDPConfig.comm_hook = "fp16" / "bf16" (Note [Half-precision buckets] in train/comm_hooks.cpp): each value
+// times `scale` (1/world) rounded to nearest even into the 16-bit type (kind 0: float16, overflowing to inf;
+// 1: bfloat16), and the reduced 16-bit sums widened back, exactly.
+extern "C" __global__ void cx_nn_narrow16(const float* g, uint16_t* w, u64 n, float scale, int kind) {
+  CX_LOOP(i, n) {
+    const float x = g[i] * scale;
+    w[i] = kind ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+  }
+}
+
+extern "C" __global__ void cx_nn_widen16(const uint16_t* w, float* g, u64 n, int kind) {
+  CX_LOOP(i, n) g[i] = kind ? __bfloat162float(__ushort_as_bfloat16(w[i])) : __half2float(__ushort_as_half(w[i]));
 }

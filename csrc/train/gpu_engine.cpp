@@ -8,6 +8,10 @@
 namespace cx::train {
 
 namespace {
+// stats_: the loss sums (4 doubles), the clip's norm and two counters, then the non-finite counters.
+constexpr size_t kClipAt = 4 * sizeof(double);
+constexpr size_t kCountersAt = kClipAt + sizeof(double) + 2 * sizeof(uint32_t);
+
 uintptr_t stream_id(const cuda::Device& dev) { return reinterpret_cast<uintptr_t>(dev.stream()); }
 
 // Every layer must have GPU code (a SyncBatchNormModule has none yet): asked
@@ -29,6 +33,7 @@ GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr
       host_ddp_(std::move(host_ddp)),
       sched_(host_ddp_->buckets(), model_->param_slices().size(), [this](size_t b) { launch_bucket(b); }),
       broadcast_buffers_(cfg.broadcast_buffers) {
+  hook_ = parse_comm_hook(cfg.comm_hook, "DistributedTrainer: DDPConfig.comm_hook");  // none/fp16/bf16 (TrainerCore)
   dm_ = std::make_unique<nn::DeviceModel>(model_, *dev_);
   opt_state_ = opt_->to_device(*dev_, dm_->size());
   const auto slices = model_->param_slices();
@@ -38,6 +43,7 @@ GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr
   dev_->upload(nf_bounds_.get(), bounds.data(), bounds.size() * sizeof(uint64_t));
   nf_host_.resize(2 * slices.size() + 1);
   stats_.reserve(stats_bytes());
+  if (hook_ != CommHookKind::kNone) wire_.reserve(dm_->size() * sizeof(uint16_t));
   if (cfg.broadcast_parameters) {  // a no-op at world size 1, run anyway: one code path
     // Rank 0's parameters and BatchNorm statistics, on the device, then into the host model.
     group_->broadcast(dm_->params(), dm_->size(), distributed::DataType::kFloat32, 0, false, stream_id(*dev_));
@@ -119,10 +125,11 @@ void GpuEngine::launch_loss(const float* out, const nn::Shape& os, const nn::Bat
 BatchStats GpuEngine::read_loss(const nn::Shape& os) {
   // One copy, which waits for the step: the loss sums, and the non-finite counters behind them when checking.
   host_stats_.resize(stats_bytes());
-  dev_->download(host_stats_.data(), stats_.get(), checking_ ? stats_bytes() : 4 * sizeof(double));
+  dev_->download(host_stats_.data(), stats_.get(),
+                 checking_ ? stats_bytes() : clip_.on() ? kCountersAt : 4 * sizeof(double));
   double st[4];
   std::memcpy(st, host_stats_.data(), sizeof(st));
-  if (checking_) std::memcpy(nf_host_.data(), host_stats_.data() + sizeof(st), nf_host_.size() * sizeof(uint32_t));
+  if (checking_) std::memcpy(nf_host_.data(), host_stats_.data() + kCountersAt, nf_host_.size() * sizeof(uint32_t));
   const nn::BatchSums sums = loss_->batch_sums(st, os);
   return BatchStats{sums.loss_sum, sums.correct, static_cast<double>(os[0])};
 }
@@ -131,9 +138,21 @@ void GpuEngine::launch_bucket(size_t b) {
   const Bucket& bk = sched_.buckets()[b];
   // This rank's own contribution, read on the stream before NCCL overwrites it with the average.
   if (checking_ && bk.count) count_nonfinite(bk.offset, bk.offset + bk.count, bk.first_param, 0);
-  if (bk.count)  // world size 1 too, as DistributedDataParallel: one code path
+  if (!bk.count) return;  // world size 1 too, as DistributedDataParallel: one code path
+  if (hook_ == CommHookKind::kNone) {
     in_flight_.push_back(group_->all_reduce(dm_->grads() + bk.offset, bk.count, distributed::DataType::kFloat32,
                                             distributed::ReduceOp::kAvg, true, stream_id(*dev_)));
+    return;
+  }
+  // Note [The GPU trainer's clipping and 16-bit buckets]: narrowed on the stream, then NCCL sums the 16 bits.
+  const int bf16 = hook_ == CommHookKind::kBf16 ? 1 : 0;
+  auto* wire = static_cast<uint16_t*>(wire_.get()) + bk.offset;
+  dev_->launch(dev_->fn("cx_nn_narrow16"), cuda::Device::grid_for(bk.count), 256,
+               static_cast<const float*>(dm_->grads() + bk.offset), wire, static_cast<unsigned long long>(bk.count),
+               1.0f / static_cast<float>(group_->size()), bf16);
+  in_flight_.push_back(group_->all_reduce(wire, bk.count, bf16 ? distributed::DataType::kBFloat16
+                                                               : distributed::DataType::kFloat16,
+                                          distributed::ReduceOp::kSum, true, stream_id(*dev_)));
 }
 
 BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, const nn::BatchTargets& y) {
@@ -158,22 +177,79 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
   }
   sched_.launch_rest();
   wait_in_flight();
+  if (hook_ != CommHookKind::kNone) {  // the 16-bit averages widened back into the gradient, exactly
+    const int bf16 = hook_ == CommHookKind::kBf16 ? 1 : 0;
+    for (const Bucket& bk : sched_.buckets())
+      if (bk.count)
+        dev_->launch(dev_->fn("cx_nn_widen16"), cuda::Device::grid_for(bk.count), 256,
+                     static_cast<const uint16_t*>(wire_.get()) + bk.offset, dm_->grads() + bk.offset,
+                     static_cast<unsigned long long>(bk.count), bf16);
+  }
   // Note [Non-finite gradients on the GPU]: the update reads the average's count and leaves everything as it
   // was where it is not 0, unless the mode is "warn" (the step is taken).
   const unsigned int* skip = nullptr;
   if (checking_) {
-    count_nonfinite(0, dm_->size(), 0, 1);
+    count_nonfinite(0, dm_->size(), 0, 1);  // before clipping, which would clamp an inf away
     if (mode != NonFiniteMode::kWarn) skip = counters() + nf_host_.size() - 1;
+  }
+  bool skip_on_clip = false;  // the step's skip is the clip's "cannot clip" (no non-finite check skips it)
+  if (clip_.on()) {
+    clip_on_device();
+    if (!skip) skip = clip_counters() + 1, skip_on_clip = true;
   }
   opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads(), skip);
   dm_->zero_grad();
   const BatchStats st = read_loss(os);
+  unsigned int clip_host[2] = {0, 0};
+  double norm = 0;
+  if (skip_on_clip) {
+    std::memcpy(&norm, host_stats_.data() + kClipAt, sizeof(norm));
+    std::memcpy(clip_host, host_stats_.data() + kClipAt + sizeof(double), sizeof(clip_host));
+  }
   if (checking_) {
     checking_ = false;
-    if (skip && nf_host_.back()) opt_->undo_step();  // the kernel left parameters and state: the count goes too
+    if (skip && !skip_on_clip && nf_host_.back()) opt_->undo_step();  // kernel left parameters and state: the count too
     conclude_nonfinite();  // raises ("raise"), counts ("skip") or warns ("warn") through the host DDP
   }
+  if (clip_host[1]) {  // as clip_gradients: nothing stepped, and the same words
+    opt_->undo_step();
+    const int rank = group_->rank();
+    CX_THROW(InvalidArgument, clip_host[0] ? clip_nan_message(rank) : clip_norm_message(norm, rank));
+  }
   return st;
+}
+
+// Note [The GPU trainer's clipping and 16-bit buckets]
+// The CPU engine's gradient clipping (grad_clip.h) and DDP's fp16/bf16 hooks (Note [Half-precision buckets] in
+// comm_hooks.cpp), on the device and without a host wait:
+//   - fp16/bf16: as each bucket is launched, its gradient times 1/world is rounded to the 16-bit type
+//     (cx_nn_narrow16, on the stream before NCCL reads it), NCCL SUMs the 16-bit copy in place in wire_, and
+//     once NCCL is done each bucket is widened back into the gradient (cx_nn_widen16, exact). The CPU's hook
+//     narrows the same way (to nearest even; float16 overflows to inf, which the non-finite check finds in the
+//     average); its ring rounds after every addition, as NCCL's 16-bit sums do.
+//   - clipping runs on the average, after the non-finite check has read it, as on the CPU: values clamped
+//     (cx_nn_clip_value), then the norm: per-block sums of squares in double over a fixed grid, added in order by
+//     one thread (every rank holds the same average, so every rank computes the same norm and coefficient),
+//     and the gradient scaled by the coefficient from device memory. The norm and two counters ride in stats_,
+//     read with the loss. A gradient that cannot be clipped (a NaN, a norm that is not finite) skips the
+//     optimizer's kernel through its skip counter when no non-finite check already decides the step, and fit
+//     raises clip_gradients' own message after the step, with the step's count taken back.
+void GpuEngine::clip_on_device() {
+  float* g = dm_->grads();
+  const auto n = static_cast<unsigned long long>(dm_->size());
+  unsigned int* c = clip_counters();
+  if (clip_.max_value > 0)
+    dev_->launch(dev_->fn("cx_nn_clip_value"), cuda::Device::grid_for(n), 256, g, n,
+                 static_cast<float>(clip_.max_value), c, c + 1);
+  if (!(clip_.max_norm > 0)) return;
+  constexpr unsigned kParts = 256;
+  clip_part_.reserve(kParts * sizeof(double) + sizeof(float));
+  auto* part = static_cast<double*>(clip_part_.get());
+  auto* coef = reinterpret_cast<float*>(part + kParts);
+  dev_->launch(dev_->fn("cx_nn_sum_squares"), kParts, 256, static_cast<const float*>(g), n, part);
+  dev_->launch(dev_->fn("cx_nn_clip_norm_coef"), 1, 32, static_cast<const double*>(part), kParts, clip_.max_norm,
+               clip_norm(), coef, c + 1);
+  dev_->launch(dev_->fn("cx_nn_scale_by"), cuda::Device::grid_for(n), 256, g, n, static_cast<const float*>(coef));
 }
 
 // Note [Non-finite gradients on the GPU]
@@ -198,10 +274,16 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
 // warns through the host DDP. Only a bad step communicates: a one-byte
 // all-gather of "was my own gradient bad" names the ranks, as decide_local +
 // name_ranks do on the CPU.
-size_t GpuEngine::stats_bytes() const { return 4 * sizeof(double) + nf_host_.size() * sizeof(uint32_t); }
+size_t GpuEngine::stats_bytes() const { return kCountersAt + nf_host_.size() * sizeof(uint32_t); }
 
 unsigned int* GpuEngine::counters() const {
-  return reinterpret_cast<unsigned int*>(static_cast<char*>(stats_.get()) + 4 * sizeof(double));
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(stats_.get()) + kCountersAt);
+}
+
+double* GpuEngine::clip_norm() const { return reinterpret_cast<double*>(static_cast<char*>(stats_.get()) + kClipAt); }
+
+unsigned int* GpuEngine::clip_counters() const {
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(stats_.get()) + kClipAt + sizeof(double));
 }
 
 void GpuEngine::count_nonfinite(size_t lo, size_t hi, size_t first_param, size_t slot) {

@@ -33,8 +33,10 @@
 #include "nn/loss.h"
 #include "nn/optimizer.h"
 #include "train/buckets.h"
+#include "train/comm_hooks.h"
 #include "train/ddp.h"
 #include "train/engine.h"
+#include "train/grad_clip.h"
 
 namespace cx::train {
 
@@ -64,6 +66,9 @@ class GpuEngine : public Engine {
   std::string describe() const override;  // "cuda:0 (NVIDIA H100 80GB HBM3), GEMM: cuBLAS (...)"
   // TrainerCore::set_matmul_precision's, on the device's GEMMs.
   void set_matmul_precision(cuda::GemmPrecision p) { dev_->set_gemm_precision(p); }
+  // TrainerCore::set_grad_clip's (checked there): from the next step on (Note [The GPU trainer's clipping and
+  // 16-bit buckets] in gpu_engine.cpp).
+  void set_grad_clip(const GradClip& c) { clip_ = c; }
 
  private:
   // Copies the batch to the device; returns its targets' device copies.
@@ -79,8 +84,13 @@ class GpuEngine : public Engine {
   // conclude_nonfinite decides the step from nf_host_ (read with the loss).
   void count_nonfinite(size_t lo, size_t hi, size_t first_param, size_t slot);
   bool conclude_nonfinite();
-  size_t stats_bytes() const;       // stats_: 4 doubles of loss sums, then the counters
+  size_t stats_bytes() const;       // stats_: 4 doubles of loss sums, the clip's 16 bytes, then the counters
   unsigned int* counters() const;
+  // The clip's part of stats_: the norm (a double), then two counters: NaN values under grad_clip_value, and
+  // "cannot clip" (those NaN, or a norm that is not finite), which the optimizer's kernel reads as its skip.
+  double* clip_norm() const;
+  unsigned int* clip_counters() const;
+  void clip_on_device();
 
   // Declared first so it is destroyed last: every Buffer below frees into its context.
   std::unique_ptr<cuda::Device> dev_;
@@ -102,6 +112,11 @@ class GpuEngine : public Engine {
   std::vector<uint32_t> nf_host_;
   std::vector<unsigned char> host_stats_;  // read_loss's copy of stats_
   bool checking_ = false;  // this step's: DDPConfig.nonfinite is not "off"
+
+  GradClip clip_;                              // DistributedTrainingConfig.grad_clip_norm / grad_clip_value
+  cuda::Buffer clip_part_;                     // cx_nn_sum_squares' per-block sums, then the coefficient
+  CommHookKind hook_ = CommHookKind::kNone;    // DDPConfig.comm_hook: none, fp16 or bf16
+  cuda::Buffer wire_;                          // fp16/bf16: the buckets in 16 bits, as NCCL reduces them
 
   std::shared_ptr<DistributedDataParallel> host_ddp_;  // its mode, counters and messages for the check
   BucketScheduler sched_;  // the host DDP's buckets, so both devices cut the gradients the same way

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "distributed/process_group.h"
 
@@ -41,5 +42,11 @@ void check_grad_clip(const GradClip& c);
 // message when the norm is not finite. Returns the norm before clipping (0 when
 // only values are clipped).
 double clip_gradients(float* g, size_t n, const GradClip& c, distributed::ProcessGroup* shards, int rank);
+
+// What clip_gradients raises (InvalidArgument) when it cannot clip: a NaN element under grad_clip_value, a norm
+// that is not finite under grad_clip_norm. The GPU engine raises the same words (Note [The GPU trainer's clipping
+// and 16-bit buckets] in gpu_engine.cpp).
+std::string clip_nan_message(int rank);
+std::string clip_norm_message(double norm, int rank);
 
 }  // namespace cx::train

@@ -41,13 +41,14 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     // Note [The model on the GPU] (gpu_engine.h): the host DDP keeps its
     // bookkeeping (rank, per-rank dropout streams) but moves no data; the GPU
     // engine broadcasts rank 0's parameters on the device.
-    // Communication hooks (comm_hooks.h) work on host gradients; the GPU engine
-    // has none yet. Refused before a GPU is touched, on every rank alike.
+    // The GPU engine has the fp16/bf16 hooks (Note [The GPU trainer's clipping and 16-bit buckets] in
+    // gpu_engine.cpp), not PowerSGD. Refused before a GPU is touched, on every rank alike.
     const CommHookKind hook = parse_comm_hook(cfg.comm_hook, "DistributedTrainer: DDPConfig.comm_hook");
-    CX_CHECK(hook == CommHookKind::kNone, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
+    CX_CHECK(hook != CommHookKind::kPowerSgd, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
              "): DDPConfig.comm_hook = '", comm_hook_name(hook), "' is not supported on the GPU (cuda:",
              group_->config().local_rank, ", BackendType.NCCL): the GPU engine all-reduces float32 gradients "
-             "with NCCL. Use comm_hook = 'none' with the NCCL backend, or train on the CPU backend to use the hook");
+             "with NCCL, or 16-bit ones with 'fp16' or 'bf16'. Use one of those with the NCCL backend, or train "
+             "on the CPU backend to use PowerSGD");
     DDPConfig host_cfg = cfg;
     host_cfg.broadcast_parameters = false;
     // host_cfg.nonfinite stays: the host DDP moves no gradients, but its mode, counters and messages are the
@@ -55,8 +56,8 @@ TrainerCore::TrainerCore(std::shared_ptr<nn::SequentialModel> model, std::shared
     ddp_ = std::make_shared<DistributedDataParallel>(model_, host_cfg, group_);
     ddp_->refuse_comm_hooks(detail::concat("is not supported on the GPU (cuda:", group_->config().local_rank,
                                            ", BackendType.NCCL): the trainer's GPU engine reduces the gradients "
-                                           "with NCCL in float32, not this host object; use the CPU backend for "
-                                           "communication hooks"));
+                                           "as the DDPConfig it was built with says, not this host object; pass "
+                                           "comm_hook = 'fp16' or 'bf16' in that DDPConfig, or use the CPU backend"));
     engine_ = std::make_unique<GpuEngine>(model_, loss_, opt_, group_, cfg, ddp_);
     ddp_->set_host_gather([e = engine_.get()](const void* in, void* out, size_t n) { e->all_gather_host(in, out, n); });
   } else {
@@ -101,13 +102,10 @@ void TrainerCore::set_shard_optimizer_state(bool on) {
 
 void TrainerCore::set_grad_clip(const GradClip& clip) {
   check_grad_clip(clip);
-  if (clip.on()) {
-    CX_CHECK(cpu_engine_ != nullptr, InvalidArgument, "DistributedTrainer (rank ", group_->rank(), "): ",
-             clip.max_norm > 0 ? "grad_clip_norm" : "grad_clip_value", " is not supported on the GPU yet (cuda:",
-             group_->config().local_rank, ", BackendType.NCCL): the GPU engine steps without clipping. Set "
-             "DistributedTrainingConfig.grad_clip_norm and grad_clip_value to None, or train on the CPU backend");
-  }
-  if (cpu_engine_) cpu_engine_->set_grad_clip(clip);
+  if (cpu_engine_)
+    cpu_engine_->set_grad_clip(clip);
+  else
+    static_cast<GpuEngine&>(*engine_).set_grad_clip(clip);
 }
 
 void TrainerCore::add_ema(float* shadow, size_t n, double decay) {

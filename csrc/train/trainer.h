@@ -82,7 +82,7 @@ class TrainerCore {
   void set_shard_optimizer_state(bool on);
   bool shard_optimizer_state() const { return zero_ != nullptr; }
   // DistributedTrainingConfig.grad_clip_norm / grad_clip_value (0: off; grad_clip.h), for
-  // every step from now on. The GPU engine has no clipping yet and refuses it by name.
+  // every step from now on, on either engine.
   void set_grad_clip(const GradClip& clip);
   // cx.callbacks.EMA: `shadow` (one float per parameter, kept alive by the caller until
   // clear_ema) follows decay * shadow + (1 - decay) * params after every step, its
