@@ -146,7 +146,7 @@ class DistributedTrainingConfig:
         self.shard_optimizer_state: bool = False
         # Clip the gradient averaged over ranks before every optimizer step (Note [Clipping the global gradient] in
         # csrc/train/grad_clip.h): its global L2 norm to grad_clip_norm, each element to +-grad_clip_value (values
-        # first when both are set); None: no clipping. CPU backend only for now.
+        # first when both are set); None: no clipping. On either backend.
         self.grad_clip_norm: Optional[float] = None
         self.grad_clip_value: Optional[float] = None
         # A step whose gradient averaged over the ranks holds NaN/inf (Note [Non-finite gradients] in
