@@ -136,17 +136,34 @@ class Thresholds:
     small: int = 512 << 10      # the same, more ranks
     hd_max: int = 2 << 20       # halving-doubling at or below (p a power of two >= 4)
     hierarchical_from: int = 32 << 10  # auto: hierarchical from here, across hosts of several ranks
+    by_link_from: int = 4 << 10  # above: by the measured link's cost, among 3+ ranks a host each
 
-    def flat(self, p: int, n: float, group: int | None = None) -> str:
+    def flat(self, p: int, n: float, group: int | None = None, link: Link | None = None, share: int = 1) -> str:
         """all_reduce's choice for n bytes among `group` ranks (default p) of a world of p (the small
-        threshold is set by the world's size, the power-of-two test by the group's)."""
+        threshold is set by the world's size, the power-of-two test by the group's). `link`: the group's
+        ranks are each on a host of their own and the link was measured at init, `share` of such groups
+        using every host's link at once (Note [Choosing by the link] in algorithms/allreduce.cpp)."""
         g = group or p
+        hd = g >= 4 and not g & (g - 1) and n <= self.hd_max
+        if link is not None and g >= 3 and n > self.by_link_from:
+            return by_link(g, n, link, share, hd)
         small = self.small_2 if p <= 2 else self.small
         if n <= small:
             return "recursive_doubling"
-        if g >= 4 and not g & (g - 1) and n <= self.hd_max:
-            return "halving_doubling"
-        return "ring"
+        return "halving_doubling" if hd else "ring"
+
+
+def by_link(p: int, n: float, link: Link, share: int, hd: bool) -> str:
+    """allreduce.cpp's by_link: the cheapest of recursive doubling, halving-doubling (where allowed) and the ring
+    by the alpha-beta cost on `link`, its time per byte times `share`."""
+    a, b = link.alpha, link.beta * max(1, share)
+    lg = _log2(p)
+    rd = (lg + (2 if (1 << lg) != p else 0)) * (a + n * b)
+    ring_t = 2.0 * (p - 1) * (a + n / p * b)
+    hdc = 2.0 * lg * a + 2.0 * n * b * (p - 1) / p
+    if hd and hdc < rd and hdc <= ring_t:
+        return "halving_doubling"
+    return "recursive_doubling" if rd <= ring_t else "ring"
 
 
 FLAT = {"ring": ring, "recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling,
@@ -191,12 +208,14 @@ def pipelines(H: int, L: int, n: float, th: Thresholds = Thresholds()) -> bool:
     return H <= PIPELINED_MAX_HOSTS and n / L > (th.small_2 if H * L <= 2 else th.small)
 
 
-def picked(H: int, L: int, n: float, th: Thresholds = Thresholds()) -> str:
-    """What pycyxwiz runs: CX_ALGORITHM=auto (Note [When to go hierarchical] in cpu_backend.cpp)."""
+def picked(H: int, L: int, n: float, th: Thresholds = Thresholds(), net: Link | None = None) -> str:
+    """What pycyxwiz runs: CX_ALGORITHM=auto (Note [When to go hierarchical] in cpu_backend.cpp); `net`: the
+    link between hosts as measured at init (it is, from 3 hosts up: Note [Choosing by the link])."""
     p = H * L
+    link = net if H >= 3 else None
     if H > 1 and L > 1 and n >= th.hierarchical_from:
-        return "hier-pipe" if pipelines(H, L, n, th) else "hierarchical/" + th.flat(p, n / L, H)
-    return th.flat(p, n)
+        return "hier-pipe" if pipelines(H, L, n, th) else "hierarchical/" + th.flat(p, n / L, H, link, L)
+    return th.flat(p, n, None, link if L == 1 else None)
 
 
 def cost(name: str, H: int, L: int, n: float, net: Link, shm: Link = SHM) -> float | None:
@@ -244,7 +263,7 @@ def scale_table(per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024),
         for p in ranks:
             H, L = max(1, p // per_host), min(per_host, p)
             for n in sizes:
-                pick = picked(H, L, n)
+                pick = picked(H, L, n, net=net)
                 tp = cost(pick, H, L, n, net)
                 b, tb = best(H, L, n, net)
                 ba, ta = best(H, L, n, net, implemented_only=False)
@@ -295,8 +314,10 @@ def validate(link: str, points, sizes, log=print) -> dict:
         for n in sizes:
             t = _median_time(run, n)
             th = Thresholds()
-            name = ((("hier-pipe" if pipelines(H, L, n, th) else "hierarchical/" + th.flat(H * L, n / L, H)))
-                    if col == "hier" else th.flat(H * L, n))
+            link = net if H >= 3 else None
+            name = ((("hier-pipe" if pipelines(H, L, n, th) else
+                      "hierarchical/" + th.flat(H * L, n / L, H, link, L)))
+                    if col == "hier" else th.flat(H * L, n, None, link if L == 1 else None))
             pred = cost(name, H, L, n, net, shm)
             err = (pred / t - 1) if t else None
             out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n,

@@ -90,6 +90,23 @@ WORKER = textwrap.dedent("""
         D.finalize()
         return {"sum_ok": ok, "conns": conns, "machine": machine}
 
+    def link():
+        # all_reduce across hosts on both sides of each of its choices (Note [Choosing by the link] in
+        # csrc/distributed/algorithms/allreduce.cpp), checked against NumPy, and the setup every rank logs.
+        D.init()
+        r, p = D.get_rank(), D.get_world_size()
+        bad = []
+        for n in (2, 1000, 1100, 16_384, 150_001, 600_000):
+            for dt in (np.float32, np.float64, np.int32):
+                base = (np.arange(n) % 97).astype(dt)
+                x = base * (r + 1)
+                D.all_reduce(x)
+                if not np.array_equal(x, base * (p * (p + 1) // 2)):
+                    bad.append(f"all_reduce {n} {np.dtype(dt).name}")
+        setup = cx._core.dist._describe_setup()
+        D.finalize()
+        return {"bad": bad, "setup": setup}
+
     def train():
         D.init()
         X, y = cx.datasets.load_digits()
@@ -190,6 +207,35 @@ def test_tcp_between_ranks_of_one_host_runs_reno_and_across_hosts_the_machines_c
         assert len(same) == 1 and len(other) == 2, r  # one connection to each other rank
         assert same == ["reno"], r
         assert set(other) == {r["machine"]}, r
+
+
+def _link_part(setup):
+    """The part of a rank's setup line that says what it measured between hosts ("" if nothing)."""
+    at = setup.find("between hosts")
+    return setup[at:] if at >= 0 else ""
+
+
+@pytest.mark.parametrize("n_hosts,per_host", [(3, 1), (4, 1), (3, 2)])
+def test_three_hosts_or_more_measure_the_link_and_every_rank_takes_the_same_numbers(tmp_path, n_hosts, per_host):
+    with hosts.Hosts(n_hosts) as h:
+        for i in range(n_hosts):
+            h.shape(i, "1gbit")
+        res = run_on_hosts(h, tmp_path, "link", per_host, timeout=240)
+    for r in res:
+        assert r["ok"] and r["bad"] == [], r
+    parts = {_link_part(r["setup"]) for r in res}
+    assert len(parts) == 1, parts  # rank 0's measurement everywhere: every rank chooses alike
+    (part,) = parts
+    assert part.startswith("between hosts ") and "MB/s measured at init" in part, res[0]["setup"]
+
+
+@pytest.mark.parametrize("n_hosts,extra", [(2, {}), (3, {"CX_SMALL_ALLREDUCE_BYTES": "524288"})])
+def test_two_hosts_or_a_threshold_set_by_the_user_measure_nothing(tmp_path, n_hosts, extra):
+    with hosts.Hosts(n_hosts) as h:
+        res = run_on_hosts(h, tmp_path, "link", 1, **extra)
+    for r in res:
+        assert r["ok"] and r["bad"] == [], r
+        assert _link_part(r["setup"]) == "", r["setup"]
 
 
 def test_a_rank_on_another_host_without_the_jobs_secret_is_refused(tmp_path):

@@ -55,7 +55,10 @@ const std::vector<Variable>& variables() {
        "or more, and broadcast below 2 MiB where each rank on the host has a core"},
       {"CX_CHUNK_BYTES", "pipelining unit of the ring and chain algorithms",
        "256 KiB through shared memory, else 512 KiB (1 MiB with more ranks than cores)"},
-      {"CX_SMALL_ALLREDUCE_BYTES", "at or below: recursive-doubling all_reduce", "128 KiB for 2 ranks, else 512 KiB"},
+      {"CX_SMALL_ALLREDUCE_BYTES",
+       "at or below: recursive-doubling all_reduce; set, it also turns off the choice by the link measured between "
+       "3+ hosts",
+       "128 KiB for 2 ranks, else 512 KiB; among 3+ ranks a host each, by the link's cost above 4 KiB"},
       {"CX_HD_MAX_BYTES", "at or below, on 4, 8, ... ranks: halving-doubling all_reduce", "2 MiB"},
       {"CX_HIER_SLICE_BYTES", "slice of the pipelined hierarchical all_reduce",
        "from the cost model: about sqrt(bytes x 256 KiB) with 2 ranks per host (4 MiB at 64 MiB)"},

@@ -42,6 +42,13 @@ struct AlgoOptions {
   // Slice of the pipelined hierarchical all_reduce; 0: from the cost model
   // (Note [Pipelined hierarchical all_reduce] in hierarchical.cpp).
   size_t hierarchical_slice_bytes = 0;
+  // Between hosts (Note [Choosing by the link] in allreduce.cpp): the link's latency (s) and time per byte (s/B)
+  // as measured at init (0: not measured), and for the transport at hand whether its ranks are each on a host
+  // of their own (the world with one rank per host, a hierarchical column) and how many such transports share a
+  // host's link at once (a column's: the ranks per host).
+  double link_alpha = 0, link_beta = 0;
+  bool across_hosts = false;
+  int link_share = 1;
 };
 
 // `pv` (float32 SUM/AVG only): test for non-finite values while reducing

@@ -12,14 +12,49 @@ namespace cx::distributed::algo {
 namespace {
 enum class Algo { kRecursiveDoubling, kHalvingDoubling, kRing };
 
+// Note [Choosing by the link]
+// The thresholds below (Note [small all_reduce threshold] in cpu_backend.cpp) were measured over loopback,
+// where a message costs tens of microseconds and a byte a fraction of a nanosecond: recursive doubling, whose
+// log2(p) steps each carry the whole message, wins up to 512 KiB there. Between hosts the balance is the
+// link's: behind 1 Gbit/s links (network namespaces, 4 and 3 hosts of one rank) halving-doubling and the ring
+// were 1.33x and 1.5-2.3x faster than recursive doubling at 8-512 KiB. So where the ranks of a transport are
+// each on a host of their own and at least three, and the link was measured at init (CpuBackend::
+// measure_link: rank 0 times round trips of 8 bytes and of 1 MiB to a rank on another host, and sends every
+// rank the same two numbers, so every rank chooses alike), all_reduce takes the cheapest of the three by the
+// alpha-beta model benchmarks/cost_model.py validates (within 13% on those links), the links' time per byte
+// multiplied by the transports that share them at once (a hierarchical column's neighbours):
+//   recursive doubling  (log2 q + 2 [q != p]) (a + n b)        q = the largest power of two <= p
+//   halving-doubling    2 log2 p a + 2 n b (p-1)/p           p a power of two >= 4, n <= its bound
+//   ring                2 (p-1) (a + n/p b)
+// Up to 4 KiB recursive doubling stays: its fewer steps won there on every link measured (on 3 hosts the
+// model's ring lost 0.42-0.62x at 512 B-2 KiB behind the namespaces' token buckets, which let a burst of
+// 128 KiB through at the veth's speed; a real 1 Gbit/s NIC puts 2 KiB on the wire in 16 us, and even then the
+// model crosses over near 4 KiB). With two ranks the rule stays too (recursive doubling is the cheaper of the
+// two in the model at any size), and CX_SMALL_ALLREDUCE_BYTES set by the user keeps the thresholds everywhere
+// (nothing is measured).
+constexpr size_t kByLinkFromBytes = 4096;
+
+Algo by_link(int p, size_t bytes, const AlgoOptions& o, bool hd) {
+  const double a = o.link_alpha, b = o.link_beta * std::max(1, o.link_share), n = static_cast<double>(bytes);
+  int lg = 0;
+  while ((2 << lg) <= p) ++lg;
+  const double rd = (lg + ((1 << lg) != p ? 2 : 0)) * (a + n * b);
+  const double ring = 2.0 * (p - 1) * (a + n / p * b);
+  const double hdc = 2.0 * lg * a + 2.0 * n * b * (p - 1) / p;
+  if (hd && hdc < rd && hdc <= ring) return Algo::kHalvingDoubling;
+  return rd <= ring ? Algo::kRecursiveDoubling : Algo::kRing;
+}
+
 // Which algorithm all_reduce runs for `count` elements of `es` bytes (every
 // rank decides alike: the choice depends only on sizes and options).
 Algo choose(const Transport& t, size_t count, size_t es, const AlgoOptions& o) {
   const size_t bytes = count * es;
-  if (bytes <= o.small_allreduce_bytes || count < static_cast<size_t>(t.size())) return Algo::kRecursiveDoubling;
-  if (t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes)
-    return Algo::kHalvingDoubling;
-  return Algo::kRing;
+  if (count < static_cast<size_t>(t.size())) return Algo::kRecursiveDoubling;
+  const bool hd = t.size() >= 4 && (t.size() & (t.size() - 1)) == 0 && bytes <= o.halving_doubling_max_bytes;
+  if (o.across_hosts && o.link_beta > 0 && t.size() >= 3 && bytes > kByLinkFromBytes)
+    return by_link(t.size(), bytes, o, hd);
+  if (bytes <= o.small_allreduce_bytes) return Algo::kRecursiveDoubling;
+  return hd ? Algo::kHalvingDoubling : Algo::kRing;
 }
 }  // namespace
 

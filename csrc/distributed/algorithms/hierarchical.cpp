@@ -154,7 +154,11 @@ void all_reduce_in_phases(Transport& t, const Hierarchy& h, void* buf, size_t co
     across_v = {pv->probe, nullptr, pv->base + off, false, pv->result && h.ranks.size() > 1};
   }
   ring_reduce_scatter_inplace(in_host, buf, count, dt, summed(op), o, pv ? &in_v : nullptr);
-  all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), o, pv ? &across_v : nullptr);
+  AlgoOptions column = o;  // a host each, per_host columns through every host's link at once
+  column.across_hosts = true;
+  column.link_share = per_host;
+  all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), column,
+             pv ? &across_v : nullptr);
   ring_all_gather_inplace(in_host, buf, count, dt, o);
   finish_avg(buf, count, dt, op, t.size());
 }

@@ -155,6 +155,7 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, Store* store, const
   backend->begin(init, dl, true);
   backend->barrier(0)();
   backend->agree_on_single_copies();
+  if (cfg.small_allreduce_bytes < 0) backend->measure_link();  // set by the user: the thresholds stand
   return backend;
 }
 
@@ -185,6 +186,46 @@ void CpuBackend::agree_on_single_copies() {
   }
 }
 
+void CpuBackend::measure_link() {
+  const std::vector<int> hosts = t_->hosts();
+  const int p = t_->size(), me = t_->rank();
+  if (hosts.size() != static_cast<size_t>(p)) return;
+  std::vector<int> distinct(hosts);
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  if (distinct.size() < 3) return;  // by the link only among three or more hosts
+  int peer = 0;
+  while (hosts[static_cast<size_t>(peer)] == hosts[0]) ++peer;
+  double v[2] = {0, 0};  // rank 0's: seconds per message, seconds per byte
+  if (me == 0 || me == peer) {
+    using clock = std::chrono::steady_clock;
+    constexpr size_t kLarge = 1 << 20;
+    std::vector<char> big(kLarge);
+    uint64_t word = 0;
+    const int other = me == 0 ? peer : 0;
+    auto round_trip = [&](void* buf, size_t n) {  // seconds, as rank 0 sees it
+      const auto t0 = clock::now();
+      if (me == 0) {
+        t_->wait(t_->isend(other, buf, n));
+        t_->wait(t_->irecv(other, buf, n));
+      } else {
+        t_->wait(t_->irecv(other, buf, n));
+        t_->wait(t_->isend(other, buf, n));
+      }
+      return std::chrono::duration<double>(clock::now() - t0).count();
+    };
+    double small = 1e9, large = 1e9;
+    for (int i = 0; i < 10; ++i) small = std::min(small, round_trip(&word, sizeof(word)));
+    for (int i = 0; i < 4; ++i) large = std::min(large, round_trip(big.data(), kLarge));
+    v[0] = small / 2;
+    v[1] = std::max(0.0, large / 2 - small / 2) / static_cast<double>(kLarge);
+  }
+  algo::broadcast(*t_, v, sizeof(v), 0, opt_);  // rank 0's numbers everywhere: every rank chooses alike
+  opt_.link_alpha = v[0];
+  opt_.link_beta = v[1];
+  opt_.across_hosts = distinct.size() == static_cast<size_t>(p);
+}
+
 std::string CpuBackend::describe() const {
   if (hier_) {
     return detail::concat("hierarchical across ", hier_->ranks.size(), " hosts of ", hier_->per_host,
@@ -203,6 +244,12 @@ std::string CpuBackend::describe() const {
 }
 
 std::string CpuBackend::flat_description() const {
+  const std::string link =
+      opt_.link_beta > 0
+          ? detail::concat("; between hosts ", static_cast<int>(opt_.link_alpha * 1e6 + 0.5), " us and ",
+                           static_cast<int>(1e-6 / opt_.link_beta + 0.5),
+                           " MB/s measured at init: all_reduce among ranks a host each by that link's cost")
+          : std::string();
   return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
                         " bytes, else the ring; broadcast: binomial tree up to ", opt_.small_broadcast_bytes,
@@ -212,7 +259,7 @@ std::string CpuBackend::flat_description() const {
                                              " to ", opt_.star_broadcast_skip_to,
                                              " bytes, else from the root to every rank at once (single copies)")
                             : std::string(" bytes, else from the root to every rank at once (single copies)"),
-                        "; chunk ", opt_.chunk_bytes, " bytes");
+                        "; chunk ", opt_.chunk_bytes, " bytes", link);
 }
 
 // Bodies capture the transport by pointer: the group runs them before it closes us.

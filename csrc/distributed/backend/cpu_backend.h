@@ -52,6 +52,9 @@ class CpuBackend : public Backend {
   // (Transport::reads_peers), which decides the mid-size broadcast (Note [Broadcast from the root to all] in
   // algorithms/broadcast.cpp).
   void agree_on_single_copies();
+  // At init, the same way, where three or more hosts take part: the link between hosts, timed by rank 0 and
+  // sent to every rank (Note [Choosing by the link] in algorithms/allreduce.cpp).
+  void measure_link();
 
  private:
   std::string flat_description() const;
