@@ -314,10 +314,10 @@ def validate(link: str, points, sizes, log=print) -> dict:
         for n in sizes:
             t = _median_time(run, n)
             th = Thresholds()
-            link = net if H >= 3 else None
+            measured = net if H >= 3 else None  # what rank 0 measures at init (Note [Choosing by the link])
             name = ((("hier-pipe" if pipelines(H, L, n, th) else
-                      "hierarchical/" + th.flat(H * L, n / L, H, link, L)))
-                    if col == "hier" else th.flat(H * L, n, None, link if L == 1 else None))
+                      "hierarchical/" + th.flat(H * L, n / L, H, measured, L)))
+                    if col == "hier" else th.flat(H * L, n, None, measured if L == 1 else None))
             pred = cost(name, H, L, n, net, shm)
             err = (pred / t - 1) if t else None
             out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n,
