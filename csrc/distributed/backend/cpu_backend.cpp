@@ -214,7 +214,7 @@ void CpuBackend::measure_link() {
       }
       return std::chrono::duration<double>(clock::now() - t0).count();
     };
-    double small = 1e9, large = 1e9;
+    double small = 1e9, large = 1e9;  // fixed counts: each round trip takes both ends, whatever either measures
     for (int i = 0; i < 10; ++i) small = std::min(small, round_trip(&word, sizeof(word)));
     for (int i = 0; i < 4; ++i) large = std::min(large, round_trip(big.data(), kLarge));
     v[0] = small / 2;
