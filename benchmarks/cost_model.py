@@ -146,24 +146,24 @@ class Thresholds:
         g = group or p
         hd = g >= 4 and not g & (g - 1) and n <= self.hd_max
         if link is not None and g >= 3 and n > self.by_link_from:
-            return by_link(g, n, link, share, hd)
+            return by_link(g, n, link, share, hd, n <= (self.small_2 if p <= 2 else self.small))
         small = self.small_2 if p <= 2 else self.small
         if n <= small:
             return "recursive_doubling"
         return "halving_doubling" if hd else "ring"
 
 
-def by_link(p: int, n: float, link: Link, share: int, hd: bool) -> str:
-    """allreduce.cpp's by_link: the cheapest of recursive doubling, halving-doubling (where allowed) and the ring
-    by the alpha-beta cost on `link`, its time per byte times `share`."""
+def by_link(p: int, n: float, link: Link, share: int, hd: bool, rd_ok: bool = True) -> str:
+    """allreduce.cpp's by_link: the cheapest of recursive doubling (up to the loopback threshold), halving-doubling
+    (where allowed) and the ring by the alpha-beta cost on `link`, its time per byte times `share`."""
     a, b = link.alpha, link.beta * max(1, share)
     lg = _log2(p)
     rd = (lg + (2 if (1 << lg) != p else 0)) * (a + n * b)
     ring_t = 2.0 * (p - 1) * (a + n / p * b)
     hdc = 2.0 * lg * a + 2.0 * n * b * (p - 1) / p
-    if hd and hdc < rd and hdc <= ring_t:
+    if hd and hdc <= ring_t and (not rd_ok or hdc < rd):
         return "halving_doubling"
-    return "recursive_doubling" if rd <= ring_t else "ring"
+    return "recursive_doubling" if rd_ok and rd <= ring_t else "ring"
 
 
 FLAT = {"ring": ring, "recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling,

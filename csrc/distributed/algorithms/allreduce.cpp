@@ -41,8 +41,11 @@ Algo by_link(int p, size_t bytes, const AlgoOptions& o, bool hd) {
   const double rd = (lg + ((1 << lg) != p ? 2 : 0)) * (a + n * b);
   const double ring = 2.0 * (p - 1) * (a + n / p * b);
   const double hdc = 2.0 * lg * a + 2.0 * n * b * (p - 1) / p;
-  if (hd && hdc < rd && hdc <= ring) return Algo::kHalvingDoubling;
-  return rd <= ring ? Algo::kRecursiveDoubling : Algo::kRing;
+  // Recursive doubling needs a scratch copy of the message: never above the loopback threshold, whatever the
+  // numbers say (a link measured faster than it is would otherwise ask for it at any size).
+  const bool rd_ok = bytes <= o.small_allreduce_bytes;
+  if (hd && hdc <= ring && (!rd_ok || hdc < rd)) return Algo::kHalvingDoubling;
+  return rd_ok && rd <= ring ? Algo::kRecursiveDoubling : Algo::kRing;
 }
 
 // Which algorithm all_reduce runs for `count` elements of `es` bytes (every
