@@ -107,6 +107,35 @@ WORKER = textwrap.dedent("""
         D.finalize()
         return {"bad": bad, "setup": setup}
 
+    def torch_ddp():
+        # PyTorch's own DDP over the "cyxwiz" backend, init_process_group from the environment as torchrun sets
+        # it: the backend finds its peers' addresses from MASTER_ADDR's route (pycyxwiz.torch._peer_address).
+        import torch, torch.distributed as dist, pycyxwiz.torch  # noqa: F401
+        torch.set_num_threads(1)
+        dist.init_process_group("cyxwiz")
+        r, w = dist.get_rank(), dist.get_world_size()
+        bad = []
+        for n in (3, 5000, 200_001):
+            t = torch.arange(n, dtype=torch.float32) * (r + 1)
+            dist.all_reduce(t)
+            if not torch.equal(t, torch.arange(n, dtype=torch.float32) * (w * (w + 1) // 2)):
+                bad.append(f"all_reduce {n}")
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        X, y = torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g)
+        share = 24 // w
+        for _ in range(5):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(X[r * share:(r + 1) * share]),
+                                              y[r * share:(r + 1) * share]).backward()
+            opt.step()
+        params = [p.detach().numpy().ravel().tolist() for p in model.module.parameters()]
+        dist.destroy_process_group()
+        return {"bad": bad, "params": params}
+
     def train():
         D.init()
         X, y = cx.datasets.load_digits()
@@ -236,6 +265,28 @@ def test_two_hosts_or_a_threshold_set_by_the_user_measure_nothing(tmp_path, n_ho
     for r in res:
         assert r["ok"] and r["bad"] == [], r
         assert _link_part(r["setup"]) == "", r["setup"]
+
+
+def test_pytorch_ddp_over_cyxwiz_across_three_hosts_equals_one_process_on_the_whole_batch(tmp_path):
+    torch = pytest.importorskip("torch")
+    with hosts.Hosts(3) as h:
+        res = run_on_hosts(h, tmp_path, "torch_ddp", 1, timeout=240)
+    for r in res:
+        assert r["ok"] and r["bad"] == [], r
+    for other in res[1:]:
+        assert other["params"] == res[0]["params"], "the ranks' parameters differ"
+    # The reference: one process, the whole batch of 24 (each rank's mean loss over 8 rows, averaged by DDP).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g)
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+    for got, want in zip(res[0]["params"], model.parameters()):
+        np.testing.assert_allclose(got, want.detach().numpy().ravel(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_rank_on_another_host_without_the_jobs_secret_is_refused(tmp_path):
