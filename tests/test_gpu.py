@@ -6,6 +6,7 @@ run the NCCL unique-id exchange through a real store. Tests marked `gpu` run onl
 libnccl.so.2 loads, a GPU is visible and CuPy is installed (benchmarks/gpu_check.py runs
 the same checks and more on a GPU machine).
 """
+import contextlib
 import os
 import shutil
 import subprocess
@@ -676,14 +677,26 @@ def test_matmul_precision_rounds_the_gemm_inputs_on_the_gpu(precision, low, high
     assert low <= err < high, (precision, err)
 
 
-def _refusal_on_the_gpu(configure) -> str:
-    """fit() of a small model on the GPU trainer after configure(cfg) -> the callbacks to pass; the error's text."""
+@contextlib.contextmanager
+def _small_model_on_nccl():
+    """A 4 -> 3 Linear model inside an NCCL group of one rank (finalized after, aborted or not)."""
     c = D.DistributedConfig()
     c.backend = NCCL
     D.init(c)
     try:
         m = cx.SequentialModel()
         m.add(cx.LinearModule(4, 3))
+        yield m
+    finally:
+        try:
+            D.finalize()
+        except D.DistributedError:
+            pass  # a failed fit aborted the group
+
+
+def _refusal_on_the_gpu(configure) -> str:
+    """fit() of a small model on the GPU trainer after configure(cfg) -> the callbacks to pass; the error's text."""
+    with _small_model_on_nccl() as m:
         X = np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32)
         y = (np.arange(32) % 3).astype(np.int64)
         cfg = D.DistributedTrainingConfig()
@@ -693,11 +706,6 @@ def _refusal_on_the_gpu(configure) -> str:
         with pytest.raises(ValueError) as ei:
             tr.fit(X, y, cfg, callbacks=callbacks)
         return str(ei.value)
-    finally:
-        try:
-            D.finalize()
-        except D.DistributedError:
-            pass  # the failed fit aborted the group
 
 
 @gpu
@@ -705,18 +713,22 @@ def _refusal_on_the_gpu(configure) -> str:
 def test_the_gpu_trainer_refuses_ema_and_powersgd_by_name():
     msg = _refusal_on_the_gpu(lambda cfg: [cx.callbacks.EMA(0.9)])
     assert msg.startswith("callback EMA.on_train_begin: EMA is not supported on the GPU trainer yet"), msg
-    c = D.DistributedConfig()
-    c.backend = NCCL
-    D.init(c)
-    try:
-        m = cx.SequentialModel()
-        m.add(cx.LinearModule(4, 3))
+    with _small_model_on_nccl() as m:
+        ddp = D.DDPConfig()
+        ddp.comm_hook = "powersgd"
         with pytest.raises(ValueError, match="comm_hook = 'powersgd' is not supported on the GPU .*'fp16' or 'bf16'"):
-            ddp = D.DDPConfig()
-            ddp.comm_hook = "powersgd"
             D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1), ddp)
-    finally:
-        D.finalize()
+
+
+@gpu
+@needs_gpu_nccl
+def test_the_gpu_trainers_host_ddp_refuses_a_hook_registered_after_construction():
+    # The GPU engine reduces as the DDPConfig it was built with says; trainer.ddp is the host bookkeeping.
+    with _small_model_on_nccl() as m:
+        tr = D.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
+        with pytest.raises(ValueError, match=r"register_comm_hook \(rank 0\): hook 'bf16' is not supported on the "
+                                             r"GPU .*pass comm_hook = 'fp16' or 'bf16' in that DDPConfig"):
+            tr.ddp.register_comm_hook("bf16")
 
 
 # Note [The GPU trainer's clipping and 16-bit buckets] (csrc/train/gpu_engine.cpp): each against the CPU trainer
