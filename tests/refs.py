@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 REDUCE_DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"]
-OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+BITWISE = ("BAND", "BOR", "BXOR")
+INTEGERS = ("int32", "int64", "uint8")
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -59,11 +61,14 @@ def expected(world: int, n: int, dtype: str, op: str) -> np.ndarray:
         return a.prod(0, dtype=dtype)
     if op == "MIN":
         return a.min(0)
+    if op in BITWISE:
+        return {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op].reduce(a, 0).astype(dtype)
     return a.max(0)
 
 
 def valid_pair(dtype: str, op: str) -> bool:
-    return not (op == "AVG" and dtype in ("int32", "int64", "uint8"))
+    """AVG of integers and the bitwise ops of floats are refused."""
+    return not (op == "AVG" and dtype in INTEGERS) and not (op in BITWISE and dtype not in INTEGERS)
 
 
 def numeric_grad(f, x, eps=1e-6):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ranks
-from refs import OPS, REDUCE_DTYPES, bf16_round, contribution, expected, valid_pair
+from refs import BITWISE, OPS, REDUCE_DTYPES, bf16_round, contribution, expected, valid_pair
 
 import pycyxwiz as cx
 
@@ -171,18 +171,21 @@ def reduce_scatter_body(sizes):
     r, p = D.get_rank(), D.get_world_size()
     fails = []
     for op in OPS:
+        dt = "int32" if op in BITWISE else "float32"
         for n in sizes:
             # block k of rank j: contribution(j * p + k) so every block differs
-            blocks = [contribution(r * p + k, n, "float32", op) for k in range(p)]
-            ins = np.stack(blocks) if blocks else np.empty((p, n), np.float32)
+            blocks = [contribution(r * p + k, n, dt, op) for k in range(p)]
+            ins = np.stack(blocks) if blocks else np.empty((p, n), dt)
             keep = ins.copy()
-            out = np.empty(n, np.float32)
+            out = np.empty(n, dt)
             D.reduce_scatter(out, list(blocks), op=getattr(D.ReduceOp, op))
-            out2 = np.empty(n, np.float32)
+            out2 = np.empty(n, dt)
             D.reduce_scatter(out2, ins, op=getattr(D.ReduceOp, op))
-            mine = np.stack([contribution(j * p + r, n, "float32", op) for j in range(p)])
-            want = {"SUM": mine.sum(0), "AVG": mine.sum(0) / np.float32(p), "PRODUCT": mine.prod(0),
-                    "MIN": mine.min(0), "MAX": mine.max(0)}[op].astype(np.float32)
+            mine = np.stack([contribution(j * p + r, n, dt, op) for j in range(p)])
+            bitwise = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
+            want = ({"SUM": mine.sum(0), "AVG": mine.sum(0) / np.float32(p), "PRODUCT": mine.prod(0),
+                     "MIN": mine.min(0), "MAX": mine.max(0)}[op].astype(np.float32) if op not in BITWISE
+                    else bitwise[op].reduce(mine, 0).astype(dt))
             if not (np.array_equal(out, want) and np.array_equal(out2, want)):
                 fails.append((op, n))
             if not np.array_equal(ins, keep):
@@ -228,9 +231,10 @@ def rooted_body(n):
     fails = []
     for root in range(p):
         for op in OPS:
-            x = contribution(r, n, "float64", op)
+            dt = "int64" if op in BITWISE else "float64"
+            x = contribution(r, n, dt, op)
             D.reduce(x, dst=root, op=getattr(D.ReduceOp, op))
-            if r == root and not np.array_equal(x, expected(p, n, "float64", op)):
+            if r == root and not np.array_equal(x, expected(p, n, dt, op)):
                 fails.append(("reduce", root, op))
         # scatter: root hands block k to rank k
         src_blocks = [np.full(n, 10 * root + k, np.float32) for k in range(p)] if r == root else None

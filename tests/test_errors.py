@@ -165,6 +165,7 @@ def bad_arrays():
     expect(TypeError, D.all_reduce, np.ones(3, np.complex64))      # not reducible
     expect(TypeError, D.all_reduce, np.ones(3, np.uint16))         # uint16 without dtype='bfloat16'
     expect(ValueError, D.all_reduce, np.ones(3, np.int32), op=D.ReduceOp.AVG)
+    expect(ValueError, D.all_reduce, np.ones(3, np.float64), op=D.ReduceOp.BAND)  # bitwise: integers and bool
     expect(ValueError, D.broadcast, np.ones(3), src=7)
     expect(ValueError, D.all_gather, [np.ones(3)], np.ones(3))     # wrong number of outputs
     expect(ValueError, D.all_gather, [np.ones(3), np.ones(4)], np.ones(3))
@@ -179,7 +180,7 @@ def test_bad_arrays_are_refused_with_clear_errors_and_the_group_survives():
     for errs, y in ranks.run(bad_arrays, 2):
         kinds = [e[0] if isinstance(e, tuple) else e for e in errs]
         assert kinds == ["ValueError", "ValueError", "TypeError", "TypeError", "TypeError", "ValueError",
-                         "ValueError", "ValueError", "ValueError", "ValueError"], errs
+                         "ValueError", "ValueError", "ValueError", "ValueError", "ValueError"], errs
         msgs = [e[1] for e in errs]
         assert "C-contiguous" in msgs[0]
         assert "read-only" in msgs[1]
@@ -187,10 +188,11 @@ def test_bad_arrays_are_refused_with_clear_errors_and_the_group_survives():
         assert "complex64" in msgs[3] and "cannot be reduced" in msgs[3]
         assert "uint16" in msgs[4]
         assert "AVG" in msgs[5] and "int32" in msgs[5]
-        assert "src=7" in msgs[6]
-        assert "world size is 2" in msgs[7]
-        assert "[1]" in msgs[8]
-        assert "itself" in msgs[9]
+        assert msgs[6].startswith("ReduceOp.BAND is defined for integer and bool arrays") and "float64" in msgs[6]
+        assert "src=7" in msgs[7]
+        assert "world size is 2" in msgs[8]
+        assert "[1]" in msgs[9]
+        assert "itself" in msgs[10]
         assert y == [2.0] * 5
 
 

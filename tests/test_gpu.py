@@ -485,6 +485,8 @@ def test_collectives_at_world_size_one_match_cupy():
             ref = x.copy()
             D.all_reduce(x, op=op)
             assert cp.array_equal(x, ref), op
+        with pytest.raises(ValueError, match="ReduceOp.BOR is reduced by the CPU backend only: NCCL has no bitwise"):
+            D.all_reduce(cp.ones(3, cp.int32), op=D.ReduceOp.BOR)
         x = cp.arange(10, dtype=cp.int64)
         w = D.all_reduce(x, async_op=True)
         assert w.wait()

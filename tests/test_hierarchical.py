@@ -60,6 +60,8 @@ WORKER = textwrap.dedent("""
                     mine = [contribution(j * p + r, n, dtype, op) for j in range(p)]
                     want = {"SUM": lambda a: a.sum(0, dtype=dtype), "PRODUCT": lambda a: a.prod(0, dtype=dtype),
                             "MIN": lambda a: a.min(0), "MAX": lambda a: a.max(0),
+                            "BAND": lambda a: np.bitwise_and.reduce(a, 0), "BOR": lambda a: np.bitwise_or.reduce(a, 0),
+                            "BXOR": lambda a: np.bitwise_xor.reduce(a, 0),
                             "AVG": lambda a: (a.astype(np.float32).sum(0) / np.float32(p)).astype(dtype)
                             if dtype == "float16" else (a.sum(0, dtype=dtype) / p).astype(dtype)}[op](np.stack(mine))
                     if not np.array_equal(got, want):

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch", reason="the torch backend needs torch (pip 
 import ranks  # noqa: E402
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
-OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+BITWISE = {"BAND", "BOR", "BXOR"}
 FLOATS = {"float16", "bfloat16", "float32", "float64"}
 N = 37  # elements per rank: odd, so no algorithm's chunking divides it evenly
 
@@ -46,8 +47,18 @@ def _out(t: "torch.Tensor") -> np.ndarray:
     return t.to(torch.float64).numpy()
 
 
+def _valid(op: str, dtype: str) -> bool:
+    """AVG is for floats, the bitwise ops for integers and bool."""
+    if op == "AVG":
+        return dtype in FLOATS
+    return op not in BITWISE or dtype not in FLOATS
+
+
 def _reduce_ref(values: list, op: str, dtype: str) -> np.ndarray:
     a = np.stack(values)
+    if op in BITWISE:
+        f = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+        return f.reduce(a.astype(np.int64), 0).astype(np.float64)
     if dtype == "bool":  # or / and, as NumPy's and PyTorch's bool arithmetic
         return (a.max(0) if op in ("SUM", "MAX") else a.min(0)).astype(np.float64)
     ref = {"SUM": a.sum(0), "AVG": a.mean(0), "PRODUCT": a.prod(0), "MIN": a.min(0), "MAX": a.max(0)}[op]
@@ -72,7 +83,7 @@ def every_collective(subgroup: bool) -> dict:
     out: dict = {}
     for dtype in DTYPES:
         for op in OPS:
-            if op == "AVG" and dtype not in FLOATS:
+            if not _valid(op, dtype):
                 continue
             t = _tensor(_input(r, dtype), dtype)
             dist.all_reduce(t, op=getattr(R, op))
@@ -148,7 +159,7 @@ def test_every_collective_dtype_and_op_through_torch_distributed_matches_numpy(w
     for r, out in enumerate(results):
         for dtype in DTYPES:
             for op in OPS:
-                if op == "AVG" and dtype not in FLOATS:
+                if not _valid(op, dtype):
                     continue
                 _close(out[("all_reduce", dtype, op)], _reduce_ref(inputs[dtype], op, dtype), dtype,
                        f"all_reduce {dtype} {op} on rank {r}")
@@ -503,7 +514,8 @@ def refused_calls() -> dict:
     _init()
     errs = {}
     for name, call in [
-        ("op", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BXOR)),
+        ("op", lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0))),
+        ("bitwise_float", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BXOR)),
         ("strided", lambda: dist.all_reduce(torch.ones(4, 4).t())),
         ("sparse", lambda: dist.all_reduce(torch.ones(4).to_sparse())),
         ("meta", lambda: dist.all_reduce(torch.ones(4, device="meta"))),
@@ -522,7 +534,9 @@ def refused_calls() -> dict:
 
 def test_a_tensor_or_op_the_backend_cannot_take_is_refused_by_name_before_anything_is_sent():
     for e in ranks.run(refused_calls, 2, init=False, timeout=60):
-        assert e["op"].startswith("ValueError") and "BXOR" in e["op"] and "cyxwiz" in e["op"], e
+        assert e["op"].startswith("ValueError") and "PREMUL_SUM" in e["op"] and "cyxwiz" in e["op"], e
+        assert e["bitwise_float"].startswith("ValueError") and "ReduceOp.BXOR is defined for integer and bool" in \
+            e["bitwise_float"] and "float32" in e["bitwise_float"], e
         assert e["strided"].startswith("ValueError") and "t.contiguous()" in e["strided"], e
         assert e["sparse"].startswith("TypeError") and "t.to_dense()" in e["sparse"], e
         assert e["meta"].startswith("TypeError") and "meta" in e["meta"] and "t.cpu()" in e["meta"], e

@@ -23,7 +23,7 @@ namespace cx::bindings::docs {
 #define CX_DOC_REDUCIBLE                                                                              \
   "\n\nReduces float32, float64, float16, bfloat16 (ml_dtypes', or uint16 storage with\n"                 \
   "dtype='bfloat16'), int32, int64, int8, uint8 and bool (SUM/MAX: or, PRODUCT/MIN: and); ReduceOp.AVG of\n" \
-  "integers is refused."
+  "integers is refused, and so are the bitwise BAND, BOR and BXOR of floats (and on NCCL)."
 
 constexpr const char* kAllReduce =
     "Reduce `arr` across every rank, in place: afterwards every rank holds the result.\n\n"

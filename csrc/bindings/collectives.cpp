@@ -295,7 +295,10 @@ void bind_collectives(py::module_& m) {
       .value("AVG", ReduceOp::kAvg)
       .value("PRODUCT", ReduceOp::kProduct)
       .value("MIN", ReduceOp::kMin)
-      .value("MAX", ReduceOp::kMax);
+      .value("MAX", ReduceOp::kMax)
+      .value("BAND", ReduceOp::kBand)
+      .value("BOR", ReduceOp::kBor)
+      .value("BXOR", ReduceOp::kBxor);
   bind_work(m);
 
   // Each collective twice: on the default group (cx.distributed.all_reduce, ...) and as a method of a Group

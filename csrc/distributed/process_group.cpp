@@ -551,6 +551,10 @@ void ProcessGroup::check_reduction(DataType dt, ReduceOp op) const {
     CX_THROW(TypeMismatch, dtype_name(dt), " arrays are reduced by the CPU backend only (not yet run on a GPU): "
              "reduce an int32 array on NCCL (for bool, uint8 with ReduceOp.MAX for or, ReduceOp.MIN for and)");
   }
+  if ((op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor) && cfg_.backend == BackendType::kNccl) {
+    CX_THROW(InvalidArgument, "ReduceOp.", op_name(op), " is reduced by the CPU backend only: NCCL has no bitwise "
+             "reductions (for flags, ReduceOp.MAX is \"or\" and ReduceOp.MIN \"and\" of 0/1 values)");
+  }
 }
 
 void ProcessGroup::check_root(int root, const char* what) const {

@@ -45,6 +45,9 @@ const char* op_name(ReduceOp op) {
     case ReduceOp::kProduct: return "PRODUCT";
     case ReduceOp::kMin: return "MIN";
     case ReduceOp::kMax: return "MAX";
+    case ReduceOp::kBand: return "BAND";
+    case ReduceOp::kBor: return "BOR";
+    case ReduceOp::kBxor: return "BXOR";
     case ReduceOp::kNone: return "-";
   }
   return "?";
@@ -78,6 +81,13 @@ void check_reducible(DataType t, ReduceOp op) {
     CX_THROW(InvalidArgument, "ReduceOp.AVG is not defined for ", dtype_name(t),
              " arrays (the mean of integers is not an integer): use ReduceOp.SUM and divide, "
              "or reduce a floating-point array");
+  }
+  const bool floating = t == DataType::kFloat32 || t == DataType::kFloat64 || t == DataType::kFloat16 ||
+                        t == DataType::kBFloat16;
+  if ((op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor) && floating) {
+    CX_THROW(InvalidArgument, "ReduceOp.", op_name(op), " is defined for integer and bool arrays (int32, int64, "
+             "int8, uint8, bool), not for ", dtype_name(t), ": reduce an integer view of the bits if that is meant "
+             "(arr.view(np.int32) / t.view(torch.int32))");
   }
 }
 

@@ -20,10 +20,23 @@ enum class DataType : uint8_t {
   kUInt8 = 6,
   kBytes = 7,
   kInt8 = 8,
-  kBool = 9,  // one byte, 0 or 1: SUM and MAX are "or", PRODUCT and MIN "and" (as NumPy's and PyTorch's)
+  kBool = 9,  // one byte, 0 or 1: SUM, MAX and BOR are "or", PRODUCT, MIN and BAND "and" (as NumPy's and
+              // PyTorch's), BXOR "exclusive or"
 };
 
-enum class ReduceOp : uint8_t { kSum = 0, kAvg = 1, kProduct = 2, kMin = 3, kMax = 4, kNone = 255 };
+// Numbered as torch's ReduceOp.RedOpType (BAND, BOR and BXOR too), which pycyxwiz.torch relies on. The bitwise
+// ones reduce integers and bool only (check_reducible).
+enum class ReduceOp : uint8_t {
+  kSum = 0,
+  kAvg = 1,
+  kProduct = 2,
+  kMin = 3,
+  kMax = 4,
+  kBand = 5,
+  kBor = 6,
+  kBxor = 7,
+  kNone = 255
+};
 
 enum class CollectiveKind : uint8_t {
   kAllReduce = 1,

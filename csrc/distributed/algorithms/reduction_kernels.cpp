@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -103,6 +104,15 @@ void reduce_typed(T* d, const T* s, size_t n, ReduceOp op) {
     case ReduceOp::kProduct: apply(d, s, n, [](T a, T b) { return static_cast<T>(a * b); }); break;
     case ReduceOp::kMin: apply(d, s, n, [](T a, T b) { return b < a ? b : a; }); break;
     case ReduceOp::kMax: apply(d, s, n, [](T a, T b) { return b > a ? b : a; }); break;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      if constexpr (std::is_integral_v<T>) {  // floats never get here (check_reducible)
+        if (op == ReduceOp::kBand) apply(d, s, n, [](T a, T b) { return static_cast<T>(a & b); });
+        if (op == ReduceOp::kBor) apply(d, s, n, [](T a, T b) { return static_cast<T>(a | b); });
+        if (op == ReduceOp::kBxor) apply(d, s, n, [](T a, T b) { return static_cast<T>(a ^ b); });
+      }
+      break;
     case ReduceOp::kNone: break;
   }
 }
@@ -117,6 +127,9 @@ void reduce_16(uint16_t* d, const uint16_t* s, size_t n, ReduceOp op) {
       case ReduceOp::kProduct: r = a * b; break;
       case ReduceOp::kMin: r = b < a ? b : a; break;
       case ReduceOp::kMax: r = b > a ? b : a; break;
+      case ReduceOp::kBand:  // integers and bool only (check_reducible)
+      case ReduceOp::kBor:
+      case ReduceOp::kBxor:
       case ReduceOp::kNone: break;
     }
     d[i] = FromF(r);
@@ -445,8 +458,10 @@ void reduce_into(void* dst, const void* src, size_t count, DataType t, ReduceOp 
     case DataType::kUInt8: reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op); break;
     case DataType::kInt8: reduce_typed(static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), count, op); break;
     case DataType::kBool: {
-      // 0/1 bytes: "or" is MAX, "and" is MIN.
-      const ReduceOp as = op == ReduceOp::kSum || op == ReduceOp::kMax ? ReduceOp::kMax : ReduceOp::kMin;
+      // 0/1 bytes: "or" is MAX, "and" is MIN; "exclusive or" of 0s and 1s stays 0 or 1.
+      ReduceOp as = ReduceOp::kMin;  // PRODUCT, MIN, BAND
+      if (op == ReduceOp::kSum || op == ReduceOp::kMax || op == ReduceOp::kBor) as = ReduceOp::kMax;
+      if (op == ReduceOp::kBxor) as = ReduceOp::kBxor;
       reduce_typed(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, as);
       break;
     }

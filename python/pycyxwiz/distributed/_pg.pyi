@@ -38,6 +38,9 @@ class ReduceOp(metaclass=_pybind11_type):
     PRODUCT: ReduceOp
     MIN: ReduceOp
     MAX: ReduceOp
+    BAND: ReduceOp
+    BOR: ReduceOp
+    BXOR: ReduceOp
     def __init__(self, value: int) -> None: ...
     def __int__(self) -> int: ...
     def __index__(self) -> int: ...

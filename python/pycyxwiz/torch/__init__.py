@@ -9,7 +9,7 @@
     dist.init_process_group("cyxwiz")           # was: "gloo"; or "cpu:cyxwiz,cuda:nccl"
 
 Every torch.distributed call on CPU tensors then runs pycyxwiz's collectives on the tensors' own memory (DLPack,
-no copies), with the GIL released: ``all_reduce`` (every ReduceOp but the bitwise ones and PREMUL_SUM),
+no copies), with the GIL released: ``all_reduce`` (every ReduceOp but PREMUL_SUM),
 ``broadcast``, ``all_gather`` (and ``all_gather_into_tensor``), ``reduce_scatter`` (and ``reduce_scatter_tensor``),
 ``all_to_all`` (and ``all_to_all_single``), ``reduce``, ``gather``, ``scatter``, ``send``/``recv``, ``barrier``,
 ``monitored_barrier``; so do DistributedDataParallel and FSDP's ``fully_shard``. ``dist.new_group(ranks)`` makes
@@ -43,8 +43,9 @@ BACKEND = "cyxwiz"
 
 _d = _core.dist
 _to_dlpack = torch.utils.dlpack.to_dlpack
-# torch's ReduceOp.RedOpType numbers SUM, AVG, PRODUCT, MIN, MAX as ours do.
-_OPS = (_d.ReduceOp.SUM, _d.ReduceOp.AVG, _d.ReduceOp.PRODUCT, _d.ReduceOp.MIN, _d.ReduceOp.MAX)
+# torch's ReduceOp.RedOpType numbers SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR as ours do.
+_OPS = (_d.ReduceOp.SUM, _d.ReduceOp.AVG, _d.ReduceOp.PRODUCT, _d.ReduceOp.MIN, _d.ReduceOp.MAX,
+        _d.ReduceOp.BAND, _d.ReduceOp.BOR, _d.ReduceOp.BXOR)
 _SUM = _d.ReduceOp.SUM
 _TORCH_SUM = dist.ReduceOp.SUM
 
@@ -57,7 +58,8 @@ def _op(opts: Any) -> Any:
     if n < len(_OPS):
         return _OPS[n]
     raise ValueError(f"ReduceOp.{r.op.name} is not supported by the cyxwiz backend: it reduces with "
-                     "SUM, AVG, PRODUCT, MIN and MAX (for BAND/BOR on bool tensors, MIN/MAX do the same)")
+                     "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR (for PREMUL_SUM, multiply the tensor by the "
+                     "factor first and reduce with SUM)")
 
 
 def _arr(t: torch.Tensor) -> Any:

@@ -129,6 +129,9 @@ ncclRedOp_t to_nccl(ReduceOp op) {
     case ReduceOp::kProduct: return ncclProd;
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kBand:  // NCCL has no bitwise reductions (ProcessGroup::check_reduction refuses them first)
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
     case ReduceOp::kNone: break;
   }
   CX_THROW(InvalidArgument, "no NCCL reduction for ", op_name(op));
