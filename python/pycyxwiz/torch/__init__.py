@@ -23,10 +23,11 @@ pycyxwiz that imports torch (the ``pycyxwiz[torch]`` extra).
 from __future__ import annotations
 
 import atexit
-import queue
+import collections
 import secrets
 import socket
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
@@ -131,22 +132,94 @@ class _Work(dist._Work):
         return self._fut
 
 
-def _complete(q: "queue.SimpleQueue[Any]") -> None:
-    # Completes the futures of a group's async collectives, in submission order (the order they run in). A
-    # thread of its own: the group's communication thread never waits for the GIL. It holds nothing between
-    # items (Note [The futures thread ends before the interpreter]).
-    while True:
-        item = q.get()
-        if item is None:
-            return
-        work, fut, result = item
-        del item
-        try:
-            work.wait()
-            fut.set_result(result)
-        except BaseException as e:  # the collective's error, raised to whoever waits on the future
-            fut.set_exception(e)
-        del work, fut, result
+class _Completer:
+    """Completes a group's async futures: a dispatcher thread waits for the collectives in submission order (the
+    order they run in) and hands each future to a callback thread, which sets it and so runs its callbacks.
+    Threads of their own: the group's communication thread never waits for the GIL. None of them holds
+    anything between items (Note [The futures thread ends before the interpreter]). Note [Callbacks that wait
+    on futures] says why the callbacks have threads of their own."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._lock = threading.Lock()
+        self._works_cv = threading.Condition(self._lock)
+        self._done_cv = threading.Condition(self._lock)
+        self._works: "collections.deque[Any]" = collections.deque()  # (work, fut, result), submission order
+        self._done: "collections.deque[Any]" = collections.deque()   # (fut, result, error), completion order
+        self._spare = 0            # callback threads that will take an item without waiting for a callback
+        self._closing = False      # no more works: the dispatcher ends once it has handed on the last one
+        self._closed = False       # the dispatcher has ended: callback threads end when nothing is left
+        self._threads: List[threading.Thread] = []
+        self._start(self._dispatch, f"cyxwiz-futures-{rank}")
+
+    def _start(self, target: Any, name: str) -> None:
+        t = threading.Thread(target=target, daemon=True, name=name)
+        self._threads.append(t)
+        t.start()
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            self._works.append(item)
+            self._works_cv.notify()
+
+    def close(self, timeout_s: float) -> None:
+        """Ends the threads once every queued future is set; bounded by `timeout_s`, since what is left runs the
+        futures' callbacks, which are the user's (DDP's hooks)."""
+        with self._lock:
+            self._closing = True
+            self._works_cv.notify()
+        until = time.monotonic() + timeout_s
+        me = threading.current_thread()
+        self._threads[0].join(timeout_s)  # the dispatcher first: it starts the last callback threads
+        for t in list(self._threads[1:]):
+            if t is not me:
+                t.join(max(0.0, until - time.monotonic()))
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                while not self._works and not self._closing:
+                    self._works_cv.wait()
+                if not self._works:
+                    self._closed = True
+                    self._done_cv.notify_all()
+                    return
+                work, fut, result = self._works.popleft()
+            error = None
+            try:
+                work.wait()
+            except BaseException as e:  # the collective's error, raised to whoever waits on the future
+                error, result = e, None
+            with self._lock:
+                self._done.append((fut, result, error))
+                # Every future set waits for a callback thread; one busy in a callback (waiting, it may be, for
+                # this very future) does not count.
+                if self._spare < len(self._done):
+                    self._spare += 1
+                    self._start(self._run_callbacks, f"cyxwiz-callbacks-{self._rank}")
+                else:
+                    self._done_cv.notify()
+            del work, fut, result, error
+
+    def _run_callbacks(self) -> None:
+        while True:
+            with self._lock:
+                while not self._done and not self._closed:
+                    self._done_cv.wait()
+                if not self._done:
+                    self._spare -= 1
+                    return
+                fut, result, error = self._done.popleft()
+                self._spare -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+            del fut, result, error
+            with self._lock:
+                if self._spare >= 2:  # others wait already: this one ends
+                    return
+                self._spare += 1
 
 
 # Note [The futures thread ends before the interpreter]
@@ -155,7 +228,19 @@ def _complete(q: "queue.SimpleQueue[Any]") -> None:
 # when it crosses C++ that may not throw. The futures thread met that: after shutdown's None it returned,
 # and its frame dropped the last item's tensors, whose deallocation (torch's C++) gives up the GIL and takes
 # it back; when the main thread was already finalizing, 1 exit in 4 of a 4-rank DDP job aborted, a failed
-# rank to torchrun. So the thread keeps nothing between items, and shutdown waits for it to end.
+# rank to torchrun. So the threads keep nothing between items, and shutdown waits for them to end.
+
+
+# Note [Callbacks that wait on futures]
+# Setting a torch Future runs its callbacks on the thread that sets it, and a callback may wait for another
+# collective's future: PowerSGD's hook does, `dist.all_reduce(..., async_op=True).get_future().wait()` inside the
+# `then` of the one before. When one thread both waited for the collectives and set their futures, that wait
+# could never end: the future waited for was queued behind the callback waiting for it, and DDP with
+# PowerSGD hung at the hook's first compressed step, past every timeout (the collective itself had completed).
+# So the dispatcher, which only waits for the core's collectives, hands each future on to a callback thread, and
+# starts another whenever none is free to take one (the others may be waiting inside callbacks). Usually one
+# callback thread is enough and futures are set in submission order; threads started for a burst end again once
+# two others are free.
 
 
 def _peer_address(store: Any) -> str:
@@ -212,8 +297,7 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         self._timeout = timeout
         secret = _secret(store, rank, timeout) if size > 1 else ""
         self._g = _d.Group(cfg, store, _peer_address(store) if size > 1 else "127.0.0.1", secret)
-        self._q: Optional["queue.SimpleQueue[Any]"] = None
-        self._futures: Optional[threading.Thread] = None
+        self._completer: Optional[_Completer] = None
         self._lock = threading.Lock()
         self._nccl: Any = None
         _live.add(self)
@@ -244,12 +328,9 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
 
     def _complete_later(self, work: Any, fut: Future, result: Any) -> None:
         with self._lock:
-            if self._q is None:
-                self._q = queue.SimpleQueue()
-                self._futures = threading.Thread(target=_complete, args=(self._q,), daemon=True,
-                                                 name=f"cyxwiz-futures-{self.rank()}")
-                self._futures.start()
-            self._q.put((work, fut, result))
+            if self._completer is None:
+                self._completer = _Completer(self.rank())
+        self._completer.put((work, fut, result))
 
     def _ret(self, work: Any, async_op: bool, result: Any) -> Optional[_Work]:
         """What a collective returns: with async_op a Work (the core's `work` running on the group's thread, or
@@ -278,13 +359,8 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         except _core.DistributedConnectionError:
             pass  # torch's store went with rank 0, which has finished: nothing is left to compare
         finally:
-            if self._q is not None:
-                self._q.put(None)  # after the core's shutdown, which ends every queued collective
-            t = self._futures
-            if t is not None and t is not threading.current_thread():
-                # Its waits have ended with the core's shutdown; what is left is setting futures, whose
-                # callbacks are the user's (DDP's hooks): bounded by the group's timeout, not forever.
-                t.join(self._timeout.total_seconds())
+            if self._completer is not None:  # after the core's shutdown, which ends every queued collective
+                self._completer.close(self._timeout.total_seconds())
 
     def abort(self) -> None:
         self._g.abort("the process group was aborted (ProcessGroup.abort)")
