@@ -447,3 +447,27 @@ def test_cx_debug_detail_names_two_same_shape_collectives_called_in_another_orde
         assert name == "CollectiveMismatchError", msg
         assert f"all_reduce(count=4, dtype=float32, op=SUM) at {site_a} as collective #1" in msg, msg
         assert f"all_reduce(count=4, dtype=float32, op=SUM) at {site_b} as collective #1" in msg, msg
+
+
+def messages_and_single_copies():
+    r, p = D.get_rank(), D.get_world_size()
+    got = np.zeros(4, np.float32)
+    if r == 0:
+        D.send(np.arange(4, dtype=np.float32), dst=1)  # a send and its recv are two call sites by nature
+    elif r == 1:
+        D.recv(got, src=0)
+    n = 1 << 17  # 512 KiB a rank: through shared memory, single copies (REMOTE frames)
+    out = np.zeros((p, n), np.float32)
+    D.all_gather(out, np.full(n, float(r), np.float32))
+    return got.tolist(), [float(out[k].min()) for k in range(p)] + [float(out[k].max()) for k in range(p)]
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_cx_debug_detail_raises_nothing_for_a_send_its_recv_and_single_copy_messages(shm):
+    # Both raised a false CollectiveMismatchError under DETAIL: the send's and the recv's lines were compared,
+    # and a REMOTE frame's call site was not read (Note [Call sites in CX_DEBUG=DETAIL]).
+    for r, (got, blocks) in enumerate(ranks.run(messages_and_single_copies, 2, env={"CX_DEBUG": "DETAIL",
+                                                                                 "CX_SHM": shm}, timeout=60)):
+        assert got == ([0.0, 1.0, 2.0, 3.0] if r == 1 else [0.0] * 4)
+        assert blocks == [0.0, 1.0, 0.0, 1.0]
+

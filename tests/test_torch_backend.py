@@ -457,6 +457,36 @@ def test_a_mismatched_call_raises_a_named_error_on_every_rank():
         assert "all_reduce" in o.message and ("10" in o.message and "20" in o.message), o.message
 
 
+def tagged_messages(swap: bool) -> list:
+    import torch.distributed as dist
+
+    _init()
+    if dist.get_rank() == 0:
+        for q in [dist.isend(torch.full((4,), 1.0), 1, tag=1), dist.isend(torch.full((4,), 2.0), 1, tag=2)]:
+            q.wait()
+        got = []
+    else:
+        x, y = torch.zeros(4), torch.zeros(4)
+        order = [(y, 2), (x, 1)] if swap else [(x, 1), (y, 2)]
+        for q in [dist.irecv(t, 0, tag=tag) for t, tag in order]:
+            q.wait()
+        got = x.tolist() + y.tolist()
+    dist.barrier()  # the sender learns of a mismatch here at the latest
+    dist.destroy_process_group()
+    return got
+
+
+def test_send_and_recv_carry_their_tags_and_a_recv_of_another_tag_is_a_named_error():
+    assert ranks.run(tagged_messages, 2, args=(False,), init=False, timeout=60)[1] == [1.0] * 4 + [2.0] * 4
+    # gloo would match the tags out of order; here messages between a pair arrive in order, and a recv posted for
+    # another tag than the next message's raises on both ranks, rather than filling the wrong tensor
+    outs = ranks.spawn(tagged_messages, 2, args=(True,), init=False, timeout=60)
+    for o in outs:
+        assert not o.ok and o.is_a("DistributedError"), (o.exc_type, o.message)
+    assert outs[1].is_a("CollectiveMismatchError") and "tag=2" in outs[1].message and "tag=1" in outs[1].message, \
+        outs[1].message
+
+
 def handles_of_blocking_and_async_calls() -> dict:
     import torch.distributed as dist
 

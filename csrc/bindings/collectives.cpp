@@ -188,17 +188,17 @@ py::object barrier(const GroupPtr& pg, bool async_op) {
   return finish(w, async_op);
 }
 
-py::object send(const GroupPtr& pg, py::object arr, int dst, bool async_op) {
+py::object send(const GroupPtr& pg, py::object arr, int dst, bool async_op, uint32_t tag = 0) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", false, false, gpu);
-  auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream); });
+  auto w = call([&] { return pg->send(v.ptr, v.count, v.dt, dst, async_op, v.stream, tag); });
   return finish(w, async_op, v.obj);
 }
 
-py::object recv(const GroupPtr& pg, py::object arr, int src, bool async_op) {
+py::object recv(const GroupPtr& pg, py::object arr, int src, bool async_op, uint32_t tag = 0) {
   const bool gpu = on_gpu(*pg);
   View v = view_of(arr, "the array", true, false, gpu);
-  auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream); });
+  auto w = call([&] { return pg->recv(v.ptr, v.count, v.dt, src, async_op, v.stream, tag); });
   return finish(w, async_op, v.obj);
 }
 
@@ -279,8 +279,8 @@ void bind_group(py::module_& m) {
            py::arg("async_op") = false)
       .def("all_to_all", on(&all_to_all), py::arg("out"), py::arg("inputs"), py::arg("async_op") = false)
       .def("barrier", on(&barrier), py::arg("async_op") = false)
-      .def("send", on(&send), py::arg("arr"), py::arg("dst"), py::arg("async_op") = false)
-      .def("recv", on(&recv), py::arg("arr"), py::arg("src"), py::arg("async_op") = false)
+      .def("send", on(&send), py::arg("arr"), py::arg("dst"), py::arg("async_op") = false, py::arg("tag") = 0)
+      .def("recv", on(&recv), py::arg("arr"), py::arg("src"), py::arg("async_op") = false, py::arg("tag") = 0)
       .def("__repr__", [](Group& g) {
         return "<cx.distributed.Group rank " + std::to_string(g.pg->rank()) + " of " + std::to_string(g.pg->size()) +
                (g.pg->poisoned() ? ", failed>" : ">");

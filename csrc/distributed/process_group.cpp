@@ -695,9 +695,10 @@ ProcessGroup::WorkPtr ProcessGroup::barrier(bool async) {
 // A send and its matching recv carry the same descriptor: kind send/recv,
 // root = the sender, count, dtype, and the pair's message number.
 ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType dt, int dst, bool async,
-                                         uintptr_t stream) {
+                                         uintptr_t stream, uint32_t tag) {
   check_peer(dst, "dst");
   OpDesc d = make_desc(CollectiveKind::kSendRecv, dt, ReduceOp::kNone, cfg_.rank, count);
+  d.tag = tag;
   {
     std::lock_guard<std::mutex> lk(mu_);
     d.seq = ++sent_[static_cast<size_t>(dst)];
@@ -705,9 +706,11 @@ ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType
   return submit(d, backend().send(buf, count, dt, dst, stream), async);
 }
 
-ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream) {
+ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream,
+                                         uint32_t tag) {
   check_peer(src, "src");
   OpDesc d = make_desc(CollectiveKind::kSendRecv, dt, ReduceOp::kNone, src, count);
+  d.tag = tag;
   {
     std::lock_guard<std::mutex> lk(mu_);
     d.seq = ++recvd_[static_cast<size_t>(src)];

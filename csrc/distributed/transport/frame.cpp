@@ -11,7 +11,8 @@ void fill(char* h, uint8_t type, const OpDesc& desc, uint64_t payload_len, uint3
   h[6] = static_cast<char>(desc.dtype);
   h[7] = static_cast<char>(desc.op);
   put<int32_t>(h, 8, desc.root);
-  put<uint32_t>(h, 12, type == kAbort ? abort_kind : desc.site);  // Note [Call sites in CX_DEBUG=DETAIL]
+  // Note [Call sites in CX_DEBUG=DETAIL]; a send/recv's frame carries its tag there instead.
+  put<uint32_t>(h, 12, type == kAbort ? abort_kind : desc.kind == CollectiveKind::kSendRecv ? desc.tag : desc.site);
   put<uint64_t>(h, 16, desc.count);
   put<uint64_t>(h, 24, desc.seq);
   put<uint64_t>(h, 32, payload_len);
@@ -25,7 +26,7 @@ OpDesc desc(const char* h) {
   d.root = get<int32_t>(h, 8);
   d.count = get<uint64_t>(h, 16);
   d.seq = get<uint64_t>(h, 24);
-  if (static_cast<uint8_t>(h[4]) == kData) d.site = get<uint32_t>(h, 12);
+  if (static_cast<uint8_t>(h[4]) != kAbort) (d.kind == CollectiveKind::kSendRecv ? d.tag : d.site) = get<uint32_t>(h, 12);
   return d;
 }
 

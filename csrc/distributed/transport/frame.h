@@ -3,7 +3,7 @@
 //
 // Frame (40 bytes header, then payload; fields in the host's byte order):
 //   u32 magic "CXF1" | u8 type | u8 kind | u8 dtype | u8 op | i32 root |
-//   u32 abort_kind (ABORT) or call site (DATA) | u64 count | u64 seq | u64 payload_len
+//   u32 abort_kind (ABORT), or call site (DATA, REMOTE; send/recv: its tag) | u64 count | u64 seq | u64 payload_len
 // A receive posted for N bytes accepts only a DATA frame of exactly N bytes
 // whose descriptor equals ours; an ABORT frame carries a peer's error message.
 #pragma once

@@ -13,6 +13,7 @@ std::string OpDesc::describe() const {
   if (dtype != DataType::kBytes) os << ", dtype=" << dtype_name(dtype);
   if (op != ReduceOp::kNone) os << ", op=" << op_name(op);
   if (root >= 0) os << ", " << (kind == CollectiveKind::kSendRecv ? "peer" : "root") << "=" << root;
+  if (tag) os << ", tag=" << tag;
   os << ")";
   if (site) os << " at " << call_site_text(site);
   if (kind == CollectiveKind::kSendRecv) {

@@ -30,11 +30,14 @@ struct OpDesc {
   int32_t root = -1;
   uint64_t count = 0;  // elements per rank, as the caller passed them
   uint64_t seq = 0;    // collective number (per peer pair for send/recv)
-  uint32_t site = 0;   // CX_DEBUG=DETAIL: the Python call site (call_site_id), else 0
+  uint32_t site = 0;   // CX_DEBUG=DETAIL: the Python call site (call_site_id), else 0; not for send/recv
+  uint32_t tag = 0;    // send/recv: the caller's tag (torch's), which the two sides must agree on
 
+  // A send and its recv are two call sites by nature: their sites stay local (Note [Call sites in
+  // CX_DEBUG=DETAIL]), and their frames carry the tag in that word instead.
   bool operator==(const OpDesc& o) const {
     return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count &&
-           seq == o.seq && site == o.site;
+           seq == o.seq && tag == o.tag && (kind == CollectiveKind::kSendRecv || site == o.site);
   }
   // "all_reduce(count=10, dtype=float32, op=SUM) as collective #5" (" at train.py:12" with a site)
   std::string describe() const;
@@ -45,8 +48,10 @@ struct OpDesc {
 // (a branch taken on one rank only) pair up silently: every message matches.
 // With CX_DEBUG=DETAIL the Python wrappers name the caller's file:line before
 // each collective (set_call_site); it travels as a 32-bit id in the frame
-// header (the DATA frame's unused abort-kind word) and in the fingerprint, so
-// the call itself raises MismatchError naming both sites. The texts are kept
+// header (the DATA and REMOTE frames' unused abort-kind word) and in the
+// fingerprint, so the call itself raises MismatchError naming both sites. A
+// send and its recv are two sites by nature: theirs are not compared, and
+// their frames carry the caller's tag in that word. The texts are kept
 // per process (and travel in flight records), so a rank can name a peer's site.
 // Off by default: the frame lookup and the id cost 2.9 us a call (measured on a
 // loaded 2-vCPU machine), on top of DETAIL's log line.

@@ -548,14 +548,15 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         nccl = self._cuda(tensors)
         if nccl is not None:
             return nccl.send(tensors, dstRank, tag)
-        # Point-to-point calls are async in torch (isend) and blocking sends are waited at once: queue it.
-        return _Work(self, self._g.send(_arr(tensors[0]), dstRank, True), tensors)
+        # Point-to-point calls are async in torch (isend) and blocking sends are waited at once: queue it. The tag
+        # travels with the message, and a recv whose tag differs raises CollectiveMismatchError on both ranks.
+        return _Work(self, self._g.send(_arr(tensors[0]), dstRank, True, tag % (1 << 32)), tensors)
 
     def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int = 0) -> Any:
         nccl = self._cuda(tensors)
         if nccl is not None:
             return nccl.recv(tensors, srcRank, tag)
-        return _Work(self, self._g.recv(_arr(tensors[0]), srcRank, True), tensors)
+        return _Work(self, self._g.recv(_arr(tensors[0]), srcRank, True, tag % (1 << 32)), tensors)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         raise ValueError("recv from any source is not supported by the cyxwiz backend: name the source rank "
