@@ -26,7 +26,9 @@ OpDesc desc(const char* h) {
   d.root = get<int32_t>(h, 8);
   d.count = get<uint64_t>(h, 16);
   d.seq = get<uint64_t>(h, 24);
-  if (static_cast<uint8_t>(h[4]) != kAbort) (d.kind == CollectiveKind::kSendRecv ? d.tag : d.site) = get<uint32_t>(h, 12);
+  if (static_cast<uint8_t>(h[4]) != kAbort) {
+    (d.kind == CollectiveKind::kSendRecv ? d.tag : d.site) = get<uint32_t>(h, 12);
+  }
   return d;
 }
 
