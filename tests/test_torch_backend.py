@@ -827,3 +827,88 @@ def test_cuda_tensors_under_the_cyxwiz_backend_go_to_torchs_nccl():
     assert out["all_reduce"] == want and out["async"] == want and out["all_gather_into_tensor"] == want, out
     assert out["reduce_scatter_tensor"] == [2 * v for v in want] and out["cpu"] == [5.0, 5.0], out
     assert "cyxwiz" in out["backend"], out
+
+
+def torch_apis(backend: str, ckpt_dir: str) -> dict:
+    """What a PyTorch script calls beyond the collectives, over `backend`; the values to compare with gloo's."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.nn.functional as dist_fn
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(backend)
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    data = _batches()
+    out: dict = {}
+
+    def train(steps: int, zero: bool = False, join: bool = False, **ddp_kw) -> np.ndarray:
+        model = _model()
+        ddp = DDP(model, **ddp_kw)
+        opt = (ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1) if zero
+               else torch.optim.SGD(ddp.parameters(), lr=0.1))
+        with Join([ddp], enable=join):
+            for s in range(steps):
+                x, y = data[s]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x[r::w]), y[r::w]).backward()
+                opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    out["ddp_static_graph"] = train(3, static_graph=True)
+    out["ddp_bucket_view"] = train(3, gradient_as_bucket_view=True, bucket_cap_mb=0.002)
+    out["ddp_find_unused"] = train(3, find_unused_parameters=True)
+    out["ddp_join_uneven_inputs"] = train(2 + r, join=True)  # each rank its own number of steps
+    out["zero_redundancy_optimizer"] = train(3, zero=True)
+    x = torch.full((3,), float(r + 1), requires_grad=True)
+    y = dist_fn.all_reduce(x)  # with autograd: the gradient is all-reduced too
+    y.sum().backward()
+    out["nn_functional_all_reduce"] = np.concatenate([y.detach().numpy(), x.grad.numpy()])
+    objs: list = [None] * w
+    dist.all_gather_object(objs, {"rank": r, "text": "x" * r})
+    lst = [{"from": 0}, "y"] if r == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    out["objects"] = repr((objs, lst))
+    got = torch.zeros(3)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % w), dist.P2POp(dist.irecv, got, (r - 1) % w)]
+    for q in dist.batch_isend_irecv(ops):
+        q.wait()
+    out["batch_isend_irecv"] = got.numpy()
+    split_in = [k + 1 for k in range(w)]
+    single = torch.zeros((r + 1) * w)
+    dist.all_to_all_single(single, torch.cat([torch.full((k + 1,), float(r)) for k in range(w)]), [r + 1] * w,
+                           split_in)
+    out["all_to_all_uneven"] = single.numpy()
+    mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("dp", "tp"))
+    a, b = torch.full((2,), float(r)), torch.full((2,), float(r))
+    dist.all_reduce(a, group=mesh.get_group("tp"))
+    dist.all_reduce(b, group=mesh.get_group("dp"))
+    out["device_mesh_2d"] = np.concatenate([a.numpy(), b.numpy()])
+    state = {"model": _model().state_dict()}
+    dcp.save(state, checkpoint_id=os.path.join(ckpt_dir, backend))
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    dcp.load(fresh, checkpoint_id=os.path.join(ckpt_dir, backend))
+    out["dcp_save_load"] = np.concatenate([v.reshape(-1).numpy() for v in fresh["model"].values()])
+    dist.destroy_process_group()
+    return out
+
+
+def test_what_pytorch_scripts_call_besides_the_collectives_gives_gloos_results(tmp_path):
+    # DDP's options and Join, ZeroRedundancyOptimizer, autograd collectives, object collectives, batched p2p,
+    # uneven all_to_all, a 2-D DeviceMesh and distributed checkpoints: an unchanged script must run as on gloo.
+    ours = ranks.run(torch_apis, 4, args=("cyxwiz", str(tmp_path)), init=False, timeout=180)
+    theirs = ranks.run(torch_apis, 4, args=("gloo", str(tmp_path)), init=False, timeout=180)
+    for r, (got, want) in enumerate(zip(ours, theirs)):
+        assert got.keys() == want.keys()
+        for k in want:
+            if isinstance(want[k], str):
+                assert got[k] == want[k], (r, k)
+            else:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=f"rank {r}: {k}")
+    saved = np.concatenate([v.reshape(-1).numpy() for v in _model().state_dict().values()])
+    for out in ours:
+        assert np.array_equal(out["dcp_save_load"], saved)  # loaded into zeros: what was saved
+    assert not np.array_equal(ours[0]["ddp_join_uneven_inputs"], ours[0]["ddp_static_graph"])
