@@ -154,7 +154,8 @@ class _Completer:
 
     def _start(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, daemon=True, name=name)
-        self._threads.append(t)
+        # Those that ended go (a job of days starts some for its bursts); the dispatcher stays first.
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
         t.start()
 
     def put(self, item: Any) -> None:
