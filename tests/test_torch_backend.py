@@ -912,3 +912,73 @@ def test_what_pytorch_scripts_call_besides_the_collectives_gives_gloos_results(t
     for out in ours:
         assert np.array_equal(out["dcp_save_load"], saved)  # loaded into zeros: what was saved
     assert not np.array_equal(ours[0]["ddp_join_uneven_inputs"], ours[0]["ddp_static_graph"])
+
+
+def messages_from_any_source() -> dict:
+    import torch.distributed as dist
+
+    _init()
+    r, w = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    out: dict = {}
+    if r == 0:
+        got = []
+        for _ in range(2 * (w - 1)):  # every other rank sends two
+            t = torch.zeros(5)
+            src = dist.recv(t)  # no src: whichever rank's message comes first
+            got.append((src, t.tolist()))
+        out["got"] = got
+        late = torch.zeros(5)
+        pending = dist.irecv(late)  # async, from any source: nothing is on its way yet
+        try:
+            dist.recv(torch.zeros(5), src=1)
+            out["named_while_pending"] = "no error"
+        except ValueError as e:
+            out["named_while_pending"] = str(e)
+        store.set("late", "go")
+        pending.wait()
+        out["late"] = (pending._source_rank(), late.tolist())
+    else:
+        for k in range(2):
+            dist.send(torch.full((5,), float(10 * r + k)), 0)
+        if r == 1:
+            store.wait(["late"])
+            dist.send(torch.full((5,), 99.0), 0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_recv_from_any_source_takes_each_message_once_in_each_senders_order(shm):
+    out = ranks.run(messages_from_any_source, 3, init=False, env={"CX_SHM": shm}, timeout=60)[0]
+    got = out["got"]
+    assert sorted((s, v[0]) for s, v in got) == [(1, 10.0), (1, 11.0), (2, 20.0), (2, 21.0)], got
+    for r in (1, 2):  # each sender's messages in the order sent
+        assert [v[0] for s, v in got if s == r] == [10.0 * r, 10.0 * r + 1], got
+    assert all(v == [v[0]] * 5 for _, v in got)
+    # a recv naming its source would take a message number before the pending one does: refused
+    assert "a recv from rank 1 while a recv from any source is still pending" in out["named_while_pending"], out
+    assert out["late"] == (1, [99.0] * 5), out
+
+
+def nobody_sends() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    import pycyxwiz.torch  # noqa: F401
+
+    dist.init_process_group("cyxwiz", timeout=datetime.timedelta(seconds=2))
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(3))  # rank 1 sends nothing: it goes on to a barrier
+    dist.barrier()
+
+
+def test_a_recv_from_any_source_that_nobody_answers_times_out_by_name_on_every_rank():
+    t0 = time.monotonic()
+    outs = ranks.spawn(nobody_sends, 2, init=False, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert not outs[0].ok and outs[0].is_a("DistributedTimeoutError"), (outs[0].exc_type, outs[0].message)
+    assert "send/recv(count=3, dtype=float32, peer=any) from any rank timed out" in outs[0].message, outs[0].message
+    assert not outs[1].ok and outs[1].is_a("DistributedError"), (outs[1].exc_type, outs[1].message)

@@ -202,6 +202,16 @@ py::object recv(const GroupPtr& pg, py::object arr, int src, bool async_op, uint
   return finish(w, async_op, v.obj);
 }
 
+// (work or None, source): `source()` is the sender's rank once the receive is done (-1 before).
+py::object recv_any(const GroupPtr& pg, py::object arr, bool async_op, uint32_t tag) {
+  const bool gpu = on_gpu(*pg);
+  View v = view_of(arr, "the array", true, false, gpu);
+  auto source = std::make_shared<int>(-1);
+  auto w = call([&] { return pg->recv_any(v.ptr, v.count, v.dt, async_op, tag, source); });
+  py::object src = py::cpp_function([source] { return *source; });
+  return py::make_tuple(finish(w, async_op, v.obj), src);
+}
+
 // A process group of its own (not the default one), made over a Python store: pycyxwiz.torch makes one per torch
 // process group. Dropping it closes its connections, without the GIL (its store may need it).
 struct Group {
@@ -281,6 +291,7 @@ void bind_group(py::module_& m) {
       .def("barrier", on(&barrier), py::arg("async_op") = false)
       .def("send", on(&send), py::arg("arr"), py::arg("dst"), py::arg("async_op") = false, py::arg("tag") = 0)
       .def("recv", on(&recv), py::arg("arr"), py::arg("src"), py::arg("async_op") = false, py::arg("tag") = 0)
+      .def("recv_any", on(&recv_any), py::arg("arr"), py::arg("async_op") = false, py::arg("tag") = 0)
       .def("__repr__", [](Group& g) {
         return "<cx.distributed.Group rank " + std::to_string(g.pg->rank()) + " of " + std::to_string(g.pg->size()) +
                (g.pg->poisoned() ? ", failed>" : ">");

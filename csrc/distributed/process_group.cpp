@@ -713,9 +713,51 @@ ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, i
   d.tag = tag;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    // Its message number would be given before the pending recv from any source takes one (at its run).
+    CX_CHECK(any_pending_ == 0, InvalidArgument, "a recv from rank ", src, " while a recv from any source is still "
+             "pending: wait for that one first");
     d.seq = ++recvd_[static_cast<size_t>(src)];
   }
   return submit(d, backend().recv(buf, count, dt, src, stream), async);
+}
+
+ProcessGroup::WorkPtr ProcessGroup::recv_any(void* buf, size_t count, DataType dt, bool async, uint32_t tag,
+                                             std::shared_ptr<int> source) {
+  OpDesc d = make_desc(CollectiveKind::kSendRecv, dt, ReduceOp::kNone, -1, count);  // root -1: from any rank
+  d.tag = tag;
+  // The message's number on its pair is taken when it runs, once its sender is known (Note [Receiving from any
+  // source] in mesh_transport.cpp).
+  auto desc_of = [this, d](int j) {
+    OpDesc m = d;
+    m.root = j;
+    std::lock_guard<std::mutex> lk(mu_);
+    m.seq = ++recvd_[static_cast<size_t>(j)];
+    return m;
+  };
+  Backend::Body inner = backend().recv_any(buf, count, dt, desc_of, source.get());
+  auto ended = std::make_shared<std::atomic<bool>>(false);
+  auto end = [this, ended] {
+    if (ended->exchange(true)) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    --any_pending_;
+  };
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++any_pending_;
+  }
+  Backend::Body body = [inner = std::move(inner), end, source] {
+    struct Ended {
+      std::function<void()> f;
+      ~Ended() { f(); }
+    } guard{end};
+    inner();
+  };
+  try {
+    return submit(d, std::move(body), async);
+  } catch (...) {
+    end();  // refused before it ran, or it ran and failed (then it ended already)
+    throw;
+  }
 }
 
 }  // namespace cx::distributed

@@ -149,6 +149,9 @@ class ProcessGroup {
   WorkPtr send(const void* buf, size_t count, DataType dt, int dst, bool async, uintptr_t stream = 0,
                uint32_t tag = 0);
   WorkPtr recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream = 0, uint32_t tag = 0);
+  // From whichever rank sends first (Note [Receiving from any source] in mesh_transport.cpp); `*source` gets its
+  // rank once the receive is done. A recv naming a source is refused while one of these is pending.
+  WorkPtr recv_any(void* buf, size_t count, DataType dt, bool async, uint32_t tag, std::shared_ptr<int> source);
 
   // How much finalize() checks (Note [Collective fingerprint]). kFull: wait (up
   // to the operation deadline, like a barrier) for every rank's record and
@@ -228,6 +231,7 @@ class ProcessGroup {
   uint64_t fingerprint_ = 0;           // Note [Collective fingerprint]
   uint64_t monitored_ = 0;             // monitored_barrier() calls
   std::vector<uint64_t> sent_, recvd_;  // point-to-point messages per peer
+  int any_pending_ = 0;                  // recv_any calls submitted and not ended
   std::array<FlightEntry, kFlightEntries> ring_{};  // Note [Flight recorder]; guarded by mu_
 
   std::mutex exec_mu_;  // held while a collective runs on the backend

@@ -88,6 +88,11 @@ class Backend {
   }
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
+  // A receive from whichever rank sends first (Note [Receiving from any source] in mesh_transport.cpp):
+  // `desc_of(j)` gives the message's descriptor once its sender j is known; `source` gets j.
+  virtual Body recv_any(void* buf, size_t count, DataType dt, std::function<OpDesc(int)> desc_of, int* source) {
+    CX_THROW(InvalidArgument, "recv from any source is supported on the CPU backend only: name the source rank");
+  }
 
   // The next body to run belongs to `desc`; its waits give up at `dl`.
   // `on_submitter`: a blocking call that runs on the submitting thread right

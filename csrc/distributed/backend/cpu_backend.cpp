@@ -467,4 +467,14 @@ Backend::Body CpuBackend::recv(void* buf, size_t count, DataType dt, int src, ui
   return [t = t_.get(), buf, bytes = count * dtype_size(dt), src] { t->wait(t->irecv(src, buf, bytes)); };
 }
 
+Backend::Body CpuBackend::recv_any(void* buf, size_t count, DataType dt, std::function<OpDesc(int)> desc_of,
+                                   int* source) {
+  return [t = t_.get(), buf, bytes = count * dtype_size(dt), desc_of = std::move(desc_of), source] {
+    const int j = t->wait_any_message();
+    t->set_desc(desc_of(j));
+    t->wait(t->irecv(j, buf, bytes));
+    *source = j;
+  };
+}
+
 }  // namespace cx::distributed

@@ -41,6 +41,7 @@ class CpuBackend : public Backend {
                              ReduceProbe* probe, size_t base, size_t stride, int rank) override;
   Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) override;
   Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) override;
+  Body recv_any(void* buf, size_t count, DataType dt, std::function<OpDesc(int)> desc_of, int* source) override;
 
   void begin(const OpDesc& desc, const Deadline& dl, bool) override { t_->begin(desc, dl); }
   void abort(ErrorKind kind, const std::string& msg) override { t_->abort(kind, msg); }

@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "distributed/net/auth.h"
 #include "distributed/net/socket.h"
@@ -355,6 +356,33 @@ bool MeshTransport::progress() {
     if (c && c->busy()) moved |= c->progress();
   }
   return moved;
+}
+
+// Note [Receiving from any source]
+// torch's dist.recv(t) without a source takes the first message sent to this rank by anyone. The receiver looks
+// at each peer's next frame without reading it (Channel::peek: MSG_PEEK on a socket, the ring's bytes before its
+// tail moves) and takes the first peer whose next frame is a send/recv message from that peer; the message is
+// then received like any other, its descriptor (the pair's next message number, count, dtype, tag) checked as
+// usual. A peer whose next frame belongs to a collective is no candidate (that frame is for later); an ABORT
+// frame or a peer's end is one, so that the receive raises it. The wait polls: a spin of 50 us, then sleeps of
+// 50 us, until the operation's deadline. The ranks that send need nothing new.
+int MeshTransport::wait_any_message() {
+  const auto start = Clock::now();
+  while (true) {
+    for (int j = 0; j < world_; ++j) {
+      Channel* c = channels_[j].get();
+      OpDesc d;
+      if (!c || !c->peek(&d)) continue;
+      if (d.kind == CollectiveKind::kInit || (d.kind == CollectiveKind::kSendRecv && d.root == j)) return j;
+    }
+    const auto now = Clock::now();
+    if (now >= op_.deadline.at) {
+      CX_THROW(TimeoutError, "rank ", rank_, ": ", op_.desc.describe(), " timed out after ", op_.deadline.timeout_ms,
+               " ms: no rank sent it a message. Is a dist.send to this rank missing, or did the sender name another "
+               "rank?");
+    }
+    if (now - start > std::chrono::microseconds(50)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 void MeshTransport::timed_out() {

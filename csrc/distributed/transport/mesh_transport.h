@@ -56,6 +56,8 @@ class MeshTransport : public Transport {
   void copy_once() override { op_.copy_once = true; }
   void wait(Req r) override;
   void wait_all() override;
+  int wait_any_message() override;
+  void set_desc(const OpDesc& desc) override { op_.desc = desc; }
   void abort(ErrorKind kind, const std::string& msg) override;
   void close(const Deadline& dl) override;
 

@@ -13,10 +13,13 @@ std::string OpDesc::describe() const {
   if (dtype != DataType::kBytes) os << ", dtype=" << dtype_name(dtype);
   if (op != ReduceOp::kNone) os << ", op=" << op_name(op);
   if (root >= 0) os << ", " << (kind == CollectiveKind::kSendRecv ? "peer" : "root") << "=" << root;
+  if (root < 0 && kind == CollectiveKind::kSendRecv) os << ", peer=any";
   if (tag) os << ", tag=" << tag;
   os << ")";
   if (site) os << " at " << call_site_text(site);
-  if (kind == CollectiveKind::kSendRecv) {
+  if (kind == CollectiveKind::kSendRecv && root < 0) {
+    os << " from any rank";
+  } else if (kind == CollectiveKind::kSendRecv) {
     os << " as message #" << seq << " between the pair";
   } else {
     os << " as collective #" << seq;

@@ -96,6 +96,12 @@ class Transport {
   virtual void wait(Req r) = 0;
   virtual void wait_all() = 0;
 
+  // Note [Receiving from any source]: waits (until the operation's deadline) for a peer whose next frame is a
+  // send/recv message from it, or an ABORT or its end, and returns that peer without reading anything; then
+  // set_desc() to that message's descriptor, and irecv() from the peer as usual.
+  virtual int wait_any_message() { CX_THROW(InvalidArgument, "recv from any source is not supported here"); }
+  virtual void set_desc(const OpDesc& desc) {}
+
   // Fails the group: every peer is told (best effort, bounded time) why, so a
   // rank that waits on us raises the same error instead of timing out.
   virtual void abort(ErrorKind kind, const std::string& msg) = 0;

@@ -11,7 +11,8 @@
 Every torch.distributed call on CPU tensors then runs pycyxwiz's collectives on the tensors' own memory (DLPack,
 no copies), with the GIL released: ``all_reduce`` (every ReduceOp but PREMUL_SUM),
 ``broadcast``, ``all_gather`` (and ``all_gather_into_tensor``), ``reduce_scatter`` (and ``reduce_scatter_tensor``),
-``all_to_all`` (and ``all_to_all_single``), ``reduce``, ``gather``, ``scatter``, ``send``/``recv``, ``barrier``,
+``all_to_all`` (and ``all_to_all_single``), ``reduce``, ``gather``, ``scatter``, ``send``/``recv`` (from any source
+too), ``barrier``,
 ``monitored_barrier``; so do DistributedDataParallel and FSDP's ``fully_shard``. ``dist.new_group(ranks)`` makes
 a group of ours with its own connections.
 
@@ -242,6 +243,18 @@ class _Completer:
 # starts another whenever none is free to take one (the others may be waiting inside callbacks). Usually one
 # callback thread is enough and futures are set in submission order; threads started for a burst end again once
 # two others are free.
+
+
+class _AnySourceWork(_Work):
+    """A recv from any source: its sender's rank once it is done (torch's dist.recv reads _source_rank())."""
+
+    def __init__(self, pg: "ProcessGroupCyxwiz", work: Any, result: Any, source: Any) -> None:
+        super().__init__(pg, work, result)
+        self._source = source
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return int(self._source())
 
 
 def _peer_address(store: Any) -> str:
@@ -560,8 +573,12 @@ class ProcessGroupCyxwiz(dist.ProcessGroup):
         return _Work(self, self._g.recv(_arr(tensors[0]), srcRank, True, tag % (1 << 32)), tensors)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
-        raise ValueError("recv from any source is not supported by the cyxwiz backend: name the source rank "
-                         "(dist.recv(t, src=...))")
+        nccl = self._cuda(tensors)
+        if nccl is not None:
+            return nccl.recv_anysource(tensors, tag)
+        # Note [Receiving from any source] in csrc/distributed/transport/mesh_transport.cpp.
+        work, source = self._g.recv_any(_arr(tensors[0]), True, tag % (1 << 32))
+        return _AnySourceWork(self, work, tensors, source)
 
     def barrier(self, opts: Any = None) -> Any:
         if opts is None:  # pg.barrier() by hand: blocking, with a completed Work to wait on

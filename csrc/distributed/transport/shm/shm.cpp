@@ -248,6 +248,16 @@ size_t write(const Ring& r, const char* src, size_t n) {
   return n;
 }
 
+bool peek(const Ring& r, char* dst, size_t n) {
+  const uint64_t tail = r.ctl->tail.load(std::memory_order_relaxed);
+  const uint64_t head = r.ctl->head.load(std::memory_order_acquire);
+  if (head - tail < n) return false;
+  const size_t at = static_cast<size_t>(tail % r.cap), first = std::min(n, r.cap - at);
+  std::memcpy(dst, r.data + at, first);
+  if (first < n) std::memcpy(dst + first, r.data, n - first);
+  return true;
+}
+
 size_t read(const Ring& r, char* dst, size_t n) {
   const uint64_t tail = r.ctl->tail.load(std::memory_order_relaxed);
   const uint64_t head = r.ctl->head.load(std::memory_order_acquire);

@@ -96,6 +96,8 @@ class Segment {
 // full / empty).
 size_t write(const Ring& r, const char* src, size_t n);
 size_t read(const Ring& r, char* dst, size_t n);
+// Copies the next n bytes out of the ring without taking them; false (nothing copied) while fewer are there.
+bool peek(const Ring& r, char* dst, size_t n);
 
 // Note [Publishing in pieces]
 // The reader of a ring reads whatever the writer has published (`head`), so the two copies of a message (into

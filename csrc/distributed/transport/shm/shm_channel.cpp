@@ -49,6 +49,23 @@ bool ShmChannel::progress_acks() {
   return moved;
 }
 
+bool ShmChannel::peek(OpDesc* d) {
+  char h[kHeaderBytes];
+  if (shm::peek(in_, h, kHeaderBytes)) {
+    d->kind = CollectiveKind::kInit;
+    const uint8_t type = frame::type(h);
+    if (frame::has_magic(h) && (type == frame::kData || type == frame::kRemote)) *d = frame::desc(h);
+    return true;
+  }
+  // Nothing in the ring: anything on the socket is the peer's ABORT frame or its end.
+  pollfd p{fd_.get(), POLLIN, 0};
+  if (::poll(&p, 1, 0) > 0 && p.revents) {
+    d->kind = CollectiveKind::kInit;
+    return true;
+  }
+  return false;
+}
+
 WaitOn ShmChannel::wait_on() const {
   return {POLLIN, true};  // anything on the socket: the peer aborted or died
 }

@@ -75,6 +75,17 @@ bool TcpChannel::progress_send() {
   return moved;
 }
 
+bool TcpChannel::peek(OpDesc* d) {
+  char h[kHeaderBytes];
+  const ssize_t k = ::recv(fd_.get(), h, kHeaderBytes, MSG_PEEK | MSG_DONTWAIT);
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+  if (k > 0 && static_cast<size_t>(k) < kHeaderBytes) return false;  // the rest of the header is on its way
+  d->kind = CollectiveKind::kInit;  // the end, an error, or an ABORT frame: a receive raises it
+  const uint8_t type = k > 0 ? frame::type(h) : 0;
+  if (k > 0 && frame::has_magic(h) && type == frame::kData) *d = frame::desc(h);
+  return true;
+}
+
 bool TcpChannel::progress_recv() {
   bool moved = false;
   while (!recvs_.empty()) {
