@@ -982,3 +982,26 @@ def test_a_recv_from_any_source_that_nobody_answers_times_out_by_name_on_every_r
     assert not outs[0].ok and outs[0].is_a("DistributedTimeoutError"), (outs[0].exc_type, outs[0].message)
     assert "send/recv(count=3, dtype=float32, peer=any) from any rank timed out" in outs[0].message, outs[0].message
     assert not outs[1].ok and outs[1].is_a("DistributedError"), (outs[1].exc_type, outs[1].message)
+
+
+def waits_for_any_source_while_the_sender_dies() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    import pycyxwiz.torch  # noqa: F401
+
+    dist.init_process_group("cyxwiz", timeout=datetime.timedelta(seconds=60))
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os._exit(3)  # killed before it sends anything
+    dist.recv(torch.zeros(3))
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_recv_from_any_source_names_a_sender_that_died_in_seconds(shm):
+    t0 = time.monotonic()
+    outs = ranks.spawn(waits_for_any_source_while_the_sender_dies, 2, init=False, env={"CX_SHM": shm}, timeout=60)
+    assert time.monotonic() - t0 < 30  # not the group's 60 s timeout
+    assert not outs[0].ok and outs[0].is_a("DistributedConnectionError"), (outs[0].exc_type, outs[0].message)
+    assert "rank 1 exited, crashed or was killed" in outs[0].message, outs[0].message
