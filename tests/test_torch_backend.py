@@ -336,9 +336,9 @@ def test_the_futures_thread_ends_with_the_group_so_ranks_exit_cleanly(destroy):
         # dispatcher and the callback threads (Note [Callbacks that wait on futures]), one or a few
         if destroy:
             assert out["threads"] == [], out
-        else:
+        else:  # how many callback threads a burst started (and which have not ended yet) depends on the load
             assert out["threads"][0] == f"cyxwiz-callbacks-{r}" and out["threads"][-1] == f"cyxwiz-futures-{r}", out
-            assert set(out["threads"][:-1]) == {f"cyxwiz-callbacks-{r}"} and len(out["threads"]) <= 4, out
+            assert set(out["threads"][:-1]) == {f"cyxwiz-callbacks-{r}"}, out
 
 
 def callbacks_that_wait_on_futures() -> dict:
