@@ -1005,3 +1005,29 @@ def test_a_recv_from_any_source_names_a_sender_that_died_in_seconds(shm):
     assert time.monotonic() - t0 < 30  # not the group's 60 s timeout
     assert not outs[0].ok and outs[0].is_a("DistributedConnectionError"), (outs[0].exc_type, outs[0].message)
     assert "rank 1 exited, crashed or was killed" in outs[0].message, outs[0].message
+
+
+def one_sender_leaves_early() -> list:
+    import torch.distributed as dist
+
+    _init()
+    r = dist.get_rank()
+    got = []
+    if r == 0:
+        for _ in range(2):
+            t = torch.zeros(3)
+            got.append((dist.recv(t), t.tolist()))
+    elif r == 1:
+        dist.send(torch.full((3,), 1.0), 0)
+    else:
+        time.sleep(3.0)  # rank 1 has closed its connections by then
+        dist.send(torch.full((3,), 2.0), 0)
+    dist.destroy_process_group()  # rank 1 closes its connections here, before rank 2 sends
+    return got
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_recv_from_any_source_waits_for_the_others_when_a_sender_has_finished(shm):
+    # A peer that closed its side has nothing more to send; only when every peer has is that an error.
+    got = ranks.run(one_sender_leaves_early, 3, init=False, env={"CX_SHM": shm}, timeout=60)[0]
+    assert got == [(1, [1.0] * 3), (2, [2.0] * 3)], got

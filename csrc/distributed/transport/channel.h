@@ -64,10 +64,11 @@ class Channel {
   // byte moved. Throws ConnectionError, MismatchError, or a peer's abort error.
   virtual bool progress() = 0;
   virtual WaitOn wait_on() const = 0;
-  // With no receive posted: whether the peer's next frame has arrived whole (its header), without reading it;
-  // its descriptor in *d where it is a DATA or REMOTE frame. True also for an ABORT frame and for the peer's end
-  // (d->kind then kInit), which a receive posted on this channel raises (Note [Receiving from any source]).
-  virtual bool peek(OpDesc* d) = 0;
+  // With no receive posted, what the peer sent next, without reading it (Note [Receiving from any source]):
+  // nothing whole yet; a DATA or REMOTE frame, its descriptor in *d; something a receive posted here raises
+  // (an ABORT frame, a reset); or the peer's end (it closed its side: it sends nothing more).
+  enum class Next { kNothing, kFrame, kRaise, kEnded };
+  virtual Next peek(OpDesc* d) = 0;
   // Whether each side of the pair copies the other's messages straight out of its memory (Note [Single-copy
   // large messages] in shm/shm.h); known once the peer has made its channel too.
   virtual bool copies_once() const { return false; }

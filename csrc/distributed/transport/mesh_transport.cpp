@@ -364,17 +364,27 @@ bool MeshTransport::progress() {
 // tail moves) and takes the first peer whose next frame is a send/recv message from that peer; the message is
 // then received like any other, its descriptor (the pair's next message number, count, dtype, tag) checked as
 // usual. A peer whose next frame belongs to a collective is no candidate (that frame is for later); an ABORT
-// frame or a peer's end is one, so that the receive raises it. The wait polls: a spin of 50 us, then sleeps of
-// 50 us, until the operation's deadline. The ranks that send need nothing new.
+// frame or a reset is one, so that the receive raises it. A peer that closed its side has nothing more to send
+// (it may have finished, and others may still send): a candidate only once every peer has, to name one. The
+// wait polls: a spin of 50 us, then sleeps of 50 us, until the operation's deadline. Senders need nothing new.
 int MeshTransport::wait_any_message() {
   const auto start = Clock::now();
   while (true) {
+    int ended = -1, open = 0;
     for (int j = 0; j < world_; ++j) {
       Channel* c = channels_[j].get();
+      if (!c) continue;
       OpDesc d;
-      if (!c || !c->peek(&d)) continue;
-      if (d.kind == CollectiveKind::kInit || (d.kind == CollectiveKind::kSendRecv && d.root == j)) return j;
+      const Channel::Next next = c->peek(&d);
+      if (next == Channel::Next::kRaise) return j;
+      if (next == Channel::Next::kFrame && d.kind == CollectiveKind::kSendRecv && d.root == j) return j;
+      if (next == Channel::Next::kEnded) {
+        ended = j;
+      } else {
+        ++open;
+      }
     }
+    if (open == 0 && ended >= 0) return ended;  // everyone has gone: the receive names one
     const auto now = Clock::now();
     if (now >= op_.deadline.at) {
       CX_THROW(TimeoutError, "rank ", rank_, ": ", op_.desc.describe(), " timed out after ", op_.deadline.timeout_ms,

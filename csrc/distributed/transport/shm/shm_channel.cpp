@@ -49,21 +49,19 @@ bool ShmChannel::progress_acks() {
   return moved;
 }
 
-bool ShmChannel::peek(OpDesc* d) {
+Channel::Next ShmChannel::peek(OpDesc* d) {
   char h[kHeaderBytes];
   if (shm::peek(in_, h, kHeaderBytes)) {
-    d->kind = CollectiveKind::kInit;
     const uint8_t type = frame::type(h);
-    if (frame::has_magic(h) && (type == frame::kData || type == frame::kRemote)) *d = frame::desc(h);
-    return true;
+    if (!frame::has_magic(h) || (type != frame::kData && type != frame::kRemote)) return Next::kRaise;
+    *d = frame::desc(h);
+    return Next::kFrame;
   }
-  // Nothing in the ring: anything on the socket is the peer's ABORT frame or its end.
-  pollfd p{fd_.get(), POLLIN, 0};
-  if (::poll(&p, 1, 0) > 0 && p.revents) {
-    d->kind = CollectiveKind::kInit;
-    return true;
-  }
-  return false;
+  // Nothing in the ring: on the socket, the peer's ABORT frame, or its end.
+  char c;
+  const ssize_t k = ::recv(fd_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return Next::kNothing;
+  return k == 0 ? Next::kEnded : Next::kRaise;
 }
 
 WaitOn ShmChannel::wait_on() const {

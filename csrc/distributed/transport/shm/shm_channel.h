@@ -22,7 +22,7 @@ class ShmChannel final : public Channel {
   void isend(Transport::Req id, const char* buf, size_t len) override;
   bool progress() override;
   WaitOn wait_on() const override;
-  bool peek(OpDesc* d) override;
+  Next peek(OpDesc* d) override;
   bool copies_once() const override {
     return in_.ctl->can_read.load(std::memory_order_acquire) == 1 &&
            out_.ctl->can_read.load(std::memory_order_acquire) == 1;

@@ -75,15 +75,16 @@ bool TcpChannel::progress_send() {
   return moved;
 }
 
-bool TcpChannel::peek(OpDesc* d) {
+Channel::Next TcpChannel::peek(OpDesc* d) {
   char h[kHeaderBytes];
   const ssize_t k = ::recv(fd_.get(), h, kHeaderBytes, MSG_PEEK | MSG_DONTWAIT);
-  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
-  if (k > 0 && static_cast<size_t>(k) < kHeaderBytes) return false;  // the rest of the header is on its way
-  d->kind = CollectiveKind::kInit;  // the end, an error, or an ABORT frame: a receive raises it
-  const uint8_t type = k > 0 ? frame::type(h) : 0;
-  if (k > 0 && frame::has_magic(h) && type == frame::kData) *d = frame::desc(h);
-  return true;
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return Next::kNothing;
+  if (k == 0) return Next::kEnded;
+  if (k < 0) return Next::kRaise;
+  if (static_cast<size_t>(k) < kHeaderBytes) return Next::kNothing;  // the rest of the header is on its way
+  if (!frame::has_magic(h) || frame::type(h) != frame::kData) return Next::kRaise;  // an ABORT frame, or garbage
+  *d = frame::desc(h);
+  return Next::kFrame;
 }
 
 bool TcpChannel::progress_recv() {

@@ -16,7 +16,7 @@ class TcpChannel final : public Channel {
   void isend(Transport::Req id, const char* buf, size_t len) override;
   bool progress() override;
   WaitOn wait_on() const override;
-  bool peek(OpDesc* d) override;
+  Next peek(OpDesc* d) override;
   void socket_event() override {}  // the socket carries the data: progress() reads what it says
   void abort(ErrorKind kind, const std::string& text) override;
 
