@@ -351,9 +351,6 @@ class EMA(Callback):
             dst[...] = saved
 
     def on_train_begin(self, trainer: Any) -> None:
-        if trainer.device:
-            raise ValueError(f"EMA is not supported on the GPU trainer yet ({trainer.device}): the parameters stay "
-                             f"on the device between epochs; train on the CPU backend to use it")
         params = trainer.model.flat_parameters()
         if not (self._restored and self._shadow is not None and self._shadow.size == params.size):
             self._shadow, self._updates = params.copy(), 0   # not resumed from a checkpoint holding the average
@@ -367,7 +364,21 @@ class EMA(Callback):
 
     def _evaluation(self, trainer: Any) -> Any:
         """What fit evaluates under (evaluate=True: the averaged weights)."""
-        return self.average_parameters(trainer.model) if self.evaluate else contextlib.nullcontext()
+        if not self.evaluate:
+            return contextlib.nullcontext()
+        return self._on_the_device(trainer) if trainer.device else self.average_parameters(trainer.model)
+
+    @contextlib.contextmanager
+    def _on_the_device(self, trainer: Any) -> Iterator[Any]:
+        """average_parameters for the GPU trainer, whose model lives on the device during fit: the host gets the
+        device's state, then the averaged weights go to the device for the block, and the trained ones after it."""
+        trainer._core.sync_to_host()
+        try:
+            with self.average_parameters(trainer.model):
+                trainer._core.sync_from_host()
+                yield trainer.model
+        finally:
+            trainer._core.sync_from_host()
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"decay": self.decay, "updates": self.updates}
