@@ -273,10 +273,11 @@ class EMA(Callback):
     The update is one float32 pass over the flat parameters in C++ (exactly NumPy's
     np.float32(decay) * ema + np.float32(1 - decay) * params), made by the trainer's engine where it
     costs least: in the next step, while the gradients are being all-reduced (Note [EMA off the
-    critical path] in csrc/train/ema.h); reading the average settles it first. `evaluate=True`: fit's
-    validation (val_loss, val_accuracy, so what EarlyStopping and ModelCheckpoint see) uses the
-    averaged weights. The average is saved in the trainer's checkpoints and restored on resume
-    (EMA.from_checkpoint(path) reads it from a file). CPU training only for now.
+    critical path] in csrc/train/ema.h); on the GPU trainer, a kernel after every step, the average
+    kept on the device (Note [EMA on the GPU] in csrc/train/gpu_engine.cpp). Reading the average
+    settles it first. `evaluate=True`: fit's validation (val_loss, val_accuracy, so what
+    EarlyStopping and ModelCheckpoint see) uses the averaged weights. The average is saved in the
+    trainer's checkpoints and restored on resume (EMA.from_checkpoint(path) reads it from a file).
     """
 
     batch_metrics = False
