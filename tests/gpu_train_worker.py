@@ -89,7 +89,8 @@ OPTIMIZERS = {
 
 def main() -> None:
     case, opt_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    # Optional: CX_TEST_COMM_HOOK (DDPConfig.comm_hook), CX_TEST_CLIP_NORM / CX_TEST_CLIP_VALUE (the clip bounds).
+    # Optional: CX_TEST_COMM_HOOK (DDPConfig.comm_hook), CX_TEST_CLIP_NORM / CX_TEST_CLIP_VALUE (the clip bounds),
+    # CX_TEST_EMA (an EMA of that decay, evaluating the validation set, X again, with its weights).
     cx.distributed.init()
     model, loss, X, y = build(case)
     opt = OPTIMIZERS[opt_name]()
@@ -100,7 +101,13 @@ def main() -> None:
     cfg.epochs, cfg.batch_size, cfg.seed, cfg.verbose = 2, 16, 11, False
     cfg.grad_clip_norm = float(os.environ["CX_TEST_CLIP_NORM"]) if "CX_TEST_CLIP_NORM" in os.environ else None
     cfg.grad_clip_value = float(os.environ["CX_TEST_CLIP_VALUE"]) if "CX_TEST_CLIP_VALUE" in os.environ else None
-    h = trainer.fit(X, y, cfg)
+    extra = {}
+    if "CX_TEST_EMA" in os.environ:
+        ema = cx.callbacks.EMA(float(os.environ["CX_TEST_EMA"]), evaluate=True)
+        h = trainer.fit(X, y, X, y, cfg, callbacks=[ema])
+        extra = {"ema": ema.flat_parameters(), "val_losses": np.array(h.val_losses)}
+    else:
+        h = trainer.fit(X, y, cfg)
     ev = trainer.evaluate(X, y, batch_size=64)
     sd = opt.state_dict()
     arrays = {f"opt_{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
@@ -109,7 +116,7 @@ def main() -> None:
              params=np.array(model.flat_parameters()),
              step=np.array(sd["step"]), device=np.array(trainer.device),
              rng=np.asarray(model.get_rng_state(), np.uint64),
-             **{f"bn{i}": b for i, b in enumerate(bn)}, **arrays)
+             **{f"bn{i}": b for i, b in enumerate(bn)}, **arrays, **extra)
     cx.distributed.finalize()
 
 

@@ -712,9 +712,7 @@ def _refusal_on_the_gpu(configure) -> str:
 
 @gpu
 @needs_gpu_nccl
-def test_the_gpu_trainer_refuses_ema_and_powersgd_by_name():
-    msg = _refusal_on_the_gpu(lambda cfg: [cx.callbacks.EMA(0.9)])
-    assert msg.startswith("callback EMA.on_train_begin: EMA is not supported on the GPU trainer yet"), msg
+def test_the_gpu_trainer_refuses_powersgd_by_name():
     with _small_model_on_nccl() as m:
         ddp = D.DDPConfig()
         ddp.comm_hook = "powersgd"
@@ -751,6 +749,20 @@ def test_clipping_and_16_bit_buckets_train_on_the_gpu_as_on_the_cpu(tmp_path, ca
     _same_training(_train(tmp_path, case, opt, "cpu", extra_env=env), gpu)
     plain = _train(tmp_path, case, opt, "nccl")
     assert _rel(gpu["params"], plain["params"]) > 1e-6, "the setting changed nothing"
+
+
+# Note [EMA on the GPU] (csrc/train/gpu_engine.cpp): the average and the validation losses it was evaluated with
+# (evaluate=True) follow the CPU trainer's, and the average is not the parameters.
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("case,opt", [("mlp_ce", "adam"), ("cnn", "sgd")])
+def test_an_ema_on_the_gpu_averages_and_evaluates_as_on_the_cpu(tmp_path, case, opt):
+    env = {"CX_TEST_EMA": "0.9"}
+    cpu, gpu = _train(tmp_path, case, opt, "cpu", extra_env=env), _train(tmp_path, case, opt, "nccl", extra_env=env)
+    _same_training(cpu, gpu)
+    assert _rel(gpu["ema"], cpu["ema"]) < 1e-4
+    np.testing.assert_allclose(gpu["val_losses"], cpu["val_losses"], rtol=2e-4)
+    assert _rel(gpu["ema"], gpu["params"]) > 1e-4
 
 
 CLIP_NAN = """

@@ -803,3 +803,9 @@ extern "C" __global__ void cx_nn_narrow16(const float* g, uint16_t* w, u64 n, fl
 extern "C" __global__ void cx_nn_widen16(const uint16_t* w, float* g, u64 n, int kind) {
   CX_LOOP(i, n) g[i] = kind ? __bfloat162float(__ushort_as_bfloat16(w[i])) : __half2float(__ushort_as_half(w[i]));
 }
+
+// cx.callbacks.EMA on the GPU trainer: shadow = d * shadow + c * params, each product rounded and then their sum
+// (no fused multiply-add), as train::ema_update computes it on the CPU, bit for bit on the same parameters.
+extern "C" __global__ void cx_nn_ema(float* shadow, const float* params, u64 n, float d, float c) {
+  CX_LOOP(i, n) shadow[i] = __fadd_rn(__fmul_rn(d, shadow[i]), __fmul_rn(c, params[i]));
+}

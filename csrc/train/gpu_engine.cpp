@@ -216,7 +216,34 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
     const int rank = group_->rank();
     CX_THROW(InvalidArgument, clip_host[0] ? clip_nan_message(rank) : clip_norm_message(norm, rank));
   }
+  update_emas();  // after the step's verdict, as the CPU engine owes its update only once the step is through
   return st;
+}
+
+// Note [EMA on the GPU]
+// cx.callbacks.EMA's shadow lives on the device while fit runs: add_ema uploads the host array (the parameters
+// at the start of fit, or a checkpoint's average), every train_batch that gets through its verdict (taken or
+// skipped, as CpuEngine owes an update after update_parameters) queues cx_nn_ema over the flat parameters on the
+// stream, and settle_ema downloads the shadow into the host array (the callback's accessors, checkpoints, the
+// end of fit). The kernel rounds as train::ema_update does, so on the same parameters the two agree bit for bit.
+void GpuEngine::add_ema(float* host, size_t n, double decay) {
+  dev_->make_current();
+  Ema e{host, n, static_cast<float>(decay), static_cast<float>(1.0 - decay), cuda::Buffer()};
+  e.dev.reserve(n * sizeof(float));
+  dev_->upload(e.dev.get(), host, n * sizeof(float));
+  emas_.push_back(std::move(e));
+}
+
+void GpuEngine::update_emas() {
+  for (Ema& e : emas_)
+    dev_->launch(dev_->fn("cx_nn_ema"), cuda::Device::grid_for(e.n), 256, e.dev.f(),
+                 static_cast<const float*>(dm_->params()), static_cast<unsigned long long>(e.n), e.d, e.c);
+}
+
+void GpuEngine::settle_ema() {
+  if (emas_.empty()) return;
+  dev_->make_current();
+  for (Ema& e : emas_) dev_->download(e.host, e.dev.get(), e.n * sizeof(float));
 }
 
 // Note [The GPU trainer's clipping and 16-bit buckets]

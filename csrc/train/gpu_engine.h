@@ -69,6 +69,11 @@ class GpuEngine : public Engine {
   // TrainerCore::set_grad_clip's (checked there): from the next step on (Note [The GPU trainer's clipping and
   // 16-bit buckets] in gpu_engine.cpp).
   void set_grad_clip(const GradClip& c) { clip_ = c; }
+  // TrainerCore's EMA (Note [EMA on the GPU] in gpu_engine.cpp): `host` (n floats, the parameters' count) is
+  // copied to the device now, updated there after every step, and written back by settle_ema.
+  void add_ema(float* host, size_t n, double decay);
+  void settle_ema();
+  void clear_ema() { emas_.clear(); }
 
  private:
   // Copies the batch to the device; returns its targets' device copies.
@@ -91,6 +96,7 @@ class GpuEngine : public Engine {
   double* clip_norm() const;
   unsigned int* clip_counters() const;
   void clip_on_device();
+  void update_emas();  // queues every EMA's update after the step (Note [EMA on the GPU])
 
   // Declared first so it is destroyed last: every Buffer below frees into its context.
   std::unique_ptr<cuda::Device> dev_;
@@ -116,6 +122,13 @@ class GpuEngine : public Engine {
   GradClip clip_;                              // DistributedTrainingConfig.grad_clip_norm / grad_clip_value
   cuda::Buffer clip_part_;                     // cx_nn_sum_squares' per-block sums, then the coefficient
   CommHookKind hook_ = CommHookKind::kNone;    // DDPConfig.comm_hook: none, fp16 or bf16
+  struct Ema {
+    float* host;
+    size_t n;
+    float d, c;  // decay and 1 - decay, as train::ema_update rounds them
+    cuda::Buffer dev;
+  };
+  std::vector<Ema> emas_;
   cuda::Buffer wire_;                          // fp16/bf16: the buckets in 16 bits, as NCCL reduces them
 
   std::shared_ptr<DistributedDataParallel> host_ddp_;  // its mode, counters and messages for the check

@@ -109,22 +109,27 @@ void TrainerCore::set_grad_clip(const GradClip& clip) {
 }
 
 void TrainerCore::add_ema(float* shadow, size_t n, double decay) {
-  CX_CHECK(cpu_engine_ != nullptr, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
-           "): EMA is not supported on the GPU yet (cuda:", group_->config().local_rank,
-           ", BackendType.NCCL): the parameters stay on the device between epochs. Train on the CPU backend to "
-           "use it");
   CX_CHECK(n == model_->num_parameters(), InvalidArgument, "EMA: the average holds ", n,
            " weights but the model has ", model_->num_parameters(), " parameters");
   CX_CHECK(decay > 0.0 && decay < 1.0, InvalidArgument, "EMA: decay must be in (0, 1), got ", decay);
-  cpu_engine_->averages().add(shadow, n, decay);
+  if (cpu_engine_)
+    cpu_engine_->averages().add(shadow, n, decay);
+  else
+    static_cast<GpuEngine&>(*engine_).add_ema(shadow, n, decay);  // Note [EMA on the GPU] in gpu_engine.cpp
 }
 
 void TrainerCore::settle_ema() {
-  if (cpu_engine_) cpu_engine_->averages().settle(model_->flat_params());
+  if (cpu_engine_)
+    cpu_engine_->averages().settle(model_->flat_params());
+  else
+    static_cast<GpuEngine&>(*engine_).settle_ema();
 }
 
 void TrainerCore::clear_ema() {
-  if (cpu_engine_) cpu_engine_->averages().clear();
+  if (cpu_engine_)
+    cpu_engine_->averages().clear();
+  else
+    static_cast<GpuEngine&>(*engine_).clear_ema();
 }
 
 nn::StateDict TrainerCore::optimizer_state_dict(std::map<std::string, nn::Optimizer::Destination>& into) {

@@ -273,10 +273,11 @@ class EMA(Callback):
     The update is one float32 pass over the flat parameters in C++ (exactly NumPy's
     np.float32(decay) * ema + np.float32(1 - decay) * params), made by the trainer's engine where it
     costs least: in the next step, while the gradients are being all-reduced (Note [EMA off the
-    critical path] in csrc/train/ema.h); reading the average settles it first. `evaluate=True`: fit's
-    validation (val_loss, val_accuracy, so what EarlyStopping and ModelCheckpoint see) uses the
-    averaged weights. The average is saved in the trainer's checkpoints and restored on resume
-    (EMA.from_checkpoint(path) reads it from a file). CPU training only for now.
+    critical path] in csrc/train/ema.h); on the GPU trainer, a kernel after every step, the average
+    kept on the device (Note [EMA on the GPU] in csrc/train/gpu_engine.cpp). Reading the average
+    settles it first. `evaluate=True`: fit's validation (val_loss, val_accuracy, so what
+    EarlyStopping and ModelCheckpoint see) uses the averaged weights. The average is saved in the
+    trainer's checkpoints and restored on resume (EMA.from_checkpoint(path) reads it from a file).
     """
 
     batch_metrics = False
@@ -351,9 +352,6 @@ class EMA(Callback):
             dst[...] = saved
 
     def on_train_begin(self, trainer: Any) -> None:
-        if trainer.device:
-            raise ValueError(f"EMA is not supported on the GPU trainer yet ({trainer.device}): the parameters stay "
-                             f"on the device between epochs; train on the CPU backend to use it")
         params = trainer.model.flat_parameters()
         if not (self._restored and self._shadow is not None and self._shadow.size == params.size):
             self._shadow, self._updates = params.copy(), 0   # not resumed from a checkpoint holding the average
@@ -367,7 +365,21 @@ class EMA(Callback):
 
     def _evaluation(self, trainer: Any) -> Any:
         """What fit evaluates under (evaluate=True: the averaged weights)."""
-        return self.average_parameters(trainer.model) if self.evaluate else contextlib.nullcontext()
+        if not self.evaluate:
+            return contextlib.nullcontext()
+        return self._on_the_device(trainer) if trainer.device else self.average_parameters(trainer.model)
+
+    @contextlib.contextmanager
+    def _on_the_device(self, trainer: Any) -> Iterator[Any]:
+        """average_parameters for the GPU trainer, whose model lives on the device during fit: the host gets the
+        device's state, then the averaged weights go to the device for the block, and the trained ones after it."""
+        trainer._core.sync_to_host()
+        try:
+            with self.average_parameters(trainer.model):
+                trainer._core.sync_from_host()
+                yield trainer.model
+        finally:
+            trainer._core.sync_from_host()
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"decay": self.decay, "updates": self.updates}
