@@ -57,6 +57,7 @@ for s in ${STAGES:-check pytest train torch bf16}; do
         ./launch_distributed.sh 1 python3 examples/train_cnn_digits.py --save "" --quiet &&
         ./launch_distributed.sh 1 python3 examples/train_digits.py --save "" 2>&1 | tail -3' ;;
     cnnbench) stage cnnbench 70 python3 benchmarks/gpu_train.py --cnn --samples 16384 ;;
+    syncbn) stage syncbn 90 python3 benchmarks/gpu_train.py --cnn --sync-bn --samples 8192 ;;
     cnnab) stage cnnab 150 bash -c 'for i in 1 2; do for v in old new; do echo "## $v"
         PYTHONPATH=/tmp/${v}_site:/tmp/site python3 benchmarks/gpu_train.py --cnn --samples 8192; done; done' ;;
     cnnprof) TAILN=45 stage cnnprof 90 bash -c "cd benchmarks &&

@@ -69,10 +69,13 @@ def run_cx(backend: str, sizes, X, y, batch: int, epochs: int, nonfinite: str = 
 
 # --cnn: a small ResNet on 3x32x32 images (CIFAR's size): a stem, one residual block, a downsampling
 # convolution, global average pooling and a linear head; every convolution without bias before BatchNorm.
+SYNC_BN = False  # --sync-bn: SyncBatchNormModule in place of BatchNorm2dModule (its cost at world size 1)
+
+
 def build_cx_cnn(cx, m):
     def conv_bn(seq, cin, cout, stride=1):
         seq.add(cx.Conv2dModule(cin, cout, 3, stride=stride, padding=1, bias=False))
-        seq.add(cx.BatchNorm2dModule(cout))
+        seq.add(cx.SyncBatchNormModule(cout) if SYNC_BN else cx.BatchNorm2dModule(cout))
 
     conv_bn(m, 3, 32)
     m.add(cx.ReLUModule())
@@ -168,6 +171,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--precision", choices=["float32", "tf32", "bf16"], default="float32",
                     help="pycyxwiz's matmul_precision, and the same in PyTorch (bf16: autocast)")
+    ap.add_argument("--sync-bn", action="store_true",
+                    help="with --cnn: also train ours with SyncBatchNormModule (world size 1) beside BatchNorm2d")
     ap.add_argument("--cnn", action="store_true",
                     help="a small ResNet on 3x32x32 images instead of the MLPs (batch 32, 128, 512; no CPU column)")
     args = ap.parse_args()
@@ -208,14 +213,24 @@ def cnn_rows(args) -> int:
     X = X.reshape(-1, 3, 32, 32)
     print(f"== training throughput, small ResNet on 3x32x32, global samples/s (world size 1, Adam, GEMMs "
           f"{args.precision})", flush=True)
-    print(f"{'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx/torch':>9}")
+    global SYNC_BN
+    print(f"{'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx/torch':>9}"
+          + (f" {'cx SyncBN':>10} {'sync/bn':>8}" if args.sync_bn else ""))
     rows = []
     for batch in (32, 128, 512):
+        SYNC_BN = False
         g = run_cx("nccl", "cnn", X, y, batch, args.epochs, precision=args.precision)
         t = run_torch("cnn", X, y, batch, args.epochs, args.precision)
-        rows.append(dict(model="resnet-small", batch=batch, precision=args.precision, cx_gpu=g, torch_gpu=t,
-                         cx_over_torch=g / t))
-        print(f"{batch:>6} {g:>10.0f} {t:>10.0f} {g / t:>9.2f}", flush=True)
+        row = dict(model="resnet-small", batch=batch, precision=args.precision, cx_gpu=g, torch_gpu=t,
+                   cx_over_torch=g / t)
+        line = f"{batch:>6} {g:>10.0f} {t:>10.0f} {g / t:>9.2f}"
+        if args.sync_bn:
+            SYNC_BN = True
+            sb = run_cx("nccl", "cnn", X, y, batch, args.epochs, precision=args.precision)
+            row["cx_gpu_sync_bn"] = sb
+            line += f" {sb:>10.0f} {sb / g:>8.2f}"
+        rows.append(row)
+        print(line, flush=True)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results", "partial"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "partial", f"gpu_train_cnn_{args.precision}.json"), "w") as f:
         json.dump(rows, f, indent=1)

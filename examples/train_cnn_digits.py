@@ -7,9 +7,8 @@ The digits are scikit-learn's 8x8 images, reshaped to (N, 1, 8, 8). The network 
 miniature: a 3x3 stem, two residual blocks (the second halves the image and doubles the channels,
 with a 1x1 strided shortcut), global average pooling and a linear classifier; BatchNorm2d after
 every convolution, synchronized across ranks (SyncBatchNorm) so that 2 ranks normalise as one
-process with the whole batch would. With DISTRIBUTED_BACKEND=nccl the model trains on the GPUs,
-where each rank normalises its own batch (SyncBatchNorm has no GPU code yet). Every rank loads the
-same data and held-out split; the trainer gives each rank its shard per epoch and averages the
+process with the whole batch would, on the CPU backend and, with DISTRIBUTED_BACKEND=nccl, on the
+GPUs (its statistics all-reduced by NCCL). Every rank loads the same data and held-out split; the trainer gives each rank its shard per epoch and averages the
 gradients. Rank 0 saves the trained model
 (cnn_digits.cyxmodel; --save PATH, --save "" to skip); cx.SequentialModel.load(path) reads it back.
 """
@@ -68,8 +67,7 @@ def main() -> None:
 
     cx.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     model = small_resnet(args.width)
-    if cx.distributed.get_config().backend == cx.distributed.BackendType.CPU:
-        model = cx.convert_sync_batchnorm(model)  # on the GPU (NCCL) each rank normalises its own batch
+    model = cx.convert_sync_batchnorm(model)
     opt = cx.AdamOptimizer(args.lr)
     trainer = cx.distributed.DistributedTrainer(model, cx.CrossEntropyLoss(), opt)
     config = cx.distributed.DistributedTrainingConfig()

@@ -26,7 +26,10 @@ def add(model, *modules) -> None:
 
 def build(case: str):
     cx.manual_seed(7)
-    BN[:] = [cx.BatchNormModule(32)]
+    sync = os.environ.get("CX_TEST_SYNC_BN") == "1"  # SyncBatchNormModule for every BatchNorm
+    bn1d = cx.SyncBatchNormModule if sync else cx.BatchNormModule
+    bn2d = cx.SyncBatchNormModule if sync else cx.BatchNorm2dModule
+    BN[:] = [bn1d(32)]
     m = cx.SequentialModel()
     rng = np.random.default_rng(3)
     if case == "mlp_ce":  # every layer kind the digits example uses, plus BatchNorm and GELU
@@ -56,7 +59,7 @@ def build(case: str):
         return m, cx.CrossEntropyLoss(), X, t / t.sum(1, keepdims=True)
     if case == "cnn":  # every image layer: Conv2d (padded, strided, 1x1), BatchNorm2d, both Residual forms, pools
         # No bias before BatchNorm2d (see mlp_ce).
-        BN[:] = [cx.BatchNorm2dModule(6), cx.BatchNorm2dModule(6), cx.BatchNorm2dModule(8)]
+        BN[:] = [bn2d(6), bn2d(6), bn2d(8)]
         block = cx.SequentialModel()
         add(block, cx.Conv2dModule(6, 6, 3, padding=1, bias=False), BN[1], cx.ReLUModule(),
             cx.Conv2dModule(6, 6, 3, padding=1))
@@ -90,7 +93,8 @@ OPTIMIZERS = {
 def main() -> None:
     case, opt_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
     # Optional: CX_TEST_COMM_HOOK (DDPConfig.comm_hook), CX_TEST_CLIP_NORM / CX_TEST_CLIP_VALUE (the clip bounds),
-    # CX_TEST_EMA (an EMA of that decay, evaluating the validation set, X again, with its weights).
+    # CX_TEST_EMA (an EMA of that decay, evaluating the validation set, X again, with its weights),
+    # CX_TEST_SYNC_BN=1 (SyncBatchNormModule for BatchNorm; the float64 all-reduces' sizes are saved).
     cx.distributed.init()
     model, loss, X, y = build(case)
     opt = OPTIMIZERS[opt_name]()
@@ -111,6 +115,9 @@ def main() -> None:
     ev = trainer.evaluate(X, y, batch_size=64)
     sd = opt.state_dict()
     arrays = {f"opt_{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
+    if os.environ.get("CX_TEST_SYNC_BN") == "1":
+        extra["f64_counts"] = np.array([e["count"] for e in cx._core.dist._flight_record()
+                                        if e["op"] == "all_reduce" and e["dtype"] == "float64"], np.int64)
     bn = [np.asarray(a) for b in BN for a in (b.running_mean, b.running_var)] if case in ("mlp_ce", "cnn") else []
     np.savez(out, losses=np.array(h.train_losses), accs=np.array(h.train_accuracies), eval=np.array(ev),
              params=np.array(model.flat_parameters()),

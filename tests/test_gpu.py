@@ -621,26 +621,19 @@ def test_a_bad_label_reads_the_same_on_the_gpu_as_on_the_cpu():
     assert out["nccl"] == out["cpu"]
 
 
-SYNC_BN = """
-import pycyxwiz as cx
-cx.distributed.init()
-m = cx.SequentialModel(); m.add(cx.LinearModule(4, 3)); m.add(cx.SyncBatchNormModule(3))
-try:
-    cx.distributed.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1))
-except ValueError as e:
-    print("ERR", e)
-"""
-
-
+# Note [SyncBatchNorm on the GPU] (csrc/nn/modules_gpu.cpp): the GPU trainer gives SyncBatchNorm its device sum at
+# world size 1 too, so one GPU runs the synchronised path (three float64 all-reduces per layer and step: [M, sums],
+# the centred squares, backward's two sums), which must train as BatchNorm does on the CPU (where a world of one
+# has no sum). 2-D input (mlp_ce) and images, inside both Residual forms (cnn).
 @gpu
 @needs_gpu_nccl
-def test_the_gpu_trainer_refuses_sync_batchnorm_at_construction():
-    # Without a GPU the same check is tested through its C++ path: test_batchnorm_across_ranks.py.
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND="nccl")
-    r = subprocess.run([sys.executable, "-c", SYNC_BN], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "ERR" in r.stdout and "layer 1" in r.stdout and "runs on the CPU backend only for now" in r.stdout
+@pytest.mark.parametrize("case,opt,sizes", [("mlp_ce", "adam", {33, 32, 64}), ("cnn", "sgd", {7, 6, 12, 9, 8, 16})])
+def test_sync_batchnorm_trains_on_the_gpu_as_batchnorm_on_the_cpu(tmp_path, case, opt, sizes):
+    env = {"CX_TEST_SYNC_BN": "1"}
+    cpu, gpu = _train(tmp_path, case, opt, "cpu", extra_env=env), _train(tmp_path, case, opt, "nccl", extra_env=env)
+    _same_training(cpu, gpu)
+    assert sizes <= set(gpu["f64_counts"].tolist()), gpu["f64_counts"]  # the synchronised path ran
+    assert not sizes & set(cpu["f64_counts"].tolist()), cpu["f64_counts"]  # and the CPU's had no sum
 
 
 def _one_sgd_step_on_the_gpu(precision):

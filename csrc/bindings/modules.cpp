@@ -140,8 +140,8 @@ void bind_sync_batchnorm(py::module_& m) {
   shared_class<SyncBatchNormModule, BatchNormModule>(
       m, "SyncBatchNormModule",
       "BatchNormModule whose training statistics are those of every rank's batch together, as "
-      "torch.nn.SyncBatchNorm (CPU backend only for now). Inside DistributedDataParallel or DistributedTrainer "
-      "it all-reduces per-feature sums in forward and backward; alone, or in a world of one, it is "
+      "torch.nn.SyncBatchNorm. Inside DistributedDataParallel or DistributedTrainer it all-reduces per-feature "
+      "sums in forward and backward (on the GPU trainer through NCCL); alone, or in a world of one, it is "
       "BatchNormModule. Eval mode uses the running statistics and communicates nothing.\n\n"
       "    model.add(cx.SyncBatchNormModule(64))\n"
       "    model = cx.SyncBatchNormModule.convert_sync_batchnorm(model)   # or convert an existing model")

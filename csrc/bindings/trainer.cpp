@@ -139,7 +139,7 @@ void def_host_side(CoreClass& c) {
           [](TrainerCore& c, double max_norm, double max_value) { c.set_grad_clip(GradClip{max_norm, max_value}); },
           py::arg("max_norm"), py::arg("max_value"),
           "Clip the averaged gradient before every step: its global L2 norm to max_norm, every element to "
-          "[-max_value, max_value] (0: off). The GPU engine refuses it.")
+          "[-max_value, max_value] (0: off), on the GPU engine too.")
       .def(
           "add_ema",
           [](TrainerCore& c, py::handle shadow, double decay) {

@@ -100,7 +100,8 @@ const char* const kNnKernels[] = {
     "cx_nn_maxpool_bwd", "cx_nn_avgpool_fwd", "cx_nn_avgpool_bwd", "cx_nn_gap_fwd", "cx_nn_gap_bwd",
     "cx_nn_channel_sums", "cx_nn_bn2d_var", "cx_nn_bn2d_fwd", "cx_nn_bn2d_bsum", "cx_nn_bn2d_bwd", "cx_nn_add",
     "cx_nn_clip_value", "cx_nn_sum_squares", "cx_nn_clip_norm_coef", "cx_nn_scale_by", "cx_nn_narrow16",
-    "cx_nn_widen16", "cx_nn_ema"};
+    "cx_nn_widen16", "cx_nn_ema", "cx_nn_sbn_fold", "cx_nn_sbn_var", "cx_nn_sbn_fwd", "cx_nn_sbn_bfold",
+    "cx_nn_sbn_bwd"};
 
 Device::Device(int ordinal) : ordinal_(ordinal) {
   const auto& d = cuda_driver();  // throws "no NVIDIA GPU visible ..." where there is none

@@ -515,6 +515,95 @@ extern "C" __global__ void cx_nn_bn2d_bwd(const float* gy, const float* x, const
   }
 }
 
+// SyncBatchNormModule (Note [SyncBatchNorm on the GPU] in nn/modules_gpu.cpp): the kernels above with the sums
+// taken out between the passes and summed over the ranks. st holds, in double: [0] the count M (every rank's
+// values per channel), [1, C] the sums, [1+C, 2C] the centred squares, [1+2C, 3C] backward's sum of gy and
+// [1+3C, 4C] its sum of gy * x-hat.
+// st[off + c] = the sum of channel c's runs (part[p * C + c], p < runs), in order; st[0] = count if count > 0.
+extern "C" __global__ void cx_nn_sbn_fold(const double* part, double* st, u64 C, unsigned runs, u64 off,
+                                          double count) {
+  CX_LOOP(c, C) {
+    double s = 0.0;
+    for (unsigned p = 0; p < runs; ++p) s += part[p * C + c];
+    st[off + c] = s;
+    if (c == 0 && count > 0.0) st[0] = count;
+  }
+}
+
+// part[p * C + c] = run p of channel c's centred squares about the mean of every rank's values.
+extern "C" __global__ void cx_nn_sbn_var(const float* x, const double* st, double* part, u64 N, u64 C, u64 S) {
+  __shared__ double red[256];
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  const float mean_f = (float)(st[1 + c] / st[0]);
+  double v = 0.0;
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const float dv = x[cx_chan_at(t, uS, C, c)] - mean_f;
+    v += (double)dv * dv;
+  }
+  v = cx_block_sum(v, red);
+  if (threadIdx.x == 0) part[blockIdx.y * C + c] = v;
+}
+
+// Training forward with every rank's statistics: cx_nn_bn2d_fwd's arithmetic over the count st[0].
+extern "C" __global__ void cx_nn_sbn_fwd(const float* x, float* y, const double* st, float* mean_out, float* invstd,
+                                         const float* gamma, const float* beta, float* rmean, float* rvar, u64 N,
+                                         u64 C, u64 S, float eps, float momentum) {
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  const double Mg = st[0], sum = st[1 + c], var = st[1 + C + c];
+  const float mean_f = (float)(sum / Mg);
+  const float is = (float)(1.0 / sqrt(var / Mg + eps));
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
+    rmean[c] = (float)((1.0 - momentum) * rmean[c] + momentum * (sum / Mg));
+    rvar[c] = (float)((1.0 - momentum) * rvar[c] + momentum * var / (Mg - 1.0));
+    mean_out[c] = mean_f;
+    invstd[c] = is;
+  }
+  const float a = gamma[c] * is, b = beta[c];
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
+    y[i] = a * (x[i] - mean_f) + b;
+  }
+}
+
+// Backward's local sums (cx_nn_bn2d_bsum's runs, in order): into dbeta and dgamma, which DDP averages, and into
+// st for the all-reduce that dL/dx needs.
+extern "C" __global__ void cx_nn_sbn_bfold(const double* part, double* st, const float* invstd, float* dgamma,
+                                           float* dbeta, u64 C, unsigned runs) {
+  CX_LOOP(c, C) {
+    double s1 = 0.0, s2 = 0.0;
+    for (unsigned p = 0; p < runs; ++p) s1 += part[p * C + c];
+    for (unsigned p = 0; p < runs; ++p) s2 += part[((u64)runs + p) * C + c];
+    s2 *= invstd[c];
+    dbeta[c] += (float)s1;
+    dgamma[c] += (float)s2;
+    st[1 + 2 * C + c] = s1;
+    st[1 + 3 * C + c] = s2;
+  }
+}
+
+// dL/dx from every rank's sums (cx_nn_bn2d_bwd's formula over the count st[0]).
+extern "C" __global__ void cx_nn_sbn_bwd(const float* gy, const float* x, const float* mean, const float* invstd,
+                                         const float* gamma, float* gx, const double* st, u64 N, u64 C, u64 S) {
+  const u64 c = blockIdx.x;
+  const unsigned M = (unsigned)(N * S), uS = (unsigned)S;
+  unsigned lo, hi;
+  cx_run(M, lo, hi);
+  const float m = mean[c];
+  const double inv_m = 1.0 / st[0], s1 = st[1 + 2 * C + c], s2 = st[1 + 3 * C + c];
+  const double gi = (double)gamma[c] * invstd[c];
+  const float k1 = (float)gi, k2 = (float)(-gi * invstd[c] * inv_m * s2), k3 = (float)(-gi * inv_m * s1);
+  for (unsigned t = lo + threadIdx.x; t < hi; t += blockDim.x) {
+    const u64 i = cx_chan_at(t, uS, C, c);
+    gx[i] = k1 * gy[i] + k2 * (x[i] - m) + k3;
+  }
+}
+
 extern "C" __global__ void cx_nn_add(const float* a, const float* b, float* out, u64 n) {
   CX_LOOP(i, n) out[i] = a[i] + b[i];
 }

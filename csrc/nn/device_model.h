@@ -47,6 +47,12 @@ class DeviceModel {
   // gradient for the model's input.
   void backward(const float* gy, const std::function<void(size_t)>& hook);
   void zero_grad();
+  // The device sum that modules which communicate use (SyncBatchNormModule: Note [SyncBatchNorm on the GPU] in
+  // modules_gpu.cpp) and how many replicas it sums over; given by the GPU trainer, at every world size.
+  void set_replica_sum(ReplicaSum sum, int replicas) {
+    sum_ = std::move(sum);
+    replicas_ = replicas;
+  }
 
   float* params() { return params_.f(); }
   float* grads() { return grads_.f(); }
@@ -62,7 +68,9 @@ class DeviceModel {
     size_t first = 0;  // global index of its first parameter tensor
     std::unique_ptr<DeviceState> state;
   };
-  DeviceParams device_params() { return DeviceParams{dev_, params_.f(), grads_.f()}; }
+  DeviceParams device_params() {
+    return DeviceParams{dev_, params_.f(), grads_.f(), sum_ ? &sum_ : nullptr, replicas_};
+  }
 
   std::shared_ptr<SequentialModel> model_;
   cuda::Device& dev_;
@@ -75,6 +83,8 @@ class DeviceModel {
   const float* input_ = nullptr;
   cuda::Buffer gbuf_[2];
   bool have_forward_ = false;
+  ReplicaSum sum_;
+  int replicas_ = 1;
 };
 
 }  // namespace cx::nn

@@ -51,10 +51,16 @@ using ParamDone = std::function<void(size_t local_index)>;
 // batch-norm statistics), lives in a DeviceState the module makes and the
 // DeviceModel running it owns (device_model.h): device memory is freed with
 // its device. The module's GPU code is in modules_gpu.cpp, beside its CPU code.
+// A blocking SUM all-reduce of n float64 over the replicas (Note [Modules that communicate] below): of host
+// memory as set_replica_sum gives it, of device memory, after what the stream holds, as DeviceParams carries it.
+using ReplicaSum = std::function<void(double* buf, size_t n)>;
+
 struct DeviceParams {
   cuda::Device& dev;
   float* params;  // the model's flat device parameters
   float* grads;   // and gradients
+  const ReplicaSum* replica_sum = nullptr;  // SyncBatchNormModule's statistics (Note [SyncBatchNorm on the GPU])
+  int replicas = 1;                         // the ranks replica_sum sums over
 };
 
 class DeviceState {
@@ -73,7 +79,6 @@ class DeviceState {
 // wrapper's stays). Every rank calls it at the same point of the same forward
 // or backward, so the collectives pair up; it is only given in a world of more
 // than one. A module without one computes on its local batch alone.
-using ReplicaSum = std::function<void(double* buf, size_t n)>;
 
 class Module {
  public:

@@ -284,8 +284,8 @@ class BatchNormModule : public Module {
 // input_grad=False, the same on every rank).
 // Without a sum (outside DistributedDataParallel, or a world of one) the module
 // is BatchNormModule on its local batch. Eval mode uses the running statistics
-// and communicates nothing. On the GPU it is refused (check_runs_on_gpu) until
-// it has device code.
+// and communicates nothing. On the GPU: Note [SyncBatchNorm on the GPU] in
+// modules_gpu.cpp.
 class SyncBatchNormModule : public BatchNormModule {
  public:
   using BatchNormModule::BatchNormModule;
@@ -301,13 +301,12 @@ class SyncBatchNormModule : public BatchNormModule {
   void set_replica_sum(ReplicaSum sum, const void* owner) override;
   void clear_replica_sum(const void* owner) override;
 
-  // CPU only for now: these throw InvalidArgument saying so.
-  void check_runs_on_gpu() const override;
+  // On the GPU: BatchNormModule's device state, the statistics summed by DeviceParams::replica_sum (Note
+  // [SyncBatchNorm on the GPU] in modules_gpu.cpp).
   void forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
                bool training) override;
   void backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y, const Shape& in,
                 const float* gy, float* gx, const ParamDone& done) override;
-  std::unique_ptr<DeviceState> make_device_state(cuda::Device& dev) const override;
 };
 
 // Replaces every BatchNormModule and BatchNorm2dModule of `model`, and of the

@@ -134,6 +134,10 @@ struct BatchNormState : DeviceState {
   Buffer mean;  // images (N, C, H, W): backward recomputes x-hat from x, mean and invstd
   mutable Buffer part;  // images: each run's two sums (the kernels' part), 2 x runs x C doubles
   bool last_training = false;
+  // SyncBatchNormModule: the statistics summed over the ranks (cx_nn_sbn_fold's layout, 4C + 1 doubles), and
+  // whether the last forward normalised with them.
+  Buffer sync;
+  bool synced = false;
 };
 }  // namespace
 
@@ -226,27 +230,72 @@ void BatchNormModule::backward(const DeviceParams& d, DeviceState* s, const floa
 
 // ---- SyncBatchNorm -----------------------------------------------------------------
 
-// No device code yet (Note [SyncBatchNorm statistics] in modules.h): the GPU
-// trainer asks check_runs_on_gpu() before it makes a device model, and these
-// refuse in the same words should anything get past it.
-void SyncBatchNormModule::check_runs_on_gpu() const {
-  CX_THROW(InvalidArgument, repr(), ": SyncBatchNormModule runs on the CPU backend only for now (it has no GPU "
-           "code yet). Train this model with the CPU backend (DISTRIBUTED_BACKEND=cpu), or on the GPU with "
-           "BatchNormModule, whose statistics are each GPU's own batch's.");
+// Note [SyncBatchNorm on the GPU]
+// Note [SyncBatchNorm statistics] (modules.h) on the device: BatchNorm2d's kernels (Note [Channel sums in runs]
+// in cuda/nn.cu) with the sums taken out between the passes and summed over the ranks by the device ReplicaSum the
+// GPU trainer puts in DeviceParams (a blocking NCCL all-reduce of float64 on the stream):
+//   forward:  channel sums -> fold [M, sums] -> all-reduce -> centred squares about the global mean -> fold ->
+//             all-reduce -> normalise with the global statistics, running statistics from them (cx_nn_sbn_*);
+//   backward: BatchNorm2d's two sums -> fold, adding the local sums to dbeta and dgamma (DDP averages those, as
+//             on the CPU) -> all-reduce [2C] -> dL/dx with the global sums and count.
+// (batch, features) input runs as images of 1x1 (N, C, 1, 1), so one path serves both. The trainer gives the
+// sum at every world size, so a single GPU runs this path too (its all-reduces copy nothing; tests/test_gpu.py
+// compares it with the CPU's BatchNorm). Without a sum (no trainer) and in eval mode it is BatchNormModule.
+// Each all-reduce waits on the host: 3 per layer and training step.
+void SyncBatchNormModule::forward(const DeviceParams& d, DeviceState* s, const float* x, const Shape& in, float* y,
+                                  bool training) {
+  auto& st = *static_cast<BatchNormState*>(s);
+  const Shape im = in.size() == 4 ? in : Shape{in[0], in[1], 1, 1};
+  st.synced = training && d.replica_sum;
+  if (!st.synced) return BatchNormModule::forward(d, s, x, im, y, training);
+  const size_t F = features(), per = im[0] * im[2] * im[3];
+  CX_CHECK(per < (size_t(1) << 32), InvalidArgument, repr(), ": input ", shape_str(in),
+           " has too many values per channel for the GPU's kernels (2^32)");
+  CX_CHECK(per * static_cast<size_t>(d.replicas) >= 2, InvalidArgument, repr(), " needs a batch of at least 2 rows ",
+           "over all ranks in training mode, got ", per, " (this rank's input: ", shape_str(in), ")");
+  st.last_training = true;
+  const unsigned runs = cuda::Device::channel_runs(per), C = static_cast<unsigned>(F);
+  const u64 N = im[0], S = im[2] * im[3];
+  st.part.reserve(2 * runs * F * sizeof(double));
+  st.sync.reserve((4 * F + 1) * sizeof(double));
+  auto* part = static_cast<double*>(st.part.get());
+  auto* sync = static_cast<double*>(st.sync.get());
+  d.dev.launch2(d.dev.fn("cx_nn_channel_sums"), C, runs, 256, 1, x, part, N, u64(F), S);
+  d.dev.launch(d.dev.fn("cx_nn_sbn_fold"), Device::grid_for(F), 256, static_cast<const double*>(part), sync, u64(F),
+               runs, u64(1), static_cast<double>(per));
+  (*d.replica_sum)(sync, F + 1);
+  d.dev.launch2(d.dev.fn("cx_nn_sbn_var"), C, runs, 256, 1, x, static_cast<const double*>(sync), part, N, u64(F), S);
+  d.dev.launch(d.dev.fn("cx_nn_sbn_fold"), Device::grid_for(F), 256, static_cast<const double*>(part), sync, u64(F),
+               runs, u64(1 + F), 0.0);
+  (*d.replica_sum)(sync + 1 + F, F);
+  d.dev.launch2(d.dev.fn("cx_nn_sbn_fwd"), C, runs, 256, 1, x, y, static_cast<const double*>(sync), st.mean.f(),
+                st.invstd.f(), static_cast<const float*>(param(d, 0)), static_cast<const float*>(param(d, 1)),
+                st.rmean.f(), st.rvar.f(), N, u64(F), S, eps(), momentum());
 }
 
-std::unique_ptr<DeviceState> SyncBatchNormModule::make_device_state(cuda::Device&) const {
-  check_runs_on_gpu();
-  return nullptr;
-}
-
-void SyncBatchNormModule::forward(const DeviceParams&, DeviceState*, const float*, const Shape&, float*, bool) {
-  check_runs_on_gpu();
-}
-
-void SyncBatchNormModule::backward(const DeviceParams&, DeviceState*, const float*, const float*, const Shape&,
-                                   const float*, float*, const ParamDone&) {
-  check_runs_on_gpu();
+void SyncBatchNormModule::backward(const DeviceParams& d, DeviceState* s, const float* x, const float* y,
+                                   const Shape& in, const float* gy, float* gx, const ParamDone& done) {
+  auto& st = *static_cast<BatchNormState*>(s);
+  const Shape im = in.size() == 4 ? in : Shape{in[0], in[1], 1, 1};
+  if (!st.synced) return BatchNormModule::backward(d, s, x, y, im, gy, gx, done);
+  const size_t F = features();
+  const unsigned runs = cuda::Device::channel_runs(im[0] * im[2] * im[3]), C = static_cast<unsigned>(F);
+  const u64 N = im[0], S = im[2] * im[3];
+  auto* part = static_cast<double*>(st.part.get());
+  auto* sync = static_cast<double*>(st.sync.get());
+  const auto* mean = static_cast<const float*>(st.mean.f());
+  const auto* invstd = static_cast<const float*>(st.invstd.f());
+  d.dev.launch2(d.dev.fn("cx_nn_bn2d_bsum"), C, runs, 256, 1, gy, x, mean, part, N, u64(F), S);
+  d.dev.launch(d.dev.fn("cx_nn_sbn_bfold"), Device::grid_for(F), 256, static_cast<const double*>(part), sync, invstd,
+               grad(d, 0), grad(d, 1), u64(F), runs);
+  if (done) {
+    done(1);
+    done(0);
+  }
+  if (!gx) return;  // the first layer: no all-reduce, on every rank alike (as on the CPU)
+  (*d.replica_sum)(sync + 1 + 2 * F, 2 * F);
+  d.dev.launch2(d.dev.fn("cx_nn_sbn_bwd"), C, runs, 256, 1, gy, x, mean, invstd,
+                static_cast<const float*>(param(d, 0)), gx, static_cast<const double*>(sync), N, u64(F), S);
 }
 
 // ---- Flatten -----------------------------------------------------------------------

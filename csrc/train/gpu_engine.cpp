@@ -14,7 +14,7 @@ constexpr size_t kCountersAt = kClipAt + sizeof(double) + 2 * sizeof(uint32_t);
 
 uintptr_t stream_id(const cuda::Device& dev) { return reinterpret_cast<uintptr_t>(dev.stream()); }
 
-// Every layer must have GPU code (a SyncBatchNormModule has none yet): asked
+// Every layer must have GPU code (a layer of cpu_only.h has none): asked
 // before a GPU is touched, so every rank refuses at trainer construction.
 std::unique_ptr<cuda::Device> open_device(const nn::SequentialModel& model, const distributed::ProcessGroup& group) {
   nn::check_runs_on_gpu(model);
@@ -35,6 +35,10 @@ GpuEngine::GpuEngine(std::shared_ptr<nn::SequentialModel> model, std::shared_ptr
       broadcast_buffers_(cfg.broadcast_buffers) {
   hook_ = parse_comm_hook(cfg.comm_hook, "DistributedTrainer: DDPConfig.comm_hook");  // none/fp16/bf16 (TrainerCore)
   dm_ = std::make_unique<nn::DeviceModel>(model_, *dev_);
+  // SyncBatchNormModule's sums (Note [SyncBatchNorm on the GPU] in nn/modules_gpu.cpp), at world size 1 too.
+  dm_->set_replica_sum([g = group_.get(), s = stream_id(*dev_)](double* buf, size_t n) {
+    g->all_reduce(buf, n, distributed::DataType::kFloat64, distributed::ReduceOp::kSum, false, s);
+  }, group_->size());
   opt_state_ = opt_->to_device(*dev_, dm_->size());
   const auto slices = model_->param_slices();
   std::vector<uint64_t> bounds{0};
