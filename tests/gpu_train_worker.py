@@ -94,7 +94,8 @@ def main() -> None:
     case, opt_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
     # Optional: CX_TEST_COMM_HOOK (DDPConfig.comm_hook), CX_TEST_CLIP_NORM / CX_TEST_CLIP_VALUE (the clip bounds),
     # CX_TEST_EMA (an EMA of that decay, evaluating the validation set, X again, with its weights),
-    # CX_TEST_SYNC_BN=1 (SyncBatchNormModule for BatchNorm; the float64 all-reduces' sizes are saved).
+    # CX_TEST_SYNC_BN=1 (SyncBatchNormModule for BatchNorm; the float64 all-reduces' sizes are saved),
+    # CX_TEST_ZERO=1 (shard_optimizer_state; then a checkpoint's optimizer arrays, and one more epoch unsharded).
     cx.distributed.init()
     model, loss, X, y = build(case)
     opt = OPTIMIZERS[opt_name]()
@@ -105,6 +106,8 @@ def main() -> None:
     cfg.epochs, cfg.batch_size, cfg.seed, cfg.verbose = 2, 16, 11, False
     cfg.grad_clip_norm = float(os.environ["CX_TEST_CLIP_NORM"]) if "CX_TEST_CLIP_NORM" in os.environ else None
     cfg.grad_clip_value = float(os.environ["CX_TEST_CLIP_VALUE"]) if "CX_TEST_CLIP_VALUE" in os.environ else None
+    zero = os.environ.get("CX_TEST_ZERO") == "1"
+    cfg.shard_optimizer_state = zero
     extra = {}
     if "CX_TEST_EMA" in os.environ:
         ema = cx.callbacks.EMA(float(os.environ["CX_TEST_EMA"]), evaluate=True)
@@ -113,14 +116,25 @@ def main() -> None:
     else:
         h = trainer.fit(X, y, cfg)
     ev = trainer.evaluate(X, y, batch_size=64)
+    params = np.array(model.flat_parameters())
     sd = opt.state_dict()
     arrays = {f"opt_{k}": v for k, v in sd.items() if isinstance(v, np.ndarray)}
+    if zero:  # the state gathered whole into a checkpoint, then ZeRO off (gathered again) for one more epoch
+        from pycyxwiz.distributed import _ckpt_file
+        trainer.save_checkpoint(out + ".ckpt")
+        with open(out + ".ckpt", "rb") as f:
+            z = _ckpt_file.unpack(f.read(), out + ".ckpt")
+        extra.update({f"ckpt_{k[4:]}": np.asarray(z[k]) for k in z if k.startswith("opt.")})
+        cfg.shard_optimizer_state, cfg.epochs = False, 1
+        trainer.fit(X, y, cfg)
+        extra["params_after"] = np.array(model.flat_parameters())
+        extra.update({f"after_{k}": v for k, v in opt.state_dict().items() if isinstance(v, np.ndarray)})
     if os.environ.get("CX_TEST_SYNC_BN") == "1":
         extra["f64_counts"] = np.array([e["count"] for e in cx._core.dist._flight_record()
                                         if e["op"] == "all_reduce" and e["dtype"] == "float64"], np.int64)
     bn = [np.asarray(a) for b in BN for a in (b.running_mean, b.running_var)] if case in ("mlp_ce", "cnn") else []
     np.savez(out, losses=np.array(h.train_losses), accs=np.array(h.train_accuracies), eval=np.array(ev),
-             params=np.array(model.flat_parameters()),
+             params=params,
              step=np.array(sd["step"]), device=np.array(trainer.device),
              rng=np.asarray(model.get_rng_state(), np.uint64),
              **{f"bn{i}": b for i, b in enumerate(bn)}, **arrays, **extra)

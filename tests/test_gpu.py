@@ -621,6 +621,25 @@ def test_a_bad_label_reads_the_same_on_the_gpu_as_on_the_cpu():
     assert out["nccl"] == out["cpu"]
 
 
+# Note [ZeRO-1 on the GPU] (csrc/train/gpu_engine.cpp), at world size 1 (one shard, every rank's code path: the
+# sharded step, the in-place all-gather, the state gathered into a checkpoint, ZeRO turned off again), against
+# the CPU trainer doing the same. More than one GPU is not tried here.
+@gpu
+@needs_gpu_nccl
+@pytest.mark.parametrize("case,opt", [("mlp_ce", "adam"), ("cnn", "sgd")])
+def test_sharded_optimizer_state_trains_on_the_gpu_as_on_the_cpu(tmp_path, case, opt):
+    env = {"CX_TEST_ZERO": "1"}
+    cpu, gpu = _train(tmp_path, case, opt, "cpu", extra_env=env), _train(tmp_path, case, opt, "nccl", extra_env=env)
+    _same_training(cpu, gpu)
+    names = [k[4:] for k in cpu if k.startswith("opt_") and k != "opt_step"]
+    assert names and all(f"ckpt_{n}" in gpu for n in names), (names, sorted(gpu))
+    for n in names:  # the checkpoint holds the state the optimizer had, whole
+        np.testing.assert_array_equal(gpu[f"ckpt_{n}"], gpu[f"opt_{n}"])
+        assert _rel(gpu[f"after_{n}"], cpu[f"after_{n}"]) < 1e-3, n
+    assert _rel(gpu["params_after"], cpu["params_after"]) < 1e-4
+    assert _rel(gpu["params_after"], gpu["params"]) > 1e-6  # the epoch after ZeRO trained
+
+
 # Note [SyncBatchNorm on the GPU] (csrc/nn/modules_gpu.cpp): the GPU trainer gives SyncBatchNorm its device sum at
 # world size 1 too, so one GPU runs the synchronised path (three float64 all-reduces per layer and step: [M, sums],
 # the centred squares, backward's two sums), which must train as BatchNorm does on the CPU (where a world of one

@@ -247,44 +247,6 @@ def test_loading_a_shard_instead_of_a_whole_state_is_refused():
         assert "'exp_avg' holds 10 floats but the model has 3605 parameters" in o.message
 
 
-ZERO_ON_GPU = """
-import numpy as np, pycyxwiz as cx
-cx.distributed.init()
-m = cx.SequentialModel(); m.add(cx.LinearModule(4, 3))
-t = cx.distributed.DistributedTrainer(m, cx.CrossEntropyLoss(), cx.AdamOptimizer(0.1))
-c = cx.distributed.DistributedTrainingConfig(epochs=1, batch_size=4, verbose=False, shard_optimizer_state=True)
-try:
-    t.fit(np.ones((8, 4), np.float32), np.zeros(8, np.int64), c)
-except ValueError as e:
-    print("ERR", e)
-"""
-
-
-def _gpu_and_nccl():
-    try:
-        if cx._core.dist._cuda_device_count() == 0:
-            return False
-        D._gpu.prepare()
-        cx._core.dist._nccl_library()
-        return True
-    except D.DistributedError:
-        return False
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_and_nccl(), reason="needs an NVIDIA GPU and libnccl.so.2")
-def test_the_gpu_trainer_refuses_sharded_optimizer_state_at_fit():
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(ranks.free_port()), DISTRIBUTED_BACKEND="nccl")
-    r = subprocess.run([sys.executable, "-c", ZERO_ON_GPU], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "ERR" in r.stdout and "shard_optimizer_state (ZeRO-1) is not implemented for GPU training" in r.stdout
-
-
 def hook_with_zero_or_join():
     errors = []
     cfg = D.DDPConfig()

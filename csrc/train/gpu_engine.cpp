@@ -88,7 +88,86 @@ void GpuEngine::from_host() {
   dev_->make_current();
   wait_in_flight();
   dm_->to_device();
-  opt_state_ = opt_->to_device(*dev_, dm_->size());
+  opt_state_ = opt_->to_device(*dev_, state_floats());
+}
+
+// Note [ZeRO-1 on the GPU]
+// Note [ZeRO-1] (zero.h) on the device, with the CPU's shards (shard_of) and state layout, so checkpoints are the
+// same files: each rank keeps the optimizer state of its shard only, on the device (opt_state_ of shard_.count
+// floats per array; the host optimizer holds the same shard between fits). A step all-reduces the buckets as
+// without ZeRO (PyTorch's ZeroRedundancyOptimizer does too, rather than stage 1's reduce-scatter), so the
+// non-finite check and clipping see the whole averaged gradient and the norm is the global one; the optimizer
+// updates [offset, offset + count) of the parameters, then an in-place NCCL all-gather of the q-float blocks and a
+// broadcast of the last rank's < world extra floats give every rank every shard. The all-gather runs at world
+// size 1 too (one code path; it moves nothing there). set_zero cuts the host's whole state to the shard, or
+// gathers it whole again (through the device: all_gather_host); zero_state_dict gathers for checkpoints, and
+// zero_load_state_dict keeps this rank's shard of a whole one. Each waits for the stream.
+std::string GpuEngine::zero_who(const char* what) const {
+  return detail::concat("DistributedTrainer ", what, " (rank ", group_->rank(), ", shard_optimizer_state on the GPU)");
+}
+
+void GpuEngine::set_zero(bool on) {
+  if (on == zero_) return;
+  const size_t n = dm_->size();
+  const int world = group_->size(), rank = group_->rank();
+  // Between fits the host objects are the state (fit ends with to_host, a loaded checkpoint goes to the host
+  // first), so the host's state is cut or gathered here, and from_host uploads it in its new layout.
+  if (on) {
+    CX_CHECK(n >= static_cast<size_t>(world), InvalidArgument, "DistributedTrainer (rank ", rank,
+             "): shard_optimizer_state needs at least one parameter per rank; the model has ", n, " for ", world,
+             " ranks");
+    const Shard shard = shard_of(n, world, rank);
+    const size_t built = opt_->state_params();
+    if (built == n) {
+      opt_->load_state_dict(shard_state(opt_->state_dict(), n, shard, zero_who("shard_optimizer_state")));
+    } else {
+      CX_CHECK(built == 0 || built == shard.count, InvalidArgument, zero_who("shard_optimizer_state"),
+               ": the optimizer's state was built for ", built, " parameters, but the model has ", n,
+               " (this rank's shard: ", shard.count, "); use one optimizer per model");
+    }
+    shard_ = shard;
+    q_ = n / static_cast<size_t>(world);
+    zero_ = true;
+  } else {
+    nn::StateDict whole = zero_state_dict();
+    zero_ = false;
+    opt_->load_state_dict(whole);
+  }
+  from_host();
+}
+
+nn::StateDict GpuEngine::zero_state_dict() {
+  return whole_state(*opt_, dm_->size(), shard_, zero_who("optimizer state"),
+                     [this](const float* mine, float* out) { gather_shards_host(mine, out); });
+}
+
+void GpuEngine::zero_load_state_dict(const nn::StateDict& sd) {
+  opt_->load_state_dict(shard_state(sd, dm_->size(), shard_, zero_who("load_checkpoint")));
+}
+
+void GpuEngine::gather_shards_host(const float* mine, float* out) {
+  const size_t n = dm_->size();
+  const int world = group_->size();
+  const size_t tail = n - q_ * static_cast<size_t>(world);
+  if (q_) all_gather_host(mine, out, q_ * sizeof(float));  // block r: rank r's first q floats
+  if (tail) {
+    if (group_->rank() == world - 1) std::memcpy(out + n - tail, mine + q_, tail * sizeof(float));
+    broadcast_host(out + n - tail, tail * sizeof(float), world - 1);
+  }
+}
+
+void GpuEngine::all_gather_parameters() {
+  float* p = dm_->params();
+  const size_t n = dm_->size();
+  const int world = group_->size();
+  if (q_) {  // in place: rank r's block is its shard's first q floats
+    std::vector<void*> outs(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) outs[static_cast<size_t>(r)] = p + static_cast<size_t>(r) * q_;
+    group_->all_gather(p + shard_.offset, outs, q_, distributed::DataType::kFloat32, false, stream_id(*dev_));
+  }
+  const size_t tail = n - q_ * static_cast<size_t>(world);
+  if (tail)  // the last rank's shard ends with them, in place
+    group_->broadcast(p + n - tail, tail, distributed::DataType::kFloat32, world - 1, false, stream_id(*dev_));
 }
 
 // ---- one step ----------------------------------------------------------------------
@@ -201,7 +280,12 @@ BatchStats GpuEngine::train_batch(const float* x, const nn::Shape& x_shape, cons
     clip_on_device();
     if (!skip) skip = clip_counters() + 1, skip_on_clip = true;
   }
-  opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads(), skip);
+  if (zero_) {  // Note [ZeRO-1 on the GPU]
+    opt_->step(*dev_, opt_state_, dm_->params() + shard_.offset, dm_->grads() + shard_.offset, skip);
+    all_gather_parameters();
+  } else {
+    opt_->step(*dev_, opt_state_, dm_->params(), dm_->grads(), skip);
+  }
   dm_->zero_grad();
   const BatchStats st = read_loss(os);
   unsigned int clip_host[2] = {0, 0};

@@ -37,6 +37,7 @@
 #include "train/ddp.h"
 #include "train/engine.h"
 #include "train/grad_clip.h"
+#include "train/zero.h"
 
 namespace cx::train {
 
@@ -74,6 +75,14 @@ class GpuEngine : public Engine {
   void add_ema(float* host, size_t n, double decay);
   void settle_ema();
   void clear_ema() { emas_.clear(); }
+  // ZeRO-1 on the GPU (Note [ZeRO-1 on the GPU] in gpu_engine.cpp), TrainerCore::set_shard_optimizer_state's:
+  // collective; the host optimizer's state is made this rank's shard (on) or whole again (off).
+  void set_zero(bool on);
+  bool zero() const { return zero_; }
+  // Collective under ZeRO-1: the whole optimizer state, from the host's shard (after to_host()).
+  nn::StateDict zero_state_dict();
+  // Not collective: a whole state, of which the host optimizer keeps this rank's shard (from_host() uploads it).
+  void zero_load_state_dict(const nn::StateDict& sd);
 
  private:
   // Copies the batch to the device; returns its targets' device copies.
@@ -97,6 +106,10 @@ class GpuEngine : public Engine {
   unsigned int* clip_counters() const;
   void clip_on_device();
   void update_emas();  // queues every EMA's update after the step (Note [EMA on the GPU])
+  size_t state_floats() const { return zero_ ? shard_.count : dm_->size(); }  // parameters the state is for
+  void all_gather_parameters();                  // ZeRO-1: every rank's shard of the device parameters
+  void gather_shards_host(const float* mine, float* out);  // ZeRO-1: a host state array made whole
+  std::string zero_who(const char* what) const;
 
   // Declared first so it is destroyed last: every Buffer below frees into its context.
   std::unique_ptr<cuda::Device> dev_;
@@ -130,6 +143,9 @@ class GpuEngine : public Engine {
   };
   std::vector<Ema> emas_;
   cuda::Buffer wire_;                          // fp16/bf16: the buckets in 16 bits, as NCCL reduces them
+  bool zero_ = false;                          // DistributedTrainingConfig.shard_optimizer_state (ZeRO-1)
+  Shard shard_;                                // this rank's parameters then (zero.h's shard_of)
+  size_t q_ = 0;                               // floats of every shard but the last's
 
   std::shared_ptr<DistributedDataParallel> host_ddp_;  // its mode, counters and messages for the check
   BucketScheduler sched_;  // the host DDP's buckets, so both devices cut the gradients the same way

@@ -84,12 +84,14 @@ void TrainerCore::set_matmul_precision(const std::string& name) {
   static_cast<GpuEngine&>(*engine_).set_matmul_precision(p);
 }
 
+bool TrainerCore::shard_optimizer_state() const {
+  return cpu_engine_ ? zero_ != nullptr : static_cast<const GpuEngine&>(*engine_).zero();
+}
+
 void TrainerCore::set_shard_optimizer_state(bool on) {
+  if (!cpu_engine_) return static_cast<GpuEngine&>(*engine_).set_zero(on);  // Note [ZeRO-1 on the GPU]
   if (on == (zero_ != nullptr)) return;
   if (on) {
-    CX_CHECK(cpu_engine_ != nullptr, InvalidArgument, "DistributedTrainer (rank ", group_->rank(),
-             "): shard_optimizer_state (ZeRO-1) is not implemented for GPU training (BackendType.NCCL) yet; set "
-             "DistributedTrainingConfig.shard_optimizer_state = False, or train on the CPU backend");
     zero_ = std::make_shared<ZeroRedundancyOptimizer>(ddp_, opt_);
     cpu_engine_->set_zero(zero_);
   } else {
@@ -134,14 +136,18 @@ void TrainerCore::clear_ema() {
 
 nn::StateDict TrainerCore::optimizer_state_dict(std::map<std::string, nn::Optimizer::Destination>& into) {
   engine_->to_host();
-  if (!zero_) return opt_->state_dict(into);
+  if (!shard_optimizer_state()) return opt_->state_dict(into);
   into.clear();
-  return zero_->state_dict();
+  return zero_ ? zero_->state_dict() : static_cast<GpuEngine&>(*engine_).zero_state_dict();
 }
 
 void TrainerCore::load_optimizer_state_dict(const nn::StateDict& sd) {
-  if (zero_) zero_->load_state_dict(sd);
-  else opt_->load_state_dict(sd);
+  if (zero_)
+    zero_->load_state_dict(sd);
+  else if (shard_optimizer_state())
+    static_cast<GpuEngine&>(*engine_).zero_load_state_dict(sd);
+  else
+    opt_->load_state_dict(sd);
 }
 
 TrainerCore::~TrainerCore() {

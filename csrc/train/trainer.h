@@ -78,17 +78,17 @@ class TrainerCore {
 
   // Collective: ZeRO-1 on or off (DistributedTrainingConfig.shard_optimizer_state;
   // Note [ZeRO-1] in zero.h). Turning it on cuts the optimizer's state to this
-  // rank's shard, off gathers it whole again. The GPU engine refuses it.
+  // rank's shard, off gathers it whole again. On the GPU: Note [ZeRO-1 on the GPU] in gpu_engine.cpp.
   void set_shard_optimizer_state(bool on);
-  bool shard_optimizer_state() const { return zero_ != nullptr; }
+  bool shard_optimizer_state() const;
   // DistributedTrainingConfig.grad_clip_norm / grad_clip_value (0: off; grad_clip.h), for
   // every step from now on, on either engine.
   void set_grad_clip(const GradClip& clip);
   // cx.callbacks.EMA: `shadow` (one float per parameter, kept alive by the caller until
   // clear_ema) follows decay * shadow + (1 - decay) * params after every step, its
   // update settled lazily (Note [EMA off the critical path] in ema.h): settle_ema()
-  // before reading a shadow or writing the parameters between steps. The GPU engine
-  // refuses it.
+  // before reading a shadow or writing the parameters between steps. On the GPU:
+  // Note [EMA on the GPU] in gpu_engine.cpp.
   void add_ema(float* shadow, size_t n, double decay);
   void settle_ema();
   void clear_ema();

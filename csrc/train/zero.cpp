@@ -125,35 +125,46 @@ void ZeroRedundancyOptimizer::step(const GradClip& clip) {
   ddp_->model()->zero_grad();
 }
 
-nn::StateDict ZeroRedundancyOptimizer::state_dict() {
-  nn::StateDict sd = opt_->state_dict();
+nn::StateDict whole_state(const nn::Optimizer& opt, size_t n, Shard shard, const std::string& who,
+                          const std::function<void(const float*, float*)>& gather) {
+  nn::StateDict sd = opt.state_dict();
   // The same arrays on every rank (the same steps and hyper-parameters), by name: a rank whose shard
   // is empty (fewer parameters than ranks) holds them empty, and state_dict() leaves empty ones out.
-  if (opt_->steps() > 0) {
-    for (const std::string& name : opt_->state_array_names()) sd.arrays.try_emplace(name);
+  if (opt.steps() > 0) {
+    for (const std::string& name : opt.state_array_names()) sd.arrays.try_emplace(name);
   }
   for (auto& [name, arr] : sd.arrays) {
-    CX_CHECK(arr.size() == shard_.count, InvalidArgument, "ZeroRedundancyOptimizer.state_dict (rank ",
-             group_->rank(), "): state '", name, "' holds ", arr.size(), " floats, not this rank's shard of ",
-             shard_.count, "; was the optimizer stepped outside the wrapper?");
-    std::vector<float> full(n_);
-    all_gather_shards(arr.data(), full.data());
+    CX_CHECK(arr.size() == shard.count, InvalidArgument, who, ": state '", name, "' holds ", arr.size(),
+             " floats, not this rank's shard of ", shard.count, "; was the optimizer stepped outside the wrapper?");
+    std::vector<float> full(n);
+    gather(arr.data(), full.data());
     arr.swap(full);
   }
   return sd;
 }
 
-void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& full) {
+nn::StateDict shard_state(const nn::StateDict& full, size_t n, Shard shard, const std::string& who) {
   nn::StateDict mine = full;
   for (auto& [name, arr] : mine.arrays) {
-    CX_CHECK(arr.size() == n_, InvalidArgument, "ZeroRedundancyOptimizer.load_state_dict (rank ", group_->rank(),
-             "): state '", name, "' holds ", arr.size(), " floats but the model has ", n_,
-             " parameters; load a whole state (state_dict() of a ZeroRedundancyOptimizer or of an unsharded "
-             "optimizer of the same model)");
-    arr = std::vector<float>(arr.begin() + static_cast<std::ptrdiff_t>(shard_.offset),
-                             arr.begin() + static_cast<std::ptrdiff_t>(shard_.offset + shard_.count));
+    CX_CHECK(arr.size() == n, InvalidArgument, who, ": state '", name, "' holds ", arr.size(),
+             " floats but the model has ", n, " parameters; load a whole state (state_dict() of a "
+             "ZeroRedundancyOptimizer or of an unsharded optimizer of the same model)");
+    arr = std::vector<float>(arr.begin() + static_cast<std::ptrdiff_t>(shard.offset),
+                             arr.begin() + static_cast<std::ptrdiff_t>(shard.offset + shard.count));
   }
-  opt_->load_state_dict(mine);
+  return mine;
+}
+
+nn::StateDict ZeroRedundancyOptimizer::state_dict() {
+  return whole_state(*opt_, n_, shard_,
+                     detail::concat("ZeroRedundancyOptimizer.state_dict (rank ", group_->rank(), ")"),
+                     [this](const float* mine, float* out) { all_gather_shards(mine, out); });
+}
+
+void ZeroRedundancyOptimizer::load_state_dict(const nn::StateDict& full) {
+  opt_->load_state_dict(
+      shard_state(full, n_, shard_, detail::concat("ZeroRedundancyOptimizer.load_state_dict (rank ", group_->rank(),
+                                                   ")")));
 }
 
 }  // namespace cx::train

@@ -36,7 +36,9 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "nn/optimizer.h"
@@ -50,6 +52,15 @@ struct Shard {
 };
 // Rank `rank`'s shard of n floats over `world` ranks (Note [ZeRO-1]).
 Shard shard_of(size_t n, int world, int rank);
+
+// The optimizer state of a model of n parameters, both ways between whole and a rank's shard, for both devices'
+// ZeRO-1 (ZeroRedundancyOptimizer here, GpuEngine's in gpu_engine.cpp). `who` begins the errors.
+// Not collective: `full`'s arrays (n floats each) cut to `shard`.
+nn::StateDict shard_state(const nn::StateDict& full, size_t n, Shard shard, const std::string& who);
+// Collective: opt's state (each array `shard.count` floats) made whole by gather(mine, out), which puts every
+// rank's shard of a state array in out (n floats) on every rank.
+nn::StateDict whole_state(const nn::Optimizer& opt, size_t n, Shard shard, const std::string& who,
+                          const std::function<void(const float* mine, float* out)>& gather);
 
 class ZeroRedundancyOptimizer {
  public:
