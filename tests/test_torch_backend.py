@@ -487,6 +487,37 @@ def test_send_and_recv_carry_their_tags_and_a_recv_of_another_tag_is_a_named_err
         outs[1].message
 
 
+def send_before_a_collective_received_after_it(n: int) -> list:
+    import torch.distributed as dist
+
+    _init()
+    y = torch.ones(3)
+    if dist.get_rank() == 0:
+        w = dist.isend(torch.arange(n, dtype=torch.float32), dst=1)
+        dist.all_reduce(y)
+        w.wait()
+    else:
+        dist.all_reduce(y)
+        dist.recv(torch.zeros(n), src=0)
+    dist.barrier()  # rank 0 learns of the mismatch here at the latest
+    return y.tolist()
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+@pytest.mark.parametrize("n", [5, 4 << 20], ids=["20B", "16MiB"])
+def test_a_send_and_a_collective_between_two_ranks_in_another_order_are_a_named_error(shm, n):
+    # README "From PyTorch": messages and collectives between two ranks keep one order (gloo would run this).
+    # Rank 1 reads rank 0's message where it expects the all_reduce, whatever its size, and both fail in seconds.
+    start = time.monotonic()
+    outs = ranks.spawn(send_before_a_collective_received_after_it, 2, args=(n,), init=False, timeout=60,
+                       env={"CX_SHM": shm})
+    assert time.monotonic() - start < 45
+    for o in outs:
+        assert not o.ok and o.is_a("DistributedError"), (o.exc_type, o.message)
+    assert outs[1].is_a("CollectiveMismatchError"), (outs[1].exc_type, outs[1].message)
+    assert "all_reduce(count=3" in outs[1].message and f"send/recv(count={n}" in outs[1].message, outs[1].message
+
+
 def handles_of_blocking_and_async_calls() -> dict:
     import torch.distributed as dist
 
