@@ -992,6 +992,34 @@ def test_recv_from_any_source_takes_each_message_once_in_each_senders_order(shm)
     assert out["late"] == (1, [99.0] * 5), out
 
 
+def any_source_behind_another_tag() -> list:
+    import torch.distributed as dist
+
+    _init()
+    r, got = dist.get_rank(), []
+    if r == 0:
+        dist.send(torch.full((4,), 10.0), 1, tag=7)
+        dist.send(torch.full((4,), 11.0), 1, tag=8)
+    elif r == 2:
+        dist.send(torch.full((4,), 20.0), 1, tag=8)
+    else:
+        for tag in (8, 8, 7):
+            x = torch.zeros(4)
+            src = dist.recv(x, tag=tag)
+            got.append((tag, src, x.tolist()))
+    y = torch.ones(1)
+    dist.all_reduce(y)  # rank 2's frames of it may wait behind nothing, or come before rank 1's second recv
+    dist.destroy_process_group()
+    return sorted(got) + [y.tolist()]
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_recv_from_any_source_finds_its_tag_behind_another_tags_message(shm):
+    # Note [Receiving from any source]: rank 0's tag-8 message comes after its tag-7 one, which is read aside.
+    out = ranks.run(any_source_behind_another_tag, 3, init=False, timeout=90, env={"CX_SHM": shm})
+    assert out[1] == [(7, 0, [10.0] * 4), (8, 0, [11.0] * 4), (8, 2, [20.0] * 4), [3.0]], out[1]
+
+
 def nobody_sends() -> None:
     import datetime
 

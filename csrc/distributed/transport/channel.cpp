@@ -58,6 +58,14 @@ void Channel::end_diverting() {
   diverting_ = false;
 }
 
+void Channel::stashed_one() {
+  end_diverting();
+  if (recvs_.front().aside) {
+    complete(recvs_.front().id);
+    recvs_.pop_front();
+  }
+}
+
 void Channel::check_matches(const OpDesc& theirs, uint64_t len, size_t want) const {
   if (!(theirs == op_.desc)) {
     CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", op_.desc.describe(), " but rank ",

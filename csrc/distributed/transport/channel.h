@@ -61,6 +61,8 @@ class Channel {
   void irecv(Transport::Req id, char* buf, size_t len);
   // A send/recv message from `root` with `tag` was read ahead and waits for its receive.
   bool has_stashed(int root, uint32_t tag) const;
+  // Request `id` completes once the peer's next frame, a send/recv message (peek said so), is in the stash.
+  void irecv_aside(Transport::Req id) { recvs_.push_back(RecvOp{nullptr, 0, 0, id, true}); }
 
   // One pass: moves what can move of the pending sends, then the pending
   // receives, without blocking, and marks finished requests done. True if any
@@ -105,7 +107,10 @@ class Channel {
     size_t len;
     size_t done;
     Transport::Req id;
+    bool aside = false;  // irecv_aside's: done when one message is stashed
   };
+  // end_diverting, and the front receive done if it only wanted that message aside.
+  void stashed_one();
 
   void queue_send(Transport::Req id, const char* buf, size_t len, bool remote = false) {
     SendOp op{buf, len, 0, id, {}, remote};

@@ -140,7 +140,7 @@ bool ShmChannel::progress_recv() {
         div_done_ += n;
       }
       if (div_done_ < len) break;  // ring empty
-      end_diverting();
+      stashed_one();
       continue;
     }
     if (remote_in_) {

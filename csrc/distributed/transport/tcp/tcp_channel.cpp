@@ -128,7 +128,7 @@ bool TcpChannel::progress_recv() {
         moved = true;
         div_done_ += k;
       }
-      if (div_done_ == div_.payload.size()) end_diverting();
+      if (div_done_ == div_.payload.size()) stashed_one();
       continue;
     }
     if (!in_payload_) {
