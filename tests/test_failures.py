@@ -287,6 +287,30 @@ def test_an_unmatched_send_is_an_error_at_finalize_on_both_sides():
         assert "rank 0 sent 1 message(s) to rank 1 that rank 1 never received" in o.message, o.message
 
 
+def message_around_a_collective(recv_count: int):
+    # Note [Messages out of order]: rank 1's all_reduce reads rank 0's message aside; its recv takes it there
+    y = np.full(4, float(D.get_rank() + 1), np.float32)
+    if D.get_rank() == 0:
+        D.send(np.arange(5, dtype=np.float32), dst=1)
+        D.all_reduce(y)
+        return y.tolist()
+    D.all_reduce(y)
+    got = np.zeros(recv_count, np.float32)
+    D.recv(got, src=0)
+    return y.tolist() + got.tolist()
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_message_read_aside_by_a_collective_is_received_and_checked_like_any_other(shm):
+    out = ranks.run(message_around_a_collective, 2, args=(5,), env={"CX_SHM": shm})
+    assert out == [[3.0] * 4, [3.0] * 4 + [0.0, 1.0, 2.0, 3.0, 4.0]]
+    # the same message received into 6 floats: a named mismatch on the receiver, the count checked in the stash
+    outs = ranks.spawn(message_around_a_collective, 2, args=(6,), env=dict(LONG, CX_SHM=shm), timeout=60)
+    o = outs[1]
+    assert not o.ok and o.exc_type == "CollectiveMismatchError", o
+    assert "send/recv(count=6" in o.message and "send/recv(count=5" in o.message, o.message
+
+
 def matched_calls():
     x = np.ones(5, np.float32)
     for _ in range(3):

@@ -693,7 +693,8 @@ ProcessGroup::WorkPtr ProcessGroup::barrier(bool async) {
 }
 
 // A send and its matching recv carry the same descriptor: kind send/recv,
-// root = the sender, count, dtype, and the pair's message number.
+// root = the sender, count, dtype, tag, and the pair's message number for that tag
+// (Note [Messages out of order] in transport/channel.cpp).
 ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType dt, int dst, bool async,
                                          uintptr_t stream, uint32_t tag) {
   check_peer(dst, "dst");
@@ -701,7 +702,8 @@ ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType
   d.tag = tag;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    d.seq = ++sent_[static_cast<size_t>(dst)];
+    ++sent_[static_cast<size_t>(dst)];
+    d.seq = ++sent_tag_[{dst, tag}];
   }
   return submit(d, backend().send(buf, count, dt, dst, stream), async);
 }
@@ -716,7 +718,8 @@ ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, i
     // Its message number would be given before the pending recv from any source takes one (at its run).
     CX_CHECK(any_pending_ == 0, InvalidArgument, "a recv from rank ", src, " while a recv from any source is still "
              "pending: wait for that one first");
-    d.seq = ++recvd_[static_cast<size_t>(src)];
+    ++recvd_[static_cast<size_t>(src)];
+    d.seq = ++recvd_tag_[{src, tag}];
   }
   return submit(d, backend().recv(buf, count, dt, src, stream), async);
 }
@@ -731,7 +734,8 @@ ProcessGroup::WorkPtr ProcessGroup::recv_any(void* buf, size_t count, DataType d
     OpDesc m = d;
     m.root = j;
     std::lock_guard<std::mutex> lk(mu_);
-    m.seq = ++recvd_[static_cast<size_t>(j)];
+    ++recvd_[static_cast<size_t>(j)];
+    m.seq = ++recvd_tag_[{j, m.tag}];
     return m;
   };
   Backend::Body inner = backend().recv_any(buf, count, dt, desc_of, source.get());

@@ -46,6 +46,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -231,6 +232,8 @@ class ProcessGroup {
   uint64_t fingerprint_ = 0;           // Note [Collective fingerprint]
   uint64_t monitored_ = 0;             // monitored_barrier() calls
   std::vector<uint64_t> sent_, recvd_;  // point-to-point messages per peer
+  // Their numbers per peer and tag (Note [Messages out of order] in transport/channel.cpp).
+  std::map<std::pair<int, uint32_t>, uint64_t> sent_tag_, recvd_tag_;
   int any_pending_ = 0;                  // recv_any calls submitted and not ended
   std::array<FlightEntry, kFlightEntries> ring_{};  // Note [Flight recorder]; guarded by mu_
 

@@ -13,7 +13,74 @@ namespace cx::distributed {
 Channel::Channel(int rank, int peer, net::Fd fd, std::string addr, Operation& op)
     : rank_(rank), peer_(peer), fd_(std::move(fd)), addr_(std::move(addr)), op_(op) {}
 
-void Channel::check_header(const char* early, size_t early_n, bool remote_ok) {
+// Note [Messages out of order]
+// torch's gloo backend matches a recv to the message of its sender and tag, whatever else the pair exchanged
+// first: rank 0's isend then all_reduce against rank 1's all_reduce then recv runs, and so do two tags received
+// in the other order than sent. Our frames between two ranks keep one order, so a receive that finds a
+// send/recv message where it expects its own frame -- a collective's, or a message of another tag or from
+// another sender -- reads that message into the channel's stash (its payload copied out of the socket, the ring
+// or, for a REMOTE frame, the sender's memory, which completes the sender's send) and reads on. A later recv
+// of that sender and tag takes the first such message from the stash before it reads the connection. Messages
+// of one sender and tag keep their order (the pair's message numbers count per tag: ProcessGroup::send), and the
+// stashed message is checked as any other (count, dtype, number). What stays an error: a collective's frame
+// where a recv waits (gloo would hang there too) and any disagreement between collectives. A message never
+// received stays in the stash until the group ends, as it would in gloo's buffers.
+void Channel::irecv(Transport::Req id, char* buf, size_t len) {
+  if (!stash_.empty() && op_.desc.kind == CollectiveKind::kSendRecv) {
+    for (auto it = stash_.begin(); it != stash_.end(); ++it) {
+      if (it->desc.root != op_.desc.root || it->desc.tag != op_.desc.tag) continue;
+      check_matches(it->desc, it->payload.size(), len);
+      if (len) std::memcpy(buf, it->payload.data(), len);
+      stash_.erase(it);
+      complete(id);
+      return;
+    }
+  }
+  recvs_.push_back(RecvOp{buf, len, 0, id});
+}
+
+bool Channel::has_stashed(int root, uint32_t tag) const {
+  for (const Stashed& m : stash_)
+    if (m.desc.root == root && m.desc.tag == tag) return true;
+  return false;
+}
+
+void Channel::start_diverting() {
+  div_.desc = frame::desc(rhdr_);
+  div_.payload.resize(frame::payload_len(rhdr_));
+  div_done_ = 0;
+  diverting_ = true;
+}
+
+void Channel::end_diverting() {
+  stash_.push_back(std::move(div_));
+  div_ = Stashed{};
+  diverting_ = false;
+}
+
+void Channel::stashed_one() {
+  end_diverting();
+  if (recvs_.front().aside) {
+    complete(recvs_.front().id);
+    recvs_.pop_front();
+  }
+}
+
+void Channel::check_matches(const OpDesc& theirs, uint64_t len, size_t want) const {
+  if (!(theirs == op_.desc)) {
+    CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", op_.desc.describe(), " but rank ",
+             peer_, " called ", theirs.describe(),
+             ". Every rank must call the same collectives in the same order with the same count, dtype, op "
+             "and root.");
+  }
+  if (len != want) {
+    CX_THROW(MismatchError, "rank ", rank_, ": rank ", peer_, " sent a message of ", len, " bytes where ", want,
+             " were expected during ", op_.desc.describe(),
+             " (ranks disagree on the message layout; are the pycyxwiz versions the same?)");
+  }
+}
+
+bool Channel::check_header(const char* early, size_t early_n, bool remote_ok) {
   const char* h = rhdr_;
   if (!frame::has_magic(h)) {
     CX_THROW(ConnectionError, "rank ", rank_, ": garbled data from rank ", peer_, " during ", op_.desc.describe(),
@@ -38,18 +105,14 @@ void Channel::check_header(const char* early, size_t early_n, bool remote_ok) {
   }
   if (frame::type(h) != frame::kData && !(remote_ok && frame::type(h) == frame::kRemote)) unknown_frame(frame::type(h));
   OpDesc theirs = frame::desc(h);
-  if (!(theirs == op_.desc)) {
-    CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", op_.desc.describe(), " but rank ",
-             peer_, " called ", theirs.describe(),
-             ". Every rank must call the same collectives in the same order with the same count, dtype, op "
-             "and root.");
+  // Note [Messages out of order]: a send/recv message that is not this receive's (a collective is under way, or a
+  // recv of another sender or tag) waits in the stash for its own.
+  if (theirs.kind == CollectiveKind::kSendRecv &&
+      !(op_.desc.kind == CollectiveKind::kSendRecv && op_.desc.root == theirs.root && op_.desc.tag == theirs.tag)) {
+    return false;
   }
-  const RecvOp& r = recvs_.front();
-  if (len != r.len) {
-    CX_THROW(MismatchError, "rank ", rank_, ": rank ", peer_, " sent a message of ", len, " bytes where ", r.len,
-             " were expected during ", op_.desc.describe(),
-             " (ranks disagree on the message layout; are the pycyxwiz versions the same?)");
-  }
+  check_matches(theirs, len, recvs_.front().len);
+  return true;
 }
 
 // A peer that gave up (timeout, mismatch, its own dead peer) leaves an ABORT

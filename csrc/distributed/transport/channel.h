@@ -57,7 +57,12 @@ class Channel {
   // Queues a send of request `id` and starts writing at once: small messages
   // usually leave in this one call.
   virtual void isend(Transport::Req id, const char* buf, size_t len) = 0;
-  void irecv(Transport::Req id, char* buf, size_t len) { recvs_.push_back(RecvOp{buf, len, 0, id}); }
+  // Queues a receive; a send/recv message read earlier for it (Note [Messages out of order]) completes it at once.
+  void irecv(Transport::Req id, char* buf, size_t len);
+  // A send/recv message from `root` with `tag` was read ahead and waits for its receive.
+  bool has_stashed(int root, uint32_t tag) const;
+  // Request `id` completes once the peer's next frame, a send/recv message (peek said so), is in the stash.
+  void irecv_aside(Transport::Req id) { recvs_.push_back(RecvOp{nullptr, 0, 0, id, true}); }
 
   // One pass: moves what can move of the pending sends, then the pending
   // receives, without blocking, and marks finished requests done. True if any
@@ -102,7 +107,10 @@ class Channel {
     size_t len;
     size_t done;
     Transport::Req id;
+    bool aside = false;  // irecv_aside's: done when one message is stashed
   };
+  // end_diverting, and the front receive done if it only wanted that message aside.
+  void stashed_one();
 
   void queue_send(Transport::Req id, const char* buf, size_t len, bool remote = false) {
     SendOp op{buf, len, 0, id, {}, remote};
@@ -115,9 +123,16 @@ class Channel {
   }
   // Validates rhdr_ against the operation and the front receive; throws on a
   // mismatch or a peer's abort. `early` holds bytes that arrived right after the
-  // header (read in the same call).
+  // header (read in the same call). False: the frame is a send/recv message for a
+  // later receive, which the channel reads into the stash (Note [Messages out of order]).
   // A REMOTE frame passes only where `remote_ok` (a shared-memory channel).
-  void check_header(const char* early, size_t early_n, bool remote_ok = false);
+  bool check_header(const char* early, size_t early_n, bool remote_ok = false);
+  // Throws MismatchError unless a frame of `theirs` with `len` payload bytes is what the operation's receive of
+  // `want` bytes expects.
+  void check_matches(const OpDesc& theirs, uint64_t len, size_t want) const;
+  // Note [Messages out of order]: rhdr_'s frame goes to the stash; its payload is read into div_.
+  void start_diverting();
+  void end_diverting();
   // Reads on, after the connection failed under us, for the ABORT frame the
   // peer may have left; throws its error if there is one. `skip` payload bytes
   // come before the next header.
@@ -140,6 +155,16 @@ class Channel {
   char rhdr_[frame::kHeaderBytes];  // header of the frame being received
   size_t rhdr_got_ = 0;
   bool in_payload_ = false;
+  // Note [Messages out of order]: send/recv messages read ahead of their receive, in the order they came, and the
+  // one being read now (diverting_: its payload, div_done_ bytes of it so far).
+  struct Stashed {
+    OpDesc desc;
+    std::vector<char> payload;
+  };
+  std::deque<Stashed> stash_;
+  Stashed div_;
+  size_t div_done_ = 0;
+  bool diverting_ = false;
 };
 
 }  // namespace cx::distributed

@@ -363,7 +363,9 @@ bool MeshTransport::progress() {
 // at each peer's next frame without reading it (Channel::peek: MSG_PEEK on a socket, the ring's bytes before its
 // tail moves) and takes the first peer whose next frame is a send/recv message from that peer; the message is
 // then received like any other, its descriptor (the pair's next message number, count, dtype, tag) checked as
-// usual. A peer whose next frame belongs to a collective is no candidate (that frame is for later); an ABORT
+// usual. A message of that tag read ahead into a channel's stash (Note [Messages out of order] in channel.cpp)
+// counts as its peer's next; a message of another tag is read into the stash, to see what comes after it. A peer
+// whose next frame belongs to a collective is no candidate (that frame is for later); an ABORT
 // frame or a reset is one, so that the receive raises it. A peer that closed its side has nothing more to send
 // (it may have finished, and others may still send): a candidate only once every peer has, to name one. The
 // wait polls: a spin of 50 us, then sleeps of 50 us, until the operation's deadline. Senders need nothing new.
@@ -374,10 +376,22 @@ int MeshTransport::wait_any_message() {
     for (int j = 0; j < world_; ++j) {
       Channel* c = channels_[j].get();
       if (!c) continue;
+      if (c->has_stashed(j, op_.desc.tag)) return j;  // read ahead of its receive (Note [Messages out of order])
       OpDesc d;
       const Channel::Next next = c->peek(&d);
       if (next == Channel::Next::kRaise) return j;
-      if (next == Channel::Next::kFrame && d.kind == CollectiveKind::kSendRecv && d.root == j) return j;
+      if (next == Channel::Next::kFrame && d.kind == CollectiveKind::kSendRecv && d.root == j) {
+        if (d.tag == op_.desc.tag) return j;
+        // Another tag's message: read it aside, so that one of ours behind it can be seen.
+        const Req aside = static_cast<Req>(op_.done.size());
+        op_.done.push_back(0);
+        peer_of_.push_back(j);
+        ++op_.pending;
+        c->irecv_aside(aside);
+        wait(aside);
+        --j;  // this peer again
+        continue;
+      }
       if (next == Channel::Next::kEnded) {
         ended = j;
       } else {

@@ -20,7 +20,7 @@ std::string OpDesc::describe() const {
   if (kind == CollectiveKind::kSendRecv && root < 0) {
     os << " from any rank";
   } else if (kind == CollectiveKind::kSendRecv) {
-    os << " as message #" << seq << " between the pair";
+    os << " as message #" << seq << (tag ? " of its tag" : "") << " between the pair";
   } else {
     os << " as collective #" << seq;
   }

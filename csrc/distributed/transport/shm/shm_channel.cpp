@@ -110,35 +110,42 @@ bool ShmChannel::progress_recv() {
   bool moved = false;
   while (!recvs_.empty()) {
     RecvOp& r = recvs_.front();
-    if (!in_payload_) {
+    if (!in_payload_ && !diverting_) {
       size_t n = shm::read(in_, rhdr_ + rhdr_got_, kHeaderBytes - rhdr_got_);
       if (n == 0) break;
       moved = true;
       rhdr_got_ += n;
       if (rhdr_got_ < kHeaderBytes) break;
       rhdr_got_ = 0;
-      check_header(nullptr, 0, true);
-      in_payload_ = true;
-      r.done = 0;
       remote_in_ = frame::type(rhdr_) == frame::kRemote;
       raddr_got_ = 0;
+      if (!check_header(nullptr, 0, true)) {
+        start_diverting();  // Note [Messages out of order]: a message for a later receive, into the stash
+      } else {
+        in_payload_ = true;
+        r.done = 0;
+      }
     }
-    if (remote_in_) {
-      if (raddr_got_ < sizeof(raddr_)) {
-        size_t n = shm::read(in_, raddr_ + raddr_got_, sizeof(raddr_) - raddr_got_);
+    if (diverting_) {
+      char* into = div_.payload.data();
+      const size_t len = div_.payload.size();
+      if (remote_in_) {
+        if (!read_remote(into, len, moved)) break;
+        div_done_ = len;
+        moved = true;
+      } else if (div_done_ < len) {
+        size_t n = shm::read(in_, into + div_done_, len - div_done_);
         if (n == 0) break;
         moved = true;
-        raddr_got_ += n;
-        if (raddr_got_ < sizeof(raddr_)) break;
+        div_done_ += n;
       }
-      uint64_t addr;
-      std::memcpy(&addr, raddr_, sizeof(addr));
-      if (const int err = shm::read_peer(peer_pid_, r.buf, addr, r.len)) {
-        salvage_abort(0);  // the peer's own error, if it left one
-        lost_connection("receiving from", err);
-      }
+      if (div_done_ < len) break;  // ring empty
+      stashed_one();
+      continue;
+    }
+    if (remote_in_) {
+      if (!read_remote(r.buf, r.len, moved)) break;
       r.done = r.len;
-      in_.ctl->acks.fetch_add(1, std::memory_order_release);  // the peer's buffer is free again
       moved = true;
     } else if (r.done < r.len) {
       size_t n = shm::read(in_, r.buf + r.done, r.len - r.done);
@@ -156,6 +163,25 @@ bool ShmChannel::progress_recv() {
   }
   if (moved) shm::notify(bell_);  // the writer may be waiting for room
   return moved;
+}
+
+// A REMOTE frame's payload: its address from the ring (false while not all of it is there), then `len` bytes
+// copied out of the peer's memory, and the peer's buffer acknowledged. `moved`: whether a byte moved.
+bool ShmChannel::read_remote(char* into, size_t len, bool& moved) {
+  if (raddr_got_ < sizeof(raddr_)) {
+    size_t n = shm::read(in_, raddr_ + raddr_got_, sizeof(raddr_) - raddr_got_);
+    moved |= n > 0;
+    raddr_got_ += n;
+    if (raddr_got_ < sizeof(raddr_)) return false;
+  }
+  uint64_t addr;
+  std::memcpy(&addr, raddr_, sizeof(addr));
+  if (const int err = shm::read_peer(peer_pid_, into, addr, len)) {
+    salvage_abort(0);  // the peer's own error, if it left one
+    lost_connection("receiving from", err);
+  }
+  in_.ctl->acks.fetch_add(1, std::memory_order_release);  // the peer's buffer is free again
+  return true;
 }
 
 void ShmChannel::socket_event() {

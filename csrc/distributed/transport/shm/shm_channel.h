@@ -34,6 +34,7 @@ class ShmChannel final : public Channel {
   bool progress_send();
   bool progress_recv();
   bool progress_acks();
+  bool read_remote(char* into, size_t len, bool& moved);
 
   shm::Segment theirs_;
   shm::Ring in_, out_;  // peer -> us (in our segment), us -> peer (in its segment)

@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace cx::distributed {
 
@@ -77,20 +78,59 @@ bool TcpChannel::progress_send() {
 
 Channel::Next TcpChannel::peek(OpDesc* d) {
   char h[kHeaderBytes];
-  const ssize_t k = ::recv(fd_.get(), h, kHeaderBytes, MSG_PEEK | MSG_DONTWAIT);
-  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return Next::kNothing;
-  if (k == 0) return Next::kEnded;
-  if (k < 0) return Next::kRaise;
-  if (static_cast<size_t>(k) < kHeaderBytes) return Next::kNothing;  // the rest of the header is on its way
+  // Bytes read ahead (Note [Messages out of order]) come first.
+  const size_t have = std::min(ahead_.size(), kHeaderBytes);
+  std::memcpy(h, ahead_.data(), have);
+  if (have < kHeaderBytes) {
+    const ssize_t k = ::recv(fd_.get(), h + have, kHeaderBytes - have, MSG_PEEK | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return Next::kNothing;
+    if (k == 0) return have ? Next::kRaise : Next::kEnded;  // the peer ended inside a frame: the receive raises
+    if (k < 0) return Next::kRaise;
+    if (have + static_cast<size_t>(k) < kHeaderBytes) return Next::kNothing;  // the rest of the header is coming
+  }
   if (!frame::has_magic(h) || frame::type(h) != frame::kData) return Next::kRaise;  // an ABORT frame, or garbage
   *d = frame::desc(h);
   return Next::kFrame;
+}
+
+ssize_t TcpChannel::read_in(iovec* iov, int n) {
+  if (ahead_.empty()) return ::readv(fd_.get(), iov, n);
+  size_t took = 0;  // from the bytes read ahead only; the socket's come at the next call
+  for (int i = 0; i < n && took < ahead_.size(); ++i) {
+    const size_t c = std::min(iov[i].iov_len, ahead_.size() - took);
+    std::memcpy(iov[i].iov_base, ahead_.data() + took, c);
+    took += c;
+    if (c < iov[i].iov_len) break;
+  }
+  ahead_.erase(0, took);
+  return static_cast<ssize_t>(took);
+}
+
+bool TcpChannel::take(iovec* iov, int n, size_t* got) {
+  const ssize_t k = read_in(iov, n);
+  if (k > 0) {
+    *got = static_cast<size_t>(k);
+    return true;
+  }
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+  peer_closed("receiving from");
 }
 
 bool TcpChannel::progress_recv() {
   bool moved = false;
   while (!recvs_.empty()) {
     RecvOp& r = recvs_.front();
+    if (diverting_) {  // Note [Messages out of order]: a message for a later receive, into the stash
+      if (div_done_ < div_.payload.size()) {
+        iovec iov{div_.payload.data() + div_done_, div_.payload.size() - div_done_};
+        size_t k;
+        if (!take(&iov, 1, &k)) return moved;
+        moved = true;
+        div_done_ += k;
+      }
+      if (div_done_ == div_.payload.size()) stashed_one();
+      continue;
+    }
     if (!in_payload_) {
       // Header and payload in one readv: a small message costs one syscall. The
       // payload bytes land in the caller's buffer before the header is checked;
@@ -98,31 +138,32 @@ bool TcpChannel::progress_recv() {
       iovec iov[2];
       iov[0] = {rhdr_ + rhdr_got_, kHeaderBytes - rhdr_got_};
       iov[1] = {r.buf, r.len};
-      ssize_t k = ::readv(fd_.get(), iov, 2);
-      if (k == 0) peer_closed("receiving from");
-      if (k < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
-        peer_closed("receiving from");
-      }
+      size_t got;
+      if (!take(iov, 2, &got)) return moved;
       moved = true;
-      size_t got = static_cast<size_t>(k);
       size_t hdr_part = std::min(got, kHeaderBytes - rhdr_got_);
       rhdr_got_ += hdr_part;
       if (rhdr_got_ < kHeaderBytes) continue;
       rhdr_got_ = 0;
-      check_header(r.buf, got - hdr_part);
+      const size_t early = got - hdr_part;
+      if (!check_header(r.buf, early)) {
+        // Note [Messages out of order]: the message's bytes that came with its header are its payload's start;
+        // any beyond its end belong to the frames after it, read again from ahead_.
+        start_diverting();
+        div_done_ = std::min(early, div_.payload.size());
+        if (div_done_) std::memcpy(div_.payload.data(), r.buf, div_done_);
+        if (early > div_done_) ahead_.insert(0, r.buf + div_done_, early - div_done_);
+        continue;
+      }
       in_payload_ = true;
-      r.done = got - hdr_part;
+      r.done = early;
     }
     if (r.done < r.len) {
-      ssize_t k = ::recv(fd_.get(), r.buf + r.done, r.len - r.done, MSG_DONTWAIT);
-      if (k == 0) peer_closed("receiving from");
-      if (k < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
-        peer_closed("receiving from");
-      }
+      iovec iov{r.buf + r.done, r.len - r.done};
+      size_t k;
+      if (!take(&iov, 1, &k)) return moved;
       moved = true;
-      r.done += static_cast<size_t>(k);
+      r.done += k;
     }
     if (r.done == r.len) {
       in_payload_ = false;
@@ -136,7 +177,10 @@ bool TcpChannel::progress_recv() {
 void TcpChannel::peer_closed(const char* during) {
   const int e = errno;
   // Mid-header the stream cannot be followed; mid-payload, the rest of it comes first.
-  if (rhdr_got_ == 0) salvage_abort(in_payload_ && !recvs_.empty() ? recvs_.front().len - recvs_.front().done : 0);
+  if (rhdr_got_ == 0) {
+    salvage_abort(diverting_ ? div_.payload.size() - div_done_
+                  : in_payload_ && !recvs_.empty() ? recvs_.front().len - recvs_.front().done : 0);
+  }
   lost_connection(during, e);
 }
 

@@ -5,6 +5,10 @@
 // leave with it in one sendmsg (Note [Empty frames ride along]).
 #pragma once
 
+#include <sys/uio.h>
+
+#include <string>
+
 #include "distributed/transport/channel.h"
 
 namespace cx::distributed {
@@ -23,7 +27,13 @@ class TcpChannel final : public Channel {
  private:
   bool progress_send();
   bool progress_recv();
+  // readv from the bytes read ahead while there are any, else from the socket (Note [Messages out of order]).
+  ssize_t read_in(iovec* iov, int n);
+  // read_in into iov: true with *got bytes; false when nothing has come yet; throws when the peer has gone.
+  bool take(iovec* iov, int n, size_t* got);
   [[noreturn]] void peer_closed(const char* during);
+
+  std::string ahead_;  // bytes read with a stashed message's header that belong to the frames after it
 };
 
 }  // namespace cx::distributed
