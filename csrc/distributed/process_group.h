@@ -146,7 +146,8 @@ class ProcessGroup {
   WorkPtr gather(const void* in, std::vector<void*> outs, size_t count, DataType dt, int root, bool async, uintptr_t stream = 0);
   WorkPtr all_to_all(std::vector<const void*> ins, std::vector<void*> outs, size_t count, DataType dt, bool async, uintptr_t stream = 0);
   WorkPtr barrier(bool async);
-  // `tag`: the two sides must pass the same one (torch's tag; a recv does not look for it among later messages).
+  // `tag`: torch's; a recv takes its sender's first message of that tag (Note [Messages out of order] in
+  // transport/channel.cpp).
   WorkPtr send(const void* buf, size_t count, DataType dt, int dst, bool async, uintptr_t stream = 0,
                uint32_t tag = 0);
   WorkPtr recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream = 0, uint32_t tag = 0);

@@ -52,14 +52,10 @@ void Channel::start_diverting() {
   diverting_ = true;
 }
 
-void Channel::end_diverting() {
+void Channel::stashed_one() {
   stash_.push_back(std::move(div_));
   div_ = Stashed{};
   diverting_ = false;
-}
-
-void Channel::stashed_one() {
-  end_diverting();
   if (recvs_.front().aside) {
     complete(recvs_.front().id);
     recvs_.pop_front();

@@ -109,7 +109,7 @@ class Channel {
     Transport::Req id;
     bool aside = false;  // irecv_aside's: done when one message is stashed
   };
-  // end_diverting, and the front receive done if it only wanted that message aside.
+  // div_ is whole: into the stash, and the front receive done if it only wanted that message aside.
   void stashed_one();
 
   void queue_send(Transport::Req id, const char* buf, size_t len, bool remote = false) {
@@ -132,7 +132,6 @@ class Channel {
   void check_matches(const OpDesc& theirs, uint64_t len, size_t want) const;
   // Note [Messages out of order]: rhdr_'s frame goes to the stash; its payload is read into div_.
   void start_diverting();
-  void end_diverting();
   // Reads on, after the connection failed under us, for the ABORT frame the
   // peer may have left; throws its error if there is one. `skip` payload bytes
   // come before the next header.
