@@ -197,6 +197,57 @@ def test_conv2d_unfolded_a_few_rows_at_a_time_computes_the_same(case):
             np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-4)
 
 
+# Note [Direct convolution] (csrc/nn/layers/conv2d_direct.cpp): with one BLAS thread on an AVX-512 core, a stride-1
+# convolution whose output width is a multiple of 16 runs without unfolding (forward and weight gradient), and so
+# does dx where the input width is one and padding <= kernel - 1. Cases through every part, alone and mixed:
+DIRECT_CASES = [
+    # (N, C, H, W), out, k, padding, bias
+    ((2, 3, 32, 32), 16, 3, 1, False),   # the ResNet stem: 64 vectors of pixels, 21 blocks of 3 and one of 1
+    ((3, 16, 16, 16), 16, 3, 1, True),   # 16 vectors: 5 blocks of 3 and one of 1
+    ((2, 5, 16, 16), 11, 3, 1, True),    # output channels not a multiple of 8 (the last block of 3), odd inputs
+    ((1, 7, 18, 18), 9, 3, 0, False),    # no padding: dx pads dy by 2
+    ((2, 4, 16, 16), 8, 5, 2, True),     # 5x5: the weight gradient's columns as 3 + 2
+    ((2, 6, 16, 16), 13, 3, 2, True),    # output 18 wide: the GEMMs forward, the direct dx (dy unpadded)
+    ((1, 3, 14, 14), 5, 3, 2, False),    # output 16 wide from a 14-wide input: direct forward, GEMM dx
+    ((2, 3, 3, 18), 4, 3, 0, True),      # one output row of one vector
+    ((2, 4, 14, 14), 6, 1, 1, False),    # 1x1 with padding: direct forward, GEMM dx (padding > kernel - 1)
+    ((2, 2, 16, 48), 3, 3, 1, True),     # 3 vectors a row: blocks of one row each
+]
+
+
+@pytest.mark.skipif(not cx._core._conv2d_direct_available(), reason="the direct kernels do not run here (no AVX-512F, or CX_NN_SCALAR=1)")
+@pytest.mark.parametrize("shape,out,k,padding,bias", DIRECT_CASES)
+def test_conv2d_direct_kernels_match_numpy(shape, out, k, padding, bias):
+    threads = cx.get_num_threads()
+    cx.set_num_threads(1)
+    try:
+        conv = cx.Conv2dModule(shape[1], out, k, padding=padding, bias=bias, seed=7)
+        if bias:
+            conv.bias[...] = f32(out)
+        w, b = conv.weight.astype(np.float64), conv.bias.astype(np.float64) if bias else None
+        x = f32(*shape)
+        ref = conv2d_ref(x.astype(np.float64), w, b, 1, padding)
+        gy = f32(*ref.shape)
+        model = model_of(conv)
+        y = model.forward(x)
+        model.zero_grad()
+        dx = model.backward(gy)
+        once = [g.copy() for g in model.gradients()]
+        model.forward(x)
+        model.backward(gy)  # gradients add up over backward calls
+        twice = [g.copy() for g in model.gradients()]
+    finally:
+        cx.set_num_threads(threads)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+    rdx, rdw, rdb = conv2d_backward_ref(x.astype(np.float64), w, gy.astype(np.float64), 1, padding)
+    np.testing.assert_allclose(dx, rdx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(once[0], rdw, rtol=1e-4, atol=1e-3)
+    if bias:
+        np.testing.assert_allclose(once[1], rdb, rtol=1e-4, atol=1e-4)
+    for g2, g1 in zip(twice, once):
+        np.testing.assert_allclose(g2, 2 * g1, rtol=1e-6, atol=1e-6)
+
+
 def test_conv2d_parameters_init_and_properties():
     conv = cx.Conv2dModule(4, 6, 3, stride=2, padding=1, groups=2, seed=11)
     w, b = conv.parameters()

@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "nn/blas.h"
 #include "nn/kernels.h"
+#include "nn/layers/conv2d_direct.h"
 #include "nn/registry.h"
 #include "nn/rng.h"
 #include "nn/serialize.h"
@@ -114,6 +115,13 @@ size_t Conv2dModule::chunk_rows(size_t OH, size_t OW) const {
   const size_t rows = std::max<size_t>(1, limit / (g_.in * g_.k * g_.k * OW));
   const size_t chunks = (OH + rows - 1) / rows;
   return (OH + chunks - 1) / chunks;  // as even as they come: no thin last chunk
+}
+
+// Note [Direct convolution] in conv2d_direct.cpp: stride 1, one group, an output `width` of whole vectors, on an
+// AVX-512 core, with one BLAS thread (the GEMMs use all of theirs; the direct kernels run on the calling thread).
+bool Conv2dModule::runs_direct(size_t width) const {
+  return g_.stride == 1 && g_.dilation == 1 && g_.groups == 1 && !direct() && direct_conv::fits_width(width) &&
+         direct_conv::available() && get_num_threads() == 1;
 }
 
 const float* Conv2dModule::pad(const float* x, size_t H, size_t W) {
@@ -235,6 +243,11 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
   const float* w = param(0);
   const float beta = bias_ ? 1.0f : 0.0f;
+  const bool fast = runs_direct(OW);
+  if (fast) {
+    packed_.resize({direct_conv::packed_floats(g_.out, C, g_.k)});
+    direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
+  }
   for (size_t n = 0; n < N; ++n) {
     const float* xn = x + n * C * H * W;
     float* yn = y + n * g_.out * P;
@@ -248,6 +261,10 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
       continue;
     }
     const float* src = pad(xn, H, W);
+    if (fast) {  // Note [Direct convolution]
+      direct_conv::forward(src, C, Hp, Wp, packed_.data(), g_.out, g_.k, yn, OH, OW, bias_);
+      continue;
+    }
     for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
       const size_t oh1 = std::min(OH, oh0 + R);
       const int cols = static_cast<int>((oh1 - oh0) * OW);
@@ -278,9 +295,18 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     done(1);
   }
   float* dw = grad(0);
+  const bool fast = runs_direct(OW);
+  if (fast) {  // Note [Direct convolution]: 16 partial sums per weight, added up after the batch
+    lanes_.resize({g_.out * Kg * 16});
+    std::memset(lanes_.data(), 0, g_.out * Kg * 16 * sizeof(float));
+  }
   for (size_t n = 0; n < N; ++n) {
     const float* xn = x + n * C * H * W;
     const float* gyn = gy + n * g_.out * P;
+    if (fast) {
+      direct_conv::weight_grad(pad(xn, H, W), C, Hp, Wp, gyn, g_.out, g_.k, OH, OW, lanes_.data());
+      continue;
+    }
     if (direct()) {
       for (size_t g = 0; g < G; ++g)
         gemm(false, true, iOg, iKg, iP, 1.0f, gyn + g * Og * P, iP, xn + g * Kg * P, iP, 1.0f, dw + g * Og * Kg, iKg);
@@ -296,10 +322,34 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
              dw + g * Og * Kg, iKg);
     }
   }
+  if (fast) direct_conv::add_lanes(lanes_.data(), g_.out * Kg, dw);
   done(0);
   if (!gx) return;
   const float* w = param(0);
   const size_t p = g_.padding;
+  if (p <= g_.k - 1 && runs_direct(W)) {  // Note [Direct convolution]: dx is dy's convolution, turned and swapped
+    const size_t q = g_.k - 1 - p, Hq = OH + 2 * q, Wq = OW + 2 * q, O = g_.out;
+    packed_.resize({direct_conv::packed_floats(C, O, g_.k)});
+    direct_conv::pack(w, C, O, g_.k, true, packed_.data());
+    if (q) {
+      const Shape want{O, Hq, Wq};
+      if (dypadded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
+        dypadded_.resize(want);
+        std::memset(dypadded_.data(), 0, numel(want) * sizeof(float));
+      }
+    }
+    for (size_t n = 0; n < N; ++n) {
+      const float* src = gy + n * O * P;
+      if (q) {
+        float* dst = dypadded_.data();
+        for (size_t o = 0; o < O; ++o)
+          for (size_t h = 0; h < OH; ++h) copy_floats(dst + (o * Hq + h + q) * Wq + q, src + (o * OH + h) * OW, OW);
+        src = dst;
+      }
+      direct_conv::forward(src, O, Hq, Wq, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false);
+    }
+    return;
+  }
   if (p) dpadded_.resize({C, Hp, Wp});
   for (size_t n = 0; n < N; ++n) {
     const float* gyn = gy + n * g_.out * P;

@@ -81,6 +81,8 @@ class Conv2dModule : public Module {
  private:
   bool direct() const { return g_.k == 1 && g_.stride == 1 && g_.padding == 0; }
   size_t chunk_rows(size_t OH, size_t OW) const;  // output rows per unfolding
+  // Whether the direct kernels compute an output `width` wide (Note [Direct convolution]).
+  bool runs_direct(size_t width) const;
   // The sample x (in, H, W) zero-padded into padded_ (x itself without padding).
   const float* pad(const float* x, size_t H, size_t W);
   // Unfolds output rows [oh0, oh1) of the padded sample src into col_:
@@ -93,6 +95,9 @@ class Conv2dModule : public Module {
   bool bias_;
   Tensor padded_, col_;  // scratch: one sample, zero-padded (borders stay zero); its unfolding
   Tensor dpadded_;       // backward: dx of one padded sample
+  Tensor packed_;        // the direct kernels' weights (Note [Direct convolution])
+  Tensor dypadded_;      // backward, direct: dy of one sample, zero-padded by k-1-padding
+  Tensor lanes_;         // backward, direct: the weight gradient's 16 partial sums per weight
 };
 
 }  // namespace cx::nn
