@@ -97,6 +97,9 @@ void bind_layers(py::module_& m) {
         "For tests: whether this CPU runs Conv2d's direct kernels (AVX-512F, and CX_NN_SCALAR is not 1), which "
         "then take stride-1 convolutions with an output width of a multiple of 16 when one BLAS thread runs (Note "
         "[Direct convolution] in csrc/nn/layers/conv2d_direct.cpp).");
+  m.def("_conv2d_direct", &direct_conv::switch_on, py::arg("on"),
+        "For tests and benchmarks: switches Conv2d's direct kernels on or off (the GEMMs then take every "
+        "convolution), returning the previous setting.");
   bind_pool<MaxPool2dModule>(m, "MaxPool2dModule",
                              "The maximum of each kernel_size x kernel_size window, moved by stride (default: "
                              "kernel_size), of (batch, C, H, W) images. On the CPU and the GPU.\n\n"
