@@ -34,13 +34,18 @@ namespace cx::nn::direct_conv {
 //   pixels times the image's over the pixels of a chunk of samples (about 1024 output pixels: the 8 channels'
 //   dy, copied channel-major, stay in L1), each lane its own partial sum; the 16 lanes of a weight are added
 //   up once per batch (add_lanes, in double).
-// Measured, one thread, batch 128, µs per sample, each layer's forward + backward with the kernels switched on
-// and off in turn (`_conv2d_direct`): 3x3 stride 1 at 16 channels of 32x32 1.66x as fast, 32 of 16x16 1.53x, 64
-// of 8x8 1.13x; 3x3 stride 2 from 16 to 32 channels 1.26x, from 32 to 64 (to 8x8) 1.02x; the whole ResNet-8 step
-// 1.22x (benchmarks/README.md, "Convolutional networks"). Left to the GEMMs, measured no faster this way: the
-// weight gradient of 8-wide outputs (46-50 against 46-48 µs; 64 channels of 8x8 give a block 4 vectors of
-// pixels per sample), 1x1 convolutions (0.55-0.78x: the split image costs more than their small GEMMs), dx of
-// stride 2; and, not written, dilations, groups, and outputs of other widths.
+// Only with one BLAS thread (each rank's default where several share a host; Note [Default BLAS threads]): the
+// kernels run on the calling thread, where the GEMMs would use all of theirs. (One process on these 2-vCPU VMs,
+// OpenBLAS's 2 threads through the GEMMs: 788 and 701 samples/s at batch 32 and 128, against 1071 and 904 with
+// one thread through these kernels: splitting a batch over threads is left to do.)
+// Measured (benchmarks/README.md, "Direct convolution"), one thread, batch 128, each layer's forward and backward
+// with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.75x as
+// fast, 32 of 16x16 1.69x, 64 of 8x8 1.18x; 3x3 stride 2 from 16 to 32 channels 1.36x, from 32 to 64 (to 8x8)
+// 1.09x; the ResNet-8 training step 1.38x at batch 32 and 1.28x at 128. Left to the GEMMs: the weight gradient of
+// 8-wide outputs (measured no faster this way: 45-50 against 44-48 us a sample at 64 channels of 8x8, whose
+// chunks are 4 vectors of pixels a sample), 1x1 convolutions (0.55-0.78x: the split image costs more than their
+// small GEMMs), dx of stride 2 (each of its four phases a convolution whose width, 17 for 32 columns, is no whole
+// vector); not written: dilations, groups, outputs of other widths.
 
 namespace {
 std::atomic<bool> switched_on{true};
@@ -117,14 +122,12 @@ __attribute__((target("avx512f"))) void conv_block(const float* __restrict x, co
 // c, kernel row i and NJ kernel columns, one vector of 16 pixel lanes each, at acc (stride `per_o` floats from
 // one output channel to the next): each lane adds up dy[o][oh][ow] * image[c][s*oh + i][s*ow + j] over its
 // pixels. dy: output channel o's pixels of the chunk's samples, 16 a vector (`row` floats from one channel to the
-// next); vector t's image pixels are at x + xoff[t] (+ `next`, kHalves) for the NJ columns' column_offsets coff.
-// One loop over the T vectors of the chunk: loops of 4 output rows (8 x 8 outputs) cost a mispredicted exit
-// each.
-template <int NJ, bool kHalves>
+// next); vector t's image pixels are at x + xoff[t] for the NJ columns' column_offsets coff. One loop over the T
+// vectors of the chunk (rows of one vector each at 16 x 16 outputs).
+template <int NJ>
 __attribute__((target("avx512f"))) void grad_block(const float* __restrict dy, size_t row, size_t rows,
                                                    const float* __restrict x, const size_t* xoff, size_t T,
-                                                   size_t next, const size_t* coff, float* __restrict acc,
-                                                   size_t per_o) {
+                                                   const size_t* coff, float* __restrict acc, size_t per_o) {
   __m512 a[kRows][NJ];
   const float* d[kRows];
 #pragma GCC unroll 8
@@ -137,7 +140,7 @@ __attribute__((target("avx512f"))) void grad_block(const float* __restrict dy, s
     const float* xt = x + xoff[t];
     __m512 xv[NJ];
 #pragma GCC unroll 3
-    for (int j = 0; j < NJ; ++j) xv[j] = pixels<kHalves>(xt + coff[j], next);
+    for (int j = 0; j < NJ; ++j) xv[j] = _mm512_loadu_ps(xt + coff[j]);
 #pragma GCC unroll 8
     for (size_t r = 0; r < kRows; ++r) {
       __m512 g = _mm512_loadu_ps(d[r] + 16 * t);
@@ -151,38 +154,6 @@ __attribute__((target("avx512f"))) void grad_block(const float* __restrict dy, s
     for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + r * per_o + j * 16, a[r][j]);
 }
 
-template <bool kHalves>
-void grad_blocks(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride, const float* dy,
-                 size_t O, size_t k, size_t OH, size_t OW, float* lanes) {
-  // dy is channel-major: one output channel's n samples after each other, so the 8 rows a block reads lie
-  // together (samples O * P floats apart, a multiple of 4 KB, would meet in the same sets of L1), and its
-  // vectors follow each other.
-  const size_t P = OH * OW, kk = k * k, per_o = C * kk * 16, image_floats = C * Hp * Wp, row = n * P;
-  const size_t rstep = stride * Wp, T = row / 16;
-  size_t coff[kMaxKernel];
-  column_offsets(k, stride, Wp, coff);
-  std::vector<size_t> xoff;
-  xoff.reserve(T);
-  for (size_t m = 0; m < n; ++m)
-    for (size_t oh = 0; oh < OH; oh += kHalves ? 2 : 1)
-      for (size_t ow = 0; ow < OW; ow += 16) xoff.push_back(m * image_floats + oh * rstep + ow);
-  for (size_t b = 0; b < blocks_of(O); ++b) {
-    const size_t rows = std::min(kRows, O - b * kRows);
-    for (size_t c = 0; c < C; ++c)
-      for (size_t i = 0; i < k; ++i)
-        for (size_t j0 = 0; j0 < k; j0 += 3) {
-          const float* x = xp + (c * Hp + i) * Wp;
-          float* acc = lanes + b * kRows * per_o + ((c * k + i) * k + j0) * 16;
-          const float* d = dy + b * kRows * row;
-          if (k - j0 >= 3)
-            grad_block<3, kHalves>(d, row, rows, x, xoff.data(), T, rstep, coff + j0, acc, per_o);
-          else if (k - j0 == 2)
-            grad_block<2, kHalves>(d, row, rows, x, xoff.data(), T, rstep, coff + j0, acc, per_o);
-          else
-            grad_block<1, kHalves>(d, row, rows, x, xoff.data(), T, rstep, coff + j0, acc, per_o);
-        }
-  }
-}
 
 template <bool kHalves>
 void conv_blocks(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, const float* packed, size_t O,
@@ -266,12 +237,36 @@ __attribute__((target("avx512f"))) void split_columns(const float* x, size_t C, 
     }
 }
 
-void weight_grad(const float* images, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride, const float* dy,
+void weight_grad(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride, const float* dy,
                  size_t O, size_t k, size_t OH, size_t OW, float* lanes) {
-  if (OW == 8)
-    grad_blocks<true>(images, n, C, Hp, Wp, stride, dy, O, k, OH, OW, lanes);
-  else
-    grad_blocks<false>(images, n, C, Hp, Wp, stride, dy, O, k, OH, OW, lanes);
+  // dy is channel-major: one output channel's n samples after each other, so the 8 rows a block reads lie
+  // together (samples O * P floats apart, a multiple of 4 KB, would meet in the same sets of L1), and its
+  // vectors follow each other.
+  const size_t P = OH * OW, kk = k * k, per_o = C * kk * 16, image_floats = C * Hp * Wp, row = n * P;
+  const size_t rstep = stride * Wp, T = row / 16;
+  size_t coff[kMaxKernel];
+  column_offsets(k, stride, Wp, coff);
+  std::vector<size_t> xoff;
+  xoff.reserve(T);
+  for (size_t m = 0; m < n; ++m)
+    for (size_t oh = 0; oh < OH; ++oh)
+      for (size_t ow = 0; ow < OW; ow += 16) xoff.push_back(m * image_floats + oh * rstep + ow);
+  for (size_t b = 0; b < blocks_of(O); ++b) {
+    const size_t rows = std::min(kRows, O - b * kRows);
+    for (size_t c = 0; c < C; ++c)
+      for (size_t i = 0; i < k; ++i)
+        for (size_t j0 = 0; j0 < k; j0 += 3) {
+          const float* x = xp + (c * Hp + i) * Wp;
+          float* acc = lanes + b * kRows * per_o + ((c * k + i) * k + j0) * 16;
+          const float* d = dy + b * kRows * row;
+          if (k - j0 >= 3)
+            grad_block<3>(d, row, rows, x, xoff.data(), T, coff + j0, acc, per_o);
+          else if (k - j0 == 2)
+            grad_block<2>(d, row, rows, x, xoff.data(), T, coff + j0, acc, per_o);
+          else
+            grad_block<1>(d, row, rows, x, xoff.data(), T, coff + j0, acc, per_o);
+        }
+  }
 }
 
 void add_lanes(const float* lanes, size_t n, float* dw) {

@@ -41,9 +41,9 @@ void forward(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, con
 // n samples' part of the weight gradient, stride s (1 or 2): for every weight (o, c, i, j) of O x C x k x k, 16
 // partial sums (a vector's lanes) at lanes[((o*C + c)*k*k + i*k + j) * 16], to which it adds dy[o][oh][ow] *
 // xp[c][s*oh+i][s*ow+j] over the samples' output pixels (each lane its own); dy is (O, n, OH, OW), channel-major,
-// fits(k, OH, OW); images holds the n samples' images one after the other, each as for forward. Zero the lanes before the
-// first sample; add_lanes then adds each weight's 16 sums into dw.
-void weight_grad(const float* images, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride, const float* dy,
+// OW a multiple of 16; xp holds the n samples' images one after the other, each as for forward. Zero the lanes
+// before the first sample; add_lanes then adds each weight's 16 sums into dw.
+void weight_grad(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride, const float* dy,
                  size_t O, size_t k, size_t OH, size_t OW, float* lanes);
 void add_lanes(const float* lanes, size_t n, float* dw);
 
