@@ -197,6 +197,81 @@ def test_conv2d_unfolded_a_few_rows_at_a_time_computes_the_same(case):
             np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-4)
 
 
+# Note [Direct convolution] (csrc/nn/layers/conv2d_direct.cpp): with one BLAS thread on an AVX-512 core, a stride-1
+# or stride-2 convolution (kernel > 1) whose output is 16 wide (or 8 wide and an even number of rows high) runs
+# forward without unfolding, the weight gradient too where the output is a multiple of 16 wide, and dx where the
+# stride is 1, the input so wide and padding <= kernel - 1. Cases through every part, alone and mixed:
+DIRECT_CASES = [
+    # (N, C, H, W), out, k, stride, padding, bias
+    ((2, 3, 32, 32), 16, 3, 1, 1, False),   # the ResNet stem: 64 vectors of pixels, 21 blocks of 3 and one of 1
+    ((3, 16, 16, 16), 16, 3, 1, 1, True),   # 16 vectors: 5 blocks of 3 and one of 1
+    ((2, 5, 16, 16), 11, 3, 1, 1, True),    # output channels not a multiple of 8 (the last block of 3), odd inputs
+    ((1, 7, 18, 18), 9, 3, 1, 0, False),    # no padding: dx pads dy by 2
+    ((2, 4, 16, 16), 8, 5, 1, 2, True),     # 5x5: the weight gradient's columns as 3 + 2
+    ((2, 6, 16, 16), 13, 3, 1, 2, True),    # output 18 wide: the GEMMs forward, the direct dx (dy unpadded)
+    ((1, 3, 14, 14), 5, 3, 1, 2, False),    # output 16 wide from a 14-wide input: direct forward, GEMM dx
+    ((2, 3, 3, 18), 4, 3, 1, 0, True),      # one output row of one vector
+    ((2, 2, 16, 48), 3, 3, 1, 1, True),     # 3 vectors a row: blocks of one row each
+    ((2, 16, 8, 8), 16, 3, 1, 1, True),     # 8 wide: two output rows a vector, forward and dx (GEMM weight grad)
+    ((1, 3, 6, 6), 5, 3, 1, 2, False),      # output 8 x 8 from 6 x 6: two rows a vector forward only
+    ((2, 3, 7, 8), 4, 3, 1, 1, True),       # 8 wide, 7 rows high: the GEMMs
+    ((2, 16, 32, 32), 32, 3, 2, 1, True),   # stride 2: the image split into even and odd columns, 16 wide output
+    ((3, 8, 16, 16), 16, 3, 2, 1, False),   # stride 2 to 8 x 8: two rows a vector
+    ((2, 3, 31, 31), 4, 3, 2, 1, True),     # stride 2, odd padded width (17 even columns, 16 odd)
+    ((1, 2, 32, 32), 3, 5, 2, 2, False),    # stride 2, 5x5: columns 0, 2, 4 even and 1, 3 odd
+    ((2, 3, 33, 33), 4, 3, 2, 0, True),     # stride 2, no padding
+    ((1, 2, 28, 28), 3, 3, 2, 3, False),    # stride 2, padding 3: a vector of columns all right padding
+    ((1, 2, 30, 64), 3, 3, 2, 1, True),     # stride 2, rows of 66 padded columns: 3 vectors of each half
+    ((2, 4, 14, 14), 6, 1, 1, 1, False),    # 1x1 (with padding): the GEMMs
+]
+
+
+@pytest.mark.skipif(not cx._core._conv2d_direct_available(),
+                    reason="the direct kernels do not run here (no AVX-512F, or CX_NN_SCALAR=1)")
+@pytest.mark.parametrize("shape,out,k,stride,padding,bias", DIRECT_CASES)
+def test_conv2d_direct_kernels_match_numpy(shape, out, k, stride, padding, bias):
+    threads = cx.get_num_threads()
+    cx.set_num_threads(1)
+    try:
+        conv = cx.Conv2dModule(shape[1], out, k, stride=stride, padding=padding, bias=bias, seed=7)
+        if bias:
+            conv.bias[...] = f32(out)
+        w, b = conv.weight.astype(np.float64), conv.bias.astype(np.float64) if bias else None
+        x = f32(*shape)
+        ref = conv2d_ref(x.astype(np.float64), w, b, stride, padding)
+        gy = f32(*ref.shape)
+        model = model_of(conv)
+        y = model.forward(x)
+        model.zero_grad()
+        dx = model.backward(gy)
+        once = [g.copy() for g in model.gradients()]
+        model.forward(x)
+        model.backward(gy)  # gradients add up over backward calls
+        twice = [g.copy() for g in model.gradients()]
+        previous = cx._core._conv2d_direct(False)  # the GEMMs on the same layer: the same numbers
+        try:
+            y_gemm = model.forward(x)
+            model.zero_grad()
+            dx_gemm = model.backward(gy)
+            grads_gemm = [g.copy() for g in model.gradients()]
+        finally:
+            cx._core._conv2d_direct(previous)
+    finally:
+        cx.set_num_threads(threads)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+    rdx, rdw, rdb = conv2d_backward_ref(x.astype(np.float64), w, gy.astype(np.float64), stride, padding)
+    np.testing.assert_allclose(dx, rdx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(once[0], rdw, rtol=1e-4, atol=1e-3)
+    if bias:
+        np.testing.assert_allclose(once[1], rdb, rtol=1e-4, atol=1e-4)
+    for g2, g1 in zip(twice, once):
+        np.testing.assert_allclose(g2, 2 * g1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y_gemm, y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx_gemm, dx, rtol=1e-5, atol=1e-5)
+    for g, g0 in zip(grads_gemm, once):
+        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-4)
+
+
 def test_conv2d_parameters_init_and_properties():
     conv = cx.Conv2dModule(4, 6, 3, stride=2, padding=1, groups=2, seed=11)
     w, b = conv.parameters()
@@ -435,7 +510,10 @@ def test_nested_residuals_lay_their_parameters_out_in_layer_order():
 
 def test_a_model_with_residuals_trains_and_zero_grad_reaches_the_blocks():
     model = gradient_order_body()
-    x, y = f32(4, 1, 6, 6), np.array([0, 1, 1, 0])
+    # Data of its own, whatever the tests before drew from RNG, and learnable: each class's images brighter or
+    # darker (with labels drawn at random 4 images apart, the loss halved in 30 steps in 8 of 20 draws).
+    y = np.array([0, 1, 1, 0])
+    x = (np.random.default_rng(11).standard_normal((4, 1, 6, 6)) + (2 * y - 1)[:, None, None, None]).astype(np.float32)
     loss, opt = cx.CrossEntropyLoss(), cx.SGDOptimizer(0.1)
     first = None
     for _ in range(30):

@@ -6,6 +6,7 @@
 #include "bindings/bindings.h"
 #include "nn/layers/batchnorm2d.h"
 #include "nn/layers/conv2d.h"
+#include "nn/layers/conv2d_direct.h"
 #include "nn/layers/pooling.h"
 #include "nn/layers/residual.h"
 #include "nn/rng.h"
@@ -92,6 +93,13 @@ void bind_layers(py::module_& m) {
   m.def("_conv2d_unfold_floats", &Conv2dModule::set_unfold_floats, py::arg("n"),
         "For tests: the most floats one Conv2d unfolding may hold (0: the default), returning the previous "
         "setting (Note [Unfolding in chunks] in csrc/nn/layers/conv2d.h).");
+  m.def("_conv2d_direct_available", &direct_conv::available,
+        "For tests: whether this CPU runs Conv2d's direct kernels (AVX-512F, and CX_NN_SCALAR is not 1), which "
+        "then take stride-1 convolutions with an output width of a multiple of 16 when one BLAS thread runs (Note "
+        "[Direct convolution] in csrc/nn/layers/conv2d_direct.cpp).");
+  m.def("_conv2d_direct", &direct_conv::switch_on, py::arg("on"),
+        "For tests and benchmarks: switches Conv2d's direct kernels on or off (the GEMMs then take every "
+        "convolution), returning the previous setting.");
   bind_pool<MaxPool2dModule>(m, "MaxPool2dModule",
                              "The maximum of each kernel_size x kernel_size window, moved by stride (default: "
                              "kernel_size), of (batch, C, H, W) images. On the CPU and the GPU.\n\n"

@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "nn/blas.h"
 #include "nn/kernels.h"
+#include "nn/layers/conv2d_direct.h"
 #include "nn/registry.h"
 #include "nn/rng.h"
 #include "nn/serialize.h"
@@ -114,6 +115,17 @@ size_t Conv2dModule::chunk_rows(size_t OH, size_t OW) const {
   const size_t rows = std::max<size_t>(1, limit / (g_.in * g_.k * g_.k * OW));
   const size_t chunks = (OH + rows - 1) / rows;
   return (OH + chunks - 1) / chunks;  // as even as they come: no thin last chunk
+}
+
+// Note [Direct convolution] in conv2d_direct.cpp: stride 1 or 2, one group, outputs of whole vectors, on an
+// AVX-512 core, with one BLAS thread (the GEMMs use all of theirs; the direct kernels run on the calling thread).
+bool Conv2dModule::runs_direct(size_t OH, size_t OW) const {
+  return g_.stride <= 2 && g_.dilation == 1 && g_.groups == 1 && g_.k > 1 && direct_conv::fits(g_.k, OH, OW) &&
+         direct_conv::available() && get_num_threads() == 1;
+}
+
+void Conv2dModule::image(const float* x, size_t H, size_t W, float* out) const {
+  (g_.stride == 1 ? direct_conv::pad_image : direct_conv::split_columns)(x, g_.in, H, W, g_.padding, out);
 }
 
 const float* Conv2dModule::pad(const float* x, size_t H, size_t W) {
@@ -235,6 +247,12 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
   const float* w = param(0);
   const float beta = bias_ ? 1.0f : 0.0f;
+  const bool fast = runs_direct(OH, OW);
+  if (fast) {
+    packed_.resize({direct_conv::packed_floats(g_.out, C, g_.k)});
+    direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
+    if (g_.stride != 1) images_.resize({C, Hp, Wp});
+  }
   for (size_t n = 0; n < N; ++n) {
     const float* xn = x + n * C * H * W;
     float* yn = y + n * g_.out * P;
@@ -245,6 +263,12 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
     if (direct()) {  // the sample is its own unfolding
       for (size_t g = 0; g < G; ++g)
         gemm(false, false, iOg, iP, iKg, 1.0f, w + g * Og * Kg, iKg, xn + g * Kg * P, iP, beta, yn + g * Og * P, iP);
+      continue;
+    }
+    if (fast) {  // Note [Direct convolution]
+      if (g_.stride != 1) image(xn, H, W, images_.data());
+      const float* src = g_.stride == 1 ? pad(xn, H, W) : images_.data();
+      direct_conv::forward(src, C, Hp, Wp, g_.stride, packed_.data(), g_.out, g_.k, yn, OH, OW, bias_);
       continue;
     }
     const float* src = pad(xn, H, W);
@@ -278,7 +302,26 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     done(1);
   }
   float* dw = grad(0);
-  for (size_t n = 0; n < N; ++n) {
+  const bool fast = OW % 16 == 0 && runs_direct(OH, OW);  // 8 wide: no faster than the GEMM (the Note)
+  // Note [Direct convolution]: 16 partial sums per weight, over samples a chunk of about kChunkPixels output
+  // pixels at a time, added up after the batch.
+  const size_t chunk = fast ? std::min(N, std::max<size_t>(1, kChunkPixels / P)) : 0;
+  if (fast) {
+    lanes_.resize({g_.out * Kg * 16});
+    std::memset(lanes_.data(), 0, g_.out * Kg * 16 * sizeof(float));
+    images_.resize({chunk, C, Hp, Wp});
+    dys_.resize({g_.out, chunk, P});
+  }
+  for (size_t n0 = 0; n0 < N && fast; n0 += chunk) {
+    const size_t n = std::min(chunk, N - n0);
+    for (size_t m = 0; m < n; ++m) {
+      image(x + (n0 + m) * C * H * W, H, W, images_.data() + m * C * Hp * Wp);
+      for (size_t o = 0; o < g_.out; ++o) copy_floats(dys_.data() + (o * n + m) * P, gy + ((n0 + m) * g_.out + o) * P, P);
+    }
+    direct_conv::weight_grad(images_.data(), n, C, Hp, Wp, g_.stride, dys_.data(), g_.out, g_.k, OH, OW,
+                             lanes_.data());
+  }
+  for (size_t n = 0; n < N && !fast; ++n) {
     const float* xn = x + n * C * H * W;
     const float* gyn = gy + n * g_.out * P;
     if (direct()) {
@@ -296,10 +339,34 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
              dw + g * Og * Kg, iKg);
     }
   }
+  if (fast) direct_conv::add_lanes(lanes_.data(), g_.out * Kg, dw);
   done(0);
   if (!gx) return;
   const float* w = param(0);
   const size_t p = g_.padding;
+  if (g_.stride == 1 && p <= g_.k - 1 && runs_direct(H, W)) {  // Note [Direct convolution]: dx is dy's convolution, turned and swapped
+    const size_t q = g_.k - 1 - p, Hq = OH + 2 * q, Wq = OW + 2 * q, O = g_.out;
+    packed_.resize({direct_conv::packed_floats(C, O, g_.k)});
+    direct_conv::pack(w, C, O, g_.k, true, packed_.data());
+    if (q) {
+      const Shape want{O, Hq, Wq};
+      if (dypadded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
+        dypadded_.resize(want);
+        std::memset(dypadded_.data(), 0, numel(want) * sizeof(float));
+      }
+    }
+    for (size_t n = 0; n < N; ++n) {
+      const float* src = gy + n * O * P;
+      if (q) {
+        float* dst = dypadded_.data();
+        for (size_t o = 0; o < O; ++o)
+          for (size_t h = 0; h < OH; ++h) copy_floats(dst + (o * Hq + h + q) * Wq + q, src + (o * OH + h) * OW, OW);
+        src = dst;
+      }
+      direct_conv::forward(src, O, Hq, Wq, 1, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false);
+    }
+    return;
+  }
   if (p) dpadded_.resize({C, Hp, Wp});
   for (size_t n = 0; n < N; ++n) {
     const float* gyn = gy + n * g_.out * P;

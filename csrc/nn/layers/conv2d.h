@@ -8,6 +8,8 @@
 // in_channels/groups * k * k, as LinearModule's default; bias starts at zero.
 //
 // Note [Convolution as GEMM]
+// (On an AVX-512 core with one BLAS thread, most 3x3 convolutions of stride 1 and 2 now run without unfolding:
+// Note [Direct convolution] in conv2d_direct.cpp. What follows is every other case.)
 // Per sample, the input is unfolded into a matrix col (K = in/groups*k*k rows,
 // P = OH*OW columns; im2col) so that the convolution of group g is one GEMM
 // through our BLAS (nn/blas.h):
@@ -81,6 +83,14 @@ class Conv2dModule : public Module {
  private:
   bool direct() const { return g_.k == 1 && g_.stride == 1 && g_.padding == 0; }
   size_t chunk_rows(size_t OH, size_t OW) const;  // output rows per unfolding
+  // Whether the direct kernels compute outputs OH x OW (Note [Direct convolution]).
+  bool runs_direct(size_t OH, size_t OW) const;
+  // The sample as the direct kernels read it, into `out`: zero-padded, and for stride 2 split into each row's even
+  // and odd columns (direct_conv::pad_image, split_columns).
+  void image(const float* x, size_t H, size_t W, float* out) const;
+  // The weight gradient's direct kernel takes samples of about this many output pixels together: the 8 output
+  // channels' dy it reads for each weight stay in L1 (32 KB).
+  static constexpr size_t kChunkPixels = 1024;
   // The sample x (in, H, W) zero-padded into padded_ (x itself without padding).
   const float* pad(const float* x, size_t H, size_t W);
   // Unfolds output rows [oh0, oh1) of the padded sample src into col_:
@@ -93,6 +103,11 @@ class Conv2dModule : public Module {
   bool bias_;
   Tensor padded_, col_;  // scratch: one sample, zero-padded (borders stay zero); its unfolding
   Tensor dpadded_;       // backward: dx of one padded sample
+  Tensor packed_;        // the direct kernels' weights (Note [Direct convolution])
+  Tensor dypadded_;      // backward, direct: dy of one sample, zero-padded by k-1-padding
+  Tensor images_;        // the direct kernels' images (image()) of a chunk of samples
+  Tensor dys_;           // backward, direct: the chunk's dy, channel-major (out, samples, OH * OW)
+  Tensor lanes_;         // backward, direct: the weight gradient's 16 partial sums per weight
 };
 
 }  // namespace cx::nn
