@@ -95,8 +95,8 @@ void bind_layers(py::module_& m) {
         "setting (Note [Unfolding in chunks] in csrc/nn/layers/conv2d.h).");
   m.def("_conv2d_direct_available", &direct_conv::available,
         "For tests: whether this CPU runs Conv2d's direct kernels (AVX-512F, and CX_NN_SCALAR is not 1), which "
-        "then take stride-1 convolutions with an output width of a multiple of 16 when one BLAS thread runs (Note "
-        "[Direct convolution] in csrc/nn/layers/conv2d_direct.cpp).");
+        "then take most 3x3 convolutions of stride 1 and 2 (Note [Direct convolution] in "
+        "csrc/nn/layers/conv2d_direct.cpp).");
   m.def("_conv2d_direct", &direct_conv::switch_on, py::arg("on"),
         "For tests and benchmarks: switches Conv2d's direct kernels on or off (the GEMMs then take every "
         "convolution), returning the previous setting.");

@@ -4,7 +4,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <thread>
+#include <vector>
 
 #include "common/error.h"
 #include "nn/blas.h"
@@ -121,7 +125,31 @@ size_t Conv2dModule::chunk_rows(size_t OH, size_t OW) const {
 // AVX-512 core, with one BLAS thread (the GEMMs use all of theirs; the direct kernels run on the calling thread).
 bool Conv2dModule::runs_direct(size_t OH, size_t OW) const {
   return g_.stride <= 2 && g_.dilation == 1 && g_.groups == 1 && g_.k > 1 && direct_conv::fits(g_.k, OH, OW) &&
-         direct_conv::available() && get_num_threads() == 1;
+         direct_conv::available();
+}
+
+// Note [Direct convolution]: the batch in as many contiguous parts as the BLAS has threads, of kPartSamples
+// samples at least (a thread started per part and call: tens of us each), the first on the calling thread.
+size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, DirectScratch&)>& part) {
+  const size_t most = static_cast<size_t>(std::max(1, get_num_threads()));
+  const size_t parts = std::max<size_t>(1, std::min(most, N / kPartSamples));
+  if (scratch_.size() < parts) scratch_.resize(parts);
+  std::vector<std::exception_ptr> failed(parts);
+  auto run = [&](size_t t) {
+    try {
+      part(N * t / parts, N * (t + 1) / parts, scratch_[t]);
+    } catch (...) {
+      failed[t] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(parts - 1);
+  for (size_t t = 1; t < parts; ++t) threads.emplace_back(run, t);
+  run(0);
+  for (auto& th : threads) th.join();
+  for (auto& f : failed)
+    if (f) std::rethrow_exception(f);
+  return parts;
 }
 
 void Conv2dModule::image(const float* x, size_t H, size_t W, float* out) const {
@@ -247,28 +275,31 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
   const float* w = param(0);
   const float beta = bias_ ? 1.0f : 0.0f;
-  const bool fast = runs_direct(OH, OW);
-  if (fast) {
+  auto fill_bias = [&](float* yn) {
+    if (bias_)
+      for (size_t o = 0; o < g_.out; ++o) std::fill(yn + o * P, yn + (o + 1) * P, param(1)[o]);
+  };
+  if (runs_direct(OH, OW)) {  // Note [Direct convolution]
     packed_.resize({direct_conv::packed_floats(g_.out, C, g_.k)});
     direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
-    if (g_.stride != 1) images_.resize({C, Hp, Wp});
+    in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+      s.images.resize({C, Hp, Wp});
+      for (size_t n = b; n < e; ++n) {
+        float* yn = y + n * g_.out * P;
+        fill_bias(yn);
+        image(x + n * C * H * W, H, W, s.images.data());
+        direct_conv::forward(s.images.data(), C, Hp, Wp, g_.stride, packed_.data(), g_.out, g_.k, yn, OH, OW, bias_);
+      }
+    });
+    return;
   }
   for (size_t n = 0; n < N; ++n) {
     const float* xn = x + n * C * H * W;
     float* yn = y + n * g_.out * P;
-    if (bias_) {
-      const float* b = param(1);
-      for (size_t o = 0; o < g_.out; ++o) std::fill(yn + o * P, yn + (o + 1) * P, b[o]);
-    }
+    fill_bias(yn);
     if (direct()) {  // the sample is its own unfolding
       for (size_t g = 0; g < G; ++g)
         gemm(false, false, iOg, iP, iKg, 1.0f, w + g * Og * Kg, iKg, xn + g * Kg * P, iP, beta, yn + g * Og * P, iP);
-      continue;
-    }
-    if (fast) {  // Note [Direct convolution]
-      if (g_.stride != 1) image(xn, H, W, images_.data());
-      const float* src = g_.stride == 1 ? pad(xn, H, W) : images_.data();
-      direct_conv::forward(src, C, Hp, Wp, g_.stride, packed_.data(), g_.out, g_.k, yn, OH, OW, bias_);
       continue;
     }
     const float* src = pad(xn, H, W);
@@ -303,23 +334,29 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   }
   float* dw = grad(0);
   const bool fast = OW % 16 == 0 && runs_direct(OH, OW);  // 8 wide: no faster than the GEMM (the Note)
-  // Note [Direct convolution]: 16 partial sums per weight, over samples a chunk of about kChunkPixels output
-  // pixels at a time, added up after the batch.
-  const size_t chunk = fast ? std::min(N, std::max<size_t>(1, kChunkPixels / P)) : 0;
   if (fast) {
-    lanes_.resize({g_.out * Kg * 16});
-    std::memset(lanes_.data(), 0, g_.out * Kg * 16 * sizeof(float));
-    images_.resize({chunk, C, Hp, Wp});
-    dys_.resize({g_.out, chunk, P});
-  }
-  for (size_t n0 = 0; n0 < N && fast; n0 += chunk) {
-    const size_t n = std::min(chunk, N - n0);
-    for (size_t m = 0; m < n; ++m) {
-      image(x + (n0 + m) * C * H * W, H, W, images_.data() + m * C * Hp * Wp);
-      for (size_t o = 0; o < g_.out; ++o) copy_floats(dys_.data() + (o * n + m) * P, gy + ((n0 + m) * g_.out + o) * P, P);
-    }
-    direct_conv::weight_grad(images_.data(), n, C, Hp, Wp, g_.stride, dys_.data(), g_.out, g_.k, OH, OW,
-                             lanes_.data());
+    // Note [Direct convolution]: 16 partial sums per weight, over samples a chunk of about kChunkPixels output
+    // pixels at a time; each thread's, added up after the batch.
+    const size_t chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P)), lanes = g_.out * Kg * 16;
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+      s.lanes.resize({lanes});
+      std::memset(s.lanes.data(), 0, lanes * sizeof(float));
+      s.images.resize({chunk, C, Hp, Wp});
+      s.dys.resize({g_.out, chunk, P});
+      for (size_t n0 = b; n0 < e; n0 += chunk) {
+        const size_t n = std::min(chunk, e - n0);
+        for (size_t m = 0; m < n; ++m) {
+          image(x + (n0 + m) * C * H * W, H, W, s.images.data() + m * C * Hp * Wp);
+          for (size_t o = 0; o < g_.out; ++o)
+            copy_floats(s.dys.data() + (o * n + m) * P, gy + ((n0 + m) * g_.out + o) * P, P);
+        }
+        direct_conv::weight_grad(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), g_.out, g_.k, OH, OW,
+                                 s.lanes.data());
+      }
+    });
+    float* sum = scratch_[0].lanes.data();
+    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), lanes, sum);
+    direct_conv::add_lanes(sum, g_.out * Kg, dw);
   }
   for (size_t n = 0; n < N && !fast; ++n) {
     const float* xn = x + n * C * H * W;
@@ -339,32 +376,32 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
              dw + g * Og * Kg, iKg);
     }
   }
-  if (fast) direct_conv::add_lanes(lanes_.data(), g_.out * Kg, dw);
   done(0);
   if (!gx) return;
   const float* w = param(0);
   const size_t p = g_.padding;
-  if (g_.stride == 1 && p <= g_.k - 1 && runs_direct(H, W)) {  // Note [Direct convolution]: dx is dy's convolution, turned and swapped
+  // Note [Direct convolution]: dx is dy's convolution, turned and swapped.
+  if (g_.stride == 1 && p <= g_.k - 1 && runs_direct(H, W)) {
     const size_t q = g_.k - 1 - p, Hq = OH + 2 * q, Wq = OW + 2 * q, O = g_.out;
     packed_.resize({direct_conv::packed_floats(C, O, g_.k)});
     direct_conv::pack(w, C, O, g_.k, true, packed_.data());
-    if (q) {
+    in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
       const Shape want{O, Hq, Wq};
-      if (dypadded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
-        dypadded_.resize(want);
-        std::memset(dypadded_.data(), 0, numel(want) * sizeof(float));
+      if (q && s.dypadded.shape() != want) {  // new geometry: zero it all once; the borders stay zero
+        s.dypadded.resize(want);
+        std::memset(s.dypadded.data(), 0, numel(want) * sizeof(float));
       }
-    }
-    for (size_t n = 0; n < N; ++n) {
-      const float* src = gy + n * O * P;
-      if (q) {
-        float* dst = dypadded_.data();
-        for (size_t o = 0; o < O; ++o)
-          for (size_t h = 0; h < OH; ++h) copy_floats(dst + (o * Hq + h + q) * Wq + q, src + (o * OH + h) * OW, OW);
-        src = dst;
+      for (size_t n = b; n < e; ++n) {
+        const float* src = gy + n * O * P;
+        if (q) {
+          float* dst = s.dypadded.data();
+          for (size_t o = 0; o < O; ++o)
+            for (size_t h = 0; h < OH; ++h) copy_floats(dst + (o * Hq + h + q) * Wq + q, src + (o * OH + h) * OW, OW);
+          src = dst;
+        }
+        direct_conv::forward(src, O, Hq, Wq, 1, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false);
       }
-      direct_conv::forward(src, O, Hq, Wq, 1, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false);
-    }
+    });
     return;
   }
   if (p) dpadded_.resize({C, Hp, Wp});

@@ -40,6 +40,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include "nn/module.h"
 #include "nn/tensor.h"
@@ -91,6 +93,8 @@ class Conv2dModule : public Module {
   // The weight gradient's direct kernel takes samples of about this many output pixels together: the 8 output
   // channels' dy it reads for each weight stay in L1 (32 KB).
   static constexpr size_t kChunkPixels = 1024;
+  // The direct kernels split a batch over threads in parts of at least this many samples.
+  static constexpr size_t kPartSamples = 4;
   // The sample x (in, H, W) zero-padded into padded_ (x itself without padding).
   const float* pad(const float* x, size_t H, size_t W);
   // Unfolds output rows [oh0, oh1) of the padded sample src into col_:
@@ -104,10 +108,15 @@ class Conv2dModule : public Module {
   Tensor padded_, col_;  // scratch: one sample, zero-padded (borders stay zero); its unfolding
   Tensor dpadded_;       // backward: dx of one padded sample
   Tensor packed_;        // the direct kernels' weights (Note [Direct convolution])
-  Tensor dypadded_;      // backward, direct: dy of one sample, zero-padded by k-1-padding
-  Tensor images_;        // the direct kernels' images (image()) of a chunk of samples
-  Tensor dys_;           // backward, direct: the chunk's dy, channel-major (out, samples, OH * OW)
-  Tensor lanes_;         // backward, direct: the weight gradient's 16 partial sums per weight
+  struct DirectScratch {  // one thread's, for the direct kernels
+    Tensor images;        // image()s of a sample or of a chunk of samples
+    Tensor dys;           // backward: the chunk's dy, channel-major (out, samples, OH * OW)
+    Tensor lanes;         // backward: the weight gradient's 16 partial sums per weight
+    Tensor dypadded;      // backward: dy of one sample, zero-padded by k-1-padding
+  };
+  std::vector<DirectScratch> scratch_;
+  // Runs part(begin, end, scratch) over [0, N) split among the BLAS's threads; returns the number of parts.
+  size_t in_parts(size_t N, const std::function<void(size_t, size_t, DirectScratch&)>& part);
 };
 
 }  // namespace cx::nn

@@ -34,10 +34,15 @@ namespace cx::nn::direct_conv {
 //   pixels times the image's over the pixels of a chunk of samples (about 1024 output pixels: the 8 channels'
 //   dy, copied channel-major, stay in L1), each lane its own partial sum; the 16 lanes of a weight are added
 //   up once per batch (add_lanes, in double).
-// Only with one BLAS thread (each rank's default where several share a host; Note [Default BLAS threads]): the
-// kernels run on the calling thread, where the GEMMs would use all of theirs. (One process on these 2-vCPU VMs,
-// OpenBLAS's 2 threads through the GEMMs: 788 and 701 samples/s at batch 32 and 128, against 1071 and 904 with
-// one thread through these kernels: splitting a batch over threads is left to do.)
+// Threads: Conv2dModule splits the batch into as many contiguous parts as the BLAS has threads (one per rank
+// where several share a host, Note [Default BLAS threads]; all cores for a process alone), of 4 samples at least,
+// each on a thread started for the call with scratch of its own; the weight gradient's lanes of the parts are
+// added together before add_lanes; their sums make the weight gradient's roundings depend on the thread count. A
+// convolution alone (16 channels of 32x32, batch 128) runs 1.9x as fast on 2 threads as on one here; the ResNet-8
+// step of one process 0.87-1.15x: OpenBLAS's second thread spins after each of the GEMMs left in the step (1x1
+// convolutions, dx of stride 2, the classifier) on the core that the second part wants (OPENBLAS_THREAD_TIMEOUT=4,
+// a shorter spin: 1.02-1.15x). Before the split such a process went through the GEMMs: 788 and 701 samples/s at
+// batch 32 and 128 on 2 threads, 817-999 and 861-1042 now.
 // Measured (benchmarks/README.md, "Direct convolution"), one thread, batch 128, each layer's forward and backward
 // with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.75x as
 // fast, 32 of 16x16 1.69x, 64 of 8x8 1.18x; 3x3 stride 2 from 16 to 32 channels 1.36x, from 32 to 64 (to 8x8)
