@@ -333,7 +333,35 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     done(1);
   }
   float* dw = grad(0);
-  const bool fast = OW % 16 == 0 && runs_direct(OH, OW);  // 8 wide: no faster than the GEMM (the Note)
+  const bool direct_ok = runs_direct(OH, OW);
+  const bool fast = OW % 16 == 0 && direct_ok;
+  // Note [Direct convolution]: other widths (8) with output channels in the vector.
+  const bool by_channel = !fast && direct_ok && direct_conv::fits_channels(g_.out);
+  if (by_channel) {
+    const size_t chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P)), O = g_.out;
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+      s.lanes.resize({Kg * O});
+      std::memset(s.lanes.data(), 0, Kg * O * sizeof(float));
+      s.images.resize({chunk, C, Hp, Wp});
+      s.dys.resize({chunk * P, O});
+      for (size_t n0 = b; n0 < e; n0 += chunk) {
+        const size_t n = std::min(chunk, e - n0);
+        for (size_t m = 0; m < n; ++m) {
+          image(x + (n0 + m) * C * H * W, H, W, s.images.data() + m * C * Hp * Wp);
+          const float* g = gy + (n0 + m) * O * P;
+          float* t = s.dys.data() + m * P * O;
+          for (size_t o = 0; o < O; ++o)
+            for (size_t q = 0; q < P; ++q) t[q * O + o] = g[o * P + q];
+        }
+        direct_conv::weight_grad_by_channel(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH,
+                                            OW, s.lanes.data());
+      }
+    });
+    float* sum = scratch_[0].lanes.data();
+    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), Kg * O, sum);
+    for (size_t o = 0; o < O; ++o)
+      for (size_t q = 0; q < Kg; ++q) dw[o * Kg + q] += sum[q * O + o];
+  }
   if (fast) {
     // Note [Direct convolution]: 16 partial sums per weight, over samples a chunk of about kChunkPixels output
     // pixels at a time; each thread's, added up after the batch.
@@ -358,7 +386,7 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), lanes, sum);
     direct_conv::add_lanes(sum, g_.out * Kg, dw);
   }
-  for (size_t n = 0; n < N && !fast; ++n) {
+  for (size_t n = 0; n < N && !fast && !by_channel; ++n) {
     const float* xn = x + n * C * H * W;
     const float* gyn = gy + n * g_.out * P;
     if (direct()) {

@@ -274,6 +274,74 @@ void weight_grad(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size
   }
 }
 
+namespace {
+
+// The weight gradient with output channels in the vector: MV vectors of 16 output channels x NQ weights (c, i, j)
+// of the kernel, over the T pixels of a chunk: acc[q][o] += dyT[t][o] * image pixel (t, q), one broadcast per
+// pixel and weight. dyT is pixel-major (T x O); pixel t of weight q is at x + xoff[t] + qoff[q].
+template <int MV, int NQ>
+__attribute__((target("avx512f"))) void tgrad_block(const float* __restrict dyT, size_t O, const float* __restrict x,
+                                                    const size_t* xoff, size_t T, const size_t* qoff, size_t nq,
+                                                    float* __restrict acc) {
+  __m512 a[NQ][MV];
+#pragma GCC unroll 24
+  for (int q = 0; q < NQ; ++q)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) a[q][v] = q < static_cast<int>(nq) ? _mm512_loadu_ps(acc + q * O + 16 * v)
+                                                                    : _mm512_setzero_ps();
+  for (size_t t = 0; t < T; ++t) {
+    __m512 g[MV];
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) g[v] = _mm512_loadu_ps(dyT + t * O + 16 * v);
+    const float* xt = x + xoff[t];
+#pragma GCC unroll 24
+    for (int q = 0; q < NQ; ++q) {
+      const __m512 b = _mm512_set1_ps(xt[qoff[q]]);
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; ++v) a[q][v] = _mm512_fmadd_ps(b, g[v], a[q][v]);
+    }
+  }
+  for (int q = 0; q < static_cast<int>(nq); ++q)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(acc + q * O + 16 * v, a[q][v]);
+}
+
+template <int MV, int NQ>
+void tgrad_blocks(const float* dyT, size_t O, const float* x, const size_t* xoff, size_t T, const size_t* qoff,
+                  size_t K, float* acc) {
+  for (size_t q0 = 0; q0 < K; q0 += NQ) {
+    const size_t nq = std::min<size_t>(NQ, K - q0);
+    // A short last block reads weights past K: point them at weight 0 (its sums are not stored).
+    size_t offs[NQ];
+    for (size_t q = 0; q < NQ; ++q) offs[q] = qoff[q < nq ? q0 + q : 0];
+    tgrad_block<MV, NQ>(dyT, O, x, xoff, T, offs, nq, acc + q0 * O);
+  }
+}
+
+}  // namespace
+
+bool fits_channels(size_t O) { return O % 16 == 0 && O <= 64; }
+
+void weight_grad_by_channel(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride,
+                            const float* dyT, size_t O, size_t k, size_t OH, size_t OW, float* acc) {
+  const size_t K = C * k * k, image_floats = C * Hp * Wp, T = n * OH * OW;
+  size_t coff[kMaxKernel];
+  column_offsets(k, stride, Wp, coff);
+  std::vector<size_t> qoff(K), xoff(T);
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) qoff[(c * k + i) * k + j] = c * Hp * Wp + i * Wp + coff[j];
+  for (size_t m = 0, t = 0; m < n; ++m)
+    for (size_t oh = 0; oh < OH; ++oh)
+      for (size_t ow = 0; ow < OW; ++ow, ++t) xoff[t] = m * image_floats + oh * stride * Wp + ow;
+  switch (O / 16) {
+    case 1: return tgrad_blocks<1, 24>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+    case 2: return tgrad_blocks<2, 12>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+    case 3: return tgrad_blocks<3, 8>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+    default: return tgrad_blocks<4, 6>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+  }
+}
+
 void add_lanes(const float* lanes, size_t n, float* dw) {
   for (size_t i = 0; i < n; ++i, lanes += 16) {
     double s = 0;  // 16 partial sums of one weight's gradient, added up once per batch
