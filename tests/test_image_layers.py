@@ -218,6 +218,7 @@ DIRECT_CASES = [
     ((8, 5, 8, 8), 64, 3, 1, 1, False),     # 64 channels: 4 vectors x 6 weights, 45 weights (a last block of 3)
     ((4, 3, 16, 16), 48, 3, 2, 1, True),    # stride 2 to 8 x 8, 48 channels: 3 vectors x 8 weights, 27 weights
     ((2, 2, 8, 8), 32, 3, 1, 1, True),      # 32 channels: 2 vectors x 12 weights, 18 weights
+    ((4, 32, 8, 8), 16, 3, 1, 1, False),    # dx of 32 channels 8 wide with the channels in the vector
     ((1, 3, 6, 6), 5, 3, 1, 2, False),      # output 8 x 8 from 6 x 6: two rows a vector forward only
     ((2, 3, 7, 8), 4, 3, 1, 1, True),       # 8 wide, 7 rows high: the GEMMs
     ((2, 16, 32, 32), 32, 3, 2, 1, True),   # stride 2: the image split into even and odd columns, 16 wide output

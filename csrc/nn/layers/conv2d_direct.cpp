@@ -320,6 +320,79 @@ void tgrad_blocks(const float* dyT, size_t O, const float* x, const size_t* xoff
 
 }  // namespace
 
+namespace {
+
+// Forward with output channels in the vector: NP pixels x MV vectors of 16 output channels, over the K weights
+// (c, i, j): yT[p][o] = sum over q of wt[q][o] * image pixel (p, q). wt is K x O; pixel p of weight q is at
+// x + xoff[p] + qoff[q]; yT rows of O (the first np pixels stored).
+template <int MV, int NP>
+__attribute__((target("avx512f"))) void tconv_block(const float* __restrict wt, size_t O, size_t K,
+                                                    const float* __restrict x, const size_t* xoff,
+                                                    const size_t* qoff, size_t np, float* __restrict yT) {
+  __m512 a[NP][MV];
+#pragma GCC unroll 24
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) a[p][v] = _mm512_setzero_ps();
+  const float* xp[NP];
+#pragma GCC unroll 24
+  for (int p = 0; p < NP; ++p) xp[p] = x + xoff[p < static_cast<int>(np) ? p : 0];
+  for (size_t q = 0; q < K; ++q) {
+    __m512 w[MV];
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) w[v] = _mm512_loadu_ps(wt + q * O + 16 * v);
+    const size_t off = qoff[q];
+#pragma GCC unroll 24
+    for (int p = 0; p < NP; ++p) {
+      const __m512 b = _mm512_set1_ps(xp[p][off]);
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; ++v) a[p][v] = _mm512_fmadd_ps(b, w[v], a[p][v]);
+    }
+  }
+  for (int p = 0; p < static_cast<int>(np); ++p)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(yT + p * O + 16 * v, a[p][v]);
+}
+
+template <int MV, int NP>
+void tconv_blocks(const float* wt, size_t O, size_t K, const float* x, const size_t* xoff, size_t P,
+                  const size_t* qoff, float* yT) {
+  for (size_t p0 = 0; p0 < P; p0 += NP)
+    tconv_block<MV, NP>(wt, O, K, x, xoff + p0, qoff, std::min<size_t>(NP, P - p0), yT + p0 * O);
+}
+
+}  // namespace
+
+void pack_by_channel(const float* w, size_t O, size_t C, size_t k, bool transposed, float* out) {
+  const size_t kk = k * k;
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j, out += O)
+        for (size_t o = 0; o < O; ++o)
+          out[o] = transposed ? w[(c * O + o) * kk + (k - 1 - i) * k + (k - 1 - j)] : w[(o * C + c) * kk + i * k + j];
+}
+
+void forward_by_channel(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, const float* wt, size_t O,
+                        size_t k, float* y, size_t OH, size_t OW, bool add, float* yT) {
+  const size_t K = C * k * k, P = OH * OW;
+  size_t coff[kMaxKernel], xoff[kMaxPixels];
+  column_offsets(k, stride, Wp, coff);
+  std::vector<size_t> qoff(K);
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) qoff[(c * k + i) * k + j] = c * Hp * Wp + i * Wp + coff[j];
+  for (size_t oh = 0, t = 0; oh < OH; ++oh)
+    for (size_t ow = 0; ow < OW; ++ow, ++t) xoff[t] = oh * stride * Wp + ow;
+  switch (O / 16) {
+    case 1: tconv_blocks<1, 24>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+    case 2: tconv_blocks<2, 12>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+    case 3: tconv_blocks<3, 8>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+    default: tconv_blocks<4, 6>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+  }
+  for (size_t o = 0; o < O; ++o)
+    for (size_t p = 0; p < P; ++p) y[o * P + p] = (add ? y[o * P + p] : 0.0f) + yT[p * O + o];
+}
+
 bool fits_channels(size_t O) { return O % 16 == 0 && O <= 64; }
 
 void weight_grad_by_channel(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride,
