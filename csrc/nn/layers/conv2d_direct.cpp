@@ -24,7 +24,12 @@ namespace cx::nn::direct_conv {
 //   broadcasts of the weights, 8 FMAs per vector. The weights are packed per call (8 output channels' (c, i, j)
 //   in a row of 8 floats, zero beyond the last channel), a few KB.
 // - A vector is 16 pixels of one output row, or two rows of 8 (an 8-wide output, ResNets' last stage: its
-//   16 floats lie together in y, and its image pixels are two loads of 8).
+//   16 floats lie together in y, and its image pixels are two loads of 8, joined by a shuffle).
+// - 8-wide outputs of 16, 32, 48 or 64 channels put the output channels in the vector instead (the "by channel"
+//   kernels): forward and dx as 6-24 pixels x 1-4 vectors of channels, one weight vector load per vector and one
+//   broadcast per pixel for each weight (c, i, j), into a pixel-major copy of the output that is then turned
+//   around; the weight gradient as 6-24 weights x 1-4 vectors of channels over the chunk's pixels, from dy turned
+//   pixel-major. No half-row shuffles, and no per-sample blocks of 4 vectors.
 // - Stride 2 reads every other column: the image is split first (split_columns: each padded row's even
 //   columns, then its odd ones, by two AVX-512 permutes per 32 floats), and column j of the kernel is then
 //   a plain load from the even or the odd half; rows are every other row, an offset.
@@ -44,13 +49,14 @@ namespace cx::nn::direct_conv {
 // a shorter spin: 1.02-1.15x). Before the split such a process went through the GEMMs: 788 and 701 samples/s at
 // batch 32 and 128 on 2 threads, 817-999 and 861-1042 now.
 // Measured (benchmarks/README.md, "Direct convolution"), one thread, batch 128, each layer's forward and backward
-// with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.75x as
-// fast, 32 of 16x16 1.69x, 64 of 8x8 1.18x; 3x3 stride 2 from 16 to 32 channels 1.36x, from 32 to 64 (to 8x8)
-// 1.09x; the ResNet-8 training step 1.38x at batch 32 and 1.28x at 128. Left to the GEMMs: the weight gradient of
-// 8-wide outputs (measured no faster this way: 45-50 against 44-48 us a sample at 64 channels of 8x8, whose
-// chunks are 4 vectors of pixels a sample), 1x1 convolutions (0.55-0.78x: the split image costs more than their
-// small GEMMs), dx of stride 2 (each of its four phases a convolution whose width, 17 for 32 columns, is no whole
-// vector); not written: dilations, groups, outputs of other widths.
+// with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.83x as
+// fast, 32 of 16x16 1.65x, 64 of 8x8 1.35x; 3x3 stride 2 from 16 to 32 channels 1.40x, from 32 to 64 (to 8x8)
+// 1.28x; the ResNet-8 training step 1.34x at batch 32 and 1.30x at 128. Left to the GEMMs: 1x1 convolutions
+// (0.55-0.78x this way: the split image costs more than their small GEMMs), dx of stride 2 (each of its four
+// phases a convolution whose width, 17 for 32 columns, is no whole vector), the weight gradient of 8-wide outputs
+// whose channels are no multiple of 16 (the lanes kernel measured no faster than the GEMM there: 45-50 against
+// 44-48 us a sample at 64 channels of 8x8, whose chunks are 4 vectors of pixels a sample); not written:
+// dilations, groups, outputs of other widths.
 
 namespace {
 std::atomic<bool> switched_on{true};
