@@ -199,8 +199,9 @@ def test_conv2d_unfolded_a_few_rows_at_a_time_computes_the_same(case):
 
 # Note [Direct convolution] (csrc/nn/layers/conv2d_direct.cpp): on an AVX-512 core (the batch split over the BLAS's
 # threads), a stride-1 or stride-2 convolution (kernel > 1) whose output is 16 wide (or 8 wide and an even number of
-# rows high) runs forward without unfolding, the weight gradient too where the output is a multiple of 16 wide, and
-# dx where the stride is 1, the input so wide and padding <= kernel - 1. Cases through every part, alone and mixed:
+# rows high) runs forward without unfolding, the weight gradient too (8 wide: where the output channels are 16, 32,
+# 48 or 64), and dx where the stride is 1, the input so wide and padding <= kernel - 1. Cases through every part,
+# alone and mixed:
 DIRECT_CASES = [
     # (N, C, H, W), out, k, stride, padding, bias
     ((10, 3, 32, 32), 16, 3, 1, 1, False),  # the ResNet stem: 64 vectors of pixels, 20 blocks of 3 and 2 of 2
@@ -212,7 +213,12 @@ DIRECT_CASES = [
     ((1, 3, 14, 14), 5, 3, 1, 2, False),    # output 16 wide from a 14-wide input: direct forward, GEMM dx
     ((2, 3, 3, 18), 4, 3, 1, 0, True),      # one output row of one vector
     ((2, 2, 16, 48), 3, 3, 1, 1, True),     # 3 vectors a row: blocks of one row each
-    ((8, 16, 8, 8), 16, 3, 1, 1, True),     # 8 wide: two output rows a vector, forward and dx (GEMM weight grad)
+    ((8, 16, 8, 8), 16, 3, 1, 1, True),     # 8 wide: two output rows a vector, forward and dx; the weight gradient
+    #                                         with output channels in the vector (16: one vector x 24 weights)
+    ((8, 5, 8, 8), 64, 3, 1, 1, False),     # 64 channels: 4 vectors x 6 weights, 45 weights (a last block of 3)
+    ((4, 3, 16, 16), 48, 3, 2, 1, True),    # stride 2 to 8 x 8, 48 channels: 3 vectors x 8 weights, 27 weights
+    ((2, 2, 8, 8), 32, 3, 1, 1, True),      # 32 channels: 2 vectors x 12 weights, 18 weights
+    ((4, 32, 8, 8), 16, 3, 1, 1, False),    # dx of 32 channels 8 wide with the channels in the vector
     ((1, 3, 6, 6), 5, 3, 1, 2, False),      # output 8 x 8 from 6 x 6: two rows a vector forward only
     ((2, 3, 7, 8), 4, 3, 1, 1, True),       # 8 wide, 7 rows high: the GEMMs
     ((2, 16, 32, 32), 32, 3, 2, 1, True),   # stride 2: the image split into even and odd columns, 16 wide output

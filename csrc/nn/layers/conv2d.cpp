@@ -128,6 +128,11 @@ bool Conv2dModule::runs_direct(size_t OH, size_t OW) const {
          direct_conv::available();
 }
 
+// Note [Direct convolution]: 8-wide outputs of 16-64 channels compute with the channels in the vector.
+bool Conv2dModule::by_channel_ok(size_t channels, size_t OH, size_t OW) {
+  return OW == 8 && OH * OW <= direct_conv::kMaxPixels && direct_conv::fits_channels(channels);
+}
+
 // Note [Direct convolution]: the batch in as many contiguous parts as the BLAS has threads, of kPartSamples
 // samples at least (a thread started per part and call: tens of us each), the first on the calling thread.
 size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, DirectScratch&)>& part) {
@@ -280,15 +285,25 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
       for (size_t o = 0; o < g_.out; ++o) std::fill(yn + o * P, yn + (o + 1) * P, param(1)[o]);
   };
   if (runs_direct(OH, OW)) {  // Note [Direct convolution]
+    const bool by_channel = by_channel_ok(g_.out, OH, OW);
     packed_.resize({direct_conv::packed_floats(g_.out, C, g_.k)});
-    direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
+    if (by_channel)
+      direct_conv::pack_by_channel(w, g_.out, C, g_.k, false, packed_.data());
+    else
+      direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
     in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
       s.images.resize({C, Hp, Wp});
+      if (by_channel) s.dys.resize({P, g_.out});
       for (size_t n = b; n < e; ++n) {
         float* yn = y + n * g_.out * P;
         fill_bias(yn);
         image(x + n * C * H * W, H, W, s.images.data());
-        direct_conv::forward(s.images.data(), C, Hp, Wp, g_.stride, packed_.data(), g_.out, g_.k, yn, OH, OW, bias_);
+        if (by_channel)
+          direct_conv::forward_by_channel(s.images.data(), C, Hp, Wp, g_.stride, packed_.data(), g_.out, g_.k, yn,
+                                          OH, OW, bias_, s.dys.data());
+        else
+          direct_conv::forward(s.images.data(), C, Hp, Wp, g_.stride, packed_.data(), g_.out, g_.k, yn, OH, OW,
+                               bias_);
       }
     });
     return;
@@ -333,7 +348,35 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     done(1);
   }
   float* dw = grad(0);
-  const bool fast = OW % 16 == 0 && runs_direct(OH, OW);  // 8 wide: no faster than the GEMM (the Note)
+  const bool direct_ok = runs_direct(OH, OW);
+  const bool fast = OW % 16 == 0 && direct_ok;
+  // Note [Direct convolution]: other widths (8) with output channels in the vector.
+  const bool by_channel = !fast && direct_ok && direct_conv::fits_channels(g_.out);
+  if (by_channel) {
+    const size_t chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P)), O = g_.out;
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+      s.lanes.resize({Kg * O});
+      std::memset(s.lanes.data(), 0, Kg * O * sizeof(float));
+      s.images.resize({chunk, C, Hp, Wp});
+      s.dys.resize({chunk * P, O});
+      for (size_t n0 = b; n0 < e; n0 += chunk) {
+        const size_t n = std::min(chunk, e - n0);
+        for (size_t m = 0; m < n; ++m) {
+          image(x + (n0 + m) * C * H * W, H, W, s.images.data() + m * C * Hp * Wp);
+          const float* g = gy + (n0 + m) * O * P;
+          float* t = s.dys.data() + m * P * O;
+          for (size_t o = 0; o < O; ++o)
+            for (size_t q = 0; q < P; ++q) t[q * O + o] = g[o * P + q];
+        }
+        direct_conv::weight_grad_by_channel(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH,
+                                            OW, s.lanes.data());
+      }
+    });
+    float* sum = scratch_[0].lanes.data();
+    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), Kg * O, sum);
+    for (size_t o = 0; o < O; ++o)
+      for (size_t q = 0; q < Kg; ++q) dw[o * Kg + q] += sum[q * O + o];
+  }
   if (fast) {
     // Note [Direct convolution]: 16 partial sums per weight, over samples a chunk of about kChunkPixels output
     // pixels at a time; each thread's, added up after the batch.
@@ -358,7 +401,7 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), lanes, sum);
     direct_conv::add_lanes(sum, g_.out * Kg, dw);
   }
-  for (size_t n = 0; n < N && !fast; ++n) {
+  for (size_t n = 0; n < N && !fast && !by_channel; ++n) {
     const float* xn = x + n * C * H * W;
     const float* gyn = gy + n * g_.out * P;
     if (direct()) {
@@ -383,9 +426,14 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   // Note [Direct convolution]: dx is dy's convolution, turned and swapped.
   if (g_.stride == 1 && p <= g_.k - 1 && runs_direct(H, W)) {
     const size_t q = g_.k - 1 - p, Hq = OH + 2 * q, Wq = OW + 2 * q, O = g_.out;
+    const bool by_channel = by_channel_ok(C, H, W);
     packed_.resize({direct_conv::packed_floats(C, O, g_.k)});
-    direct_conv::pack(w, C, O, g_.k, true, packed_.data());
+    if (by_channel)
+      direct_conv::pack_by_channel(w, C, O, g_.k, true, packed_.data());
+    else
+      direct_conv::pack(w, C, O, g_.k, true, packed_.data());
     in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+      if (by_channel) s.dys.resize({H * W, C});
       const Shape want{O, Hq, Wq};
       if (q && s.dypadded.shape() != want) {  // new geometry: zero it all once; the borders stay zero
         s.dypadded.resize(want);
@@ -399,7 +447,11 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
             for (size_t h = 0; h < OH; ++h) copy_floats(dst + (o * Hq + h + q) * Wq + q, src + (o * OH + h) * OW, OW);
           src = dst;
         }
-        direct_conv::forward(src, O, Hq, Wq, 1, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false);
+        if (by_channel)
+          direct_conv::forward_by_channel(src, O, Hq, Wq, 1, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false,
+                                          s.dys.data());
+        else
+          direct_conv::forward(src, O, Hq, Wq, 1, packed_.data(), C, g_.k, gx + n * C * H * W, H, W, false);
       }
     });
     return;

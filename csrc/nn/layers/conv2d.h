@@ -87,6 +87,8 @@ class Conv2dModule : public Module {
   size_t chunk_rows(size_t OH, size_t OW) const;  // output rows per unfolding
   // Whether the direct kernels compute outputs OH x OW (Note [Direct convolution]).
   bool runs_direct(size_t OH, size_t OW) const;
+  // Whether outputs OH x OW of `channels` channels compute with the channels in the vector.
+  static bool by_channel_ok(size_t channels, size_t OH, size_t OW);
   // The sample as the direct kernels read it, into `out`: zero-padded, and for stride 2 split into each row's even
   // and odd columns (direct_conv::pad_image, split_columns).
   void image(const float* x, size_t H, size_t W, float* out) const;

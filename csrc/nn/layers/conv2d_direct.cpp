@@ -24,7 +24,12 @@ namespace cx::nn::direct_conv {
 //   broadcasts of the weights, 8 FMAs per vector. The weights are packed per call (8 output channels' (c, i, j)
 //   in a row of 8 floats, zero beyond the last channel), a few KB.
 // - A vector is 16 pixels of one output row, or two rows of 8 (an 8-wide output, ResNets' last stage: its
-//   16 floats lie together in y, and its image pixels are two loads of 8).
+//   16 floats lie together in y, and its image pixels are two loads of 8, joined by a shuffle).
+// - 8-wide outputs of 16, 32, 48 or 64 channels put the output channels in the vector instead (the "by channel"
+//   kernels): forward and dx as 6-24 pixels x 1-4 vectors of channels, one weight vector load per vector and one
+//   broadcast per pixel for each weight (c, i, j), into a pixel-major copy of the output that is then turned
+//   around; the weight gradient as 6-24 weights x 1-4 vectors of channels over the chunk's pixels, from dy turned
+//   pixel-major. No half-row shuffles, and no per-sample blocks of 4 vectors.
 // - Stride 2 reads every other column: the image is split first (split_columns: each padded row's even
 //   columns, then its odd ones, by two AVX-512 permutes per 32 floats), and column j of the kernel is then
 //   a plain load from the even or the odd half; rows are every other row, an offset.
@@ -44,13 +49,14 @@ namespace cx::nn::direct_conv {
 // a shorter spin: 1.02-1.15x). Before the split such a process went through the GEMMs: 788 and 701 samples/s at
 // batch 32 and 128 on 2 threads, 817-999 and 861-1042 now.
 // Measured (benchmarks/README.md, "Direct convolution"), one thread, batch 128, each layer's forward and backward
-// with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.75x as
-// fast, 32 of 16x16 1.69x, 64 of 8x8 1.18x; 3x3 stride 2 from 16 to 32 channels 1.36x, from 32 to 64 (to 8x8)
-// 1.09x; the ResNet-8 training step 1.38x at batch 32 and 1.28x at 128. Left to the GEMMs: the weight gradient of
-// 8-wide outputs (measured no faster this way: 45-50 against 44-48 us a sample at 64 channels of 8x8, whose
-// chunks are 4 vectors of pixels a sample), 1x1 convolutions (0.55-0.78x: the split image costs more than their
-// small GEMMs), dx of stride 2 (each of its four phases a convolution whose width, 17 for 32 columns, is no whole
-// vector); not written: dilations, groups, outputs of other widths.
+// with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.83x as
+// fast, 32 of 16x16 1.65x, 64 of 8x8 1.35x; 3x3 stride 2 from 16 to 32 channels 1.40x, from 32 to 64 (to 8x8)
+// 1.28x; the ResNet-8 training step 1.34x at batch 32 and 1.30x at 128. Left to the GEMMs: 1x1 convolutions
+// (0.55-0.78x this way: the split image costs more than their small GEMMs), dx of stride 2 (each of its four
+// phases a convolution whose width, 17 for 32 columns, is no whole vector), the weight gradient of 8-wide outputs
+// whose channels are no multiple of 16 (the lanes kernel measured no faster than the GEMM there: 45-50 against
+// 44-48 us a sample at 64 channels of 8x8, whose chunks are 4 vectors of pixels a sample); not written:
+// dilations, groups, outputs of other widths.
 
 namespace {
 std::atomic<bool> switched_on{true};
@@ -271,6 +277,147 @@ void weight_grad(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size
           else
             grad_block<1>(d, row, rows, x, xoff.data(), T, coff + j0, acc, per_o);
         }
+  }
+}
+
+namespace {
+
+// The weight gradient with output channels in the vector: MV vectors of 16 output channels x NQ weights (c, i, j)
+// of the kernel, over the T pixels of a chunk: acc[q][o] += dyT[t][o] * image pixel (t, q), one broadcast per
+// pixel and weight. dyT is pixel-major (T x O); pixel t of weight q is at x + xoff[t] + qoff[q].
+template <int MV, int NQ>
+__attribute__((target("avx512f"))) void tgrad_block(const float* __restrict dyT, size_t O, const float* __restrict x,
+                                                    const size_t* xoff, size_t T, const size_t* qoff, size_t nq,
+                                                    float* __restrict acc) {
+  __m512 a[NQ][MV];
+#pragma GCC unroll 24
+  for (int q = 0; q < NQ; ++q)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) a[q][v] = q < static_cast<int>(nq) ? _mm512_loadu_ps(acc + q * O + 16 * v)
+                                                                    : _mm512_setzero_ps();
+  for (size_t t = 0; t < T; ++t) {
+    __m512 g[MV];
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) g[v] = _mm512_loadu_ps(dyT + t * O + 16 * v);
+    const float* xt = x + xoff[t];
+#pragma GCC unroll 24
+    for (int q = 0; q < NQ; ++q) {
+      const __m512 b = _mm512_set1_ps(xt[qoff[q]]);
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; ++v) a[q][v] = _mm512_fmadd_ps(b, g[v], a[q][v]);
+    }
+  }
+  for (int q = 0; q < static_cast<int>(nq); ++q)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(acc + q * O + 16 * v, a[q][v]);
+}
+
+template <int MV, int NQ>
+void tgrad_blocks(const float* dyT, size_t O, const float* x, const size_t* xoff, size_t T, const size_t* qoff,
+                  size_t K, float* acc) {
+  for (size_t q0 = 0; q0 < K; q0 += NQ) {
+    const size_t nq = std::min<size_t>(NQ, K - q0);
+    // A short last block reads weights past K: point them at weight 0 (its sums are not stored).
+    size_t offs[NQ];
+    for (size_t q = 0; q < NQ; ++q) offs[q] = qoff[q < nq ? q0 + q : 0];
+    tgrad_block<MV, NQ>(dyT, O, x, xoff, T, offs, nq, acc + q0 * O);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// Forward with output channels in the vector: NP pixels x MV vectors of 16 output channels, over the K weights
+// (c, i, j): yT[p][o] = sum over q of wt[q][o] * image pixel (p, q). wt is K x O; pixel p of weight q is at
+// x + xoff[p] + qoff[q]; yT rows of O (the first np pixels stored).
+template <int MV, int NP>
+__attribute__((target("avx512f"))) void tconv_block(const float* __restrict wt, size_t O, size_t K,
+                                                    const float* __restrict x, const size_t* xoff,
+                                                    const size_t* qoff, size_t np, float* __restrict yT) {
+  __m512 a[NP][MV];
+#pragma GCC unroll 24
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) a[p][v] = _mm512_setzero_ps();
+  const float* xp[NP];
+#pragma GCC unroll 24
+  for (int p = 0; p < NP; ++p) xp[p] = x + xoff[p < static_cast<int>(np) ? p : 0];
+  for (size_t q = 0; q < K; ++q) {
+    __m512 w[MV];
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) w[v] = _mm512_loadu_ps(wt + q * O + 16 * v);
+    const size_t off = qoff[q];
+#pragma GCC unroll 24
+    for (int p = 0; p < NP; ++p) {
+      const __m512 b = _mm512_set1_ps(xp[p][off]);
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; ++v) a[p][v] = _mm512_fmadd_ps(b, w[v], a[p][v]);
+    }
+  }
+  for (int p = 0; p < static_cast<int>(np); ++p)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(yT + p * O + 16 * v, a[p][v]);
+}
+
+template <int MV, int NP>
+void tconv_blocks(const float* wt, size_t O, size_t K, const float* x, const size_t* xoff, size_t P,
+                  const size_t* qoff, float* yT) {
+  for (size_t p0 = 0; p0 < P; p0 += NP)
+    tconv_block<MV, NP>(wt, O, K, x, xoff + p0, qoff, std::min<size_t>(NP, P - p0), yT + p0 * O);
+}
+
+}  // namespace
+
+void pack_by_channel(const float* w, size_t O, size_t C, size_t k, bool transposed, float* out) {
+  const size_t kk = k * k;
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j, out += O)
+        for (size_t o = 0; o < O; ++o)
+          out[o] = transposed ? w[(c * O + o) * kk + (k - 1 - i) * k + (k - 1 - j)] : w[(o * C + c) * kk + i * k + j];
+}
+
+void forward_by_channel(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, const float* wt, size_t O,
+                        size_t k, float* y, size_t OH, size_t OW, bool add, float* yT) {
+  const size_t K = C * k * k, P = OH * OW;
+  size_t coff[kMaxKernel], xoff[kMaxPixels];
+  column_offsets(k, stride, Wp, coff);
+  std::vector<size_t> qoff(K);
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) qoff[(c * k + i) * k + j] = c * Hp * Wp + i * Wp + coff[j];
+  for (size_t oh = 0, t = 0; oh < OH; ++oh)
+    for (size_t ow = 0; ow < OW; ++ow, ++t) xoff[t] = oh * stride * Wp + ow;
+  switch (O / 16) {
+    case 1: tconv_blocks<1, 24>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+    case 2: tconv_blocks<2, 12>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+    case 3: tconv_blocks<3, 8>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+    default: tconv_blocks<4, 6>(wt, O, K, xp, xoff, P, qoff.data(), yT); break;
+  }
+  for (size_t o = 0; o < O; ++o)
+    for (size_t p = 0; p < P; ++p) y[o * P + p] = (add ? y[o * P + p] : 0.0f) + yT[p * O + o];
+}
+
+bool fits_channels(size_t O) { return O % 16 == 0 && O <= 64; }
+
+void weight_grad_by_channel(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride,
+                            const float* dyT, size_t O, size_t k, size_t OH, size_t OW, float* acc) {
+  const size_t K = C * k * k, image_floats = C * Hp * Wp, T = n * OH * OW;
+  size_t coff[kMaxKernel];
+  column_offsets(k, stride, Wp, coff);
+  std::vector<size_t> qoff(K), xoff(T);
+  for (size_t c = 0; c < C; ++c)
+    for (size_t i = 0; i < k; ++i)
+      for (size_t j = 0; j < k; ++j) qoff[(c * k + i) * k + j] = c * Hp * Wp + i * Wp + coff[j];
+  for (size_t m = 0, t = 0; m < n; ++m)
+    for (size_t oh = 0; oh < OH; ++oh)
+      for (size_t ow = 0; ow < OW; ++ow, ++t) xoff[t] = m * image_floats + oh * stride * Wp + ow;
+  switch (O / 16) {
+    case 1: return tgrad_blocks<1, 24>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+    case 2: return tgrad_blocks<2, 12>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+    case 3: return tgrad_blocks<3, 8>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
+    default: return tgrad_blocks<4, 6>(dyT, O, xp, xoff.data(), T, qoff.data(), K, acc);
   }
 }
 

@@ -47,4 +47,19 @@ void weight_grad(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size
                  size_t O, size_t k, size_t OH, size_t OW, float* lanes);
 void add_lanes(const float* lanes, size_t n, float* dw);
 
+// The weight gradient with output channels in the vector, for O a multiple of 16 up to 64 (fits_channels) and any
+// output width: acc[q][o] (K = C*k*k rows q = (c*k + i)*k + j, O columns) += the n samples' dy[o][oh][ow] *
+// xp[c][s*oh+i][s*ow+j]; dyT is their dy pixel-major (n*OH*OW rows of O), xp as for weight_grad.
+bool fits_channels(size_t O);
+
+// Forward with output channels in the vector, for fits_channels(O) and outputs of at most kMaxPixels pixels (the
+// 8-wide outputs, where forward()'s vectors of two half rows cost a shuffle each): y as forward() computes it,
+// through yT (OH*OW x O floats of scratch). wt: the weights as pack_by_channel lays them out (K = C*k*k rows of O).
+constexpr size_t kMaxPixels = 256;
+void pack_by_channel(const float* w, size_t O, size_t C, size_t k, bool transposed, float* out);
+void forward_by_channel(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, const float* wt, size_t O,
+                        size_t k, float* y, size_t OH, size_t OW, bool add, float* yT);
+void weight_grad_by_channel(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride,
+                            const float* dyT, size_t O, size_t k, size_t OH, size_t OW, float* acc);
+
 }  // namespace cx::nn::direct_conv
