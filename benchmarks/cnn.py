@@ -6,7 +6,8 @@
 
 1. step: one process, one thread (torch.set_num_threads(1), one OpenBLAS thread), training samples/s
    of the ResNet-8-like network of benchmarks/_cnn_worker.py on synthetic 3x32x32 images at batch 32
-   and 128: forward, cross-entropy, backward (no gradient for the input), SGD step, zero_grad.
+   and 128: forward, cross-entropy, backward (no gradient for the input), SGD step, zero_grad. Where the
+   direct convolution kernels run (an AVX-512 CPU), the same model with them off too ("pycyxwiz (GEMMs)").
 2. ddp: 2 ranks, one thread each: DistributedTrainer (pycyxwiz over TCP, and through shared memory,
    its default on one host) against PyTorch DDP over gloo, batch 32 per rank, 1024 samples per rank:
    global samples/s.
@@ -124,7 +125,17 @@ def step_fns(batch: int):
         tloss(tmodel(Xt), yt).backward()
         topt.step()
 
-    return {"pycyxwiz": cx_step, "torch": torch_step}, model.num_parameters()
+    fns = {"pycyxwiz": cx_step, "torch": torch_step}
+    if cx._core._conv2d_direct_available():
+        def gemm_step():  # the same model with Note [Direct convolution]'s kernels off: every convolution a GEMM
+            cx._core._conv2d_direct(False)
+            try:
+                cx_step()
+            finally:
+                cx._core._conv2d_direct(True)
+
+        fns["pycyxwiz-gemm"] = gemm_step
+    return fns, model.num_parameters()
 
 
 def run_step(batches, rounds: int, log=print) -> list:
@@ -137,8 +148,12 @@ def run_step(batches, rounds: int, log=print) -> list:
         for lib, r in t.items():
             row[lib] = {**r, "samples_per_second": batch / r["best_median_s"]}
         row["ratio"] = t["torch"]["best_median_s"] / t["pycyxwiz"]["best_median_s"]
+        if "pycyxwiz-gemm" in t:
+            row["direct_vs_gemm"] = t["pycyxwiz-gemm"]["best_median_s"] / t["pycyxwiz"]["best_median_s"]
         log(f"  step batch {batch}: pycyxwiz {row['pycyxwiz']['samples_per_second']:.0f} samples/s, "
-            f"torch {row['torch']['samples_per_second']:.0f}: {row['ratio']:.2f}x")
+            f"torch {row['torch']['samples_per_second']:.0f}: {row['ratio']:.2f}x"
+            + (f"; pycyxwiz through the GEMMs {row['pycyxwiz-gemm']['samples_per_second']:.0f}"
+               if "pycyxwiz-gemm" in row else ""))
         rows.append(row)
     return rows
 
@@ -272,11 +287,15 @@ def tables(payload: dict, markdown: bool = False) -> str:
         out.append((f"**{title}**\n\n" if markdown else title + "\n") + format_table(headers, rows, markdown))
 
     if payload.get("step"):
+        gemm = all("pycyxwiz-gemm" in r for r in payload["step"])
         add(f"ResNet-8-like ({payload['step'][0]['parameters']:,} parameters), 3x32x32, one process, 1 thread: "
-            "training samples/s",
-            ["batch", "pycyxwiz", "PyTorch", "cx/torch"],
+            "training samples/s" + ("; pycyxwiz (GEMMs): the same with the direct convolution kernels off" if gemm
+                                    else ""),
+            ["batch", "pycyxwiz", "PyTorch", "cx/torch"] + (["pycyxwiz (GEMMs)", "direct/GEMMs"] if gemm else []),
             [[r["batch"], f"{r['pycyxwiz']['samples_per_second']:.0f}", f"{r['torch']['samples_per_second']:.0f}",
-              fmt_ratio(r["ratio"])] for r in payload["step"]])
+              fmt_ratio(r["ratio"])]
+             + ([f"{r['pycyxwiz-gemm']['samples_per_second']:.0f}", fmt_ratio(r["direct_vs_gemm"])] if gemm else [])
+             for r in payload["step"]])
     if payload.get("ddp"):
         ddp = {c["lib"]: c for c in payload["ddp"]}
         th = ddp.get("torch", {}).get("samples_per_second")
