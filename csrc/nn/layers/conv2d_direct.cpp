@@ -165,7 +165,6 @@ __attribute__((target("avx512f"))) void grad_block(const float* __restrict dy, s
     for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + r * per_o + j * 16, a[r][j]);
 }
 
-
 template <bool kHalves>
 void conv_blocks(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, const float* packed, size_t O,
                  size_t k, float* y, size_t OH, size_t OW, bool add) {
@@ -323,10 +322,6 @@ void tgrad_blocks(const float* dyT, size_t O, const float* x, const size_t* xoff
     tgrad_block<MV, NQ>(dyT, O, x, xoff, T, offs, nq, acc + q0 * O);
   }
 }
-
-}  // namespace
-
-namespace {
 
 // Forward with output channels in the vector: NP pixels x MV vectors of 16 output channels, over the K weights
 // (c, i, j): yT[p][o] = sum over q of wt[q][o] * image pixel (p, q). wt is K x O; pixel p of weight q is at
