@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <system_error>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -121,8 +122,8 @@ size_t Conv2dModule::chunk_rows(size_t OH, size_t OW) const {
   return (OH + chunks - 1) / chunks;  // as even as they come: no thin last chunk
 }
 
-// Note [Direct convolution] in conv2d_direct.cpp: stride 1 or 2, one group, outputs of whole vectors, on an
-// AVX-512 core, with one BLAS thread (the GEMMs use all of theirs; the direct kernels run on the calling thread).
+// Note [Direct convolution] in conv2d_direct.cpp: stride 1 or 2, one group, a kernel larger than 1x1, outputs of
+// whole vectors, on an AVX-512 core.
 bool Conv2dModule::runs_direct(size_t OH, size_t OW) const {
   return g_.stride <= 2 && g_.dilation == 1 && g_.groups == 1 && g_.k > 1 && direct_conv::fits(g_.k, OH, OW) &&
          direct_conv::available();
@@ -149,7 +150,13 @@ size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t,
   };
   std::vector<std::thread> threads;
   threads.reserve(parts - 1);
-  for (size_t t = 1; t < parts; ++t) threads.emplace_back(run, t);
+  for (size_t t = 1; t < parts; ++t) {
+    try {
+      threads.emplace_back(run, t);
+    } catch (const std::system_error&) {  // no thread to be had: this one runs the part
+      run(t);
+    }
+  }
   run(0);
   for (auto& th : threads) th.join();
   for (auto& f : failed)
