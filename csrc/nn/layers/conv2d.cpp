@@ -5,9 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
-#include <system_error>
 #include <functional>
 #include <limits>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -355,58 +355,49 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     done(1);
   }
   float* dw = grad(0);
+  // Note [Direct convolution]: outputs of whole vectors as 16 partial sums per weight; 8-wide ones with output
+  // channels in the vector. Over samples a chunk of about kChunkPixels output pixels at a time; each thread's sums
+  // added up after the batch.
   const bool direct_ok = runs_direct(OH, OW);
   const bool fast = OW % 16 == 0 && direct_ok;
-  // Note [Direct convolution]: other widths (8) with output channels in the vector.
   const bool by_channel = !fast && direct_ok && direct_conv::fits_channels(g_.out);
-  if (by_channel) {
-    const size_t chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P)), O = g_.out;
+  if (fast || by_channel) {
+    const size_t O = g_.out, chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P));
+    const size_t sums = by_channel ? Kg * O : Kg * O * 16;
     const size_t parts = in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
-      s.lanes.resize({Kg * O});
-      std::memset(s.lanes.data(), 0, Kg * O * sizeof(float));
+      s.lanes.resize({sums});
+      std::memset(s.lanes.data(), 0, sums * sizeof(float));
       s.images.resize({chunk, C, Hp, Wp});
-      s.dys.resize({chunk * P, O});
+      s.dys.resize({chunk, O, P});
       for (size_t n0 = b; n0 < e; n0 += chunk) {
         const size_t n = std::min(chunk, e - n0);
         for (size_t m = 0; m < n; ++m) {
           image(x + (n0 + m) * C * H * W, H, W, s.images.data() + m * C * Hp * Wp);
           const float* g = gy + (n0 + m) * O * P;
-          float* t = s.dys.data() + m * P * O;
-          for (size_t o = 0; o < O; ++o)
-            for (size_t q = 0; q < P; ++q) t[q * O + o] = g[o * P + q];
+          if (by_channel) {  // pixel-major
+            float* t = s.dys.data() + m * P * O;
+            for (size_t o = 0; o < O; ++o)
+              for (size_t q = 0; q < P; ++q) t[q * O + o] = g[o * P + q];
+          } else {  // channel-major
+            for (size_t o = 0; o < O; ++o) copy_floats(s.dys.data() + (o * n + m) * P, g + o * P, P);
+          }
         }
-        direct_conv::weight_grad_by_channel(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH,
-                                            OW, s.lanes.data());
+        if (by_channel)
+          direct_conv::weight_grad_by_channel(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH,
+                                              OW, s.lanes.data());
+        else
+          direct_conv::weight_grad(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH, OW,
+                                   s.lanes.data());
       }
     });
     float* sum = scratch_[0].lanes.data();
-    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), Kg * O, sum);
-    for (size_t o = 0; o < O; ++o)
-      for (size_t q = 0; q < Kg; ++q) dw[o * Kg + q] += sum[q * O + o];
-  }
-  if (fast) {
-    // Note [Direct convolution]: 16 partial sums per weight, over samples a chunk of about kChunkPixels output
-    // pixels at a time; each thread's, added up after the batch.
-    const size_t chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P)), lanes = g_.out * Kg * 16;
-    const size_t parts = in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
-      s.lanes.resize({lanes});
-      std::memset(s.lanes.data(), 0, lanes * sizeof(float));
-      s.images.resize({chunk, C, Hp, Wp});
-      s.dys.resize({g_.out, chunk, P});
-      for (size_t n0 = b; n0 < e; n0 += chunk) {
-        const size_t n = std::min(chunk, e - n0);
-        for (size_t m = 0; m < n; ++m) {
-          image(x + (n0 + m) * C * H * W, H, W, s.images.data() + m * C * Hp * Wp);
-          for (size_t o = 0; o < g_.out; ++o)
-            copy_floats(s.dys.data() + (o * n + m) * P, gy + ((n0 + m) * g_.out + o) * P, P);
-        }
-        direct_conv::weight_grad(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), g_.out, g_.k, OH, OW,
-                                 s.lanes.data());
-      }
-    });
-    float* sum = scratch_[0].lanes.data();
-    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), lanes, sum);
-    direct_conv::add_lanes(sum, g_.out * Kg, dw);
+    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), sums, sum);
+    if (by_channel) {
+      for (size_t o = 0; o < O; ++o)
+        for (size_t q = 0; q < Kg; ++q) dw[o * Kg + q] += sum[q * O + o];
+    } else {
+      direct_conv::add_lanes(sum, O * Kg, dw);
+    }
   }
   for (size_t n = 0; n < N && !fast && !by_channel; ++n) {
     const float* xn = x + n * C * H * W;

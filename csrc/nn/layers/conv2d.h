@@ -8,8 +8,8 @@
 // in_channels/groups * k * k, as LinearModule's default; bias starts at zero.
 //
 // Note [Convolution as GEMM]
-// (On an AVX-512 core with one BLAS thread, most 3x3 convolutions of stride 1 and 2 now run without unfolding:
-// Note [Direct convolution] in conv2d_direct.cpp. What follows is every other case.)
+// (On an AVX-512 core, most 3x3 convolutions of stride 1 and 2 now run without unfolding: Note [Direct
+// convolution] in conv2d_direct.cpp. What follows is every other case.)
 // Per sample, the input is unfolded into a matrix col (K = in/groups*k*k rows,
 // P = OH*OW columns; im2col) so that the convolution of group g is one GEMM
 // through our BLAS (nn/blas.h):
@@ -112,7 +112,7 @@ class Conv2dModule : public Module {
   Tensor packed_;        // the direct kernels' weights (Note [Direct convolution])
   struct DirectScratch {  // one thread's, for the direct kernels
     Tensor images;        // image()s of a sample or of a chunk of samples
-    Tensor dys;           // backward: the chunk's dy, channel-major (out, samples, OH * OW)
+    Tensor dys;           // the chunk's dy (channel- or pixel-major), or a by-channel forward's output turned
     Tensor lanes;         // backward: the weight gradient's 16 partial sums per weight
     Tensor dypadded;      // backward: dy of one sample, zero-padded by k-1-padding
   };

@@ -1,5 +1,5 @@
-// defines: direct_conv, the AVX-512 kernels that compute a stride-1 convolution of one sample straight from its
-// zero-padded image, without unfolding it (Note [Direct convolution] in conv2d_direct.cpp).
+// defines: direct_conv, the AVX-512 kernels that compute a convolution of stride 1 or 2 straight from the
+// samples' zero-padded images, without unfolding them (Note [Direct convolution] in conv2d_direct.cpp).
 #pragma once
 
 #include <cstddef>
@@ -47,18 +47,21 @@ void weight_grad(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size
                  size_t O, size_t k, size_t OH, size_t OW, float* lanes);
 void add_lanes(const float* lanes, size_t n, float* dw);
 
-// The weight gradient with output channels in the vector, for O a multiple of 16 up to 64 (fits_channels) and any
-// output width: acc[q][o] (K = C*k*k rows q = (c*k + i)*k + j, O columns) += the n samples' dy[o][oh][ow] *
-// xp[c][s*oh+i][s*ow+j]; dyT is their dy pixel-major (n*OH*OW rows of O), xp as for weight_grad.
+// The "by channel" kernels, with output channels in the vector, for O a multiple of 16 up to 64.
 bool fits_channels(size_t O);
 
 // Forward with output channels in the vector, for fits_channels(O) and outputs of at most kMaxPixels pixels (the
 // 8-wide outputs, where forward()'s vectors of two half rows cost a shuffle each): y as forward() computes it,
-// through yT (OH*OW x O floats of scratch). wt: the weights as pack_by_channel lays them out (K = C*k*k rows of O).
+// through yT (OH*OW x O floats of scratch). wt: the weights as pack_by_channel lays them out (K = C*k*k rows of O;
+// `transposed` as for pack).
 constexpr size_t kMaxPixels = 256;
 void pack_by_channel(const float* w, size_t O, size_t C, size_t k, bool transposed, float* out);
 void forward_by_channel(const float* xp, size_t C, size_t Hp, size_t Wp, size_t stride, const float* wt, size_t O,
                         size_t k, float* y, size_t OH, size_t OW, bool add, float* yT);
+
+// The weight gradient with output channels in the vector, for fits_channels(O) and any output width: acc[q][o] (K
+// = C*k*k rows q = (c*k + i)*k + j, O columns) += the n samples' dy[o][oh][ow] * xp[c][s*oh+i][s*ow+j]; dyT is
+// their dy pixel-major (n*OH*OW rows of O), xp as for weight_grad.
 void weight_grad_by_channel(const float* xp, size_t n, size_t C, size_t Hp, size_t Wp, size_t stride,
                             const float* dyT, size_t O, size_t k, size_t OH, size_t OW, float* acc);
 
