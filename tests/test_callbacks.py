@@ -106,15 +106,15 @@ class StopOnRank(C.Callback):
             trainer.stop_reason = f"rank {self.rank} had enough"
 
 
-def early_stopping_body(case):
+def early_stopping_body(case, patience=2):
     Xtr, ytr, Xv, yv = data()
     model = mlp()
     trainer = D.DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
     rec = Recorder()
     if case == "early":
-        # val_loss falls every epoch here, so in mode "max" epoch 1 stays the best: with patience 1 the run
-        # stops after epoch 3 of 10.
-        cbs = [C.EarlyStopping(monitor="val_loss", patience=1, mode="max"), rec]
+        # val_loss falls every epoch here, so in mode "max" epoch 1 stays the best: with patience 2 the run
+        # stops after epoch 3 of 10 (two epochs without improvement, as Keras and Lightning count).
+        cbs = [C.EarlyStopping(monitor="val_loss", patience=patience, mode="max"), rec]
     else:
         cbs = [StopOnRank(1, 2), rec]
     h = trainer.fit(Xtr, ytr, Xv, yv, config(epochs=10, batch_size=64), callbacks=cbs)
@@ -131,6 +131,60 @@ def test_early_stopping_stops_every_rank_after_the_same_epoch():
                                  "the best was ") and reason.endswith("at epoch 1")
         assert last_call == "train_end"
     assert np.array_equal(outs[0][-1], outs[1][-1])
+
+
+def test_early_stopping_with_patience_one_stops_at_the_first_epoch_without_improvement():
+    # Keras's and Lightning's count: patience=1 tolerates no epoch beyond the one that did not improve.
+    outs = ranks.run(early_stopping_body, 2, args=("early", 1))
+    for epochs, stopped, reason, at, vlosses, flag, _, _ in outs:
+        assert epochs == [1, 2] and stopped and at == 2 and flag
+        assert vlosses[0] > vlosses[1]
+        assert reason.startswith("EarlyStopping: val_loss did not improve (mode 'max', min_delta 0) for 1 epoch; "
+                                 "the best was ") and reason.endswith("at epoch 1")
+
+
+def auto_mode_body():
+    Xtr, ytr, Xv, yv = data()
+    trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(2e-3))
+    stop = C.EarlyStopping(monitor="val_accuracy", patience=2)     # no mode: auto, so higher is better
+    h = trainer.fit(Xtr, ytr, Xv, yv, config(epochs=6, batch_size=64), callbacks=[stop])
+    return stop.mode, h.val_accuracies, h.stopped_early, stop.best_score
+
+
+def test_early_stopping_on_accuracy_without_a_mode_maximises_it():
+    # In mode "min" this run would stop after epoch 3, its best the first epoch's (lowest) accuracy.
+    for mode, accs, stopped, best in ranks.run(auto_mode_body, 2):
+        assert mode == "max" and best == max(accs)
+        assert not stopped or accs.index(best) == len(accs) - 3    # stopped: two epochs after the best
+        assert accs[-1] > accs[0]
+
+
+def test_auto_mode_minimises_a_loss_maximises_an_accuracy_and_asks_for_anything_else():
+    assert [C.EarlyStopping(monitor=m).mode for m in ("val_loss", "loss", "val_accuracy", "accuracy", "val_acc")] \
+        == ["min", "min", "max", "max", "max"]
+    assert C.ModelCheckpoint("d").mode == "min" and C.ModelCheckpoint("d", monitor="val_accuracy").mode == "max"
+    assert C.EarlyStopping(monitor="val_accuracy", mode="min").mode == "min"      # said outright: kept
+    assert C.ModelCheckpoint("d", monitor="epoch_time", save_best=False).save_last  # nothing compared: no mode needed
+    assert C.EarlyStopping(monitor="val_f1").mode == "auto"     # a callback's own key: decided by the first epoch
+
+
+def own_key_body(mode):
+    class F1(C.Callback):       # adds a key to the epoch logs, which the callbacks after it see
+        def on_epoch_end(self, trainer, epoch, logs):
+            logs["val_f1"] = 0.5 + 0.1 * epoch
+
+    Xtr, ytr, Xv, yv = data(128, 64)
+    trainer = D.DistributedTrainer(mlp(), cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    stop = C.EarlyStopping(monitor="val_f1", patience=1, **({"mode": mode} if mode else {}))
+    h = trainer.fit(Xtr, ytr, Xv, yv, config(epochs=3), callbacks=[F1(), stop])
+    return h.epochs, stop.best_score
+
+
+def test_a_callbacks_own_key_needs_a_mode_and_is_asked_for_it_at_the_first_epoch():
+    (o,) = ranks.spawn(own_key_body, 1, args=(None,))
+    assert o.exc_type == "ValueError" and ("callback EarlyStopping.on_epoch_end: EarlyStopping: mode='auto' cannot "
+                                           "tell whether 'val_f1' should fall or rise") in o.message, o.message
+    assert ranks.run(own_key_body, 1, args=("max",)) == [([1, 2, 3], 0.5 + 0.1 * 3)]
 
 
 def test_a_stop_asked_on_one_rank_stops_every_rank_with_its_reason():
@@ -423,9 +477,16 @@ def test_a_restarted_job_keeps_the_best_score_and_ends_as_an_uninterrupted_one(t
 # ---- misuse ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make, exc, text", [
-    (lambda: C.EarlyStopping(mode="minimum"), ValueError, "EarlyStopping: mode must be 'min' or 'max', got 'minimum'"),
-    (lambda: C.ModelCheckpoint("d", mode="auto"), ValueError, "ModelCheckpoint: mode must be 'min' or 'max', got "
-                                                              "'auto'"),
+    (lambda: C.EarlyStopping(mode="minimum"), ValueError,
+     "EarlyStopping: mode must be 'auto', 'min' or 'max', got 'minimum'"),
+    (lambda: C.ModelCheckpoint("d", mode=None), ValueError, "ModelCheckpoint: mode must be 'auto', 'min' or 'max', "
+                                                            "got None"),
+    (lambda: C.EarlyStopping(monitor="lr"), ValueError, "EarlyStopping: mode='auto' cannot tell whether 'lr' should "
+                                                        "fall or rise (it knows *loss and *accuracy); pass mode='min' "
+                                                        "or mode='max'"),
+    (lambda: C.ModelCheckpoint("d", monitor="epoch_time"), ValueError, "ModelCheckpoint: mode='auto' cannot tell "
+                                                                       "whether 'epoch_time' should fall or rise"),
+    (lambda: C.ModelCheckpoint("d", monitor="samples_per_second"), ValueError, "pass mode='min' or mode='max'"),
     (lambda: C.EarlyStopping(patience=-1), ValueError, "EarlyStopping: patience must be an int >= 0"),
     (lambda: C.EarlyStopping(min_delta=-0.1), ValueError, "EarlyStopping: min_delta must be a finite number >= 0"),
     (lambda: C.EarlyStopping(monitor=3), TypeError, "EarlyStopping: monitor must be the name of an epoch log key"),

@@ -41,7 +41,7 @@ import numpy as np
 
 __all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "EMA", "CSVLogger"]
 
-_MODES = ("min", "max")
+_MODES = ("auto", "min", "max")
 
 
 class Callback:
@@ -83,10 +83,30 @@ class Callback:
         return f"{type(self).__name__}()"
 
 
-def _check_mode(who: str, mode: Any) -> str:
+# The epoch log keys that are neither a loss nor an accuracy: mode "auto" cannot tell which way is better.
+_UNDIRECTED = ("epoch", "lr", "samples_per_second", "epoch_time")
+
+
+def _check_mode(who: str, mode: Any, monitor: str) -> str:
+    """"min" or "max": the mode given, or for "auto" (Keras's default) the one the monitor's name says: a loss goes
+    down, an accuracy up. Still "auto" for a key fit does not log (a callback's own, or a typo): the first epoch's
+    logs say which (_Best.improves asks for the mode then, rather than guess)."""
     if mode not in _MODES:
-        raise ValueError(f"{who}: mode must be 'min' or 'max', got {mode!r}")
+        raise ValueError(f"{who}: mode must be 'auto', 'min' or 'max', got {mode!r}")
+    if mode != "auto":
+        return mode
+    if monitor.endswith("loss"):
+        return "min"
+    if monitor.endswith(("accuracy", "acc")):
+        return "max"
+    if monitor in _UNDIRECTED:
+        raise _undirected(who, monitor)
     return mode
+
+
+def _undirected(who: str, monitor: str) -> ValueError:
+    return ValueError(f"{who}: mode='auto' cannot tell whether {monitor!r} should fall or rise (it knows *loss and "
+                      f"*accuracy); pass mode='min' or mode='max'")
 
 
 def _check_monitor(who: str, monitor: Any) -> str:
@@ -114,10 +134,12 @@ def _check_monitor_at_start(monitor: str, trainer: Any) -> None:
 class _Best:
     """Whether a score improves on the best so far, for a mode and a min_delta."""
 
-    def __init__(self, mode: str, min_delta: float = 0.0) -> None:
-        self.mode, self.min_delta = mode, min_delta
+    def __init__(self, who: str, monitor: str, mode: str, min_delta: float = 0.0) -> None:
+        self.who, self.monitor, self.mode, self.min_delta = who, monitor, mode, min_delta
 
     def improves(self, score: float, best: Optional[float]) -> bool:
+        if self.mode == "auto":  # a key of the logs that is neither a loss nor an accuracy (_check_mode)
+            raise _undirected(self.who, self.monitor)
         if math.isnan(score):
             return False
         if best is None:
@@ -126,11 +148,14 @@ class _Best:
 
 
 class EarlyStopping(Callback):
-    """Stops fit when `monitor` has not improved for `patience` epochs (by more than min_delta).
+    """Stops fit when `monitor` has not improved (by more than min_delta) for `patience` epochs in a row.
 
         stop = cx.callbacks.EarlyStopping(monitor="val_loss", patience=3)
         history = trainer.fit(X, y, X_val, y_val, config, callbacks=[stop])   # history.stopped_early
 
+    As in Keras and Lightning: with patience=3 and the best score at epoch 1, fit stops after epoch 4;
+    patience 0 and 1 both stop at the first epoch that does not improve. mode="auto" (the default)
+    minimises a *loss and maximises an *accuracy; any other key needs mode="min" or "max".
     Every rank sees the same logs, so every rank stops after the same epoch; history.stop_reason
     says why. A NaN score counts as no improvement. Its counters are saved in checkpoints, so a
     resumed run stops where the uninterrupted one would.
@@ -139,7 +164,7 @@ class EarlyStopping(Callback):
     batch_metrics = False
 
     def __init__(self, monitor: str = "val_loss", patience: int = 0, min_delta: float = 0.0,
-                 mode: str = "min") -> None:
+                 mode: str = "auto") -> None:
         self.monitor = _check_monitor("EarlyStopping", monitor)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ValueError(f"EarlyStopping: patience must be an int >= 0 (epochs without improvement), got "
@@ -148,8 +173,8 @@ class EarlyStopping(Callback):
             raise ValueError(f"EarlyStopping: min_delta must be a finite number >= 0, got {min_delta!r}")
         self.patience = patience
         self.min_delta = float(min_delta)
-        self.mode = _check_mode("EarlyStopping", mode)
-        self._best = _Best(self.mode, self.min_delta)
+        self.mode = _check_mode("EarlyStopping", mode, self.monitor)
+        self._best = _Best("EarlyStopping", self.monitor, self.mode, self.min_delta)
         self.best_score: Optional[float] = None
         self.best_epoch = 0
         self.wait = 0
@@ -164,13 +189,13 @@ class EarlyStopping(Callback):
             self.best_score, self.best_epoch, self.wait = score, epoch, 0
             return
         self.wait += 1
-        if self.wait > self.patience:
+        if self.wait >= self.patience:
             self.stopped_epoch = epoch
             trainer.stop_training = True
             best = "none yet (every score was NaN)" if self.best_score is None else \
                 f"{self.best_score:.6g} at epoch {self.best_epoch}"
             trainer.stop_reason = (f"EarlyStopping: {self.monitor} did not improve (mode {self.mode!r}, min_delta "
-                                   f"{self.min_delta:g}) for {self.wait} epochs; the best was {best}")
+                                   f"{self.min_delta:g}) for {self.wait} epoch{'s' if self.wait > 1 else ''}; the best was {best}")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"monitor": self.monitor, "mode": self.mode, "best_score": self.best_score,
@@ -201,22 +226,24 @@ class ModelCheckpoint(Callback):
     fit's auto_resume (on by default where fit writes checkpoints) resumes from last.ckpt when it is
     the newest checkpoint, and the best score so far is part of every checkpoint, so a restarted job
     keeps comparing against it.
-    Runs after the other callbacks, so its files hold their state of the same epoch.
+    Runs after the other callbacks, so its files hold their state of the same epoch. mode="auto" (the
+    default) minimises a *loss and maximises an *accuracy; any other key needs mode="min" or "max".
     """
 
     batch_metrics = False
     BEST = "best.ckpt"
     LAST = "last.ckpt"
 
-    def __init__(self, dirpath: Any, monitor: str = "val_loss", mode: str = "min", save_best: bool = True,
+    def __init__(self, dirpath: Any, monitor: str = "val_loss", mode: str = "auto", save_best: bool = True,
                  save_last: bool = True) -> None:
         self.dirpath = os.fspath(dirpath)
         self.monitor = _check_monitor("ModelCheckpoint", monitor)
-        self.mode = _check_mode("ModelCheckpoint", mode)
         if not save_best and not save_last:
             raise ValueError("ModelCheckpoint: save_best and save_last are both False, so it would write nothing")
+        # Without save_best nothing is compared: an unknown monitor in auto mode is no reason to refuse.
+        self.mode = _check_mode("ModelCheckpoint", mode, self.monitor if save_best else "loss")
         self.save_best, self.save_last = bool(save_best), bool(save_last)
-        self._best = _Best(self.mode)
+        self._best = _Best("ModelCheckpoint", self.monitor, self.mode)
         self.best_score: Optional[float] = None
         self.best_epoch = 0
         self.best_path: Optional[str] = None
