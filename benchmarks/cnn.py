@@ -2,7 +2,8 @@
 
     python -m benchmarks.cnn                     # the three parts, ~1.5 minutes on 2 vCPUs
     python -m benchmarks.cnn --quick             # a smoke run
-    python -m benchmarks.cnn --skip ddp          # parts: step, ddp, conv
+    python -m benchmarks.cnn --skip ddp          # parts: step, ddp, conv, threads
+    python -m benchmarks.cnn --threads 8         # the threads part on 8 threads (default: every CPU)
 
 1. step: one process, one thread (torch.set_num_threads(1), one OpenBLAS thread), training samples/s
    of the ResNet-8-like network of benchmarks/_cnn_worker.py on synthetic 3x32x32 images at batch 32
@@ -15,11 +16,14 @@
    channels on 32x32 images and 64 channels on 8x8 (the network's first and last stages), batch 32, 8 rounds:
    time against PyTorch's, and pycyxwiz's GFLOP/s (3 GEMMs of 2*B*C_out*C_in*9*H*W flops) as a
    fraction of this core's FMA peak, measured in the same run by fma_peak.c.
+4. threads: one process on every CPU of the machine (or --threads N), both libraries on N threads: the step of
+   part 1 at batch 32 and 128, and each library on 1 thread in the same rounds, for how each scales. Where a rank
+   has the machine to itself (one process, or fewer ranks than cores) its model math runs on several threads.
 
 Timing: warm-up steps first; then rounds in which the two libraries alternate, each timing a number of
 steps; a library's figure is its best round's median (other work on a shared machine comes in bursts).
-Targets (README): one process >= 1.0x PyTorch at batch 32 and 128; 2 ranks >= 1.5x PyTorch DDP;
-the 3x3 convolution at 64 channels >= 60% of the FMA peak. Reported, never asserted. Writes
+Targets (README): one process >= 1.0x PyTorch at batch 32 and 128, on 1 thread and on N; 2 ranks >= 1.5x
+PyTorch DDP; the 3x3 convolution at 64 channels >= 60% of the FMA peak. Reported, never asserted. Writes
 results/partial/cnn.json (results/cnn.json in a complete suite run).
 """
 from __future__ import annotations
@@ -46,16 +50,19 @@ from benchmarks import _cnn_worker as net  # noqa: E402
 from benchmarks._launch import one_thread_env, run_ranks  # noqa: E402
 from benchmarks._report import fmt_ratio, format_table, output_dir, write_json  # noqa: E402
 
-PARTS = ("step", "ddp", "conv")
+PARTS = ("step", "ddp", "conv", "threads")
 DDP_LIBS = ("pycyxwiz", "pycyxwiz-shm", "torch")
 CONVS = [(16, 32), (64, 8)]  # (channels, image side)
 
 
-def in_child(part: str, quick: bool, timeout_s: float) -> dict:
-    """Runs the in-process part `part` (step, conv) in a fresh interpreter with one compute thread, so that
-    neither library is loaded into (or leaves threads in) the caller: {"ok", "reason", "rows"...}."""
+def in_child(part: str, quick: bool, timeout_s: float, threads: int = 1) -> dict:
+    """Runs the in-process part `part` (step, conv, threads) in a fresh interpreter with `threads` compute threads,
+    so that neither library is loaded into (or leaves threads in) the caller: {"ok", "reason", "rows"...}."""
     env = dict(os.environ, **one_thread_env())
-    cmd = [sys.executable, "-m", "benchmarks.cnn", "--child", part] + (["--quick"] if quick else [])
+    if threads > 1:
+        env.update({k: str(threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
+    cmd = [sys.executable, "-m", "benchmarks.cnn", "--child", part, "--threads", str(threads)] + \
+        (["--quick"] if quick else [])
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
                            cwd=Path(__file__).resolve().parent.parent)
@@ -68,13 +75,13 @@ def in_child(part: str, quick: bool, timeout_s: float) -> dict:
     return {"ok": True, **json.loads(r.stdout.splitlines()[-1])}
 
 
-def _libs():
+def _libs(threads: int = 1):
     import torch
 
     import pycyxwiz as cx
 
-    torch.set_num_threads(1)
-    cx.set_num_threads(1)
+    torch.set_num_threads(threads)
+    cx.set_num_threads(threads)
     return cx, torch
 
 
@@ -103,8 +110,8 @@ def time_rounds(fns: dict, rounds: int, iters: int, warmup: int) -> dict:
 
 # ---- 1. one process -------------------------------------------------------------------------------
 
-def step_fns(batch: int):
-    cx, torch = _libs()
+def step_fns(batch: int, threads: int = 1):
+    cx, torch = _libs(threads)
     X, y = net.make_data(batch)
     cx.manual_seed(0)
     model, loss_fn, opt = net.cx_resnet8(cx), cx.CrossEntropyLoss(), cx.SGDOptimizer(net.LR, momentum=0.9)
@@ -126,6 +133,18 @@ def step_fns(batch: int):
         topt.step()
 
     fns = {"pycyxwiz": cx_step, "torch": torch_step}
+    if threads > 1:  # each on one thread too, in the same rounds
+        def on_one(lib, step):
+            def one():
+                lib.set_num_threads(1)
+                try:
+                    step()
+                finally:
+                    lib.set_num_threads(threads)
+            return one
+
+        fns.update({"pycyxwiz-1": on_one(cx, cx_step), "torch-1": on_one(torch, torch_step)})
+        return fns, model.num_parameters()
     if cx._core._conv2d_direct_available():
         def gemm_step():  # the same model with Note [Direct convolution]'s kernels off: every convolution a GEMM
             cx._core._conv2d_direct(False)
@@ -138,16 +157,24 @@ def step_fns(batch: int):
     return fns, model.num_parameters()
 
 
-def run_step(batches, rounds: int, log=print) -> list:
+def run_step(batches, rounds: int, log=print, threads: int = 1) -> list:
     rows = []
     for batch in batches:
-        fns, params = step_fns(batch)
+        fns, params = step_fns(batch, threads)
         iters = max(3, 320 // batch)
         t = time_rounds(fns, rounds, iters, warmup=2)
-        row = {"batch": batch, "parameters": params, "iters": iters}
+        row = {"batch": batch, "parameters": params, "iters": iters, "threads": threads}
         for lib, r in t.items():
             row[lib] = {**r, "samples_per_second": batch / r["best_median_s"]}
         row["ratio"] = t["torch"]["best_median_s"] / t["pycyxwiz"]["best_median_s"]
+        if threads > 1:
+            row["cx_scaling"] = t["pycyxwiz-1"]["best_median_s"] / t["pycyxwiz"]["best_median_s"]
+            row["torch_scaling"] = t["torch-1"]["best_median_s"] / t["torch"]["best_median_s"]
+            log(f"  {threads} threads, batch {batch}: pycyxwiz {row['pycyxwiz']['samples_per_second']:.0f} samples/s"
+                f", torch {row['torch']['samples_per_second']:.0f}: {row['ratio']:.2f}x; over 1 thread: pycyxwiz "
+                f"{row['cx_scaling']:.2f}x, torch {row['torch_scaling']:.2f}x")
+            rows.append(row)
+            continue
         if "pycyxwiz-gemm" in t:
             row["direct_vs_gemm"] = t["pycyxwiz-gemm"]["best_median_s"] / t["pycyxwiz"]["best_median_s"]
         log(f"  step batch {batch}: pycyxwiz {row['pycyxwiz']['samples_per_second']:.0f} samples/s, "
@@ -271,6 +298,10 @@ def targets(payload: dict) -> list:
         rows.append(["CNN: DistributedTrainer (TCP) vs PyTorch DDP-gloo", "2",
                      "n/a" if v is None else _shown(v, 1.5, "{:.2f}x"), ">= 1.5x",
                      "n/a" if v is None else "yes" if v >= 1.5 else "**no**"])
+    for r in payload.get("threads") or []:
+        rows.append([f"CNN (ResNet-8-like), batch {r['batch']}, {r['threads']} threads: samples/s vs PyTorch CPU on as "
+                     "many", "1", _shown(r["ratio"], 1.0, "{:.2f}x"), ">= 1.0x",
+                     "yes" if r["ratio"] >= 1.0 else "**no**"])
     for r in (payload.get("conv") or {}).get("rows", []):
         if r["channels"] == 64:
             f = r["fraction_of_peak"]
@@ -304,6 +335,16 @@ def tables(payload: dict, markdown: bool = False) -> str:
             ["library", "samples/s", "vs PyTorch DDP-gloo"],
             [[lib, f"{c['samples_per_second']:.0f}" if c.get("ok") else f"n/a ({c.get('reason')})",
               fmt_ratio(c["samples_per_second"] / th) if c.get("ok") and th else "n/a"] for lib, c in ddp.items()])
+    if payload.get("threads"):
+        n = payload["threads"][0]["threads"]
+        add(f"the same, one process on {n} threads (both libraries), and each on 1 thread in the same rounds: "
+            "training samples/s",
+            ["batch", f"pycyxwiz ({n})", f"PyTorch ({n})", "cx/torch", "pycyxwiz (1)", "PyTorch (1)",
+             f"pycyxwiz {n}/1", f"PyTorch {n}/1"],
+            [[r["batch"], f"{r['pycyxwiz']['samples_per_second']:.0f}", f"{r['torch']['samples_per_second']:.0f}",
+              fmt_ratio(r["ratio"]), f"{r['pycyxwiz-1']['samples_per_second']:.0f}",
+              f"{r['torch-1']['samples_per_second']:.0f}", fmt_ratio(r["cx_scaling"]), fmt_ratio(r["torch_scaling"])]
+             for r in payload["threads"]])
     conv = payload.get("conv")
     if conv:
         peak = conv["fma_peak_gflops"]
@@ -318,23 +359,29 @@ def tables(payload: dict, markdown: bool = False) -> str:
     rows = targets(payload)
     if rows:
         add("targets", ["target", "ranks", "measured", "goal", "met"], rows)
-    notes = [f"{part}: n/a ({payload[part + '_failed']})" for part in ("step", "conv") if payload.get(part + "_failed")]
+    notes = [f"{part}: n/a ({payload[part + '_failed']})" for part in ("step", "conv", "threads")
+             if payload.get(part + "_failed")]
     if notes:
         out.append("\n".join(("- " if markdown else "  ") + n for n in notes))
     return "\n\n".join(out)
 
 
-def child_part(part: str, quick: bool) -> dict:
+def child_part(part: str, quick: bool, threads: int = 1) -> dict:
     """The in-process parts, as a child runs them (in_child)."""
     rounds = 1 if quick else 3
     log = lambda *a, **k: print(*a, file=sys.stderr, **k)  # noqa: E731 - stdout carries the result
-    if part == "step":
-        return {"rows": run_step([32] if quick else [32, 128], rounds, log)}
+    if part in ("step", "threads"):
+        return {"rows": run_step([32] if quick else [32, 128], rounds, log, threads if part == "threads" else 1)}
     # A round of one convolution is ~0.2 s: more of them, for a quiet window between the bursts of other work.
     return run_conv(32, 2 if quick else 8, log)
 
 
-def run(parts=PARTS, quick: bool = False, log=print, timeout_s: float = 300) -> dict:
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run(parts=PARTS, quick: bool = False, log=print, timeout_s: float = 300, threads: int | None = None) -> dict:
     payload = {"benchmark": "cnn", "model": "ResNet-8-like 16/32/64", "threads_per_rank": 1, "ddp_batch": 32}
     if "step" in parts:
         log("  cnn: one process ...", flush=True)
@@ -350,6 +397,13 @@ def run(parts=PARTS, quick: bool = False, log=print, timeout_s: float = 300) -> 
         payload["conv"] = {k: v for k, v in r.items() if k != "ok"} if r["ok"] else None
         if not r["ok"]:
             payload["conv_failed"] = r["reason"]
+    n = threads or cpus()
+    if "threads" in parts and n > 1:
+        log(f"  cnn: one process, {n} threads ...", flush=True)
+        r = in_child("threads", quick, timeout_s, n)
+        payload["threads"] = r["rows"] if r["ok"] else []
+        if not r["ok"]:
+            payload["threads_failed"] = r["reason"]
     return payload
 
 
@@ -357,12 +411,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", nargs="*", choices=PARTS, default=[])
-    ap.add_argument("--child", choices=["step", "conv"], help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=None, help="threads for the threads part (default: every CPU)")
+    ap.add_argument("--child", choices=["step", "conv", "threads"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child_part(a.child, a.quick)))
+        print(json.dumps(child_part(a.child, a.quick, a.threads or 1)))
         return 0
-    payload = run([p for p in PARTS if p not in a.skip], a.quick)
+    payload = run([p for p in PARTS if p not in a.skip], a.quick, threads=a.threads)
     print()
     print(tables(payload))
     print(f"\nwrote {write_json('cnn', payload)} (in {output_dir()})")

@@ -10,6 +10,7 @@
 #include "common/env.h"
 #include "cuda/act_rules.h"
 #include "cuda/update_rules.h"
+#include "nn/parallel.h"
 
 namespace cx::nn::kernels {
 
@@ -20,6 +21,19 @@ bool have_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           !(env::get("CX_NN_SCALAR") && std::string(env::get("CX_NN_SCALAR")) == "1");
   return yes;
+}
+
+// Runs f(begin, end) over [0, n) in parts on the model math's threads (Note [One pool for the model math] in
+// parallel.h). Every boundary is a multiple of 16 floats, so each element takes the vector or the scalar path it
+// takes in one part, and the results do not depend on the thread count.
+template <typename F>
+void in_ranges(size_t n, F&& f) {
+  if (n < 2 * kGrainFloats || num_threads() == 1) {
+    f(size_t{0}, n);
+    return;
+  }
+  const size_t blocks = n / 16;
+  parallel_for(blocks, kGrainFloats / 16, [&](size_t, size_t b, size_t e) { f(b * 16, e == blocks ? n : e * 16); });
 }
 
 // Scalar reference: the formulas exactly as published (cuda/update_rules.h, which
@@ -80,20 +94,29 @@ __attribute__((target("avx2,fma"))) size_t rmsprop_avx2(float* p, const float* g
 
 void adam(float* p, const float* g, float* m, float* v, size_t n, float beta1, float beta2, float eps,
           float step_size, float inv_bc2_sqrt, float l2, float decay) {
-  size_t i = have_avx2() ? adam_avx2(p, g, m, v, n, beta1, beta2, eps, step_size, inv_bc2_sqrt, l2, decay) : 0;
-  adam_scalar(p, g, m, v, i, n, beta1, beta2, eps, step_size, inv_bc2_sqrt, l2, decay);
+  in_ranges(n, [&](size_t b, size_t e) {
+    size_t i = have_avx2() ? b + adam_avx2(p + b, g + b, m + b, v + b, e - b, beta1, beta2, eps, step_size,
+                                           inv_bc2_sqrt, l2, decay)
+                           : b;
+    adam_scalar(p, g, m, v, i, e, beta1, beta2, eps, step_size, inv_bc2_sqrt, l2, decay);
+  });
 }
 
 void rmsprop(float* p, const float* g, float* v, float* buf, size_t n, float lr, float alpha, float eps,
              float momentum, float l2) {
-  size_t i = have_avx2() ? rmsprop_avx2(p, g, v, buf, n, lr, alpha, eps, momentum, l2) : 0;
-  rmsprop_scalar(p, g, v, buf, i, n, lr, alpha, eps, momentum, l2);
+  in_ranges(n, [&](size_t b, size_t e) {
+    float* bb = buf ? buf + b : nullptr;
+    size_t i = have_avx2() ? b + rmsprop_avx2(p + b, g + b, v + b, bb, e - b, lr, alpha, eps, momentum, l2) : b;
+    rmsprop_scalar(p, g, v, buf, i, e, lr, alpha, eps, momentum, l2);
+  });
 }
 
+namespace {
+
 // No sqrt here, so the compiler vectorises these for each target by itself.
-__attribute__((target_clones("avx2", "default"))) void sgd(float* __restrict p, const float* __restrict g,
-                                                           float* __restrict buf, size_t n, float lr,
-                                                           float momentum, bool nesterov, float l2) {
+__attribute__((target_clones("avx2", "default"))) void sgd_range(float* __restrict p, const float* __restrict g,
+                                                                 float* __restrict buf, size_t n, float lr,
+                                                                 float momentum, bool nesterov, float l2) {
   if (!buf) {
     for (size_t i = 0; i < n; ++i) p[i] -= lr * (g[i] + l2 * p[i]);
     return;
@@ -113,6 +136,14 @@ __attribute__((target_clones("avx2", "default"))) void sgd(float* __restrict p, 
       p[i] -= lr * b;
     }
   }
+}
+
+}  // namespace
+
+void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentum, bool nesterov, float l2) {
+  in_ranges(n, [&](size_t b, size_t e) {
+    sgd_range(p + b, g + b, buf ? buf + b : nullptr, e - b, lr, momentum, nesterov, l2);
+  });
 }
 
 namespace {
@@ -247,23 +278,31 @@ __attribute__((target("avx2,fma"))) size_t gelu_backward_avx2(const float* x, co
 }  // namespace
 
 void gelu(const float* x, float* y, size_t n) {
-  size_t i = have_avx2() ? gelu_avx2(x, y, n) : 0;
-  for (; i < n; ++i) y[i] = rules::gelu_fwd(x[i]);
+  in_ranges(n, [&](size_t b, size_t e) {
+    size_t i = have_avx2() ? b + gelu_avx2(x + b, y + b, e - b) : b;
+    for (; i < e; ++i) y[i] = rules::gelu_fwd(x[i]);
+  });
 }
 
 void gelu_backward(const float* x, const float* gy, float* gx, size_t n) {
-  size_t i = have_avx2() ? gelu_backward_avx2(x, gy, gx, n) : 0;
-  for (; i < n; ++i) gx[i] = rules::gelu_bwd(x[i], gy[i]);
+  in_ranges(n, [&](size_t b, size_t e) {
+    size_t i = have_avx2() ? b + gelu_backward_avx2(x + b, gy + b, gx + b, e - b) : b;
+    for (; i < e; ++i) gx[i] = rules::gelu_bwd(x[i], gy[i]);
+  });
 }
 
 void sigmoid(const float* x, float* y, size_t n) {
-  size_t i = have_avx2() ? sigmoid_avx2(x, y, n) : 0;
-  for (; i < n; ++i) y[i] = rules::sigmoid_fwd(x[i]);
+  in_ranges(n, [&](size_t b, size_t e) {
+    size_t i = have_avx2() ? b + sigmoid_avx2(x + b, y + b, e - b) : b;
+    for (; i < e; ++i) y[i] = rules::sigmoid_fwd(x[i]);
+  });
 }
 
 void tanh(const float* x, float* y, size_t n) {
-  size_t i = have_avx2() ? tanh_avx2(x, y, n) : 0;
-  for (; i < n; ++i) y[i] = rules::tanh_fwd(x[i]);
+  in_ranges(n, [&](size_t b, size_t e) {
+    size_t i = have_avx2() ? b + tanh_avx2(x + b, y + b, e - b) : b;
+    for (; i < e; ++i) y[i] = rules::tanh_fwd(x[i]);
+  });
 }
 
 double sum_squares(const float* x, size_t n) {
@@ -365,8 +404,14 @@ __attribute__((target_clones("avx2", "default"))) void affine2(const float* __re
   for (size_t i = 0; i < n; ++i) gx[i] = k1 * gy[i] + k2 * (x[i] - m) + k3;
 }
 
-__attribute__((target_clones("avx2", "default"))) void add(const float* x, const float* y, size_t n, float* z) {
+namespace {
+__attribute__((target_clones("avx2", "default"))) void add_range(const float* x, const float* y, size_t n, float* z) {
   for (size_t i = 0; i < n; ++i) z[i] = x[i] + y[i];
+}
+}  // namespace
+
+void add(const float* x, const float* y, size_t n, float* z) {
+  in_ranges(n, [&](size_t b, size_t e) { add_range(x + b, y + b, e - b, z + b); });
 }
 
 }  // namespace cx::nn::kernels

@@ -9,6 +9,7 @@
 #include "cuda/act_rules.h"
 #include "nn/blas.h"
 #include "nn/kernels.h"
+#include "nn/parallel.h"
 #include "nn/registry.h"
 #include "nn/sequential.h"
 #include "nn/serialize.h"
@@ -113,14 +114,16 @@ Shape ElementwiseModule::output_shape(const Shape& in) const {
 // The formulas are cuda/act_rules.h's, which the GPU kernels use too.
 
 void ReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
-  size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) y[i] = rules::relu_fwd(x[i]);
+  parallel_for(numel(in), kGrainFloats, [&](size_t, size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) y[i] = rules::relu_fwd(x[i]);
+  });
 }
 void ReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
   if (!gx) return;
-  size_t n = numel(in);
-  for (size_t i = 0; i < n; ++i) gx[i] = rules::relu_bwd(x[i], gy[i]);  // a vector select (act_rules.h)
+  parallel_for(numel(in), kGrainFloats, [&](size_t, size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) gx[i] = rules::relu_bwd(x[i], gy[i]);  // a vector select (act_rules.h)
+  });
 }
 
 LeakyReLUModule::LeakyReLUModule(float s) : slope_(s) {

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "nn/kernels.h"
+#include "nn/parallel.h"
 #include "nn/registry.h"
 #include "nn/serialize.h"
 
@@ -220,7 +221,10 @@ void SequentialModel::set_rng_states(const std::vector<uint64_t>& states) {
 }
 
 void SequentialModel::zero_grad() {
-  if (total_) std::memset(flat_grads(), 0, total_ * sizeof(float));
+  if (!total_) return;
+  float* g = flat_grads();
+  parallel_for(total_, kGrainFloats,
+               [&](size_t, size_t b, size_t e) { std::memset(g + b, 0, (e - b) * sizeof(float)); });
 }
 
 std::string SequentialModel::repr() const {

@@ -1,9 +1,11 @@
 #include "nn/layers/batchnorm2d.h"
 
 #include <cmath>
+#include <vector>
 
 #include "common/error.h"
 #include "nn/kernels.h"
+#include "nn/parallel.h"
 #include "nn/registry.h"
 #include "nn/serialize.h"
 
@@ -35,8 +37,11 @@ void BatchNormModule::forward_nchw(const float* x, const Shape& in, float* y, bo
                "width) in training mode, got input ", shape_str(in));
     stats_.assign(C + 1, 0.0);  // [values per channel, sum of each channel ...]
     stats_[0] = local;
-    for (size_t n = 0; n < N; ++n)
-      for (size_t c = 0; c < C; ++c) stats_[1 + c] += kernels::sum(x + (n * C + c) * S, S);
+    // Channels in parts, each summed in sample order as on one thread (Note [One pool for the model math]).
+    parallel_items(C, N * S, [&](size_t, size_t c0, size_t c1) {
+      for (size_t n = 0; n < N; ++n)
+        for (size_t c = c0; c < c1; ++c) stats_[1 + c] += kernels::sum(x + (n * C + c) * S, S);
+    });
     if (sum_) sum_(stats_.data(), C + 1);
     const double M = stats_[0];
     // Every rank has the same M, so either all of them throw here or none.
@@ -45,8 +50,10 @@ void BatchNormModule::forward_nchw(const float* x, const Shape& in, float* y, bo
     last_count_ = M;
     for (size_t c = 0; c < C; ++c) mean_[c] = static_cast<float>(stats_[1 + c] / M);
     std::vector<double> var(C, 0.0);
-    for (size_t n = 0; n < N; ++n)
-      for (size_t c = 0; c < C; ++c) var[c] += kernels::sum_sq_dev(x + (n * C + c) * S, S, mean_[c]);
+    parallel_items(C, N * S, [&](size_t, size_t c0, size_t c1) {
+      for (size_t n = 0; n < N; ++n)
+        for (size_t c = c0; c < c1; ++c) var[c] += kernels::sum_sq_dev(x + (n * C + c) * S, S, mean_[c]);
+    });
     if (sum_) sum_(var.data(), C);
     for (size_t c = 0; c < C; ++c) {
       invstd_[c] = static_cast<float>(1.0 / std::sqrt(var[c] / M + eps_));
@@ -61,10 +68,12 @@ void BatchNormModule::forward_nchw(const float* x, const Shape& in, float* y, bo
   }
   // y = gamma * invstd * (x - mean) + beta
   const float *gamma = param(0), *beta = param(1);
-  for (size_t n = 0; n < N; ++n)
-    for (size_t c = 0; c < C; ++c) {
-      kernels::affine(x + (n * C + c) * S, S, gamma[c] * invstd_[c], mean_[c], beta[c], y + (n * C + c) * S);
+  parallel_items(N * C, S, [&](size_t, size_t p0, size_t p1) {
+    for (size_t pl = p0; pl < p1; ++pl) {
+      const size_t c = pl % C;
+      kernels::affine(x + pl * S, S, gamma[c] * invstd_[c], mean_[c], beta[c], y + pl * S);
     }
+  });
 }
 
 void BatchNormModule::backward_nchw(const float* x, const Shape& in, const float* gy, float* gx,
@@ -72,12 +81,14 @@ void BatchNormModule::backward_nchw(const float* x, const Shape& in, const float
   const size_t N = in[0], C = f_, S = in[2] * in[3];
   // Per channel: sum of dy, and sum of dy * x-hat = invstd * sum of dy * (x - mean).
   std::vector<double> sums(2 * C, 0.0);
-  for (size_t n = 0; n < N; ++n)
-    for (size_t c = 0; c < C; ++c) {
-      const size_t off = (n * C + c) * S;
-      sums[c] += kernels::sum(gy + off, S);
-      sums[C + c] += kernels::dot_dev(gy + off, x + off, S, mean_[c]);
-    }
+  parallel_items(C, 2 * N * S, [&](size_t, size_t c0, size_t c1) {
+    for (size_t n = 0; n < N; ++n)
+      for (size_t c = c0; c < c1; ++c) {
+        const size_t off = (n * C + c) * S;
+        sums[c] += kernels::sum(gy + off, S);
+        sums[C + c] += kernels::dot_dev(gy + off, x + off, S, mean_[c]);
+      }
+  });
   for (size_t c = 0; c < C; ++c) sums[C + c] *= invstd_[c];
   // The local sums: DDP averages these gradients (Note [SyncBatchNorm statistics]).
   float *dgamma = grad(0), *dbeta = grad(1);
@@ -88,11 +99,12 @@ void BatchNormModule::backward_nchw(const float* x, const Shape& in, const float
   if (!gx) return;
   const float* gamma = param(0);
   if (!last_training_) {
-    for (size_t n = 0; n < N; ++n)
-      for (size_t c = 0; c < C; ++c) {
-        const size_t off = (n * C + c) * S;
-        kernels::affine(gy + off, S, gamma[c] * invstd_[c], 0.0f, 0.0f, gx + off);
+    parallel_items(N * C, S, [&](size_t, size_t p0, size_t p1) {
+      for (size_t pl = p0; pl < p1; ++pl) {
+        const size_t c = pl % C;
+        kernels::affine(gy + pl * S, S, gamma[c] * invstd_[c], 0.0f, 0.0f, gx + pl * S);
       }
+    });
     return;
   }
   double inv_m = 1.0 / (static_cast<double>(N) * S);
@@ -102,16 +114,19 @@ void BatchNormModule::backward_nchw(const float* x, const Shape& in, const float
   }
   // dx = gamma * invstd * (dy - mean(dy) - x-hat * mean(dy * x-hat)), x-hat = (x - mean) * invstd:
   // dx = k1 * dy + k2 * (x - mean) + k3.
+  std::vector<float> k(3 * C);
   for (size_t c = 0; c < C; ++c) {
     const double gi = static_cast<double>(gamma[c]) * invstd_[c];
-    const auto k1 = static_cast<float>(gi);
-    const auto k2 = static_cast<float>(-gi * invstd_[c] * inv_m * sums[C + c]);
-    const auto k3 = static_cast<float>(-gi * inv_m * sums[c]);
-    for (size_t n = 0; n < N; ++n) {
-      const size_t off = (n * C + c) * S;
-      kernels::affine2(gy + off, x + off, S, k1, k2, mean_[c], k3, gx + off);
-    }
+    k[3 * c] = static_cast<float>(gi);
+    k[3 * c + 1] = static_cast<float>(-gi * invstd_[c] * inv_m * sums[C + c]);
+    k[3 * c + 2] = static_cast<float>(-gi * inv_m * sums[c]);
   }
+  parallel_items(N * C, S, [&](size_t, size_t p0, size_t p1) {
+    for (size_t pl = p0; pl < p1; ++pl) {
+      const size_t c = pl % C;
+      kernels::affine2(gy + pl * S, x + pl * S, S, k[3 * c], k[3 * c + 1], mean_[c], k[3 * c + 2], gx + pl * S);
+    }
+  });
 }
 
 // ---------------------------------------------------------------- files

@@ -4,17 +4,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <functional>
 #include <limits>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include "common/error.h"
 #include "nn/blas.h"
 #include "nn/kernels.h"
 #include "nn/layers/conv2d_direct.h"
+#include "nn/parallel.h"
 #include "nn/registry.h"
 #include "nn/rng.h"
 #include "nn/serialize.h"
@@ -134,49 +132,27 @@ bool Conv2dModule::by_channel_ok(size_t channels, size_t OH, size_t OW) {
   return OW == 8 && OH * OW <= direct_conv::kMaxPixels && direct_conv::fits_channels(channels);
 }
 
-// Note [Direct convolution]: the batch in as many contiguous parts as the BLAS has threads, of kPartSamples
-// samples at least (a thread started per part and call: tens of us each), the first on the calling thread.
-size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, DirectScratch&)>& part) {
-  const size_t most = static_cast<size_t>(std::max(1, get_num_threads()));
-  const size_t parts = std::max<size_t>(1, std::min(most, N / kPartSamples));
-  if (scratch_.size() < parts) scratch_.resize(parts);
-  std::vector<std::exception_ptr> failed(parts);
-  auto run = [&](size_t t) {
-    try {
-      part(N * t / parts, N * (t + 1) / parts, scratch_[t]);
-    } catch (...) {
-      failed[t] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(parts - 1);
-  for (size_t t = 1; t < parts; ++t) {
-    try {
-      threads.emplace_back(run, t);
-    } catch (const std::system_error&) {  // no thread to be had: this one runs the part
-      run(t);
-    }
-  }
-  run(0);
-  for (auto& th : threads) th.join();
-  for (auto& f : failed)
-    if (f) std::rethrow_exception(f);
-  return parts;
+// Note [Direct convolution]: the batch in contiguous parts of kPartSamples samples at least, on the model math's
+// threads (Note [One pool for the model math] in nn/parallel.h), the first on the calling thread.
+size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, PartScratch&)>& part) {
+  const size_t most = static_cast<size_t>(num_threads());
+  if (scratch_.size() < most) scratch_.resize(most);
+  return parallel_for(N, kPartSamples, [&](size_t k, size_t b, size_t e) { part(b, e, scratch_[k]); });
 }
 
 void Conv2dModule::image(const float* x, size_t H, size_t W, float* out) const {
   (g_.stride == 1 ? direct_conv::pad_image : direct_conv::split_columns)(x, g_.in, H, W, g_.padding, out);
 }
 
-const float* Conv2dModule::pad(const float* x, size_t H, size_t W) {
+const float* Conv2dModule::pad(const float* x, size_t H, size_t W, PartScratch& s) const {
   const size_t p = g_.padding, C = g_.in, Hp = H + 2 * p, Wp = W + 2 * p;
   if (!p) return x;
   const Shape want{C, Hp, Wp};
-  if (padded_.shape() != want) {  // new geometry: zero it all once; the borders stay zero
-    padded_.resize(want);
-    std::memset(padded_.data(), 0, numel(want) * sizeof(float));
+  if (s.padded.shape() != want) {  // new geometry: zero it all once; the borders stay zero
+    s.padded.resize(want);
+    std::memset(s.padded.data(), 0, numel(want) * sizeof(float));
   }
-  float* dst = padded_.data();
+  float* dst = s.padded.data();
   for (size_t c = 0; c < C; ++c)
     for (size_t h = 0; h < H; ++h) copy_floats(dst + (c * Hp + h + p) * Wp + p, x + (c * H + h) * W, W);
   return dst;
@@ -266,10 +242,21 @@ __attribute__((target_clones("avx2", "default"))) void fold_rows(const float* __
 
 }  // namespace
 
-const float* Conv2dModule::unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) {
-  col_.resize({g_.in * g_.k * g_.k, (oh1 - oh0) * OW});
-  unfold_rows(src, col_.data(), g_, Hp, Wp, oh0, oh1, OW);
-  return col_.data();
+const float* Conv2dModule::unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW,
+                                  PartScratch& s) const {
+  s.col.resize({g_.in * g_.k * g_.k, (oh1 - oh0) * OW});
+  unfold_rows(src, s.col.data(), g_, Hp, Wp, oh0, oh1, OW);
+  return s.col.data();
+}
+
+void Conv2dModule::each_unfolded(const float* x, size_t H, size_t W, size_t OH, size_t OW, PartScratch& s,
+                                 const std::function<void(const float*, int, size_t)>& f) const {
+  const size_t Hp = H + 2 * g_.padding, Wp = W + 2 * g_.padding, R = chunk_rows(OH, OW);
+  const float* src = pad(x, H, W, s);
+  for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+    const size_t oh1 = std::min(OH, oh0 + R);
+    f(unfold(src, Hp, Wp, oh0, oh1, OW, s), static_cast<int>((oh1 - oh0) * OW), oh0);
+  }
 }
 
 void Conv2dModule::fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const {
@@ -283,7 +270,6 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const Shape out = output_shape(in);
   const size_t OH = out[2], OW = out[3], P = OH * OW, G = g_.groups;
   const size_t Og = g_.out / G, Kg = C / G * g_.k * g_.k, Hp = H + 2 * g_.padding, Wp = W + 2 * g_.padding;
-  const size_t R = chunk_rows(OH, OW);
   const int iOg = static_cast<int>(Og), iKg = static_cast<int>(Kg), iP = static_cast<int>(P);
   const float* w = param(0);
   const float beta = bias_ ? 1.0f : 0.0f;
@@ -298,7 +284,7 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
       direct_conv::pack_by_channel(w, g_.out, C, g_.k, false, packed_.data());
     else
       direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
-    in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+    in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
       s.images.resize({C, Hp, Wp});
       if (by_channel) s.dys.resize({P, g_.out});
       for (size_t n = b; n < e; ++n) {
@@ -315,25 +301,24 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
     });
     return;
   }
-  for (size_t n = 0; n < N; ++n) {
-    const float* xn = x + n * C * H * W;
-    float* yn = y + n * g_.out * P;
-    fill_bias(yn);
-    if (direct()) {  // the sample is its own unfolding
-      for (size_t g = 0; g < G; ++g)
-        gemm(false, false, iOg, iP, iKg, 1.0f, w + g * Og * Kg, iKg, xn + g * Kg * P, iP, beta, yn + g * Og * P, iP);
-      continue;
+  in_parts(N, [&](size_t b, size_t e, PartScratch& s) {  // each sample's GEMMs in one part
+    for (size_t n = b; n < e; ++n) {
+      const float* xn = x + n * C * H * W;
+      float* yn = y + n * g_.out * P;
+      fill_bias(yn);
+      if (direct()) {  // the sample is its own unfolding
+        for (size_t g = 0; g < G; ++g)
+          gemm(false, false, iOg, iP, iKg, 1.0f, w + g * Og * Kg, iKg, xn + g * Kg * P, iP, beta, yn + g * Og * P,
+               iP);
+        continue;
+      }
+      each_unfolded(xn, H, W, OH, OW, s, [&](const float* col, int cols, size_t oh0) {
+        for (size_t g = 0; g < G; ++g)
+          gemm(false, false, iOg, cols, iKg, 1.0f, w + g * Og * Kg, iKg, col + g * Kg * cols, cols, beta,
+               yn + g * Og * P + oh0 * OW, iP);
+      });
     }
-    const float* src = pad(xn, H, W);
-    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
-      const size_t oh1 = std::min(OH, oh0 + R);
-      const int cols = static_cast<int>((oh1 - oh0) * OW);
-      const float* col = unfold(src, Hp, Wp, oh0, oh1, OW);
-      for (size_t g = 0; g < G; ++g)
-        gemm(false, false, iOg, cols, iKg, 1.0f, w + g * Og * Kg, iKg, col + g * Kg * cols, cols, beta,
-             yn + g * Og * P + oh0 * OW, iP);
-    }
-  }
+  });
 }
 
 void Conv2dModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
@@ -347,11 +332,13 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   // Note [Convolution as GEMM]: bias, then the weight, each final before dx starts.
   if (bias_) {
     float* db = grad(1);
-    for (size_t o = 0; o < g_.out; ++o) {
-      double s = 0;
-      for (size_t n = 0; n < N; ++n) s += kernels::sum(gy + (n * g_.out + o) * P, P);
-      db[o] += static_cast<float>(s);
-    }
+    parallel_items(g_.out, N * P, [&](size_t, size_t o0, size_t o1) {
+      for (size_t o = o0; o < o1; ++o) {
+        double s = 0;
+        for (size_t n = 0; n < N; ++n) s += kernels::sum(gy + (n * g_.out + o) * P, P);
+        db[o] += static_cast<float>(s);
+      }
+    });
     done(1);
   }
   float* dw = grad(0);
@@ -364,7 +351,7 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   if (fast || by_channel) {
     const size_t O = g_.out, chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P));
     const size_t sums = by_channel ? Kg * O : Kg * O * 16;
-    const size_t parts = in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
       s.lanes.resize({sums});
       std::memset(s.lanes.data(), 0, sums * sizeof(float));
       s.images.resize({chunk, C, Hp, Wp});
@@ -399,23 +386,33 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
       direct_conv::add_lanes(sum, O * Kg, dw);
     }
   }
-  for (size_t n = 0; n < N && !fast && !by_channel; ++n) {
-    const float* xn = x + n * C * H * W;
-    const float* gyn = gy + n * g_.out * P;
-    if (direct()) {
-      for (size_t g = 0; g < G; ++g)
-        gemm(false, true, iOg, iKg, iP, 1.0f, gyn + g * Og * P, iP, xn + g * Kg * P, iP, 1.0f, dw + g * Og * Kg, iKg);
-      continue;
-    }
-    const float* src = pad(xn, H, W);
-    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
-      const size_t oh1 = std::min(OH, oh0 + R);
-      const int cols = static_cast<int>((oh1 - oh0) * OW);
-      const float* col = unfold(src, Hp, Wp, oh0, oh1, OW);
-      for (size_t g = 0; g < G; ++g)
-        gemm(false, true, iOg, iKg, cols, 1.0f, gyn + g * Og * P + oh0 * OW, iP, col + g * Kg * cols, cols, 1.0f,
-             dw + g * Og * Kg, iKg);
-    }
+  if (!fast && !by_channel) {
+    // One part adds each sample's product into dw itself, as on one thread; several add into dw of their own,
+    // added to dw in part order afterwards (Note [One pool for the model math]).
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
+      float* into = dw;
+      if (b != 0 || e != N) {
+        s.dw.resize({g_.out * Kg});
+        std::memset(s.dw.data(), 0, g_.out * Kg * sizeof(float));
+        into = s.dw.data();
+      }
+      for (size_t n = b; n < e; ++n) {
+        const float* xn = x + n * C * H * W;
+        const float* gyn = gy + n * g_.out * P;
+        if (direct()) {
+          for (size_t g = 0; g < G; ++g)
+            gemm(false, true, iOg, iKg, iP, 1.0f, gyn + g * Og * P, iP, xn + g * Kg * P, iP, 1.0f, into + g * Og * Kg,
+                 iKg);
+          continue;
+        }
+        each_unfolded(xn, H, W, OH, OW, s, [&](const float* col, int cols, size_t oh0) {
+          for (size_t g = 0; g < G; ++g)
+            gemm(false, true, iOg, iKg, cols, 1.0f, gyn + g * Og * P + oh0 * OW, iP, col + g * Kg * cols, cols, 1.0f,
+                 into + g * Og * Kg, iKg);
+        });
+      }
+    });
+    for (size_t t = 0; parts > 1 && t < parts; ++t) kernels::add(dw, scratch_[t].dw.data(), g_.out * Kg, dw);
   }
   done(0);
   if (!gx) return;
@@ -430,7 +427,7 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
       direct_conv::pack_by_channel(w, C, O, g_.k, true, packed_.data());
     else
       direct_conv::pack(w, C, O, g_.k, true, packed_.data());
-    in_parts(N, [&](size_t b, size_t e, DirectScratch& s) {
+    in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
       if (by_channel) s.dys.resize({H * W, C});
       const Shape want{O, Hq, Wq};
       if (q && s.dypadded.shape() != want) {  // new geometry: zero it all once; the borders stay zero
@@ -454,31 +451,34 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     });
     return;
   }
-  if (p) dpadded_.resize({C, Hp, Wp});
-  for (size_t n = 0; n < N; ++n) {
-    const float* gyn = gy + n * g_.out * P;
-    float* gxn = gx + n * C * H * W;
-    if (direct()) {  // dx = W^T dy, straight into dx
-      for (size_t g = 0; g < G; ++g)
-        gemm(true, false, iKg, iP, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P, iP, 0.0f, gxn + g * Kg * P, iP);
-      continue;
+  in_parts(N, [&](size_t b, size_t e, PartScratch& s) {  // each sample's dx in one part
+    if (p) s.dpadded.resize({C, Hp, Wp});
+    for (size_t n = b; n < e; ++n) {
+      const float* gyn = gy + n * g_.out * P;
+      float* gxn = gx + n * C * H * W;
+      if (direct()) {  // dx = W^T dy, straight into dx
+        for (size_t g = 0; g < G; ++g)
+          gemm(true, false, iKg, iP, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P, iP, 0.0f, gxn + g * Kg * P,
+               iP);
+        continue;
+      }
+      float* dst = p ? s.dpadded.data() : gxn;
+      std::memset(dst, 0, C * Hp * Wp * sizeof(float));
+      for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
+        const size_t oh1 = std::min(OH, oh0 + R);
+        const int cols = static_cast<int>((oh1 - oh0) * OW);
+        s.col.resize({C * g_.k * g_.k, static_cast<size_t>(cols)});
+        float* dcol = s.col.data();
+        for (size_t g = 0; g < G; ++g)
+          gemm(true, false, iKg, cols, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P + oh0 * OW, iP, 0.0f,
+               dcol + g * Kg * cols, cols);
+        fold(dcol, dst, Hp, Wp, oh0, oh1, OW);
+      }
+      if (p)
+        for (size_t c = 0; c < C; ++c)
+          for (size_t h = 0; h < H; ++h) copy_floats(gxn + (c * H + h) * W, dst + (c * Hp + h + p) * Wp + p, W);
     }
-    float* dst = p ? dpadded_.data() : gxn;
-    std::memset(dst, 0, C * Hp * Wp * sizeof(float));
-    for (size_t oh0 = 0; oh0 < OH; oh0 += R) {
-      const size_t oh1 = std::min(OH, oh0 + R);
-      const int cols = static_cast<int>((oh1 - oh0) * OW);
-      col_.resize({C * g_.k * g_.k, static_cast<size_t>(cols)});
-      float* dcol = col_.data();
-      for (size_t g = 0; g < G; ++g)
-        gemm(true, false, iKg, cols, iOg, 1.0f, w + g * Og * Kg, iKg, gyn + g * Og * P + oh0 * OW, iP, 0.0f,
-             dcol + g * Kg * cols, cols);
-      fold(dcol, dst, Hp, Wp, oh0, oh1, OW);
-    }
-    if (p)
-      for (size_t c = 0; c < C; ++c)
-        for (size_t h = 0; h < H; ++h) copy_floats(gxn + (c * H + h) * W, dst + (c * Hp + h + p) * Wp + p, W);
-  }
+  });
 }
 
 void Conv2dModule::write_config(ByteWriter& w) const {

@@ -97,28 +97,34 @@ class Conv2dModule : public Module {
   static constexpr size_t kChunkPixels = 1024;
   // The direct kernels split a batch over threads in parts of at least this many samples.
   static constexpr size_t kPartSamples = 4;
-  // The sample x (in, H, W) zero-padded into padded_ (x itself without padding).
-  const float* pad(const float* x, size_t H, size_t W);
-  // Unfolds output rows [oh0, oh1) of the padded sample src into col_:
-  // K = in*k*k rows, (oh1-oh0)*OW columns.
-  const float* unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW);
-  // Its transpose: adds dcol (as col_) into dst, the padded sample's gradient.
-  void fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const;
-
   Conv2dGeometry g_;
   bool bias_;
-  Tensor padded_, col_;  // scratch: one sample, zero-padded (borders stay zero); its unfolding
-  Tensor dpadded_;       // backward: dx of one padded sample
-  Tensor packed_;        // the direct kernels' weights (Note [Direct convolution])
-  struct DirectScratch {  // one thread's, for the direct kernels
-    Tensor images;        // image()s of a sample or of a chunk of samples
-    Tensor dys;           // the chunk's dy (channel- or pixel-major), or a by-channel forward's output turned
-    Tensor lanes;         // backward: the weight gradient's 16 partial sums per weight
-    Tensor dypadded;      // backward: dy of one sample, zero-padded by k-1-padding
+  Tensor packed_;  // the direct kernels' weights (Note [Direct convolution])
+  struct PartScratch {  // one part's of a batch (in_parts)
+    Tensor padded;      // GEMMs: one sample, zero-padded (borders stay zero)
+    Tensor col;         // GEMMs: its unfolding, or the gradient of it
+    Tensor dpadded;     // GEMMs, backward: dx of one padded sample
+    Tensor dw;          // GEMMs, backward: the part's weight gradient, where the batch has several parts
+    Tensor images;      // direct: image()s of a sample or of a chunk of samples
+    Tensor dys;         // direct: the chunk's dy (channel- or pixel-major), or a by-channel forward's output turned
+    Tensor lanes;       // direct, backward: the weight gradient's 16 partial sums per weight
+    Tensor dypadded;    // direct, backward: dy of one sample, zero-padded by k-1-padding
   };
-  std::vector<DirectScratch> scratch_;
-  // Runs part(begin, end, scratch) over [0, N) split among the BLAS's threads; returns the number of parts.
-  size_t in_parts(size_t N, const std::function<void(size_t, size_t, DirectScratch&)>& part);
+  std::vector<PartScratch> scratch_;
+  // Runs part(begin, end, scratch) over [0, N) in parts on the model math's threads (nn/parallel.h), each part
+  // with scratch_[its index]; returns the number of parts.
+  size_t in_parts(size_t N, const std::function<void(size_t, size_t, PartScratch&)>& part);
+  // The sample x (in, H, W) zero-padded into s.padded (x itself without padding).
+  const float* pad(const float* x, size_t H, size_t W, PartScratch& s) const;
+  // Unfolds output rows [oh0, oh1) of the padded sample src into s.col:
+  // K = in*k*k rows, (oh1-oh0)*OW columns.
+  const float* unfold(const float* src, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW,
+                      PartScratch& s) const;
+  // Pads the sample x and unfolds it chunk by chunk of output rows (chunk_rows): f(col, its columns, first row).
+  void each_unfolded(const float* x, size_t H, size_t W, size_t OH, size_t OW, PartScratch& s,
+                     const std::function<void(const float*, int, size_t)>& f) const;
+  // Its transpose: adds dcol (as s.col) into dst, the padded sample's gradient.
+  void fold(const float* dcol, float* dst, size_t Hp, size_t Wp, size_t oh0, size_t oh1, size_t OW) const;
 };
 
 }  // namespace cx::nn

@@ -39,15 +39,14 @@ namespace cx::nn::direct_conv {
 //   pixels times the image's over the pixels of a chunk of samples (about 1024 output pixels: the 8 channels'
 //   dy, copied channel-major, stay in L1), each lane its own partial sum; the 16 lanes of a weight are added
 //   up once per batch (add_lanes, in double).
-// Threads: Conv2dModule splits the batch into as many contiguous parts as the BLAS has threads (one per rank
-// where several share a host, Note [Default BLAS threads]; all cores for a process alone), of 4 samples at least,
-// each on a thread started for the call with scratch of its own; the weight gradient's lanes of the parts are
-// added together before add_lanes; their sums make the weight gradient's roundings depend on the thread count. A
-// convolution alone (16 channels of 32x32, batch 128) runs 1.9x as fast on 2 threads as on one here; the ResNet-8
-// step of one process 0.87-1.15x: OpenBLAS's second thread spins after each of the GEMMs left in the step (1x1
-// convolutions, dx of stride 2, the classifier) on the core that the second part wants (OPENBLAS_THREAD_TIMEOUT=4,
-// a shorter spin: 1.02-1.15x). Before the split such a process went through the GEMMs: 788 and 701 samples/s at
-// batch 32 and 128 on 2 threads, 817-999 and 861-1042 now.
+// Threads: Conv2dModule splits the batch into contiguous parts of 4 samples at least on the model math's pool
+// (Note [One pool for the model math] in nn/parallel.h; one thread per rank where several share a host, Note
+// [Default BLAS threads]; every core for a process alone), each part with scratch of its own; the weight
+// gradient's lanes of the parts are added together in part order before add_lanes, so the weight gradient's
+// roundings depend on the thread count. A convolution alone (16 channels of 32x32, batch 128) runs 1.9x as fast
+// on 2 threads as on one here. When each part started a thread of its own and the rest of the step (ReLU,
+// BatchNorm, the GEMMs left in it) ran on OpenBLAS's threads or on one, the ResNet-8 step of one process ran
+// 0.8-1.15x as fast on 2 threads as on one; on the pool, with the rest of the step on it too, 1.7-1.8x.
 // Measured (benchmarks/README.md, "Direct convolution"), one thread, batch 128, each layer's forward and backward
 // with the kernels switched on and off in turn (_conv2d_direct): 3x3 stride 1 at 16 channels of 32x32 1.83x as
 // fast, 32 of 16x16 1.65x, 64 of 8x8 1.35x; 3x3 stride 2 from 16 to 32 channels 1.40x, from 32 to 64 (to 8x8)

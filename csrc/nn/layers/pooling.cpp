@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "nn/kernels.h"
+#include "nn/parallel.h"
 #include "nn/registry.h"
 #include "nn/serialize.h"
 
@@ -56,25 +57,27 @@ void MaxPool2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const Shape out = output_shape(in);
   const size_t planes = in[0] * in[1], H = in[2], W = in[3], OH = out[2], OW = out[3];
   argmax_.resize(planes * OH * OW);
-  for (size_t pl = 0; pl < planes; ++pl) {
-    const float* xp = x + pl * H * W;
-    float* yp = y + pl * OH * OW;
-    uint32_t* ap = argmax_.data() + pl * OH * OW;
-    for (size_t oh = 0; oh < OH; ++oh)
-      for (size_t ow = 0; ow < OW; ++ow) {
-        size_t best = oh * s_ * W + ow * s_;
-        float bv = xp[best];
-        for (size_t i = 0; i < k_; ++i) {
-          const size_t row = (oh * s_ + i) * W + ow * s_;
-          for (size_t j = 0; j < k_; ++j) {
-            const float v = xp[row + j];
-            if (v > bv || (std::isnan(v) && !std::isnan(bv))) bv = v, best = row + j;
+  parallel_items(planes, H * W, [&](size_t, size_t pl0, size_t pl1) {
+    for (size_t pl = pl0; pl < pl1; ++pl) {
+      const float* xp = x + pl * H * W;
+      float* yp = y + pl * OH * OW;
+      uint32_t* ap = argmax_.data() + pl * OH * OW;
+      for (size_t oh = 0; oh < OH; ++oh)
+        for (size_t ow = 0; ow < OW; ++ow) {
+          size_t best = oh * s_ * W + ow * s_;
+          float bv = xp[best];
+          for (size_t i = 0; i < k_; ++i) {
+            const size_t row = (oh * s_ + i) * W + ow * s_;
+            for (size_t j = 0; j < k_; ++j) {
+              const float v = xp[row + j];
+              if (v > bv || (std::isnan(v) && !std::isnan(bv))) bv = v, best = row + j;
+            }
           }
+          yp[oh * OW + ow] = bv;
+          ap[oh * OW + ow] = static_cast<uint32_t>(best);
         }
-        yp[oh * OW + ow] = bv;
-        ap[oh * OW + ow] = static_cast<uint32_t>(best);
-      }
-  }
+    }
+  });
 }
 
 void MaxPool2dModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
@@ -82,13 +85,15 @@ void MaxPool2dModule::backward(const float*, const float*, const Shape& in, cons
   if (!gx) return;
   const Shape out = output_shape(in);
   const size_t planes = in[0] * in[1], HW = in[2] * in[3], P = out[2] * out[3];
-  std::memset(gx, 0, planes * HW * sizeof(float));
-  for (size_t pl = 0; pl < planes; ++pl) {
-    const uint32_t* ap = argmax_.data() + pl * P;
-    const float* gp = gy + pl * P;
-    float* xp = gx + pl * HW;
-    for (size_t o = 0; o < P; ++o) xp[ap[o]] += gp[o];
-  }
+  parallel_items(planes, HW, [&](size_t, size_t pl0, size_t pl1) {
+    std::memset(gx + pl0 * HW, 0, (pl1 - pl0) * HW * sizeof(float));
+    for (size_t pl = pl0; pl < pl1; ++pl) {
+      const uint32_t* ap = argmax_.data() + pl * P;
+      const float* gp = gy + pl * P;
+      float* xp = gx + pl * HW;
+      for (size_t o = 0; o < P; ++o) xp[ap[o]] += gp[o];
+    }
+  });
 }
 
 // ---------------------------------------------------------------- AvgPool2d
@@ -97,20 +102,22 @@ void AvgPool2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const Shape out = output_shape(in);
   const size_t planes = in[0] * in[1], H = in[2], W = in[3], OH = out[2], OW = out[3];
   const float inv = 1.0f / static_cast<float>(k_ * k_);
-  for (size_t pl = 0; pl < planes; ++pl) {
-    const float* xp = x + pl * H * W;
-    float* yp = y + pl * OH * OW;
-    for (size_t oh = 0; oh < OH; ++oh) {
-      float* yr = yp + oh * OW;
-      std::fill(yr, yr + OW, 0.0f);
-      for (size_t i = 0; i < k_; ++i) {
-        const float* xr = xp + (oh * s_ + i) * W;
-        for (size_t j = 0; j < k_; ++j)
-          for (size_t ow = 0; ow < OW; ++ow) yr[ow] += xr[ow * s_ + j];
+  parallel_items(planes, H * W, [&](size_t, size_t pl0, size_t pl1) {
+    for (size_t pl = pl0; pl < pl1; ++pl) {
+      const float* xp = x + pl * H * W;
+      float* yp = y + pl * OH * OW;
+      for (size_t oh = 0; oh < OH; ++oh) {
+        float* yr = yp + oh * OW;
+        std::fill(yr, yr + OW, 0.0f);
+        for (size_t i = 0; i < k_; ++i) {
+          const float* xr = xp + (oh * s_ + i) * W;
+          for (size_t j = 0; j < k_; ++j)
+            for (size_t ow = 0; ow < OW; ++ow) yr[ow] += xr[ow * s_ + j];
+        }
+        for (size_t ow = 0; ow < OW; ++ow) yr[ow] *= inv;
       }
-      for (size_t ow = 0; ow < OW; ++ow) yr[ow] *= inv;
     }
-  }
+  });
 }
 
 void AvgPool2dModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
@@ -119,19 +126,21 @@ void AvgPool2dModule::backward(const float*, const float*, const Shape& in, cons
   const Shape out = output_shape(in);
   const size_t planes = in[0] * in[1], H = in[2], W = in[3], OH = out[2], OW = out[3];
   const float inv = 1.0f / static_cast<float>(k_ * k_);
-  std::memset(gx, 0, planes * H * W * sizeof(float));
-  for (size_t pl = 0; pl < planes; ++pl) {
-    float* xp = gx + pl * H * W;
-    const float* gp = gy + pl * OH * OW;
-    for (size_t oh = 0; oh < OH; ++oh) {
-      const float* gr = gp + oh * OW;
-      for (size_t i = 0; i < k_; ++i) {
-        float* xr = xp + (oh * s_ + i) * W;
-        for (size_t j = 0; j < k_; ++j)
-          for (size_t ow = 0; ow < OW; ++ow) xr[ow * s_ + j] += gr[ow] * inv;
+  parallel_items(planes, H * W, [&](size_t, size_t pl0, size_t pl1) {
+    std::memset(gx + pl0 * H * W, 0, (pl1 - pl0) * H * W * sizeof(float));
+    for (size_t pl = pl0; pl < pl1; ++pl) {
+      float* xp = gx + pl * H * W;
+      const float* gp = gy + pl * OH * OW;
+      for (size_t oh = 0; oh < OH; ++oh) {
+        const float* gr = gp + oh * OW;
+        for (size_t i = 0; i < k_; ++i) {
+          float* xr = xp + (oh * s_ + i) * W;
+          for (size_t j = 0; j < k_; ++j)
+            for (size_t ow = 0; ow < OW; ++ow) xr[ow * s_ + j] += gr[ow] * inv;
+        }
       }
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------- GlobalAvgPool2d
@@ -144,7 +153,9 @@ Shape GlobalAvgPool2dModule::output_shape(const Shape& in) const {
 
 void GlobalAvgPool2dModule::forward(const float* x, const Shape& in, float* y, bool) {
   const size_t planes = in[0] * in[1], HW = in[2] * in[3];
-  for (size_t pl = 0; pl < planes; ++pl) y[pl] = static_cast<float>(kernels::sum(x + pl * HW, HW) / HW);
+  parallel_items(planes, HW, [&](size_t, size_t pl0, size_t pl1) {
+    for (size_t pl = pl0; pl < pl1; ++pl) y[pl] = static_cast<float>(kernels::sum(x + pl * HW, HW) / HW);
+  });
 }
 
 void GlobalAvgPool2dModule::backward(const float*, const float*, const Shape& in, const float* gy, float* gx,
@@ -152,7 +163,9 @@ void GlobalAvgPool2dModule::backward(const float*, const float*, const Shape& in
   if (!gx) return;
   const size_t planes = in[0] * in[1], HW = in[2] * in[3];
   const float inv = 1.0f / static_cast<float>(HW);
-  for (size_t pl = 0; pl < planes; ++pl) std::fill(gx + pl * HW, gx + (pl + 1) * HW, gy[pl] * inv);
+  parallel_items(planes, HW, [&](size_t, size_t pl0, size_t pl1) {
+    for (size_t pl = pl0; pl < pl1; ++pl) std::fill(gx + pl * HW, gx + (pl + 1) * HW, gy[pl] * inv);
+  });
 }
 
 // ---------------------------------------------------------------- files
