@@ -161,6 +161,9 @@ def test_set_num_threads():
     cx.set_num_threads(old)
     with pytest.raises(ValueError, match="n >= 1"):
         cx.set_num_threads(0)
+    with pytest.raises(ValueError, match="set_num_threads: at most 1024 threads, got 100000"):
+        cx.set_num_threads(100000)
+    assert cx.get_num_threads() == old
 
 
 def test_mlp_learns_digits_to_95_percent():

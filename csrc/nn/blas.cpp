@@ -58,6 +58,7 @@ void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const fl
 
 void set_num_threads(int n) {
   CX_CHECK(n >= 1, InvalidArgument, "set_num_threads: need n >= 1, got ", n);
+  CX_CHECK(n <= kMaxThreads, InvalidArgument, "set_num_threads: at most ", kMaxThreads, " threads, got ", n);
   set_pool_threads(n);
 }
 
@@ -87,13 +88,13 @@ void apply_default_num_threads() {
   for (const char* name : {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"}) {
     const long n = env_long(name, -1);
     if (n >= 1) {
-      set_pool_threads(static_cast<int>(std::min<long>(n, 1024)));
+      set_pool_threads(static_cast<int>(std::min<long>(n, kMaxThreads)));
       return;
     }
   }
   long local = env_long("LOCAL_WORLD_SIZE", -1);
   bool shared_host = local > 1 || (local < 0 && env_long("WORLD_SIZE", 1) > 1);
-  set_pool_threads(shared_host ? 1 : usable_cpus());
+  set_pool_threads(shared_host ? 1 : std::min(usable_cpus(), kMaxThreads));
 }
 
 }  // namespace cx::nn

@@ -70,7 +70,9 @@ class Pool {
     remaining_.store(parts - 1, std::memory_order_relaxed);
     const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 16) + 1;
     ticket_.store(gen << 16 | parts, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {  // Note [No lost wake-up] in transport/shm/shm.cpp
+    // A worker counts itself among the sleepers before its last look at the ticket, and we publish the ticket
+    // before we look at the count (both sequentially consistent): one of us sees the other's store.
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lk(mu_);
       wake_.notify_all();
     }
@@ -179,7 +181,7 @@ Pool* acquire_pool() {
 
 int num_threads() { return g_size.load(std::memory_order_relaxed); }
 
-void set_pool_threads(int n) { g_size.store(std::max(1, n), std::memory_order_relaxed); }
+void set_pool_threads(int n) { g_size.store(std::clamp(n, 1, kMaxThreads), std::memory_order_relaxed); }
 
 size_t parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t, size_t)>& fn) {
   if (n == 0) return 0;

@@ -26,7 +26,8 @@
 
 namespace cx::nn {
 
-// The pool's size, the calling thread counted (cx.set_num_threads / get_num_threads).
+// The pool's size, the calling thread counted (cx.set_num_threads / get_num_threads): 1 .. kMaxThreads.
+constexpr int kMaxThreads = 1024;
 int num_threads();
 void set_pool_threads(int n);
 
