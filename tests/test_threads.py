@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+import ranks
 
 import pycyxwiz as cx
 
@@ -187,3 +188,43 @@ def test_the_default_is_every_cpu_this_process_may_use():
     assert run({}) == len(os.sched_getaffinity(0))
     assert run({"OMP_NUM_THREADS": "3"}) == 3
     assert run({"OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "5"}) == 5
+
+
+def ema_on_threads_body():
+    from pycyxwiz import callbacks as C
+    from pycyxwiz.distributed import DistributedTrainer, DistributedTrainingConfig
+
+    cx.set_num_threads(3)
+    rng = np.random.default_rng(9)
+    X = rng.standard_normal((256, 64)).astype(np.float32)
+    y = rng.integers(0, 10, 256)
+    model = cx.SequentialModel()
+    model.add(cx.LinearModule(64, 1024, seed=1))   # 77k parameters: the update runs in parts
+    model.add(cx.ReLUModule())
+    model.add(cx.LinearModule(1024, 10, seed=2))
+
+    class Seen(C.Callback):
+        batch_metrics = False
+
+        def __init__(self):
+            self.first, self.steps = None, []
+
+        def on_train_begin(self, trainer):
+            self.first = trainer.model.flat_parameters().copy()
+
+        def on_batch_end(self, trainer, step, logs):
+            self.steps.append(trainer.model.flat_parameters().copy())
+
+    seen, ema = Seen(), C.EMA(decay=0.9)
+    trainer = DistributedTrainer(model, cx.CrossEntropyLoss(), cx.AdamOptimizer(1e-3))
+    trainer.fit(X, y, DistributedTrainingConfig(epochs=2, batch_size=32, verbose=False), callbacks=[seen, ema])
+    return seen.first, seen.steps, ema.flat_parameters()
+
+
+def test_the_ema_of_a_process_on_three_threads_is_the_recurrence():
+    ((first, steps, shadow),) = ranks.run(ema_on_threads_body, 1)
+    assert first.size > 2 * 16 * 1024 and len(steps) == 16
+    want = first.copy()
+    for p in steps:
+        want = np.float32(0.9) * want + np.float32(0.1) * p
+    assert np.array_equal(shadow, want)

@@ -314,8 +314,14 @@ double sum_squares(const float* x, size_t n) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-__attribute__((target_clones("avx2", "default"))) void scale(float* x, size_t n, float s) {
+namespace {
+__attribute__((target_clones("avx2", "default"))) void scale_range(float* x, size_t n, float s) {
   for (size_t i = 0; i < n; ++i) x[i] *= s;
+}
+}  // namespace
+
+void scale(float* x, size_t n, float s) {
+  in_ranges(n, [&](size_t b, size_t e) { scale_range(x + b, e - b, s); });
 }
 
 // Note [Finding non-finite values by their bits]

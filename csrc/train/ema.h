@@ -8,7 +8,9 @@
 // computes for np.float32(decay) * shadow + np.float32(1 - decay) * params, bit
 // for bit, so a test can check it against the plain recurrence. Compiled for
 // AVX2 and for baseline x86-64 (target_clones, picked at load time), neither
-// with FMA, so the compiler cannot fuse the multiply and the add.
+// with FMA, so the compiler cannot fuse the multiply and the add; split over the
+// model math's threads where a process has several (nn/parallel.h), which
+// changes no element's arithmetic.
 //
 // Note [EMA off the critical path]
 // The update streams the shadow and the parameters: 2.4 MB for the 200k
