@@ -228,3 +228,34 @@ def test_the_ema_of_a_process_on_three_threads_is_the_recurrence():
     for p in steps:
         want = np.float32(0.9) * want + np.float32(0.1) * p
     assert np.array_equal(shadow, want)
+
+
+def conv_reference(x, w, b, padding):
+    """float64 cross-correlation, stride 1: (N, C, H, W) x (O, C, k, k) -> (N, O, H', W')."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    k = w.shape[-1]
+    oh, ow = xp.shape[2] - k + 1, xp.shape[3] - k + 1
+    out = np.zeros((x.shape[0], w.shape[0], oh, ow))
+    for i in range(k):
+        for j in range(k):
+            out += np.einsum("nchw,oc->nohw", xp[:, :, i:i + oh, j:j + ow], w[:, :, i, j].astype(np.float64))
+    return out + b.astype(np.float64)[None, :, None, None]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_layers_whose_padded_images_have_one_shape_but_other_borders_share_scratch_correctly(threads, n):
+    # Note [Scratch per thread]: a thread's padded sample is shared by every convolution. A 3x3 convolution padded by
+    # 1 on 32x32 and a 5x5 one padded by 2 on 30x30 both pad to 34x34, with different borders: the buffer must be
+    # zeroed again between them (through the GEMMs, whose padding goes through that buffer).
+    threads(n)
+    rng = np.random.default_rng(10)
+    a, b = cx.Conv2dModule(4, 6, 3, padding=1, seed=1), cx.Conv2dModule(4, 6, 5, padding=2, seed=2)
+    xa = rng.standard_normal((8, 4, 32, 32)).astype(np.float32)
+    xb = rng.standard_normal((8, 4, 30, 30)).astype(np.float32)
+    cx._core._conv2d_direct(False)
+    try:
+        outs = [(m.forward(x).copy(), m, x, p) for _ in range(2) for m, x, p in ((a, xa, 1), (b, xb, 2))]
+    finally:
+        cx._core._conv2d_direct(True)
+    for y, m, x, p in outs:
+        np.testing.assert_allclose(y, conv_reference(x, m.weight, m.bias, p), rtol=1e-4, atol=1e-4)

@@ -134,10 +134,15 @@ bool Conv2dModule::by_channel_ok(size_t channels, size_t OH, size_t OW) {
 
 // Note [Direct convolution]: the batch in contiguous parts of kPartSamples samples at least, on the model math's
 // threads (Note [One pool for the model math] in nn/parallel.h), the first on the calling thread.
-size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, PartScratch&)>& part) {
+size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, size_t, PartScratch&)>& part) {
   const size_t most = static_cast<size_t>(num_threads());
-  if (scratch_.size() < most) scratch_.resize(most);
-  return parallel_for(N, kPartSamples, [&](size_t k, size_t b, size_t e) { part(b, e, scratch_[k]); });
+  if (part_sums_.size() < most) part_sums_.resize(most);
+  return parallel_for(N, kPartSamples, [&](size_t k, size_t b, size_t e) { part(b, e, k, thread_scratch()); });
+}
+
+Conv2dModule::PartScratch& Conv2dModule::thread_scratch() {
+  thread_local PartScratch s;
+  return s;
 }
 
 void Conv2dModule::image(const float* x, size_t H, size_t W, float* out) const {
@@ -147,10 +152,11 @@ void Conv2dModule::image(const float* x, size_t H, size_t W, float* out) const {
 const float* Conv2dModule::pad(const float* x, size_t H, size_t W, PartScratch& s) const {
   const size_t p = g_.padding, C = g_.in, Hp = H + 2 * p, Wp = W + 2 * p;
   if (!p) return x;
-  const Shape want{C, Hp, Wp};
-  if (s.padded.shape() != want) {  // new geometry: zero it all once; the borders stay zero
-    s.padded.resize(want);
-    std::memset(s.padded.data(), 0, numel(want) * sizeof(float));
+  const std::array<size_t, 4> geometry{C, H, W, p};
+  if (s.padded_for != geometry) {  // zeroed once per geometry: the borders stay zero (Note [Scratch per thread])
+    s.padded.resize({C, Hp, Wp});
+    std::memset(s.padded.data(), 0, C * Hp * Wp * sizeof(float));
+    s.padded_for = geometry;
   }
   float* dst = s.padded.data();
   for (size_t c = 0; c < C; ++c)
@@ -284,7 +290,7 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
       direct_conv::pack_by_channel(w, g_.out, C, g_.k, false, packed_.data());
     else
       direct_conv::pack(w, g_.out, C, g_.k, false, packed_.data());
-    in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
+    in_parts(N, [&](size_t b, size_t e, size_t, PartScratch& s) {
       s.images.resize({C, Hp, Wp});
       if (by_channel) s.dys.resize({P, g_.out});
       for (size_t n = b; n < e; ++n) {
@@ -301,7 +307,7 @@ void Conv2dModule::forward(const float* x, const Shape& in, float* y, bool) {
     });
     return;
   }
-  in_parts(N, [&](size_t b, size_t e, PartScratch& s) {  // each sample's GEMMs in one part
+  in_parts(N, [&](size_t b, size_t e, size_t, PartScratch& s) {  // each sample's GEMMs in one part
     for (size_t n = b; n < e; ++n) {
       const float* xn = x + n * C * H * W;
       float* yn = y + n * g_.out * P;
@@ -351,9 +357,10 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   if (fast || by_channel) {
     const size_t O = g_.out, chunk = std::min(N, std::max<size_t>(1, kChunkPixels / P));
     const size_t sums = by_channel ? Kg * O : Kg * O * 16;
-    const size_t parts = in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
-      s.lanes.resize({sums});
-      std::memset(s.lanes.data(), 0, sums * sizeof(float));
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, size_t part, PartScratch& s) {
+      Tensor& lanes = part_sums_[part];
+      lanes.resize({sums});
+      std::memset(lanes.data(), 0, sums * sizeof(float));
       s.images.resize({chunk, C, Hp, Wp});
       s.dys.resize({chunk, O, P});
       for (size_t n0 = b; n0 < e; n0 += chunk) {
@@ -371,14 +378,14 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
         }
         if (by_channel)
           direct_conv::weight_grad_by_channel(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH,
-                                              OW, s.lanes.data());
+                                              OW, lanes.data());
         else
           direct_conv::weight_grad(s.images.data(), n, C, Hp, Wp, g_.stride, s.dys.data(), O, g_.k, OH, OW,
-                                   s.lanes.data());
+                                   lanes.data());
       }
     });
-    float* sum = scratch_[0].lanes.data();
-    for (size_t t = 1; t < parts; ++t) kernels::add(sum, scratch_[t].lanes.data(), sums, sum);
+    float* sum = part_sums_[0].data();
+    for (size_t t = 1; t < parts; ++t) kernels::add(sum, part_sums_[t].data(), sums, sum);
     if (by_channel) {
       for (size_t o = 0; o < O; ++o)
         for (size_t q = 0; q < Kg; ++q) dw[o * Kg + q] += sum[q * O + o];
@@ -389,12 +396,13 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
   if (!fast && !by_channel) {
     // One part adds each sample's product into dw itself, as on one thread; several add into dw of their own,
     // added to dw in part order afterwards (Note [One pool for the model math]).
-    const size_t parts = in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
+    const size_t parts = in_parts(N, [&](size_t b, size_t e, size_t part, PartScratch& s) {
       float* into = dw;
       if (b != 0 || e != N) {
-        s.dw.resize({g_.out * Kg});
-        std::memset(s.dw.data(), 0, g_.out * Kg * sizeof(float));
-        into = s.dw.data();
+        Tensor& mine = part_sums_[part];
+        mine.resize({g_.out * Kg});
+        std::memset(mine.data(), 0, g_.out * Kg * sizeof(float));
+        into = mine.data();
       }
       for (size_t n = b; n < e; ++n) {
         const float* xn = x + n * C * H * W;
@@ -412,7 +420,7 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
         });
       }
     });
-    for (size_t t = 0; parts > 1 && t < parts; ++t) kernels::add(dw, scratch_[t].dw.data(), g_.out * Kg, dw);
+    for (size_t t = 0; parts > 1 && t < parts; ++t) kernels::add(dw, part_sums_[t].data(), g_.out * Kg, dw);
   }
   done(0);
   if (!gx) return;
@@ -427,12 +435,13 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
       direct_conv::pack_by_channel(w, C, O, g_.k, true, packed_.data());
     else
       direct_conv::pack(w, C, O, g_.k, true, packed_.data());
-    in_parts(N, [&](size_t b, size_t e, PartScratch& s) {
+    in_parts(N, [&](size_t b, size_t e, size_t, PartScratch& s) {
       if (by_channel) s.dys.resize({H * W, C});
-      const Shape want{O, Hq, Wq};
-      if (q && s.dypadded.shape() != want) {  // new geometry: zero it all once; the borders stay zero
-        s.dypadded.resize(want);
-        std::memset(s.dypadded.data(), 0, numel(want) * sizeof(float));
+      const std::array<size_t, 4> geometry{O, OH, OW, q};
+      if (q && s.dypadded_for != geometry) {  // new geometry: zero it all once; the borders stay zero
+        s.dypadded.resize({O, Hq, Wq});
+        std::memset(s.dypadded.data(), 0, O * Hq * Wq * sizeof(float));
+        s.dypadded_for = geometry;
       }
       for (size_t n = b; n < e; ++n) {
         const float* src = gy + n * O * P;
@@ -451,7 +460,7 @@ void Conv2dModule::backward(const float* x, const float*, const Shape& in, const
     });
     return;
   }
-  in_parts(N, [&](size_t b, size_t e, PartScratch& s) {  // each sample's dx in one part
+  in_parts(N, [&](size_t b, size_t e, size_t, PartScratch& s) {  // each sample's dx in one part
     if (p) s.dpadded.resize({C, Hp, Wp});
     for (size_t n = b; n < e; ++n) {
       const float* gyn = gy + n * g_.out * P;

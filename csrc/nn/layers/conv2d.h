@@ -40,6 +40,7 @@
 #pragma once
 
 #include <cstdint>
+#include <array>
 #include <functional>
 #include <vector>
 
@@ -100,20 +101,29 @@ class Conv2dModule : public Module {
   Conv2dGeometry g_;
   bool bias_;
   Tensor packed_;  // the direct kernels' weights (Note [Direct convolution])
-  struct PartScratch {  // one part's of a batch (in_parts)
-    Tensor padded;      // GEMMs: one sample, zero-padded (borders stay zero)
-    Tensor col;         // GEMMs: its unfolding, or the gradient of it
-    Tensor dpadded;     // GEMMs, backward: dx of one padded sample
-    Tensor dw;          // GEMMs, backward: the part's weight gradient, where the batch has several parts
-    Tensor images;      // direct: image()s of a sample or of a chunk of samples
-    Tensor dys;         // direct: the chunk's dy (channel- or pixel-major), or a by-channel forward's output turned
-    Tensor lanes;       // direct, backward: the weight gradient's 16 partial sums per weight
-    Tensor dypadded;    // direct, backward: dy of one sample, zero-padded by k-1-padding
+  // Note [Scratch per thread]
+  // The buffers a part works in are its thread's, shared by every convolution of the process (they run one
+  // after another on a thread): memory grows with threads x the largest layer, not threads x layers. Only the
+  // weight-sized sums of a part's samples (part_sums_) belong to the layer, which adds them up after its parts.
+  // A buffer whose borders stay zero between calls remembers the geometry it was zeroed for.
+  struct PartScratch {
+    Tensor padded;                      // GEMMs: one sample, zero-padded (borders stay zero)
+    std::array<size_t, 4> padded_for{};  // ... zeroed for (C, H, W, padding)
+    Tensor col;                         // GEMMs: its unfolding, or the gradient of it
+    Tensor dpadded;                     // GEMMs, backward: dx of one padded sample
+    Tensor images;                      // direct: image()s of a sample or of a chunk of samples
+    Tensor dys;                         // direct: the chunk's dy (channel- or pixel-major), or a by-channel
+                                        // forward's output turned
+    Tensor dypadded;                    // direct, backward: dy of one sample, zero-padded by k-1-padding
+    std::array<size_t, 4> dypadded_for{};  // ... zeroed for (O, OH, OW, k-1-padding)
   };
-  std::vector<PartScratch> scratch_;
-  // Runs part(begin, end, scratch) over [0, N) in parts on the model math's threads (nn/parallel.h), each part
-  // with scratch_[its index]; returns the number of parts.
-  size_t in_parts(size_t N, const std::function<void(size_t, size_t, PartScratch&)>& part);
+  static PartScratch& thread_scratch();  // the calling thread's
+  // Backward, where the batch has several parts: each part's weight gradient (GEMMs) or its 16 partial sums per
+  // weight (direct), added up in part order.
+  std::vector<Tensor> part_sums_;
+  // Runs part(begin, end, index, scratch) over [0, N) in parts on the model math's threads (nn/parallel.h), each
+  // with its thread's scratch (Note [Scratch per thread]); returns the number of parts.
+  size_t in_parts(size_t N, const std::function<void(size_t, size_t, size_t, PartScratch&)>& part);
   // The sample x (in, H, W) zero-padded into s.padded (x itself without padding).
   const float* pad(const float* x, size_t H, size_t W, PartScratch& s) const;
   // Unfolds output rows [oh0, oh1) of the padded sample src into s.col:
