@@ -188,6 +188,8 @@ def test_the_default_is_every_cpu_this_process_may_use():
     assert run({}) == len(os.sched_getaffinity(0))
     assert run({"OMP_NUM_THREADS": "3"}) == 3
     assert run({"OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "5"}) == 5
+    assert run({"OMP_NUM_THREADS": "3,1"}) == 3                       # an OpenMP list: its outer level
+    assert run({"OMP_NUM_THREADS": "many"}) == len(os.sched_getaffinity(0))   # not a count: ignored, as OpenBLAS does
 
 
 def ema_on_threads_body():

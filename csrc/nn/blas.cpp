@@ -73,6 +73,16 @@ long env_long(const char* name, long fallback) {
   return (end && *end == '\0') ? x : fallback;
 }
 
+// A thread count from OMP_NUM_THREADS or OPENBLAS_NUM_THREADS: a positive number, or the first of an OpenMP
+// list ("4,2": 4 at the outer level); -1 for anything else, which is ignored as OpenBLAS ignores it.
+long thread_count(const char* name) {
+  const char* v = env::get(name);
+  if (!v) return -1;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  return end != v && (*end == '\0' || *end == ',') && x >= 1 ? x : -1;
+}
+
 // The CPUs this process may run on (its affinity mask: a container's or taskset's share, not the machine's).
 int usable_cpus() {
   cpu_set_t set;
@@ -86,7 +96,7 @@ int usable_cpus() {
 void apply_default_num_threads() {
   scipy_openblas_set_num_threads(1);  // Note [GEMM on the pool]
   for (const char* name : {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"}) {
-    const long n = env_long(name, -1);
+    const long n = thread_count(name);
     if (n >= 1) {
       set_pool_threads(static_cast<int>(std::min<long>(n, kMaxThreads)));
       return;

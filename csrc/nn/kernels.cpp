@@ -23,19 +23,6 @@ bool have_avx2() {
   return yes;
 }
 
-// Runs f(begin, end) over [0, n) in parts on the model math's threads (Note [One pool for the model math] in
-// parallel.h). Every boundary is a multiple of 16 floats, so each element takes the vector or the scalar path it
-// takes in one part, and the results do not depend on the thread count.
-template <typename F>
-void in_ranges(size_t n, F&& f) {
-  if (n < 2 * kGrainFloats || num_threads() == 1) {
-    f(size_t{0}, n);
-    return;
-  }
-  const size_t blocks = n / 16;
-  parallel_for(blocks, kGrainFloats / 16, [&](size_t, size_t b, size_t e) { f(b * 16, e == blocks ? n : e * 16); });
-}
-
 // Scalar reference: the formulas exactly as published (cuda/update_rules.h, which
 // the GPU kernels use too).
 void adam_scalar(float* p, const float* g, float* m, float* v, size_t i, size_t n, float b1, float b2,
@@ -94,7 +81,7 @@ __attribute__((target("avx2,fma"))) size_t rmsprop_avx2(float* p, const float* g
 
 void adam(float* p, const float* g, float* m, float* v, size_t n, float beta1, float beta2, float eps,
           float step_size, float inv_bc2_sqrt, float l2, float decay) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     size_t i = have_avx2() ? b + adam_avx2(p + b, g + b, m + b, v + b, e - b, beta1, beta2, eps, step_size,
                                            inv_bc2_sqrt, l2, decay)
                            : b;
@@ -104,7 +91,7 @@ void adam(float* p, const float* g, float* m, float* v, size_t n, float beta1, f
 
 void rmsprop(float* p, const float* g, float* v, float* buf, size_t n, float lr, float alpha, float eps,
              float momentum, float l2) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     float* bb = buf ? buf + b : nullptr;
     size_t i = have_avx2() ? b + rmsprop_avx2(p + b, g + b, v + b, bb, e - b, lr, alpha, eps, momentum, l2) : b;
     rmsprop_scalar(p, g, v, buf, i, e, lr, alpha, eps, momentum, l2);
@@ -141,7 +128,7 @@ __attribute__((target_clones("avx2", "default"))) void sgd_range(float* __restri
 }  // namespace
 
 void sgd(float* p, const float* g, float* buf, size_t n, float lr, float momentum, bool nesterov, float l2) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     sgd_range(p + b, g + b, buf ? buf + b : nullptr, e - b, lr, momentum, nesterov, l2);
   });
 }
@@ -278,28 +265,28 @@ __attribute__((target("avx2,fma"))) size_t gelu_backward_avx2(const float* x, co
 }  // namespace
 
 void gelu(const float* x, float* y, size_t n) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     size_t i = have_avx2() ? b + gelu_avx2(x + b, y + b, e - b) : b;
     for (; i < e; ++i) y[i] = rules::gelu_fwd(x[i]);
   });
 }
 
 void gelu_backward(const float* x, const float* gy, float* gx, size_t n) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     size_t i = have_avx2() ? b + gelu_backward_avx2(x + b, gy + b, gx + b, e - b) : b;
     for (; i < e; ++i) gx[i] = rules::gelu_bwd(x[i], gy[i]);
   });
 }
 
 void sigmoid(const float* x, float* y, size_t n) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     size_t i = have_avx2() ? b + sigmoid_avx2(x + b, y + b, e - b) : b;
     for (; i < e; ++i) y[i] = rules::sigmoid_fwd(x[i]);
   });
 }
 
 void tanh(const float* x, float* y, size_t n) {
-  in_ranges(n, [&](size_t b, size_t e) {
+  parallel_floats(n, [&](size_t b, size_t e) {
     size_t i = have_avx2() ? b + tanh_avx2(x + b, y + b, e - b) : b;
     for (; i < e; ++i) y[i] = rules::tanh_fwd(x[i]);
   });
@@ -321,7 +308,7 @@ __attribute__((target_clones("avx2", "default"))) void scale_range(float* x, siz
 }  // namespace
 
 void scale(float* x, size_t n, float s) {
-  in_ranges(n, [&](size_t b, size_t e) { scale_range(x + b, e - b, s); });
+  parallel_floats(n, [&](size_t b, size_t e) { scale_range(x + b, e - b, s); });
 }
 
 // Note [Finding non-finite values by their bits]
@@ -417,7 +404,7 @@ __attribute__((target_clones("avx2", "default"))) void add_range(const float* x,
 }  // namespace
 
 void add(const float* x, const float* y, size_t n, float* z) {
-  in_ranges(n, [&](size_t b, size_t e) { add_range(x + b, y + b, e - b, z + b); });
+  parallel_floats(n, [&](size_t b, size_t e) { add_range(x + b, y + b, e - b, z + b); });
 }
 
 }  // namespace cx::nn::kernels

@@ -114,14 +114,14 @@ Shape ElementwiseModule::output_shape(const Shape& in) const {
 // The formulas are cuda/act_rules.h's, which the GPU kernels use too.
 
 void ReLUModule::forward(const float* x, const Shape& in, float* y, bool) {
-  parallel_for(numel(in), kGrainFloats, [&](size_t, size_t b, size_t e) {
+  parallel_floats(numel(in), [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) y[i] = rules::relu_fwd(x[i]);
   });
 }
 void ReLUModule::backward(const float* x, const float*, const Shape& in, const float* gy, float* gx,
                           const ParamDone&) {
   if (!gx) return;
-  parallel_for(numel(in), kGrainFloats, [&](size_t, size_t b, size_t e) {
+  parallel_floats(numel(in), [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) gx[i] = rules::relu_bwd(x[i], gy[i]);  // a vector select (act_rules.h)
   });
 }

@@ -183,9 +183,10 @@ int num_threads() { return g_size.load(std::memory_order_relaxed); }
 
 void set_pool_threads(int n) { g_size.store(std::clamp(n, 1, kMaxThreads), std::memory_order_relaxed); }
 
-size_t parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t, size_t)>& fn) {
+size_t parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t, size_t)>& fn,
+                    size_t most_parts) {
   if (n == 0) return 0;
-  const size_t most = static_cast<size_t>(num_threads());
+  const size_t most = std::min(static_cast<size_t>(num_threads()), most_parts);
   size_t parts = std::min(most, n / std::max<size_t>(1, grain));
   Pool* p = parts > 1 ? acquire_pool() : nullptr;
   if (p) parts = std::min(parts, p->size());

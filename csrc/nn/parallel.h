@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 
 namespace cx::nn {
@@ -32,16 +33,30 @@ int num_threads();
 void set_pool_threads(int n);
 
 // Runs fn(part, begin, end) over [0, n) cut into contiguous parts of at least
-// `grain` items, at most num_threads() of them, part 0 on the calling thread;
-// returns the number of parts. Parts are numbered in order of their ranges.
-// After every part has ended, the first exception thrown (lowest part) is
-// rethrown. A call made while the pool is busy (from inside a part, or from
-// another thread at the same time) runs as one part on its own thread.
-size_t parallel_for(size_t n, size_t grain, const std::function<void(size_t part, size_t begin, size_t end)>& fn);
+// `grain` items, at most num_threads() (and most_parts) of them, part 0 on the
+// calling thread; returns the number of parts. Parts are numbered in order of
+// their ranges. After every part has ended, the first exception thrown (lowest
+// part) is rethrown. A call made while the pool is busy (from inside a part, or
+// from another thread at the same time) runs as one part on its own thread.
+size_t parallel_for(size_t n, size_t grain, const std::function<void(size_t part, size_t begin, size_t end)>& fn,
+                    size_t most_parts = SIZE_MAX);
 
 // Element-wise loops cut into parts of at least this many floats (a part of fewer
 // costs more to hand out than it saves).
 constexpr size_t kGrainFloats = 16 * 1024;
+
+// Runs f(begin, end) over n floats in parts on the pool, every boundary a multiple
+// of 16 floats, so each element takes the vector or scalar path it takes in one
+// part and an element-wise loop gives the same bits on any thread count.
+template <typename F>
+void parallel_floats(size_t n, F&& f) {
+  if (n < 2 * kGrainFloats || num_threads() == 1) {
+    f(size_t{0}, n);
+    return;
+  }
+  const size_t blocks = n / 16;
+  parallel_for(blocks, kGrainFloats / 16, [&](size_t, size_t b, size_t e) { f(b * 16, e == blocks ? n : e * 16); });
+}
 
 // parallel_for over `items` (planes, channels, samples) of about `floats_each` floats of work each.
 inline size_t parallel_items(size_t items, size_t floats_each,

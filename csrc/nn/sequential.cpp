@@ -223,8 +223,7 @@ void SequentialModel::set_rng_states(const std::vector<uint64_t>& states) {
 void SequentialModel::zero_grad() {
   if (!total_) return;
   float* g = flat_grads();
-  parallel_for(total_, kGrainFloats,
-               [&](size_t, size_t b, size_t e) { std::memset(g + b, 0, (e - b) * sizeof(float)); });
+  parallel_floats(total_, [&](size_t b, size_t e) { std::memset(g + b, 0, (e - b) * sizeof(float)); });
 }
 
 std::string SequentialModel::repr() const {

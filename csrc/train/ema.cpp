@@ -19,15 +19,7 @@ __attribute__((target_clones("avx2", "default"))) void ema_range(float* __restri
 void ema_update(float* shadow, const float* params, size_t n, double decay) {
   const float d = static_cast<float>(decay);
   const float c = static_cast<float>(1.0 - decay);
-  const size_t blocks = n / 16;
-  if (blocks < 2 * nn::kGrainFloats / 16) {
-    ema_range(shadow, params, n, d, c);
-    return;
-  }
-  nn::parallel_for(blocks, nn::kGrainFloats / 16, [&](size_t, size_t b, size_t e) {
-    const size_t end = e == blocks ? n : e * 16;
-    ema_range(shadow + b * 16, params + b * 16, end - b * 16, d, c);
-  });
+  nn::parallel_floats(n, [&](size_t b, size_t e) { ema_range(shadow + b, params + b, e - b, d, c); });
 }
 
 }  // namespace cx::train

@@ -137,7 +137,9 @@ bool Conv2dModule::by_channel_ok(size_t channels, size_t OH, size_t OW) {
 size_t Conv2dModule::in_parts(size_t N, const std::function<void(size_t, size_t, size_t, PartScratch&)>& part) {
   const size_t most = static_cast<size_t>(num_threads());
   if (part_sums_.size() < most) part_sums_.resize(most);
-  return parallel_for(N, kPartSamples, [&](size_t k, size_t b, size_t e) { part(b, e, k, thread_scratch()); });
+  // Never more parts than part_sums_ has, should another thread change the thread count meanwhile.
+  return parallel_for(N, kPartSamples, [&](size_t k, size_t b, size_t e) { part(b, e, k, thread_scratch()); },
+                      part_sums_.size());
 }
 
 Conv2dModule::PartScratch& Conv2dModule::thread_scratch() {
