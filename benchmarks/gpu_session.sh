@@ -3,7 +3,7 @@
 # pycyxwiz (sm_90 only), then the stages named in STAGES, which share one deadline (BUDGET seconds); each
 # stage's log goes to $OUT/<stage>.log and its tail to stdout. With benchmarks/.old.tar.gz (git archive of an
 # older commit) that commit is built too, and the stages "ab" (NCCL per-call cost) and "cnnab" (a small ResNet's
-# training against PyTorch) time both builds side by side.
+# training against PyTorch, new/old alternating until the stage's time is up) time both builds side by side.
 #   here:  git rev-parse --short HEAD > benchmarks/.commit; pip download scipy-openblas32 into .whl/ (device README)
 #   there: STAGES="check pytestall train torch bf16" BUDGET=420 bash benchmarks/gpu_session.sh   (carry .whl)
 set -u
@@ -58,8 +58,11 @@ for s in ${STAGES:-check pytest train torch bf16}; do
         ./launch_distributed.sh 1 python3 examples/train_digits.py --save "" 2>&1 | tail -3' ;;
     cnnbench) stage cnnbench 70 python3 benchmarks/gpu_train.py --cnn --samples 16384 ;;
     syncbn) stage syncbn 90 python3 benchmarks/gpu_train.py --cnn --sync-bn --samples 8192 ;;
-    cnnab) stage cnnab 150 bash -c 'for i in 1 2; do for v in old new; do echo "## $v"
-        PYTHONPATH=/tmp/${v}_site:/tmp/site python3 benchmarks/gpu_train.py --cnn --samples 8192; done; done' ;;
+    cnnab) stage cnnab 150 bash -c 'for v in new old new old; do echo "## $v"
+        PYTHONPATH=/tmp/${v}_site:/tmp/site python3 benchmarks/gpu_train.py --cnn --samples 16384 \
+          --batches ${CNN_BATCHES:-32,128,512,2048}; done' ;;
+    cnntf32) stage cnntf32 60 python3 benchmarks/gpu_train.py --cnn --samples 16384 --precision tf32 \
+        --batches ${CNN_BATCHES:-32,128,512,2048} ;;
     cnnprof) TAILN=45 stage cnnprof 90 bash -c "cd benchmarks &&
         python3 gpu_profile.py --sizes cnn --batch 512 --rows 22" ;;
     profile) stage profile 90 bash -c "cd benchmarks && python3 gpu_profile.py --sizes 784,256,10 --batch 64 &&

@@ -123,9 +123,11 @@ def build_torch(torch, sizes):
     return torch.nn.Sequential(*layers).cuda()
 
 
-def run_torch(sizes, X, y, batch: int, epochs: int, precision: str = "float32") -> float:
+def run_torch(sizes, X, y, batch: int, epochs: int, precision: str = "float32", cudnn_default: bool = False) -> float:
     """PyTorch's loop; `precision` as pycyxwiz's matmul_precision: float32 GEMMs, TF32 GEMMs
-    (allow_tf32), or bf16: the forward and loss under torch.autocast(dtype=torch.bfloat16)."""
+    (allow_tf32), or bf16: the forward and loss under torch.autocast(dtype=torch.bfloat16). cuDNN's
+    convolutions follow `precision` too (torch.backends.cudnn.allow_tf32), unless `cudnn_default`: then
+    PyTorch's default, TF32 convolutions even under float32."""
     import contextlib
 
     import torch
@@ -135,6 +137,7 @@ def run_torch(sizes, X, y, batch: int, epochs: int, precision: str = "float32") 
     loss_fn = torch.nn.CrossEntropyLoss()
     Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = cudnn_default or precision == "tf32"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
     def epoch(n_rows):
@@ -174,7 +177,8 @@ def main() -> int:
     ap.add_argument("--sync-bn", action="store_true",
                     help="with --cnn: also train ours with SyncBatchNormModule (world size 1) beside BatchNorm2d")
     ap.add_argument("--cnn", action="store_true",
-                    help="a small ResNet on 3x32x32 images instead of the MLPs (batch 32, 128, 512; no CPU column)")
+                    help="a small ResNet on 3x32x32 images instead of the MLPs (no CPU column)")
+    ap.add_argument("--batches", default="32,128,512", help="with --cnn: the batch sizes")
     args = ap.parse_args()
     if args.cnn:
         return cnn_rows(args)
@@ -214,16 +218,24 @@ def cnn_rows(args) -> int:
     print(f"== training throughput, small ResNet on 3x32x32, global samples/s (world size 1, Adam, GEMMs "
           f"{args.precision})", flush=True)
     global SYNC_BN
+    # PyTorch's default runs cuDNN's convolutions in TF32 even under float32: with float32 GEMMs, the last two
+    # columns time it so too (against our float32), beside the like-for-like columns.
+    default_too = args.precision == "float32"
     print(f"{'batch':>6} {'cx GPU':>10} {'torch GPU':>10} {'cx/torch':>9}"
+          + (f" {'torch dflt':>10} {'cx/dflt':>8}" if default_too else "")
           + (f" {'cx SyncBN':>10} {'sync/bn':>8}" if args.sync_bn else ""))
     rows = []
-    for batch in (32, 128, 512):
+    for batch in (int(b) for b in args.batches.split(",")):
         SYNC_BN = False
         g = run_cx("nccl", "cnn", X, y, batch, args.epochs, precision=args.precision)
         t = run_torch("cnn", X, y, batch, args.epochs, args.precision)
         row = dict(model="resnet-small", batch=batch, precision=args.precision, cx_gpu=g, torch_gpu=t,
                    cx_over_torch=g / t)
         line = f"{batch:>6} {g:>10.0f} {t:>10.0f} {g / t:>9.2f}"
+        if default_too:
+            td = run_torch("cnn", X, y, batch, args.epochs, args.precision, cudnn_default=True)
+            row["torch_gpu_cudnn_tf32"] = td
+            line += f" {td:>10.0f} {g / td:>8.2f}"
         if args.sync_bn:
             SYNC_BN = True
             sb = run_cx("nccl", "cnn", X, y, batch, args.epochs, precision=args.precision)

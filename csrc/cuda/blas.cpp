@@ -28,6 +28,14 @@ struct Library {
   // algo); optional (null: float32 only).
   cublasStatus_t (*gemm_ex)(cublasHandle_t, int, int, int, int, int, const void*, const void*, int, int, const void*,
                             int, int, const void*, void*, int, int, int, int) = nullptr;
+  // cublasSgemmStridedBatched(handle, opA, opB, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc,
+  // strideC, batch) and cublasGemmStridedBatchedEx (GemmEx's arguments with a stride after each ld, the batch
+  // before compute); optional (null: Device::gemm_batched loops over gemm).
+  cublasStatus_t (*sgemm_sb)(cublasHandle_t, int, int, int, int, int, const float*, const float*, int, long long,
+                             const float*, int, long long, const float*, float*, int, long long, int) = nullptr;
+  cublasStatus_t (*gemm_sb_ex)(cublasHandle_t, int, int, int, int, int, const void*, const void*, int, int, long long,
+                               const void*, int, int, long long, const void*, void*, int, int, long long, int, int,
+                               int) = nullptr;
 };
 
 // cudaDataType_t, cublasComputeType_t and cublasGemmAlgo_t values (library_types.h, cublas_api.h).
@@ -57,6 +65,8 @@ const Library* open_library(const std::string& path, std::string* why) {
   c->set_stream = reinterpret_cast<decltype(c->set_stream)>(::dlsym(lib, "cublasSetStream_v2"));
   c->sgemm = reinterpret_cast<decltype(c->sgemm)>(::dlsym(lib, "cublasSgemm_v2"));
   c->gemm_ex = reinterpret_cast<decltype(c->gemm_ex)>(::dlsym(lib, "cublasGemmEx"));
+  c->sgemm_sb = reinterpret_cast<decltype(c->sgemm_sb)>(::dlsym(lib, "cublasSgemmStridedBatched"));
+  c->gemm_sb_ex = reinterpret_cast<decltype(c->gemm_sb_ex)>(::dlsym(lib, "cublasGemmStridedBatchedEx"));
   if (!c->create || !c->destroy || !c->set_stream || !c->sgemm) {
     *why = path + " lacks cublasCreate_v2/cublasSetStream_v2/cublasSgemm_v2";
     delete c;
@@ -136,6 +146,11 @@ const std::string& Cublas::path() const {
 
 bool Cublas::has_gemm_ex() const { return lib_ && library(lib_).gemm_ex; }
 
+bool Cublas::has_strided_batched(GemmPrecision p) const {
+  if (!lib_) return false;
+  return p == GemmPrecision::kFloat32 ? library(lib_).sgemm_sb != nullptr : library(lib_).gemm_sb_ex != nullptr;
+}
+
 // Note [GEMM precision]
 // DistributedTrainingConfig.matmul_precision = "bf16" or "tf32" is PyTorch's
 // mixed precision for the part that costs: the matrix products. Each stays a
@@ -164,6 +179,25 @@ void Cublas::sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const flo
   if (r != 0) {
     CX_THROW(Error, p == GemmPrecision::kFloat32 ? "cublasSgemm" : "cublasGemmEx", " failed with status ", r, " (",
              M, "x", N, "x", K, ", ", gemm_precision_name(p), ")");
+  }
+}
+
+void Cublas::sgemm_strided_batched(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
+                                   long long sa, const float* B, int ldb, long long sb, float beta, float* C, int ldc,
+                                   long long sc, int batch, GemmPrecision p) {
+  const Library& lib = library(lib_);  // operands swapped as in sgemm
+  const int opb = tb ? kCublasOpT : kCublasOpN, opa = ta ? kCublasOpT : kCublasOpN;
+  cublasStatus_t r;
+  if (p == GemmPrecision::kFloat32) {
+    r = lib.sgemm_sb(handle_, opb, opa, N, M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch);
+  } else {
+    const int compute = p == GemmPrecision::kBf16 ? kComputeFast16BF : kComputeFastTf32;
+    r = lib.gemm_sb_ex(handle_, opb, opa, N, M, K, &alpha, B, kCudaR32F, ldb, sb, A, kCudaR32F, lda, sa, &beta, C,
+                       kCudaR32F, ldc, sc, batch, compute, kGemmDefault);
+  }
+  if (r != 0) {
+    CX_THROW(Error, p == GemmPrecision::kFloat32 ? "cublasSgemmStridedBatched" : "cublasGemmStridedBatchedEx",
+             " failed with status ", r, " (", batch, " x ", M, "x", N, "x", K, ", ", gemm_precision_name(p), ")");
   }
 }
 

@@ -4,7 +4,8 @@
 // cuBLAS is dlopen'ed (Note [How CUDA is found and loaded] in driver.h): from
 // CX_CUBLAS_LIBRARY if set, else the nvidia-cublas(-cu12) wheels' folders
 // (python/pycyxwiz/distributed/_gpu.py passes them), else the system loader's
-// path. Only cublasCreate/SetStream/Sgemm/GemmEx/Destroy are declared, by us.
+// path. Only cublasCreate/SetStream/Sgemm/GemmEx/Destroy and the strided batched GEMMs are
+// declared, by us.
 #pragma once
 
 #include <string>
@@ -45,6 +46,12 @@ class Cublas {
              float beta, float* C, int ldc, GemmPrecision p = GemmPrecision::kFloat32);
   // Whether this library has cublasGemmEx, which the precisions other than float32 need.
   bool has_gemm_ex() const;
+  // C_i = alpha op(A_i) op(B_i) + beta C_i for i < batch, where X_i = X + i * sX (row-major, as sgemm); only
+  // where has_strided_batched(p).
+  void sgemm_strided_batched(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, long long sa,
+                             const float* B, int ldb, long long sb, float beta, float* C, int ldc, long long sc,
+                             int batch, GemmPrecision p);
+  bool has_strided_batched(GemmPrecision p) const;
 
  private:
   const void* lib_ = nullptr;  // the library's entry points (blas.cpp's Library)

@@ -96,7 +96,7 @@ const char* const kNnKernels[] = {
     "cx_nn_softmax_fwd", "cx_nn_softmax_bwd", "cx_nn_dropout_fwd", "cx_nn_mul", "cx_nn_bn_fwd", "cx_nn_bn_bwd",
     "cx_nn_ce_labels", "cx_nn_ce_dense", "cx_nn_mse", "cx_nn_bce",
     "cx_nn_adam", "cx_nn_sgd", "cx_nn_rmsprop", "cx_nn_sgemm", "cx_nn_count_nonfinite",
-    "cx_nn_im2col", "cx_nn_col2im", "cx_nn_swap01", "cx_nn_channel_sum_add", "cx_nn_maxpool_fwd",
+    "cx_nn_im2col", "cx_nn_col2im", "cx_nn_swap01", "cx_nn_bias01", "cx_nn_channel_sum_add", "cx_nn_maxpool_fwd",
     "cx_nn_maxpool_bwd", "cx_nn_avgpool_fwd", "cx_nn_avgpool_bwd", "cx_nn_gap_fwd", "cx_nn_gap_bwd",
     "cx_nn_channel_sums", "cx_nn_bn2d_var", "cx_nn_bn2d_fwd", "cx_nn_bn2d_bsum", "cx_nn_bn2d_bwd", "cx_nn_add",
     "cx_nn_clip_value", "cx_nn_sum_squares", "cx_nn_clip_norm_coef", "cx_nn_scale_by", "cx_nn_narrow16",
@@ -220,6 +220,18 @@ void Device::gemm(bool ta, bool tb, int M, int N, int K, float alpha, const floa
   int ita = ta, itb = tb;
   void* args[] = {&ita, &itb, &M, &N, &K, &alpha, &A, &lda, &B, &ldb, &beta, &C, &ldc};
   launch_raw(sgemm_, static_cast<unsigned>((N + 31) / 32), static_cast<unsigned>((M + 31) / 32), 32, 8, args);
+}
+
+void Device::gemm_batched(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, size_t sa,
+                          const float* B, int ldb, size_t sb, float beta, float* C, int ldc, size_t sc, int batch) {
+  if (M == 0 || N == 0 || batch <= 0) return;
+  if (cublas_ && cublas_->has_strided_batched(precision_)) {
+    cublas_->sgemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, static_cast<long long>(sa), B, ldb,
+                                   static_cast<long long>(sb), beta, C, ldc, static_cast<long long>(sc), batch,
+                                   precision_);
+    return;
+  }
+  for (int i = 0; i < batch; ++i) gemm(ta, tb, M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc);
 }
 
 }  // namespace cx::cuda

@@ -99,6 +99,10 @@ class Device {
   // Row-major C = alpha op(A) op(B) + beta C (op(A) M x K, op(B) K x N).
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
             float beta, float* C, int ldc);
+  // gemm() `batch` times, the i-th on A + i * sa, B + i * sb, C + i * sc: one cuBLAS call where it has
+  // the strided batched GEMM, else a gemm() each.
+  void gemm_batched(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, size_t sa,
+                    const float* B, int ldb, size_t sb, float beta, float* C, int ldc, size_t sc, int batch);
   // "cuBLAS (<path>)" or "pycyxwiz tiled kernel (<why>)".
   const std::string& gemm_backend() const { return gemm_desc_; }
   // What gemm()'s inputs are rounded to (Note [GEMM precision] in blas.cpp);

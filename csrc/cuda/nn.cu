@@ -260,18 +260,25 @@ extern "C" __global__ void cx_nn_col2im(const float* dcol, float* dx, u64 nb, u6
   }
 }
 
-// dst (B, A, P) = src (A, B, P) with its first two axes swapped, plus bias[a] (bias may be null): the GEMM's
-// (channels, samples x pixels) output into NCHW, and NCHW gradients into the GEMM's layout. blockIdx.y per b;
+// dst (B, A, P) = src (A, B, P) with its first two axes swapped: NCHW gradients into the convolution's GEMM
+// layout (channels, samples x pixels). blockIdx.y per b;
 // a thread per (a, pixel) of it (A*P < 2^32, conv_plan).
-extern "C" __global__ void cx_nn_swap01(const float* src, float* dst, const float* bias, u64 A, u64 B, u64 P) {
+extern "C" __global__ void cx_nn_swap01(const float* src, float* dst, u64 A, u64 B, u64 P) {
   const unsigned n = (unsigned)(A * P), uP = (unsigned)P;
   for (u64 b = blockIdx.y; b < B; b += gridDim.y) {
     for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += blockDim.x * gridDim.x) {
       const unsigned a = t / uP, q = t - a * uP;
-      const float v = src[((u64)a * B + b) * P + q];
-      dst[b * n + t] = bias ? v + bias[a] : v;
+      dst[b * n + t] = src[((u64)a * B + b) * P + q];
     }
   }
+}
+
+// y (B, A, P) += bias[a]: the convolution's bias where its GEMMs wrote NCHW (A*P < 2^32, conv_plan).
+extern "C" __global__ void cx_nn_bias01(float* y, const float* bias, u64 A, u64 B, u64 P) {
+  const unsigned n = (unsigned)(A * P), uP = (unsigned)P;
+  for (u64 b = blockIdx.y; b < B; b += gridDim.y)
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += blockDim.x * gridDim.x)
+      y[b * n + t] += bias[t / uP];
 }
 
 // The index in (N, C, S) of value t of channel c's N*S values (fewer than 2^32: one 32-bit division, where a

@@ -20,16 +20,25 @@ using ull = unsigned long long;
 // The CPU convolves one sample at a time (Note [Convolution as GEMM] in conv2d.h); a GPU wants a few large
 // GEMMs instead. So a chunk of nb samples is unfolded at once into col (K = in*k*k rows, nb*P columns, sample
 // after sample), and each group's product is one GEMM:
-//   forward   t (out x nb*P) = W (out x K) . col, then t's two first axes swapped into y (nb, out, P) + bias
+//   forward   y_n (out x P) = W (out x K) . col_n for each sample n of the chunk, col_n being col's columns
+//             n*P..(n+1)*P: one strided batched GEMM writes y (nb, out, P) in place (+ bias, a kernel of its own)
 //   backward  gyT (out x nb*P) = gy (nb, out, P) swapped;  dW += gyT . col^T;  dcol = W^T . gyT, folded into dx
 // The chunk is the whole batch unless col would pass kColFloats; the bias's gradient is one reduction per
 // channel over the batch (Note [Channel sums in runs] in cuda/nn.cu). The GEMMs are the Device's (cuBLAS, at
 // the trainer's matmul_precision).
+//
+// col is the layer's own, so the training forward's last chunk is still unfolded there when backward starts:
+// backward takes the chunks for dW last to first and unfolds all but that one again (ConvState::holds).
 constexpr size_t kColFloats = size_t(32) << 20;  // 128 MB of unfolding at most
 
 struct ConvState : DeviceState {
-  cuda::Buffer col, t;  // the chunk's unfolding (or dcol); its GEMM output (or gyT)
+  cuda::Buffer col, t;  // the chunk's unfolding (or dcol); gyT
   cuda::Buffer part;    // the bias gradient's sums per run of each channel (cx_nn_channel_sums)
+  // What col holds: the unfolding of samples n0.. of the input at x of this shape, or nothing (x null).
+  const float* x = nullptr;
+  Shape in;
+  size_t n0 = 0;
+  bool holds(const float* px, const Shape& pin, size_t pn0) const { return x && x == px && in == pin && n0 == pn0; }
 };
 
 struct ConvPlan {
@@ -60,9 +69,9 @@ void unfold_chunk(const DeviceParams& d, const Conv2dGeometry& g, const ConvPlan
                 ull(c.H), ull(c.W), ull(g.k), ull(g.stride), ull(g.padding), ull(g.dilation), ull(c.OH), ull(c.OW));
 }
 
-// dst (B, A, P) = src (A, B, P) (+ bias[a]).
-void swap01(const DeviceParams& d, const float* src, float* dst, const float* bias, size_t A, size_t B, size_t P) {
-  d.dev.launch2(d.dev.fn("cx_nn_swap01"), grid_x(A * P), grid_y(B), 256, 1, src, dst, bias, ull(A), ull(B), ull(P));
+// dst (B, A, P) = src (A, B, P).
+void swap01(const DeviceParams& d, const float* src, float* dst, size_t A, size_t B, size_t P) {
+  d.dev.launch2(d.dev.fn("cx_nn_swap01"), grid_x(A * P), grid_y(B), 256, 1, src, dst, ull(A), ull(B), ull(P));
 }
 
 }  // namespace
@@ -75,17 +84,21 @@ void Conv2dModule::forward(const DeviceParams& d, DeviceState* s, const float* x
   auto& st = *static_cast<ConvState*>(s);
   const ConvPlan c = conv_plan(*this, in);
   st.col.reserve(c.Kg * c.G * c.nb * c.P * sizeof(float));
-  st.t.reserve(c.O * c.nb * c.P * sizeof(float));
+  st.x = nullptr;
   const float* w = param(d, 0);
-  const float* b = bias_ ? static_cast<const float*>(param(d, 1)) : nullptr;
+  const int P = static_cast<int>(c.P), Og = static_cast<int>(c.Og), Kg = static_cast<int>(c.Kg);
   for (size_t n0 = 0; n0 < c.N; n0 += c.nb) {
     const size_t nb = std::min(c.nb, c.N - n0);
-    const int cols = static_cast<int>(nb * c.P), Og = static_cast<int>(c.Og), Kg = static_cast<int>(c.Kg);
+    const int cols = static_cast<int>(nb * c.P);
     unfold_chunk(d, g_, c, x + n0 * c.C * c.H * c.W, st.col.f(), nb);
+    st.x = x, st.in = in, st.n0 = n0;
+    float* yc = y + n0 * c.O * c.P;
     for (size_t g = 0; g < c.G; ++g)
-      d.dev.gemm(false, false, Og, cols, Kg, 1.0f, w + g * c.Og * c.Kg, Kg, st.col.f() + g * c.Kg * cols, cols, 0.0f,
-                 st.t.f() + g * c.Og * cols, cols);
-    swap01(d, st.t.f(), y + n0 * c.O * c.P, b, c.O, nb, c.P);
+      d.dev.gemm_batched(false, false, Og, P, Kg, 1.0f, w + g * c.Og * c.Kg, Kg, 0, st.col.f() + g * c.Kg * cols, cols,
+                         c.P, 0.0f, yc + g * c.Og * c.P, P, c.O * c.P, static_cast<int>(nb));
+    if (bias_)
+      d.dev.launch2(d.dev.fn("cx_nn_bias01"), grid_x(c.O * c.P), grid_y(nb), 256, 1, yc,
+                    static_cast<const float*>(param(d, 1)), ull(c.O), ull(nb), ull(c.P));
   }
 }
 
@@ -111,11 +124,13 @@ void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* 
   const float* w = param(d, 0);
   float* dw = grad(d, 0);
   const int Og = static_cast<int>(c.Og), Kg = static_cast<int>(c.Kg);
-  for (size_t n0 = 0; n0 < c.N; n0 += c.nb) {
-    const size_t nb = std::min(c.nb, c.N - n0);
+  const size_t chunks = (c.N + c.nb - 1) / c.nb;
+  for (size_t i = chunks; i-- > 0;) {  // last to first: the forward's last chunk may still be in col
+    const size_t n0 = i * c.nb, nb = std::min(c.nb, c.N - n0);
     const int cols = static_cast<int>(nb * c.P);
-    unfold_chunk(d, g_, c, x + n0 * c.C * c.H * c.W, st.col.f(), nb);
-    swap01(d, gy + n0 * c.O * c.P, st.t.f(), nullptr, nb, c.O, c.P);  // gyT (out, nb*P)
+    if (!st.holds(x, in, n0)) unfold_chunk(d, g_, c, x + n0 * c.C * c.H * c.W, st.col.f(), nb);
+    st.x = nullptr;  // col is dcol from here on
+    swap01(d, gy + n0 * c.O * c.P, st.t.f(), nb, c.O, c.P);  // gyT (out, nb*P)
     for (size_t g = 0; g < c.G; ++g)
       d.dev.gemm(false, true, Og, Kg, cols, 1.0f, st.t.f() + g * c.Og * cols, cols, st.col.f() + g * c.Kg * cols,
                  cols, 1.0f, dw + g * c.Og * c.Kg, Kg);
@@ -126,7 +141,7 @@ void Conv2dModule::backward(const DeviceParams& d, DeviceState* s, const float* 
   for (size_t n0 = 0; n0 < c.N; n0 += c.nb) {
     const size_t nb = std::min(c.nb, c.N - n0);
     const int cols = static_cast<int>(nb * c.P);
-    if (!one_chunk) swap01(d, gy + n0 * c.O * c.P, st.t.f(), nullptr, nb, c.O, c.P);
+    if (!one_chunk) swap01(d, gy + n0 * c.O * c.P, st.t.f(), nb, c.O, c.P);
     for (size_t g = 0; g < c.G; ++g)
       d.dev.gemm(true, false, Kg, cols, Og, 1.0f, w + g * c.Og * c.Kg, Kg, st.t.f() + g * c.Og * cols, cols, 0.0f,
                  st.col.f() + g * c.Kg * cols, cols);
