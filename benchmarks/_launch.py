@@ -93,7 +93,28 @@ LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
 MPI_MCA = {
     "mpi-tcp": ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-default": [],
+    "horovod-mpi": [],
 }
+# Horovod (benchmarks/horovod.py only; not a dependency): "horovod-mpi" is Horovod started by mpirun, its
+# collectives Open MPI's (shared memory between ranks on one host); "horovod-gloo" is Horovod started by
+# horovodrun --gloo, its collectives gloo's over TCP.
+HOROVOD_COLUMNS = ("horovod-mpi", "horovod-gloo")
+HOROVOD_INSTALL_HINT = (
+    "Horovod not installed: see benchmarks/README.md, \"Against Horovod\", for the build that works with this torch")
+LIB_ENV.update({"horovod-mpi": {"HOROVOD_CPU_OPERATIONS": "MPI"}, "horovod-gloo": {"HOROVOD_CPU_OPERATIONS": "gloo"}})
+
+
+def horovod_available() -> tuple[bool, str]:
+    """(True, "") when horovod.torch imports in this interpreter, else (False, why)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, f"{HOROVOD_INSTALL_HINT} ({exc})"
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["import failed"])[-1]
+        return False, f"{HOROVOD_INSTALL_HINT} ({last[:200]})"
+    return True, ""
 # The port of the store with `link`: each run has hosts (namespaces) of its own, where every port is free.
 _LINK_PORT = 29500
 # Grace period for the surviving ranks after one rank failed: they usually fail on their own
@@ -340,10 +361,24 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
             env.pop("CX_AUTH_TOKEN_FILE", None)
             env.update(CX_AUTH_TOKEN=secrets.token_hex(32), GLOO_SOCKET_IFNAME="eth0", LOCAL_WORLD_SIZE=str(per_host))
         env.update(extra_env or {})
-        worker_lib = "mpi" if lib.startswith("mpi") else "pycyxwiz" if lib.startswith("pycyxwiz") else lib
+        worker_lib = ("mpi" if lib.startswith("mpi") else "pycyxwiz" if lib.startswith("pycyxwiz")
+                      else "horovod" if lib in HOROVOD_COLUMNS else lib)
         cmd = [sys.executable, "-m", module, "--lib", worker_lib, "--out", str(out_dir), *args]
         procs, logs = [], []
-        if lib.startswith("mpi"):
+        if lib in HOROVOD_COLUMNS:
+            ok, why = horovod_available()
+            if not ok:
+                return RunResult(lib, world, False, why)
+        if lib == "horovod-gloo":
+            # horovodrun's rendezvous (an HTTP server in this child) and its gloo ranks, all on this host.
+            run = [sys.executable, "-m", "horovod.runner.launch", "-np", str(world), "-H", f"localhost:{world}",
+                   "--gloo", "--start-timeout", str(int(min(timeout_s, 60)))]
+            log = out_dir / "horovodrun.stderr"
+            logs.append(log)
+            with open(log, "w") as fh:
+                procs.append(subprocess.Popen(run + cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        elif lib.startswith("mpi") or lib == "horovod-mpi":
             ok, why = mpi_available()
             if not ok:
                 return RunResult(lib, world, False, why)

@@ -181,9 +181,35 @@ class MpiComm(Comm):
         pass  # mpi4py finalizes at exit
 
 
+class HorovodComm(Comm):
+    """Horovod's PyTorch API (benchmarks/horovod.py): started by mpirun (MPI) or horovodrun (gloo)."""
+
+    name = "horovod"
+
+    def __init__(self):
+        import horovod
+        import horovod.torch as hvd
+        import torch
+
+        torch.set_num_threads(1)
+        hvd.init()
+        self.torch, self.hvd = torch, hvd
+        self.rank, self.world = hvd.rank(), hvd.size()
+        ops = "MPI" if hvd.mpi_enabled() and not hvd.gloo_enabled() else "gloo"
+        self.version = f"Horovod {horovod.__version__} ({ops}), torch {torch.__version__}"
+        self._token = torch.zeros(1)
+
+    def barrier(self):
+        # hvd.barrier() exists from 0.23 on; an allreduce of one value is a barrier everywhere.
+        self.hvd.allreduce_(self._token, op=self.hvd.Sum, name="cx_barrier")
+
+    def close(self):
+        self.hvd.shutdown()
+
+
 def open_comm(lib: str) -> Comm:
     return {"pycyxwiz": CxComm, "gloo": GlooComm, "torch": GlooComm, "cyxwiz": TorchCyxwizComm,
-            "mpi": MpiComm}[lib]()
+            "mpi": MpiComm, "horovod": HorovodComm}[lib]()
 
 
 def run_rank(out_dir: str, lib: str, body: Callable[[Comm, RankReport], None]) -> int:

@@ -2,6 +2,7 @@
 here: speed lives in benchmarks/, run by hand)."""
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,25 @@ def test_the_collective_benchmark_checks_the_exchanges_and_rooted_collectives_it
     for c in columns:
         assert c["ok"], c
         assert [(x["nominal"], x["correct"]) for x in c["results"]] == [(8, True), (96 << 10, True)], c
+
+
+def test_the_horovod_benchmark_runs_its_cyxwiz_columns_and_names_a_missing_horovod(tmp_path):
+    # Horovod is no dependency: a horovod package that cannot be imported (put first on the path, so this
+    # holds where Horovod is installed too) makes its columns n/a with the reason, while the "cyxwiz" columns
+    # run, each checking its sums against the closed form inside the worker.
+    pytest.importorskip("torch", reason="the cyxwiz columns are torch.distributed over pycyxwiz.torch")
+    fake = tmp_path / "horovod"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no Horovod in this test')\n")
+    env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{ROOT}")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.horovod", "--quick", "--worlds", "2", "--parts", "allreduce"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"horovod-gloo \(round 1/1\) \.\.\. \d+s  n/a \(Horovod not installed", r.stdout), r.stdout
+    assert "no Horovod in this test" in r.stdout, r.stdout
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in r.stdout.splitlines())
+            if cells[0] in ("8 B", "1 MiB")}
+    assert set(rows) == {"8 B", "1 MiB"}, r.stdout
+    for cells in rows.values():  # size, horovod-gloo, cyxwiz, horovod-mpi, cyxwiz-shm, then the two ratios
+        assert cells[1] == cells[3] == cells[5] == cells[6] == "n/a", cells
+        assert all(float(c.split()[0]) > 0 and c.split()[1] in ("us", "ms") for c in (cells[2], cells[4])), cells
