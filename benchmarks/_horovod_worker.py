@@ -7,7 +7,7 @@ allreduce: one float32 tensor summed in place (hvd.allreduce_ / dist.all_reduce)
 barrier; this rank's call times per size. synthetic: Horovod's own benchmark
 (examples/pytorch/pytorch_synthetic_benchmark.py in Horovod's repository) as it is written: one batch of
 random data and labels, SGD, `num_warmup_batches` untimed steps, then `num_iters` timings of
-`num_batches_per_iter` steps each; img/sec per timing. Horovod wraps the optimizer in
+`num_batches_per_iter` steps each; img/sec per timing; --fp16-allreduce as the script's. Horovod wraps the optimizer in
 hvd.DistributedOptimizer after broadcasting the parameters and the optimizer's state, as that script does;
 "cyxwiz" is the same script for a user of torch.distributed: DistributedDataParallel on the "cyxwiz" backend.
 """
@@ -65,14 +65,19 @@ def run_synthetic(comm, report, a) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         if comm.name == "horovod":
             hvd = comm.hvd
+            compression = hvd.Compression.fp16 if a.fp16_allreduce else hvd.Compression.none
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                 compression=hvd.Compression.none, op=hvd.Average)
+                                                 compression=compression, op=hvd.Average)
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             model = DDP(model)
+            if a.fp16_allreduce:  # the torch.distributed user's counterpart of Horovod's Compression.fp16
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+                model.register_comm_hook(None, fp16_compress_hook)
 
         def benchmark_step():
             optimizer.zero_grad()
@@ -117,6 +122,8 @@ def main(argv=None) -> int:
     sy.add_argument("--num-warmup-batches", type=int, default=10)
     sy.add_argument("--num-batches-per-iter", type=int, default=10)
     sy.add_argument("--num-iters", type=int, default=10)
+    sy.add_argument("--fp16-allreduce", action="store_true", help="gradients all-reduced in float16, as the "
+                    "script's flag: Horovod's Compression.fp16, DDP's fp16_compress_hook")
     a = ap.parse_args(argv)
     body = run_allreduce if a.part == "allreduce" else run_synthetic
     return run_rank(a.out, "cyxwiz" if a.lib == "cyxwiz-shm" else a.lib, lambda comm, report: body(comm, report, a))

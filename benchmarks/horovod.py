@@ -3,6 +3,7 @@
     python -m benchmarks.horovod                      # all_reduce and the synthetic benchmark, 2 and 4 ranks
     python -m benchmarks.horovod --parts synthetic --worlds 2 --rounds 3
     python -m benchmarks.horovod --quick              # smoke run
+    python -m benchmarks.horovod --parts synthetic --fp16-allreduce   # the script's float16 gradients
 
 Horovod is not a dependency of pycyxwiz and is not installed by any extra: its last release (0.28.1) builds
 against this torch only with a one-line patch (benchmarks/README.md, "Against Horovod"). Without it every
@@ -66,9 +67,10 @@ def ar_column(col: str, world: int, sizes: list, scale: float, timeout_s: float)
             "version": (run.ranks[0] or {}).get("info", {}).get("version", "") if run.ranks else ""}
 
 
-def sy_column(col: str, world: int, models: list, batch: int, iters: int, timeout_s: float) -> dict:
+def sy_column(col: str, world: int, models: list, batch: int, iters: int, timeout_s: float,
+              fp16: bool = False) -> dict:
     run = _launch(col, world, ["synthetic", "--models", *models, "--batch-size", str(batch), "--num-iters",
-                               str(iters)], timeout_s)
+                               str(iters)] + (["--fp16-allreduce"] if fp16 else []), timeout_s)
     cells = {}
     if run.ranks and run.ranks[0]:
         for step in run.ranks[0]["steps"]:
@@ -120,7 +122,7 @@ def ar_table(raw: dict, world: int, sizes: list, markdown: bool = False) -> str:
         format_table(heads, rows, markdown)
 
 
-def sy_table(raw: dict, world: int, models: list, markdown: bool = False) -> str:
+def sy_table(raw: dict, world: int, models: list, markdown: bool = False, fp16: bool = False) -> str:
     rows = []
     for model in models:
         v = {c: best_rate(raw.get((world, c), []), model) for c in COLUMNS}
@@ -129,7 +131,8 @@ def sy_table(raw: dict, world: int, models: list, markdown: bool = False) -> str
         rows.append([model] + cells + ratios)
     heads = ["model", *COLUMNS] + [f"{a}/{b}" for a, b in PAIRS]
     return (f"Horovod's synthetic benchmark, world {world}: total img/sec (its figure: rank 0's mean x ranks), "
-            "batch 32 per rank\n" + format_table(heads, rows, markdown))
+            "batch 32 per rank" + (", gradients all-reduced in float16" if fp16 else "") + "\n"
+            + format_table(heads, rows, markdown))
 
 
 def main(argv=None) -> int:
@@ -140,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", choices=["mlp", "cnn"], default=["mlp", "cnn"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-iters", type=int, default=10, help="the synthetic benchmark's timings (Horovod's: 10)")
+    ap.add_argument("--fp16-allreduce", action="store_true", help="the synthetic benchmark's flag: Horovod's "
+                    "Compression.fp16 against DDP's fp16_compress_hook on \"cyxwiz\"")
     ap.add_argument("--quick", action="store_true", help="smoke run: two sizes, 3 timings, one round")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per column")
     a = ap.parse_args(argv)
@@ -154,11 +159,11 @@ def main(argv=None) -> int:
         out += [ar_table(raw, w, sizes) for w in a.worlds]
     if "synthetic" in a.parts:
         raw = rounds_of("synthetic", a.worlds, list(COLUMNS), rounds,
-                        lambda c, w: sy_column(c, w, a.models, 32, iters, a.timeout))
+                        lambda c, w: sy_column(c, w, a.models, 32, iters, a.timeout, a.fp16_allreduce))
         payload["synthetic"] = {f"{w}/{c}": v for (w, c), v in raw.items()}
         unsynced = [f"{c} world {w} {m}" for (w, c), rs in raw.items() for r in rs for m, cell in r["cells"].items()
                     if not cell["in_sync"]]
-        out += [sy_table(raw, w, a.models) for w in a.worlds]
+        out += [sy_table(raw, w, a.models, fp16=a.fp16_allreduce) for w in a.worlds]
         if unsynced:
             out.append("ranks ended with different weights: " + ", ".join(unsynced))
     print()
