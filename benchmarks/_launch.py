@@ -89,7 +89,8 @@ LIB_ENV = {"pycyxwiz": {"CX_SHM": "0"}, "pycyxwiz-shm": {"CX_SHM": "1"},
            "pycyxwiz-system-cc": {"CX_SHM": "0", "CX_TCP_CONGESTION": "system"},
            "pycyxwiz-flat": {"CX_SHM": "1", "CX_ALGORITHM": "flat"},
            "pycyxwiz-hier": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical"},
-           "pycyxwiz-hier-seq": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical", "CX_HIER_SLICE_BYTES": str(1 << 40)}}
+           "pycyxwiz-hier-seq": {"CX_SHM": "1", "CX_ALGORITHM": "hierarchical", "CX_HIER_SLICE_BYTES": str(1 << 40)},
+           "horovod-mpi": {"HOROVOD_CPU_OPERATIONS": "MPI"}, "horovod-gloo": {"HOROVOD_CPU_OPERATIONS": "gloo"}}
 MPI_MCA = {
     "mpi-tcp": ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-default": [],
@@ -101,7 +102,6 @@ MPI_MCA = {
 HOROVOD_COLUMNS = ("horovod-mpi", "horovod-gloo")
 HOROVOD_INSTALL_HINT = (
     "Horovod not installed: see benchmarks/README.md, \"Against Horovod\", for the build that works with this torch")
-LIB_ENV.update({"horovod-mpi": {"HOROVOD_CPU_OPERATIONS": "MPI"}, "horovod-gloo": {"HOROVOD_CPU_OPERATIONS": "gloo"}})
 
 
 def horovod_available() -> tuple[bool, str]:
@@ -339,7 +339,7 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
     if per_host < 1 or world % per_host:
         raise ValueError(f"per_host={per_host} does not divide world={world}")
     if link is not None:
-        if lib.startswith("mpi"):
+        if lib.startswith("mpi") or lib in HOROVOD_COLUMNS:
             return RunResult(lib, world, False, "link runs cover pycyxwiz and torch")
         why = link_available()
         if why:
