@@ -170,6 +170,18 @@ def mpi_available() -> tuple[bool, str]:
     return True, ""
 
 
+def mpirun_command(lib: str, world: int) -> list:
+    """mpirun's part of the command line of an Open MPI column (`lib` a key of MPI_MCA): `world` ranks on this
+    host, unbound (as every other column's), one compute thread each, the transport the column names."""
+    cmd = ["mpirun", "-n", str(world), "--oversubscribe", "--bind-to", "none"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += MPI_MCA[lib]
+    for key in one_thread_env():
+        cmd += ["-x", key]
+    return cmd
+
+
 def _base_env() -> dict:
     env = dict(os.environ)
     env.update(one_thread_env())
@@ -382,17 +394,11 @@ def run_ranks(lib: str, module: str, args: list, world: int, timeout_s: float,
             ok, why = mpi_available()
             if not ok:
                 return RunResult(lib, world, False, why)
-            mpirun = ["mpirun", "-n", str(world), "--oversubscribe", "--bind-to", "none"]
-            if hasattr(os, "geteuid") and os.geteuid() == 0:
-                mpirun.append("--allow-run-as-root")
-            mpirun += MPI_MCA[lib]
-            for key in one_thread_env():
-                mpirun += ["-x", key]
             log = out_dir / "mpirun.stderr"
             logs.append(log)
             with open(log, "w") as fh:
-                procs.append(subprocess.Popen(mpirun + cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                              stderr=fh, start_new_session=True))
+                procs.append(subprocess.Popen(mpirun_command(lib, world) + cmd, env=env, cwd=REPO,
+                                              stdout=subprocess.DEVNULL, stderr=fh, start_new_session=True))
         else:
             port = _LINK_PORT if hosts is not None else free_port()
             master = hosts.addrs[0] if hosts is not None else "127.0.0.1"

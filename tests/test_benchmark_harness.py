@@ -106,3 +106,41 @@ def test_the_horovod_benchmark_runs_its_cyxwiz_columns_and_names_a_missing_horov
     for cells in rows.values():  # size, horovod-gloo, cyxwiz, horovod-mpi, cyxwiz-shm, then the two ratios
         assert cells[1] == cells[3] == cells[5] == cells[6] == "n/a", cells
         assert all(float(c.split()[0]) > 0 and c.split()[1] in ("us", "ms") for c in (cells[2], cells[4])), cells
+
+
+def test_the_osu_benchmark_runs_omb_py_s_loops_for_pycyxwiz_and_names_what_it_could_not_run(tmp_path):
+    # OMB's own programs are no dependency: pointed at a folder without them, their columns are n/a with the
+    # reason. pycyxwiz's columns check every collective against NumPy in the worker before timing it (a wrong
+    # result would fail the column), and have a figure for every size; Open MPI's have one where mpirun and mpi4py
+    # are installed, else they are n/a with the hint to install them.
+    from benchmarks._launch import mpi_available
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.osu", "--quick", "--worlds", "2", "3", "--max-pt2pt", "1024",
+                        "--max-coll", "4096", "--omb", str(tmp_path / "no-omb")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"omb-py \(round 1/1\) \.\.\. \d+s  n/a \(latency: no .*no-omb/python/run\.py", r.stdout), r.stdout
+    assert re.search(r"omb-c \(round 1/1\) \.\.\. \d+s  n/a \(latency: .*osu_latency not built", r.stdout), r.stdout
+    have_mpi = mpi_available()[0]
+    if not have_mpi:
+        assert "mpi-tcp (round 1/1) ... " in r.stdout and "n/a (Open MPI not found" in r.stdout, r.stdout
+    tables = {}
+    for block in r.stdout.split("\n\n"):
+        m = re.match(r"osu_(\w+), (\d) ranks", block.strip())
+        if m:
+            tables[(m.group(1), int(m.group(2)))] = [re.split(r"\s{2,}", ln.strip()) for ln in block.splitlines()[3:]]
+    want = {(t, 2) for t in ("latency", "bw", "allreduce", "reduce_scatter", "bcast", "allgather", "barrier")} | \
+        {(t, 3) for t in ("allreduce", "bcast", "allgather", "barrier")}  # no power of 2 of floats divides by 3
+    assert set(tables) == want, r.stdout
+    for (test, world), rows in tables.items():
+        sizes = [row[0] for row in rows]
+        if test == "latency":
+            assert sizes[:2] == ["0 B", "1 B"] and sizes[-1] == "1 KiB", sizes
+        elif test == "reduce_scatter":  # where the floats divide by the ranks
+            assert sizes[0] == "8 B" and sizes[-1] == "4 KiB", sizes
+        for row in rows:  # size, pycyxwiz, mpi-tcp, pycyxwiz-shm, mpi-default, omb-py, omb-c, three ratios
+            assert float(row[1].replace(",", "")) > 0 and float(row[3].replace(",", "")) > 0, (test, world, row)
+            assert row[5] == row[6] == row[9] == "n/a", row
+            if have_mpi:
+                assert float(row[2].replace(",", "")) > 0 and float(row[4].replace(",", "")) > 0, (test, world, row)
+                assert row[7].endswith("x") and row[8].endswith("x"), row
