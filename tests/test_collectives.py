@@ -2,6 +2,8 @@
 
 Each test body runs in every rank as a separate process (see ranks.py).
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -381,6 +383,95 @@ def test_async_work_handles_complete_in_submission_order(world):
     for ok, rep in ranks.run(async_body, world):
         assert ok
         assert "completed" in rep
+
+
+def async_mix_body(order_seed):
+    # Async sends and receives of small (sent by the caller at once: Note [Small sends that leave at once]) and
+    # large messages, between async collectives, waited for in a shuffled order (a waiter runs what is queued up to
+    # its own: Note [A waiter runs what it waits for]). Every message and sum must be what was sent, in order.
+    r, p = D.get_rank(), D.get_world_size()
+    rng = np.random.default_rng(order_seed + r)
+    sizes = [4, 1024, 4096, 4097, 70000, 3, 300000, 16]
+    works, checks = [], []
+    for i, n in enumerate(sizes):
+        x = np.full(5, float(r + i), np.float64)
+        works.append(D.all_reduce(x, async_op=True))
+        checks.append((x, np.full(5, float(sum(k + i for k in range(p))))))
+        if r == 0:
+            for dst in range(1, p):
+                msg = (np.arange(n, dtype=np.uint8) + i + dst).astype(np.uint8)
+                works.append(D.send(msg, dst, async_op=True))
+        else:
+            got = np.zeros(n, np.uint8)
+            works.append(D.recv(got, 0, async_op=True))
+            checks.append((got, (np.arange(n, dtype=np.uint8) + i + r).astype(np.uint8)))
+    for k in rng.permutation(len(works)):
+        works[k].wait()
+    assert all(w.is_completed() for w in works)
+    return all(np.array_equal(a, b) for a, b in checks)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_sends_receives_and_collectives_waited_for_in_any_order_arrive_in_order(world, shm):
+    for seed in (1, 2):
+        assert all(ranks.run(async_mix_body, world, args=(seed,), env={"CX_SHM": shm}))
+
+
+def small_send_leaves_at_once_body():
+    # Rank 1 starts receiving only after rank 0 has looked at its async sends: a small message goes into the ring
+    # (or the socket's buffer) at once, so its Work is complete when send returns, and it arrives intact.
+    r = D.get_rank()
+    go = np.zeros(1, np.int32)
+    if r == 0:
+        works = [D.send(np.full(64, k, np.int32), 1, async_op=True) for k in range(10)]
+        done = [w.is_completed() for w in works]
+        D.send(go, 1)
+        for w in works:
+            w.wait()
+        return done
+    time.sleep(0.3)  # rank 0's sends are made and answered by now, with nobody receiving
+    got = []
+    for k in range(10):
+        x = np.zeros(64, np.int32)
+        D.recv(x, 0)
+        got.append(bool(np.all(x == k)))
+    D.recv(go, 0)
+    return got
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_small_async_send_is_complete_when_it_returns_and_arrives_intact(shm):
+    done, got = ranks.run(small_send_leaves_at_once_body, 2, env={"CX_SHM": shm})
+    assert done == [True] * 10
+    assert got == [True] * 10
+
+
+def unwaited_receive_body():
+    # A small async receive that nobody waits for (polled with is_completed(), then a blocking call behind it) is
+    # still run, by the communication thread (Note [A waiter runs what it waits for]): no hang.
+    r = D.get_rank()
+    if r == 0:
+        time.sleep(0.2)
+        D.send(np.arange(8, dtype=np.int64), 1)
+        D.send(np.arange(8, dtype=np.int64) * 2, 1)
+        D.barrier()
+        return True
+    first, second = np.zeros(8, np.int64), np.zeros(8, np.int64)
+    w1 = D.recv(first, 0, async_op=True)
+    w2 = D.recv(second, 0, async_op=True)
+    deadline = time.monotonic() + 20
+    while not w1.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    polled = w1.is_completed()
+    D.barrier()  # behind w2: it runs first
+    return polled and w2.is_completed() and np.array_equal(first, np.arange(8)) and \
+        np.array_equal(second, np.arange(8) * 2)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_small_async_receive_nobody_waits_for_completes_on_its_own(shm):
+    assert all(ranks.run(unwaited_receive_body, 2, env={"CX_SHM": shm}))
 
 
 # ---- keyword arguments ---------------------------------------------------------------

@@ -43,6 +43,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -92,9 +93,15 @@ class Work {
   Backend::Poll poll_;
   ProcessGroup* group_ = nullptr;
   std::mutex poll_mu_;  // one thread polls at a time
+  // An async operation queued for the communication thread: the group, whose waiter may run it (Note [A waiter
+  // runs what it waits for] in process_group.cpp). Weak: a Work may outlive its group.
+  std::weak_ptr<ProcessGroup> queued_in_;
+  // A small async receive: the comm thread leaves it to its waiter until then (Note [A waiter runs what it waits
+  // for]); the epoch (never) for everything else.
+  std::chrono::steady_clock::time_point lazy_until_{};
 };
 
-class ProcessGroup {
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   // Rendezvous through rank 0's store, connect the mesh, and meet in a barrier.
   explicit ProcessGroup(const Config& cfg);
@@ -185,6 +192,11 @@ class ProcessGroup {
   std::string describe_setup() const;
 
   static constexpr size_t kFlightEntries = 64;
+  // Async sends up to this size leave on the caller's thread when the group is idle (Note [Small sends that leave
+  // at once] in process_group.cpp): below every single-copy threshold (shm/shm.h).
+  static constexpr size_t kSendAtOnceBytes = 4096;
+  // How soon the comm thread takes up operations a waiter left queued (Note [A waiter runs what it waits for]).
+  static constexpr std::chrono::microseconds kLeftoverPoll{50};
 
  private:
   void refuse_if_inherited() const;
@@ -208,6 +220,11 @@ class ProcessGroup {
   // Poll has the collective's deadline) has passed (false); `once`: one look.
   friend class Work;
   bool await(Work& w, int64_t timeout_ms, bool once = false);
+  // Note [A waiter runs what it waits for]: runs queued operations, oldest first, up to `w`, while the
+  // communication thread is not running one.
+  void help(Work& w);
+  // Under mu_ (held by `lk`, released while it runs), with no operation running: runs the queue's first.
+  void run_front(std::unique_lock<std::mutex>& lk);
   void record_locked(Work& w);  // under mu_: the flight entry and the fingerprint
   void set_state(const Work& w, FlightEntry::State s);
   FlightRecord record_locked_snapshot() const;
@@ -244,7 +261,9 @@ class ProcessGroup {
   std::deque<std::shared_ptr<Work>> queue_;
   bool launches_ = false;  // backend_->launches(), fixed once it exists
   std::deque<std::shared_ptr<Work>> inflight_;  // launched async collectives, oldest first, until done
-  bool busy_ = false;  // the comm thread is running a work item
+  bool busy_ = false;  // the comm thread (or a waiter: Note [A waiter runs what it waits for]) runs a work item
+  int helpers_ = 0;    // waiters running queued work items: the comm thread starts none meanwhile
+  bool comm_looks_ = false;  // the comm thread sleeps with a timeout, and looks at the queue on its own
   bool stop_ = false;
   std::thread comm_;
   std::optional<std::pair<ErrorKind, std::string>> poison_;
