@@ -138,7 +138,9 @@ def ref_column(ref: str, omb: Path, world: int, tests: list, max_pt2pt: int, max
     for test in tests:
         if test in PT2PT and world != 2:
             continue
-        argv, cwd = ref_command(ref, omb, test, world, max_pt2pt, max_coll) if ok else (None, why)
+        argv, cwd = ref_command(ref, omb, test, world, max_pt2pt, max_coll)
+        if argv is not None and not ok:  # the program is there, mpirun or mpi4py is not
+            argv, cwd = None, why
         if argv is None:
             reasons[test] = cwd
             continue
