@@ -459,12 +459,14 @@ void ProcessGroup::publish_record(const std::string& key) {
 // it, then the waiter woken by its end, two thread switches on cores that the ranks share. So a thread that
 // waits without a timeout for an operation of the queue takes the operations from the front, up to its own, and
 // runs them itself. The communication thread finishes the one it is running, if any, and starts no other while
-// a waiter is there (helpers_), so that the next wait finds its operation still queued: busy_ keeps two threads
-// from running operations at once, and they are taken in submission order either way. A waiter that leaves
-// operations queued behind its own does not wake the thread (that wake-up is the cost saved); the thread looks
-// again within kLeftoverPoll. A small receive (up to kSendAtOnceBytes) is not even woken for: the thread leaves
-// it for kLeftoverPoll to whoever waits for it (a posted receive needs no progress before its message comes; the
-// ring or the socket holds that), and a blocking call behind queued operations runs them first itself. A wait
+// a waiter is there (helpers_): busy_ keeps two threads from running operations at once, and they are taken in
+// submission order either way. A waiter that leaves operations queued behind its own wakes the thread for them.
+// A small receive (up to kSendAtOnceBytes) is not woken for: the thread leaves it for kLeftoverPoll to whoever
+// waits for it (a posted receive needs no progress before its message comes; the ring or the socket holds it),
+// so that the next wait of a window of them finds its own still queued; and a blocking call behind queued
+// operations runs them first itself. The thread never polls: it sleeps until it is woken, or until the first
+// small receive's time when one is at the front (a first version that looked every 50 us while a waiter ran
+// operations took 20-40% of the training benchmark's samples/s in some runs, its wake-ups taking the cores). A wait
 // with a timeout only waits (running a receive could outlast it). The overlap of computing with communicating is
 // kept: a thread that waits has nothing else to do, and collectives and large messages still wake the thread.
 // osu_bw, 2 ranks, best of 3 runs alternating with the build before: through shared memory 1.3-1.4x at 8 B-32 KiB
@@ -498,31 +500,33 @@ void ProcessGroup::help(Work& w) {
     if (!queued()) break;  // done by now
     run_front(lk);
   }
-  --helpers_;  // what is left in the queue waits for our next wait, or for the thread's next look (kLeftoverPoll)
+  --helpers_;
+  // What is left behind our operation: the thread takes it up now, or a small receive at its time (wait_until
+  // in comm_loop) if it sleeps with that deadline already; until then our next wait may run it here.
+  if (helpers_ == 0 && !queue_.empty() &&
+      !(comm_looks_ && queue_.front()->lazy_until_ > std::chrono::steady_clock::now())) {
+    cv_.notify_all();
+  }
 }
 
 void ProcessGroup::comm_loop() {
   std::unique_lock<std::mutex> lk(mu_);
-  for (;;) {
-    if (!busy_ && helpers_ == 0 && !queue_.empty()) {  // Note [A waiter runs what it waits for]
+  for (;;) {  // Note [A waiter runs what it waits for]
+    if (!queue_.empty()) {
       const auto until = queue_.front()->lazy_until_;
-      if (until > std::chrono::steady_clock::now()) {  // a small receive, left to its waiter for a while
+      if (until > std::chrono::steady_clock::now()) {  // a small receive, left to its waiter until then
         comm_looks_ = true;
         cv_.wait_until(lk, until);
         comm_looks_ = false;
         continue;
       }
-      run_front(lk);
-      continue;
+      if (!busy_ && helpers_ == 0) {
+        run_front(lk);
+        continue;
+      }
     }
     if (stop_ && queue_.empty() && !busy_) return;  // drained
-    if (queue_.empty()) {
-      cv_.wait(lk);
-    } else {  // a waiter runs them, and leaves the rest of the queue without a word
-      comm_looks_ = true;
-      cv_.wait_for(lk, kLeftoverPoll);
-      comm_looks_ = false;
-    }
+    cv_.wait(lk);  // for work, or for the thread (or waiter) running one to finish
   }
 }
 

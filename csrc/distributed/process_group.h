@@ -195,7 +195,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // Async sends up to this size leave on the caller's thread when the group is idle (Note [Small sends that leave
   // at once] in process_group.cpp): below every single-copy threshold (shm/shm.h).
   static constexpr size_t kSendAtOnceBytes = 4096;
-  // How soon the comm thread takes up operations a waiter left queued (Note [A waiter runs what it waits for]).
+  // How long the comm thread leaves a small async receive to its waiter (Note [A waiter runs what it waits for]).
   static constexpr std::chrono::microseconds kLeftoverPoll{50};
 
  private:
