@@ -465,8 +465,10 @@ void ProcessGroup::publish_record(const std::string& key) {
 // waits for it (a posted receive needs no progress before its message comes; the ring or the socket holds it),
 // so that the next wait of a window of them finds its own still queued; and a blocking call behind queued
 // operations runs them first itself. The thread never polls: it sleeps until it is woken, or until the first
-// small receive's time when one is at the front (a first version that looked every 50 us while a waiter ran
-// operations took 20-40% of the training benchmark's samples/s in some runs, its wake-ups taking the cores). A wait
+// small receive's time when one is at the front. (A first version looked every 50 us while a waiter ran
+// operations; the training benchmark gave 79k and 105k samples/s in 2 of 3 runs against 135-140k for the build
+// before. The build before later had such runs too, so that was not proven, but wake-ups every 50 us take a core
+// from the ranks for nothing. As it is, 6 alternating runs each: level within the noise.) A wait
 // with a timeout only waits (running a receive could outlast it). The overlap of computing with communicating is
 // kept: a thread that waits has nothing else to do, and collectives and large messages still wake the thread.
 // osu_bw, 2 ranks, best of 3 runs alternating with the build before: through shared memory 1.3-1.4x at 8 B-32 KiB
