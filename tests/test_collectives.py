@@ -474,6 +474,35 @@ def test_a_small_async_receive_nobody_waits_for_completes_on_its_own(shm):
     assert all(ranks.run(unwaited_receive_body, 2, env={"CX_SHM": shm}))
 
 
+def small_async_sends_to_a_dead_peer():
+    # Small async sends leave on the caller's thread (Note [Small sends that leave at once]): the error one of them
+    # meets is the Work's, raised by wait() with the peer named, not by send itself (the sends before it return).
+    import os
+
+    if D.get_rank() == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    msg = np.zeros(256, np.uint8)
+    for k in range(200000):  # until the ring or the socket shows the peer gone
+        w = D.send(msg, 1, async_op=True)  # raises only once an earlier Work failed and poisoned the group
+        try:
+            w.wait()
+        except D.DistributedError as e:
+            return k, type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_small_async_send_to_a_dead_peer_raises_from_wait_naming_it(shm):
+    outs = ranks.spawn(small_async_sends_to_a_dead_peer, 2, env={"CX_SHM": shm,
+                                                                 "DISTRIBUTED_OPERATION_TIMEOUT_MS": 15000}, timeout=90)
+    assert outs[0].ok, outs[0]
+    assert outs[0].value is not None, "200000 sends to a dead rank all succeeded"
+    k, kind, message = outs[0].value
+    assert kind == "DistributedConnectionError", (kind, message)
+    assert "rank 1" in message and "send" in message, message
+
+
 # ---- keyword arguments ---------------------------------------------------------------
 # The module's collectives read their keywords before pybind11 does (Note [Keyword arguments before pybind11's
 # dispatcher] in csrc/bindings/keywords.h): every form a caller writes must land each value in its parameter.

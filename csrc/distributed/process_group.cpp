@@ -243,14 +243,14 @@ void ProcessGroup::set_state(const Work& w, FlightEntry::State s) {
 // which waits for the receiver. Measured: 0.9-1.1 us a message after it (2 ranks, alternating with the build before).
 ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk) {
   const OpDesc& d = w->desc_;
-  const bool at_once = async && d.kind == CollectiveKind::kSendRecv && d.root == cfg_.rank &&
-                       d.count * dtype_size(d.dtype) <= kSendAtOnceBytes && queue_.empty() && !busy_;
-  if (async && !at_once) {
+  const bool small_message =
+      async && d.kind == CollectiveKind::kSendRecv && d.count * dtype_size(d.dtype) <= kSendAtOnceBytes;
+  const bool sends = d.root == cfg_.rank;
+  if (async && !(small_message && sends && queue_.empty() && !busy_)) {  // else it leaves at once, below
     w->queued_in_ = weak_from_this();
     // A small receive is left for its waiter to run (Note [A waiter runs what it waits for]).
-    const bool lazy = d.kind == CollectiveKind::kSendRecv && d.root != cfg_.rank &&
-                      d.count * dtype_size(d.dtype) <= kSendAtOnceBytes;
-    if (lazy) w->lazy_until_ = std::chrono::steady_clock::now() + kLeftoverPoll;
+    const bool lazy = small_message && !sends;
+    if (lazy) w->lazy_until_ = std::chrono::steady_clock::now() + kLeftToWaiter;
     queue_.push_back(w);
     if (!comm_.joinable()) comm_ = std::thread([this] { comm_loop(); });
     if (!lazy || !comm_looks_) cv_.notify_all();  // a thread that looks on its own needs no wake-up
@@ -461,7 +461,7 @@ void ProcessGroup::publish_record(const std::string& key) {
 // runs them itself. The communication thread finishes the one it is running, if any, and starts no other while
 // a waiter is there (helpers_): busy_ keeps two threads from running operations at once, and they are taken in
 // submission order either way. A waiter that leaves operations queued behind its own wakes the thread for them.
-// A small receive (up to kSendAtOnceBytes) is not woken for: the thread leaves it for kLeftoverPoll to whoever
+// A small receive (up to kSendAtOnceBytes) is not woken for: the thread leaves it for kLeftToWaiter to whoever
 // waits for it (a posted receive needs no progress before its message comes; the ring or the socket holds it),
 // so that the next wait of a window of them finds its own still queued; and a blocking call behind queued
 // operations runs them first itself. The thread never polls: it sleeps until it is woken, or until the first
@@ -471,10 +471,11 @@ void ProcessGroup::publish_record(const std::string& key) {
 // from the ranks for nothing. As it is, 6 alternating runs each: level within the noise.) A wait
 // with a timeout only waits (running a receive could outlast it). The overlap of computing with communicating is
 // kept: a thread that waits has nothing else to do, and collectives and large messages still wake the thread.
-// osu_bw, 2 ranks, best of 3 runs alternating with the build before: through shared memory 1.3-1.4x at 8 B-32 KiB
-// and 1.9x at 1 MiB; over TCP 1.5-1.8x at 8 B-4 KiB. Posting 64 small async receives and waiting for them cost
-// 0.75 + 0.8 us a message, against 1.3-2.2 + 0.8-1.7 before (benchmarks/README.md, "Against MPI on its own
-// benchmark").
+// osu_bw, 2 ranks, best of 3 runs alternating with the build before: 1.4-2.0x at 8 B-4 KiB through shared memory
+// and 1.6-2.0x over TCP, but 0.78-0.93x through shared memory at 16-256 KiB, where a waiter hands the rest of a
+// window of large messages back to the thread (one wake-up each) that used to run it alone. Posting 64 small
+// async receives and waiting for them cost 0.75 + 0.8 us a message, against 1.3-2.2 + 0.8-1.7 before
+// (benchmarks/README.md, "Against MPI on its own benchmark").
 void ProcessGroup::run_front(std::unique_lock<std::mutex>& lk) {
   auto w = queue_.front();
   queue_.pop_front();

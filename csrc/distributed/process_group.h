@@ -196,7 +196,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // at once] in process_group.cpp): below every single-copy threshold (shm/shm.h).
   static constexpr size_t kSendAtOnceBytes = 4096;
   // How long the comm thread leaves a small async receive to its waiter (Note [A waiter runs what it waits for]).
-  static constexpr std::chrono::microseconds kLeftoverPoll{50};
+  static constexpr std::chrono::microseconds kLeftToWaiter{50};
 
  private:
   void refuse_if_inherited() const;
