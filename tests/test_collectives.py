@@ -474,6 +474,45 @@ def test_a_small_async_receive_nobody_waits_for_completes_on_its_own(shm):
     assert all(ranks.run(unwaited_receive_body, 2, env={"CX_SHM": shm}))
 
 
+def left_behind_body():
+    # A waiter runs the queue up to its own operation and leaves the small message behind it to the next waiter for
+    # a while (Note [A waiter runs what it waits for]). When nobody comes (is_completed() only), the communication
+    # thread still runs it: a receive behind a waited receive, and a small send behind a waited large one.
+    r = D.get_rank()
+    deadline = time.monotonic() + 20
+
+    def polled(w):
+        while not w.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return w.is_completed()
+
+    big = np.arange(300000, dtype=np.uint8)
+    if r == 0:
+        for k in range(3):
+            D.send(np.full(8, k, np.int64), 1)
+        w_big = D.send(big, 1, async_op=True)
+        w_small = D.send(np.full(8, 7, np.int64), 1, async_op=True)  # queued behind the large send
+        w_big.wait()
+        ok = polled(w_small)
+        D.barrier()
+        return ok
+    got = [np.zeros(8, np.int64) for _ in range(3)]
+    works = [D.recv(g, 0, async_op=True) for g in got]
+    works[0].wait()
+    ok = polled(works[1]) and polled(works[2])
+    got_big, got_small = np.zeros_like(big), np.zeros(8, np.int64)
+    D.recv(got_big, 0)
+    D.recv(got_small, 0)
+    D.barrier()
+    return ok and all(np.all(g == k) for k, g in enumerate(got)) and np.array_equal(got_big, big) and \
+        np.all(got_small == 7)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_small_message_left_behind_a_waited_one_completes_with_nobody_waiting(shm):
+    assert ranks.run(left_behind_body, 2, env={"CX_SHM": shm}) == [True, True]
+
+
 def small_async_sends_to_a_dead_peer():
     # Small async sends leave on the caller's thread (Note [Small sends that leave at once]): the error one of them
     # meets is the Work's, raised by wait() with the peer named, not by send itself (the sends before it return).

@@ -253,7 +253,7 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
     if (lazy) w->lazy_until_ = std::chrono::steady_clock::now() + kLeftToWaiter;
     queue_.push_back(w);
     if (!comm_.joinable()) comm_ = std::thread([this] { comm_loop(); });
-    if (!lazy || !comm_looks_) cv_.notify_all();  // a thread that looks on its own needs no wake-up
+    if (!lazy || !comm_looks_) comm_cv_.notify_one();  // a thread that looks on its own needs no wake-up
     return w;
   }
   // Behind queued operations: run them here while no other thread runs one (Note [A waiter runs what it waits for]).
@@ -472,10 +472,23 @@ void ProcessGroup::publish_record(const std::string& key) {
 // with a timeout only waits (running a receive could outlast it). The overlap of computing with communicating is
 // kept: a thread that waits has nothing else to do, and collectives and large messages still wake the thread.
 // osu_bw, 2 ranks, best of 3 runs alternating with the build before: 1.4-2.0x at 8 B-4 KiB through shared memory
-// and 1.6-2.0x over TCP, but 0.78-0.93x through shared memory at 16-256 KiB, where a waiter hands the rest of a
-// window of large messages back to the thread (one wake-up each) that used to run it alone. Posting 64 small
+// and 1.6-2.0x over TCP, but 0.78-0.93x through shared memory at 16-256 KiB (that loss did not hold up: with
+// each rank pinned to a core, 8 runs alternating, the build before was 0.59-0.96x this one's speed there, its
+// single runs 3-4x apart). Posting 64 small
 // async receives and waiting for them cost 0.75 + 0.8 us a message, against 1.3-2.2 + 0.8-1.7 before
 // (benchmarks/README.md, "Against MPI on its own benchmark").
+// A receive's time ran from when it was posted, so in a window that outlasts kLeftToWaiter (64 small receives
+// take about 50 us to post) the thread took over the rest, one hand-over per message. So a waiter that leaves a
+// small message at the front gives it kLeftToWaiter from then, and the thread, sleeping until that time, looks
+// again twice as late each time it finds the time moved on (patience_, up to kMostPatience): a window's messages
+// stay with their waiters, and the thread wakes a few times a window instead of never or every 50 us. Large
+// messages still go to the thread when their waiter leaves. And the thread sleeps on a condition variable of
+// its own (comm_cv_): on the one waiters share, every operation a waiter ran woke it, to find a waiter still
+// there (a futex call and a context switch per message: 15,994 against 1,385 on the receiver of 300 windows of
+// 512 B over TCP, perf stat). osu_bw's loop (benchmarks/osu.py, 2 ranks, 5 runs alternating with the build
+// before, medians): 1.18-1.25x through shared memory at 512 B-4 KiB, 0.97-1.06x at 8-64 B, level within the
+// noise above; over TCP 0.94-1.12x, level. Windows of async sends to async receives, a barrier before each (60
+// a size, 8 runs each, medians): 1.15-1.38x through shared memory at 8 B-4 KiB, over TCP 1.00-1.10x.
 void ProcessGroup::run_front(std::unique_lock<std::mutex>& lk) {
   auto w = queue_.front();
   queue_.pop_front();
@@ -486,6 +499,7 @@ void ProcessGroup::run_front(std::unique_lock<std::mutex>& lk) {
   lk.lock();
   busy_ = false;
   cv_.notify_all();
+  if (stop_) comm_cv_.notify_one();  // a thread draining the queue waits for the last operation's end
 }
 
 void ProcessGroup::help(Work& w) {
@@ -506,9 +520,16 @@ void ProcessGroup::help(Work& w) {
   --helpers_;
   // What is left behind our operation: the thread takes it up now, or a small receive at its time (wait_until
   // in comm_loop) if it sleeps with that deadline already; until then our next wait may run it here.
-  if (helpers_ == 0 && !queue_.empty() &&
-      !(comm_looks_ && queue_.front()->lazy_until_ > std::chrono::steady_clock::now())) {
-    cv_.notify_all();
+  if (helpers_ == 0 && !queue_.empty()) {
+    Work& next = *queue_.front();
+    const auto now = std::chrono::steady_clock::now();
+    if (next.desc_.kind == CollectiveKind::kSendRecv &&
+        next.desc_.count * dtype_size(next.desc_.dtype) <= kSendAtOnceBytes) {  // a window's next small message
+      next.lazy_until_ = std::max(next.lazy_until_, now + kLeftToWaiter);
+      if (!comm_looks_) comm_cv_.notify_one();  // the thread learns its time
+    } else if (!(comm_looks_ && next.lazy_until_ > now)) {
+      comm_cv_.notify_one();
+    }
   }
 }
 
@@ -516,20 +537,28 @@ void ProcessGroup::comm_loop() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {  // Note [A waiter runs what it waits for]
     if (!queue_.empty()) {
-      const auto until = queue_.front()->lazy_until_;
-      if (until > std::chrono::steady_clock::now()) {  // a small receive, left to its waiter until then
+      auto until = queue_.front()->lazy_until_;
+      const auto now = std::chrono::steady_clock::now();
+      if (until > now) {  // a small message, left to its waiter until then
+        if (patience_.count() > 0) until = std::max(until, now + patience_);
         comm_looks_ = true;
-        cv_.wait_until(lk, until);
+        const bool timed_out = comm_cv_.wait_until(lk, until) == std::cv_status::timeout;
         comm_looks_ = false;
+        // Woken at that time, we may find the front's time moved on: waiters are running a window of small
+        // messages. Each time, look again twice as late (up to kMostPatience).
+        if (timed_out) patience_ = patience_.count() == 0 ? kLeftToWaiter : std::min(2 * patience_, kMostPatience);
         continue;
       }
+      patience_ = std::chrono::microseconds(0);
       if (!busy_ && helpers_ == 0) {
         run_front(lk);
         continue;
       }
+    } else {
+      patience_ = std::chrono::microseconds(0);
     }
     if (stop_ && queue_.empty() && !busy_) return;  // drained
-    cv_.wait(lk);  // for work, or for the thread (or waiter) running one to finish
+    comm_cv_.wait(lk);  // for work, for the waiters running it to leave, or for shutdown
   }
 }
 
@@ -541,6 +570,7 @@ void ProcessGroup::shutdown(Check check) {
     stop_ = true;
   }
   cv_.notify_all();
+  comm_cv_.notify_one();
   if (comm_.joinable()) comm_.join();
   // Launched async collectives end before anything closes (Note [Collectives that are launches]).
   std::deque<std::shared_ptr<Work>> flying;

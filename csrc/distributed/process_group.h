@@ -195,8 +195,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // Async sends up to this size leave on the caller's thread when the group is idle (Note [Small sends that leave
   // at once] in process_group.cpp): below every single-copy threshold (shm/shm.h).
   static constexpr size_t kSendAtOnceBytes = 4096;
-  // How long the comm thread leaves a small async receive to its waiter (Note [A waiter runs what it waits for]).
+  // How long the comm thread leaves a small async receive to its waiter, and a small message that a waiter left at
+  // the front to the next; while waiters keep taking them it looks at most every kMostPatience (Note [A waiter runs
+  // what it waits for]).
   static constexpr std::chrono::microseconds kLeftToWaiter{50};
+  static constexpr std::chrono::microseconds kMostPatience{400};
 
  private:
   void refuse_if_inherited() const;
@@ -257,13 +260,15 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 
   std::mutex exec_mu_;  // held while a collective runs on the backend
   std::mutex mu_;       // guards everything below
-  std::condition_variable cv_;
+  std::condition_variable cv_;       // an operation ended (busy_ cleared): for waiters running the queue
+  std::condition_variable comm_cv_;  // the communication thread's: work queued, waiters gone, shutdown
   std::deque<std::shared_ptr<Work>> queue_;
   bool launches_ = false;  // backend_->launches(), fixed once it exists
   std::deque<std::shared_ptr<Work>> inflight_;  // launched async collectives, oldest first, until done
   bool busy_ = false;  // the comm thread (or a waiter: Note [A waiter runs what it waits for]) runs a work item
   int helpers_ = 0;    // waiters running queued work items: the comm thread starts none meanwhile
   bool comm_looks_ = false;  // the comm thread sleeps with a timeout, and looks at the queue on its own
+  std::chrono::microseconds patience_{0};  // how long the comm thread sleeps again while waiters run a window
   bool stop_ = false;
   std::thread comm_;
   std::optional<std::pair<ErrorKind, std::string>> poison_;
