@@ -74,9 +74,6 @@ py::array host_array(const py::handle& obj) {
   return asarray(obj);
 }
 std::string type_name(const py::handle& obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
-std::string module_name(const py::handle& obj) {
-  return py::str(py::type::handle_of(obj).attr("__module__"));
-}
 
 // Refuses what cannot travel between processes as its bytes: Python objects
 // (pointers, meaningless in another process; the receiver would crash reading
