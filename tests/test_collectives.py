@@ -513,6 +513,40 @@ def test_a_small_message_left_behind_a_waited_one_completes_with_nobody_waiting(
     assert ranks.run(left_behind_body, 2, env={"CX_SHM": shm}) == [True, True]
 
 
+def exchange_body(n, blocking):
+    # Every rank sends n bytes to the next rank and receives the previous rank's, sends first: async (a halo
+    # exchange, torch's batch_isend_irecv), or blocking (each send returns once its message is out). Messages larger
+    # than the ring or the socket's buffer used to leave every rank's send waiting for a receive queued behind the
+    # peer's own send (Note [Sends that read while they wait] in mesh_transport.cpp).
+    r, p = D.get_rank(), D.get_world_size()
+    mine = np.random.default_rng(r).integers(0, 256, n, dtype=np.uint8)
+    got = np.zeros(n, np.uint8)
+    for _ in range(2):
+        got[:] = 0
+        if blocking:
+            D.send(mine, (r + 1) % p)
+            D.recv(got, (r - 1) % p)
+        else:
+            works = [D.send(mine, (r + 1) % p, async_op=True), D.recv(got, (r - 1) % p, async_op=True)]
+            for w in works:
+                w.wait()
+        want = np.random.default_rng((r - 1) % p).integers(0, 256, n, dtype=np.uint8)
+        if not np.array_equal(got, want):
+            return False
+    x = np.full(4, float(r + 1))
+    D.all_reduce(x)  # the group goes on as usual after it
+    return bool(np.all(x == p * (p + 1) / 2))
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_ranks_that_all_send_first_messages_larger_than_the_buffers_do_not_wait_for_each_other(shm, world, blocking):
+    # 4 MiB: four times the shared-memory ring; over TCP the socket's buffer is set to its smallest (64 KiB).
+    env = {"CX_SHM": shm, "CX_SOCKET_BUFFER_BYTES": "65536", "DISTRIBUTED_OPERATION_TIMEOUT_MS": "30000"}
+    assert ranks.run(exchange_body, world, args=(4 << 20, blocking), env=env, timeout=120) == [True] * world
+
+
 def small_async_sends_to_a_dead_peer():
     # Small async sends leave on the caller's thread (Note [Small sends that leave at once]): the error one of them
     # meets is the Work's, raised by wait() with the peer named, not by send itself (the sends before it return).

@@ -53,6 +53,7 @@ class Channel {
   int fd() const { return fd_.get(); }
   const std::string& addr() const { return addr_; }
   bool busy() const { return !sends_.empty() || !recvs_.empty() || !unacked_.empty(); }
+  bool receiving() const { return !recvs_.empty(); }
 
   // Queues a send of request `id` and starts writing at once: small messages
   // usually leave in this one call.

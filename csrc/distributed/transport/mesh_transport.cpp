@@ -409,6 +409,37 @@ int MeshTransport::wait_any_message() {
   }
 }
 
+// Note [Sends that read while they wait]
+// A group runs its operations one at a time, in order. Two ranks that each post a send to the other and then the
+// receive of the other's message (torch's batch_isend_irecv, a halo exchange, two pipeline stages) each run their
+// send first; where the message is larger than the ring (1 MiB) or the socket's buffer, each send waits for the
+// other's receive, which waits behind the other's send: both timed out (4 MiB through shared memory, 64 MiB over
+// TCP). gloo and MPI progress both at once. So a send/recv operation about to sleep reads aside, into the
+// channel's stash (Note [Messages out of order] in channel.cpp), the next message of every peer that sent one and
+// has no receive posted here: the peer's send then completes, its receive takes ours, and the receive we post
+// next takes the message from the stash. It reads each message whole before going on (wait(aside)), so that the
+// operation ends with no receive half done. That costs a copy of the message, and its size in memory until its
+// receive is posted; only sends that could not finish before they would sleep pay it, and a collective never.
+// Over TCP a send also wakes for the peer's bytes (TcpChannel::wait_on); through shared memory a peer's write
+// rings our doorbell either way.
+bool MeshTransport::read_aside() {
+  bool any = false;
+  for (int j = 0; j < world_; ++j) {
+    Channel* c = channels_[j].get();
+    if (!c || c->receiving()) continue;  // a posted receive reads what comes on its own
+    OpDesc d;
+    if (c->peek(&d) != Channel::Next::kFrame || d.kind != CollectiveKind::kSendRecv || d.root != j) continue;
+    const Req aside = static_cast<Req>(op_.done.size());
+    op_.done.push_back(0);
+    peer_of_.push_back(j);
+    ++op_.pending;
+    c->irecv_aside(aside);
+    wait(aside);
+    any = true;
+  }
+  return any;
+}
+
 void MeshTransport::timed_out() {
   std::ostringstream waiting;
   for (int j = 0; j < world_; ++j) {
@@ -511,6 +542,7 @@ void MeshTransport::wait(Req r) {
       continue;
     }
     if (op_.deadline.expired()) timed_out();
+    if (op_.desc.kind == CollectiveKind::kSendRecv && read_aside()) continue;
     block();
     slept = true;
     last = Clock::now();

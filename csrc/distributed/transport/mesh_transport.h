@@ -64,6 +64,9 @@ class MeshTransport : public Transport {
  private:
   bool progress();  // one pass over the busy channels; true if any byte moved
   void block();     // sleeps until something may have moved, up to one slice or the deadline
+  // Note [Sends that read while they wait]: reads into the stash every peer's next message, where it is a
+  // send/recv message and no receive is posted to that peer; true if it read any.
+  bool read_aside();
   [[noreturn]] void timed_out();
 
   int rank_;

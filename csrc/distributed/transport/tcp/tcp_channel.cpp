@@ -34,7 +34,9 @@ bool TcpChannel::progress() {
 
 WaitOn TcpChannel::wait_on() const {
   short ev = 0;
-  if (!recvs_.empty()) ev |= POLLIN;
+  // A message's send also wakes for the peer's messages, to read them aside (Note [Sends that read while they
+  // wait] in mesh_transport.cpp).
+  if (!recvs_.empty() || (!sends_.empty() && op_.desc.kind == CollectiveKind::kSendRecv)) ev |= POLLIN;
   if (!sends_.empty()) ev |= POLLOUT;
   return {ev, false};
 }
