@@ -513,24 +513,32 @@ def test_a_small_message_left_behind_a_waited_one_completes_with_nobody_waiting(
     assert ranks.run(left_behind_body, 2, env={"CX_SHM": shm}) == [True, True]
 
 
-def exchange_body(n, blocking):
-    # Every rank sends n bytes to the next rank and receives the previous rank's, sends first: async (a halo
-    # exchange, torch's batch_isend_irecv), or blocking (each send returns once its message is out). Messages larger
-    # than the ring or the socket's buffer used to leave every rank's send waiting for a receive queued behind the
-    # peer's own send (Note [Sends that read while they wait] in mesh_transport.cpp).
+def exchange_body(n, order):
+    # Every rank sends n bytes to the next rank and receives the previous rank's, in one of the orders programs
+    # write: the sends first, async (a halo exchange, torch's batch_isend_irecv) or blocking; or the receive posted
+    # first (MPI's safe idiom), then the send async or blocking. Each of these once left every rank waiting for
+    # the others: sends larger than the ring or the socket's buffer for receives queued behind the peers' sends
+    # (Note [Sends that read while they wait] in mesh_transport.cpp), and a posted receive, at any size, for a
+    # send queued behind the peer's receive (Note [Sends before receives] in process_group.cpp).
     r, p = D.get_rank(), D.get_world_size()
     mine = np.random.default_rng(r).integers(0, 256, n, dtype=np.uint8)
     got = np.zeros(n, np.uint8)
+    nxt, prv = (r + 1) % p, (r - 1) % p
     for _ in range(2):
         got[:] = 0
-        if blocking:
-            D.send(mine, (r + 1) % p)
-            D.recv(got, (r - 1) % p)
-        else:
-            works = [D.send(mine, (r + 1) % p, async_op=True), D.recv(got, (r - 1) % p, async_op=True)]
-            for w in works:
-                w.wait()
-        want = np.random.default_rng((r - 1) % p).integers(0, 256, n, dtype=np.uint8)
+        if order == "send-first":
+            works = [D.send(mine, nxt, async_op=True), D.recv(got, prv, async_op=True)]
+        elif order == "blocking-send-first":
+            D.send(mine, nxt)
+            works = [D.recv(got, prv, async_op=True)]
+        elif order == "recv-first":
+            works = [D.recv(got, prv, async_op=True), D.send(mine, nxt, async_op=True)]
+        else:  # recv-first, then a blocking send
+            works = [D.recv(got, prv, async_op=True)]
+            D.send(mine, nxt)
+        for w in works:
+            w.wait()
+        want = np.random.default_rng(prv).integers(0, 256, n, dtype=np.uint8)
         if not np.array_equal(got, want):
             return False
     x = np.full(4, float(r + 1))
@@ -538,13 +546,39 @@ def exchange_body(n, blocking):
     return bool(np.all(x == p * (p + 1) / 2))
 
 
-@pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
+@pytest.mark.parametrize("order", ["send-first", "blocking-send-first", "recv-first", "recv-first-blocking-send"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("shm", ["0", "1"])
-def test_ranks_that_all_send_first_messages_larger_than_the_buffers_do_not_wait_for_each_other(shm, world, blocking):
-    # 4 MiB: four times the shared-memory ring; over TCP the socket's buffer is set to its smallest (64 KiB).
+def test_ranks_exchanging_messages_in_any_order_do_not_wait_for_each_other(shm, world, order):
+    # 8 B, and 4 MiB: four times the shared-memory ring; over TCP the socket's buffer is set to its smallest
+    # (64 KiB).
     env = {"CX_SHM": shm, "CX_SOCKET_BUFFER_BYTES": "65536", "DISTRIBUTED_OPERATION_TIMEOUT_MS": "30000"}
-    assert ranks.run(exchange_body, world, args=(4 << 20, blocking), env=env, timeout=120) == [True] * world
+    for n in (8, 4 << 20):
+        assert ranks.run(exchange_body, world, args=(n, order), env=env, timeout=120) == [True] * world, n
+
+
+def relay_body(n):
+    # A chain 0 -> 1 -> 2: rank 1 posts the receive and then the send of that same buffer without waiting in
+    # between. A send passes only receives whose memory it does not read (Note [Sends before receives]), so this
+    # one still goes after its receive, and rank 2 gets rank 0's bytes.
+    r = D.get_rank()
+    x = np.zeros(n, np.uint8)
+    if r == 0:
+        x[:] = np.arange(n) % 251
+        D.send(x, 1)
+    elif r == 1:
+        works = [D.recv(x, 0, async_op=True), D.send(x, 2, async_op=True)]
+        for w in works:
+            w.wait()
+    else:
+        D.recv(x, 1)
+    return bool(np.array_equal(x, np.arange(n) % 251))
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_send_of_the_buffer_a_queued_receive_fills_still_goes_after_it(shm):
+    for n in (8, 1 << 20):
+        assert ranks.run(relay_body, 3, args=(n,), env={"CX_SHM": shm}) == [True] * 3, n
 
 
 def small_async_sends_to_a_dead_peer():

@@ -485,7 +485,7 @@ def test_send_and_recv_match_by_tag_in_either_order(shm):
         assert got == [1.0] * 4 + [2.0] * 4, (swap, got)
 
 
-def batch_exchange(n: int) -> bool:
+def batch_exchange(n: int, recv_first: bool) -> bool:
     import torch.distributed as dist
 
     _init()
@@ -493,7 +493,7 @@ def batch_exchange(n: int) -> bool:
     mine = torch.from_numpy(np.random.default_rng(r).standard_normal(n).astype(np.float32))
     got = torch.zeros(n)
     ops = [dist.P2POp(dist.isend, mine, (r + 1) % w), dist.P2POp(dist.irecv, got, (r - 1) % w)]
-    for q in dist.batch_isend_irecv(ops):
+    for q in dist.batch_isend_irecv(ops[::-1] if recv_first else ops):
         q.wait()
     want = np.random.default_rng((r - 1) % w).standard_normal(n).astype(np.float32)
     ok = np.array_equal(got.numpy(), want)
@@ -502,12 +502,16 @@ def batch_exchange(n: int) -> bool:
     return ok
 
 
+@pytest.mark.parametrize("recv_first", [False, True], ids=["isend-first", "irecv-first"])
 @pytest.mark.parametrize("shm", ["0", "1"])
-def test_batch_isend_irecv_of_messages_larger_than_the_buffers_completes(shm):
-    # Every rank's isend first, 8 MiB each (8 times the ring; the socket's buffer set to 64 KiB): as over gloo, the
-    # exchange completes (it used to time out: Note [Sends that read while they wait] in mesh_transport.cpp).
+def test_batch_isend_irecv_completes_in_either_order_at_any_size(shm, recv_first):
+    # As over gloo, whatever the order of the list: 16 B, and 8 MiB (8 times the ring; the socket's buffer set to
+    # 64 KiB). Both used to time out: the irecv first at any size (Note [Sends before receives] in
+    # process_group.cpp), the isend first with large messages (Note [Sends that read while they wait] in
+    # mesh_transport.cpp).
     env = {"CX_SHM": shm, "CX_SOCKET_BUFFER_BYTES": "65536", "DISTRIBUTED_OPERATION_TIMEOUT_MS": "30000"}
-    assert ranks.run(batch_exchange, 2, args=(2 << 20,), init=False, timeout=120, env=env) == [True, True]
+    for n in (4, 2 << 20):
+        assert ranks.run(batch_exchange, 2, args=(n, recv_first), init=False, timeout=120, env=env) == [True, True]
 
 
 def send_before_a_collective_received_after_it(n: int) -> list:

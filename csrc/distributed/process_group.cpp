@@ -116,6 +116,7 @@ void ProcessGroup::connect(const std::string& secret, const Deadline& dl) {
         backend_ = make_cpu_backend(cfg_, store_.get(), secret, dl);
       }
       launches_ = backend_->launches();
+      backend_->set_yield(&yield_);  // Note [Sends before receives]
     } catch (const Error& e) {
       // Note [Failures reach every rank through the store]: the others are told
       // at once (the store keeps the first cause, so an error that is itself the
@@ -166,10 +167,13 @@ void ProcessGroup::rethrow_poison() {
                                  " (call cx.distributed.finalize() and init() to start a new group)");
 }
 
-ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool async) {
+ProcessGroup::WorkPtr ProcessGroup::submit(OpDesc desc, Backend::Body body, bool async, const void* buf,
+                                           size_t bytes) {
   refuse_if_inherited();
   auto w = std::make_shared<Work>();
   w->body_ = std::move(body);
+  w->buf_ = static_cast<const char*>(buf);
+  w->bytes_ = bytes;
   std::unique_lock<std::mutex> ex(exec_mu_, std::defer_lock);
   if (launches_) ex.lock();  // before mu_, as execute() takes them
   std::unique_lock<std::mutex> lk(mu_);
@@ -232,8 +236,8 @@ void ProcessGroup::set_state(const Work& w, FlightEntry::State s) {
 // thread, and a second one of whoever waits for the Work. For a small message that costs several times the send
 // itself: in OSU's osu_bw pattern (windows of 64 non-blocking sends; benchmarks/osu.py), 16 B through shared
 // memory to a rank receiving them blocking took 1.9-3.5 us a message, against 0.6 us sent blocking. So a
-// send of at most kSendAtOnceBytes made while the group has nothing queued or running is written by its caller
-// at once, as a blocking one is, and its Work is returned complete (an error it met is raised by wait(), as for
+// send of at most kSendAtOnceBytes made while the group has nothing queued or running (but receives that it
+// passes: Note [Sends before receives]) is written by its caller at once, as a blocking one is, and its Work is returned complete (an error it met is raised by wait(), as for
 // any async operation). Nothing else changes: the group's operations still run one at a time in the order they
 // were submitted, and the message goes into the ring or the socket's buffer, which the peer drains whatever it
 // is doing (Note [Messages out of order] in transport/channel.cpp). The caller waits only where the peer has left
@@ -246,28 +250,43 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
   const bool small_message =
       async && d.kind == CollectiveKind::kSendRecv && d.count * dtype_size(d.dtype) <= kSendAtOnceBytes;
   const bool sends = d.root == cfg_.rank;
-  if (async && !(small_message && sends && queue_.empty() && !busy_)) {  // else it leaves at once, below
+  // A small send also leaves at once ahead of receives it passes (Note [Sends before receives]).
+  const bool at_once = small_message && sends && !busy_ &&
+                       std::all_of(queue_.begin(), queue_.end(), [&](const std::shared_ptr<Work>& q) {
+                         return passes(*w, *q);
+                       });
+  if (async && !at_once) {  // else it leaves at once, below
     w->queued_in_ = weak_from_this();
     // A small receive is left for its waiter to run (Note [A waiter runs what it waits for]).
     const bool lazy = small_message && !sends;
     if (lazy) w->lazy_until_ = std::chrono::steady_clock::now() + kLeftToWaiter;
-    queue_.push_back(w);
+    queue_in_place(w);
     if (!comm_.joinable()) comm_ = std::thread([this] { comm_loop(); });
     if (!lazy || !comm_looks_) comm_cv_.notify_one();  // a thread that looks on its own needs no wake-up
     return w;
   }
   // Behind queued operations: run them here while no other thread runs one (Note [A waiter runs what it waits for]).
+  // A send passes queued receives it does not read from (Note [Sends before receives]).
   bool waited = false;
+  bool passes_all = false;
   ++helpers_;
-  while (!queue_.empty() || busy_) {
-    waited = true;
+  for (;;) {
+    passes_all = is_send(*w) && std::all_of(queue_.begin(), queue_.end(),
+                                            [&](const std::shared_ptr<Work>& q) { return passes(*w, *q); });
     if (busy_) {
+      if (passes_all && running_ && passes(*w, *running_)) yield_.store(true, std::memory_order_release);
+      waited = true;
       cv_.wait(lk);
-    } else {
-      run_front(lk);
+      continue;
     }
+    if (queue_.empty() || passes_all) break;
+    waited = true;
+    run_front(lk);
   }
   --helpers_;
+  const bool ahead = !queue_.empty();  // receives queued behind it: they wait for it as for a running one
+  if (ahead) busy_ = true;
+  yield_.store(false, std::memory_order_relaxed);  // a receive of ours runs to its end
   // Running from now: poison_ and the flight entry under the lock submit() holds (or retook after a wait), as
   // execute() would check and set them, saving it two turns of mu_ and a clock read.
   if (poison_) {
@@ -281,6 +300,13 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
     }
     lk.unlock();
     execute(*w, true, true);
+  }
+  if (ahead) {
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+    if (helpers_ == 0) comm_cv_.notify_one();  // the receives behind it
+    lk.unlock();
   }
   if (!async) w->wait();  // rethrows the collective's error (an async send's: from its wait())
   return w;
@@ -376,7 +402,7 @@ bool ProcessGroup::await(Work& w, int64_t timeout_ms, bool once) {
   }
 }
 
-void ProcessGroup::execute(Work& w, bool on_submitter, bool started) {
+bool ProcessGroup::execute(Work& w, bool on_submitter, bool started) {
   std::lock_guard<std::mutex> ex(exec_mu_);
   if (!started) {
     {
@@ -384,7 +410,7 @@ void ProcessGroup::execute(Work& w, bool on_submitter, bool started) {
       if (poison_) {
         w.finish(std::make_pair(poison_->first, "the process group failed earlier and cannot be used any more: " +
                                                     poison_->second));
-        return;
+        return true;
       }
     }
     set_state(w, FlightEntry::kRunning);
@@ -394,11 +420,14 @@ void ProcessGroup::execute(Work& w, bool on_submitter, bool started) {
     w.body_();
     set_state(w, FlightEntry::kDone);
     w.finish(std::nullopt);
+  } catch (const OpYielded&) {
+    return false;  // Note [Sends before receives]: run_front queues it again
   } catch (const Error& e) {
     fail(w, e.kind(), e.what());
   } catch (const std::exception& e) {
     fail(w, ErrorKind::kGeneric, e.what());
   }
+  return true;
 }
 
 void ProcessGroup::fail(Work& w, ErrorKind kind, const std::string& msg) {
@@ -489,15 +518,51 @@ void ProcessGroup::publish_record(const std::string& key) {
 // before, medians): 1.18-1.25x through shared memory at 512 B-4 KiB, 0.97-1.06x at 8-64 B, level within the
 // noise above; over TCP 0.94-1.12x, level. Windows of async sends to async receives, a barrier before each (60
 // a size, 8 runs each, medians): 1.15-1.38x through shared memory at 8 B-4 KiB, over TCP 1.00-1.10x.
+// Note [Sends before receives]
+// A group runs its operations one at a time, in order. MPI's safe idiom for an exchange posts the receive first
+// and then the send (irecv, isend, wait for both); torch's batch_isend_irecv takes its list in either order.
+// Run in order, every rank's receive waited for a message that the peer's send, queued behind the peer's own
+// receive, would never write: each timed out, at any size. gloo and MPI run them at once. So a send passes
+// receives queued before it whose memory it does not read (a send of the buffer a queued receive fills, a relay,
+// still goes after it): it is queued ahead of them, and a blocking send runs before them. A receive that is
+// already running and would sleep before any byte of its message has come gives way to such a send: it drops its
+// request (Channel::cancel_untouched_recv), throws OpYielded out of its body, and goes back to the queue behind
+// the sends that pass it (yield_, set where such a send is queued or waits). Only receives are passed: a send
+// never waits for anything but room in the ring or the socket, and while it waits for that it reads the peers'
+// messages aside (Note [Sends that read while they wait] in mesh_transport.cpp), so running sends earlier cannot
+// leave anyone waiting; a receive passing a send could (the peer may answer only what we send). Messages of a
+// pair and tag keep their order, sends among sends and receives among receives. Collectives are never passed.
+void ProcessGroup::queue_in_place(const std::shared_ptr<Work>& w) {
+  if (!is_send(*w)) {
+    queue_.push_back(w);
+    return;
+  }
+  auto pos = queue_.end();
+  while (pos != queue_.begin() && passes(*w, **std::prev(pos))) --pos;
+  const bool first = pos == queue_.begin();
+  queue_.insert(pos, w);
+  if (first && running_ && passes(*w, *running_)) yield_.store(true, std::memory_order_release);
+}
+
 void ProcessGroup::run_front(std::unique_lock<std::mutex>& lk) {
   auto w = queue_.front();
   queue_.pop_front();
   busy_ = true;
+  running_ = w.get();
+  yield_.store(false, std::memory_order_relaxed);
   lk.unlock();
-  execute(*w, false);
-  w.reset();
+  const bool ran = execute(*w, false);
+  if (ran) w.reset();
   lk.lock();
+  running_ = nullptr;
   busy_ = false;
+  if (!ran) {  // it gave way: back to the queue, behind the sends that pass it (Note [Sends before receives])
+    size_t i = 0;
+    while (i < queue_.size() && is_send(*queue_[i]) && passes(*queue_[i], *w)) ++i;
+    queue_.insert(queue_.begin() + static_cast<std::ptrdiff_t>(i), w);
+    FlightEntry& e = ring_[w->op_ % kFlightEntries];
+    if (e.op == w->op_) e.state = FlightEntry::kQueued;
+  }
   cv_.notify_all();
   if (stop_) comm_cv_.notify_one();  // a thread draining the queue waits for the last operation's end
 }
@@ -829,7 +894,7 @@ ProcessGroup::WorkPtr ProcessGroup::send(const void* buf, size_t count, DataType
     ++sent_[static_cast<size_t>(dst)];
     d.seq = ++sent_tag_[{dst, tag}];
   }
-  return submit(d, backend().send(buf, count, dt, dst, stream), async);
+  return submit(d, backend().send(buf, count, dt, dst, stream), async, buf, count * dtype_size(dt));
 }
 
 ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, int src, bool async, uintptr_t stream,
@@ -845,7 +910,7 @@ ProcessGroup::WorkPtr ProcessGroup::recv(void* buf, size_t count, DataType dt, i
     ++recvd_[static_cast<size_t>(src)];
     d.seq = ++recvd_tag_[{src, tag}];
   }
-  return submit(d, backend().recv(buf, count, dt, src, stream), async);
+  return submit(d, backend().recv(buf, count, dt, src, stream), async, buf, count * dtype_size(dt));
 }
 
 ProcessGroup::WorkPtr ProcessGroup::recv_any(void* buf, size_t count, DataType dt, bool async, uint32_t tag,

@@ -99,6 +99,9 @@ class Work {
   // A small async receive: the comm thread leaves it to its waiter until then (Note [A waiter runs what it waits
   // for]); the epoch (never) for everything else.
   std::chrono::steady_clock::time_point lazy_until_{};
+  // A send's or a receive's buffer (Note [Sends before receives] in process_group.cpp); null for the rest.
+  const char* buf_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
@@ -210,7 +213,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // Both constructors: start the backend through store_, or name why not.
   void connect(const std::string& secret, const Deadline& dl);
   void check_reduction(DataType dt, ReduceOp op) const;  // check_reducible, and what the backend cannot reduce
-  WorkPtr submit(OpDesc desc, Backend::Body body, bool async);
+  WorkPtr submit(OpDesc desc, Backend::Body body, bool async, const void* buf = nullptr, size_t bytes = 0);
   // A barrier (or, for CX_CHECK_INTERVAL, a check) carrying the fingerprint.
   WorkPtr submit_barrier(CollectiveKind kind, bool async);
   WorkPtr enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk);
@@ -237,7 +240,18 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   Backend& backend();  // throws once the group has been finalized
   // Runs w's body under exec_mu_. `started`: the caller has already checked poison_ and marked w running under
   // mu_ (a blocking collective its submitter runs at once).
-  void execute(Work& w, bool on_submitter, bool started = false);
+  // False if w's receive gave way to sends queued behind it (Note [Sends before receives]): w is not finished.
+  bool execute(Work& w, bool on_submitter, bool started = false);
+  // Note [Sends before receives]: the kinds of message, and whether send `s` may pass receive `q` queued before it.
+  bool is_send(const Work& w) const { return w.desc_.kind == CollectiveKind::kSendRecv && w.desc_.root == cfg_.rank; }
+  bool is_recv(const Work& w) const {
+    return w.desc_.kind == CollectiveKind::kSendRecv && w.desc_.root != cfg_.rank && w.buf_ != nullptr;
+  }
+  bool passes(const Work& s, const Work& q) const {
+    return is_recv(q) && !(s.buf_ < q.buf_ + q.bytes_ && q.buf_ < s.buf_ + s.bytes_);
+  }
+  // Queues w where Note [Sends before receives] puts it; a receive gives way if one runs.
+  void queue_in_place(const std::shared_ptr<Work>& w);
   void comm_loop();
   void check_root(int root, const char* what) const;
   void check_peer(int peer, const char* what) const;
@@ -269,6 +283,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   int helpers_ = 0;    // waiters running queued work items: the comm thread starts none meanwhile
   bool comm_looks_ = false;  // the comm thread sleeps with a timeout, and looks at the queue on its own
   std::chrono::microseconds patience_{0};  // how long the comm thread sleeps again while waiters run a window
+  Work* running_ = nullptr;  // the queued operation being run (run_front), if any
+  std::atomic<bool> yield_{false};  // Note [Sends before receives]: the running receive gives way to sends
   bool stop_ = false;
   std::thread comm_;
   std::optional<std::pair<ErrorKind, std::string>> poison_;

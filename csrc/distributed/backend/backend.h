@@ -87,6 +87,8 @@ class Backend {
     };
   }
   virtual Body send(const void* buf, size_t count, DataType dt, int dst, uintptr_t stream) = 0;
+  // Note [Sends before receives] in process_group.cpp; the NCCL backend's operations never wait on the host.
+  virtual void set_yield(std::atomic<bool>* flag) { (void)flag; }
   virtual Body recv(void* buf, size_t count, DataType dt, int src, uintptr_t stream) = 0;
   // A receive from whichever rank sends first (Note [Receiving from any source] in mesh_transport.cpp):
   // `desc_of(j)` gives the message's descriptor once its sender j is known; `source` gets j.

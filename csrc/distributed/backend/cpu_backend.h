@@ -45,6 +45,7 @@ class CpuBackend : public Backend {
 
   void begin(const OpDesc& desc, const Deadline& dl, bool) override { t_->begin(desc, dl); }
   void abort(ErrorKind kind, const std::string& msg) override { t_->abort(kind, msg); }
+  void set_yield(std::atomic<bool>* flag) override { t_->set_yield(flag); }
   void close(const Deadline& dl) override { t_->close(dl); }
   uint64_t bytes_sent() const override { return t_->bytes_sent(); }
   std::string describe() const override;

@@ -62,6 +62,16 @@ void Channel::stashed_one() {
   }
 }
 
+bool Channel::cancel_untouched_recv(Transport::Req id) {
+  if (recvs_.size() != 1 || recvs_.front().id != id || recvs_.front().aside || in_payload_ || diverting_ ||
+      rhdr_got_ != 0) {
+    return false;
+  }
+  recvs_.clear();
+  --op_.pending;
+  return true;
+}
+
 void Channel::check_matches(const OpDesc& theirs, uint64_t len, size_t want) const {
   if (!(theirs == op_.desc)) {
     CX_THROW(MismatchError, "mismatched collectives: rank ", rank_, " called ", op_.desc.describe(), " but rank ",

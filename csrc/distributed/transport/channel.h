@@ -54,6 +54,9 @@ class Channel {
   const std::string& addr() const { return addr_; }
   bool busy() const { return !sends_.empty() || !recvs_.empty() || !unacked_.empty(); }
   bool receiving() const { return !recvs_.empty(); }
+  // Drops receive `id` if it is the only one posted and none of its frame has been read (its request stays
+  // undone); false otherwise (Note [Sends before receives] in process_group.cpp).
+  bool cancel_untouched_recv(Transport::Req id);
 
   // Queues a send of request `id` and starts writing at once: small messages
   // usually leave in this one call.

@@ -542,7 +542,14 @@ void MeshTransport::wait(Req r) {
       continue;
     }
     if (op_.deadline.expired()) timed_out();
-    if (op_.desc.kind == CollectiveKind::kSendRecv && read_aside()) continue;
+    if (op_.desc.kind == CollectiveKind::kSendRecv) {
+      if (read_aside()) continue;
+      // Note [Sends before receives] in process_group.cpp: sends queued behind this receive go first.
+      if (yield_ && yield_->load(std::memory_order_acquire) &&
+          channels_[peer_of_[static_cast<size_t>(r)]]->cancel_untouched_recv(r)) {
+        throw OpYielded{};
+      }
+    }
     block();
     slept = true;
     last = Clock::now();

@@ -58,6 +58,7 @@ class MeshTransport : public Transport {
   void wait_all() override;
   int wait_any_message() override;
   void set_desc(const OpDesc& desc) override { op_.desc = desc; }
+  void set_yield(std::atomic<bool>* flag) override { yield_ = flag; }
   void abort(ErrorKind kind, const std::string& msg) override;
   void close(const Deadline& dl) override;
 
@@ -82,6 +83,7 @@ class MeshTransport : public Transport {
   std::vector<std::unique_ptr<Channel>> channels_;  // index = rank; channels_[rank_] empty
   bool aborted_ = false;
   std::vector<int> peer_of_;  // index = request of the current operation: its peer
+  std::atomic<bool>* yield_ = nullptr;  // Note [Sends before receives] in process_group.cpp
 };
 
 }  // namespace cx::distributed

@@ -62,6 +62,10 @@ uint32_t current_call_site();
 // "train.py:12", or "call site 0x1234abcd" for an id this process never saw.
 std::string call_site_text(uint32_t id);
 
+// Thrown by a receive that gave way to sends queued behind it (Note [Sends before receives] in
+// process_group.cpp): its operation goes back to the queue, not failed.
+struct OpYielded {};
+
 class Transport {
  public:
   using Req = int;
@@ -101,6 +105,9 @@ class Transport {
   // set_desc() to that message's descriptor, and irecv() from the peer as usual.
   virtual int wait_any_message() { CX_THROW(InvalidArgument, "recv from any source is not supported here"); }
   virtual void set_desc(const OpDesc& desc) {}
+  // Note [Sends before receives] in process_group.cpp: while *flag is set, a send/recv operation's receive that
+  // would sleep before any byte of its message came drops its request and throws OpYielded.
+  virtual void set_yield(std::atomic<bool>* flag) { (void)flag; }
 
   // Fails the group: every peer is told (best effort, bounded time) why, so a
   // rank that waits on us raises the same error instead of timing out.
