@@ -236,15 +236,16 @@ void ProcessGroup::set_state(const Work& w, FlightEntry::State s) {
 // thread, and a second one of whoever waits for the Work. For a small message that costs several times the send
 // itself: in OSU's osu_bw pattern (windows of 64 non-blocking sends; benchmarks/osu.py), 16 B through shared
 // memory to a rank receiving them blocking took 1.9-3.5 us a message, against 0.6 us sent blocking. So a
-// send of at most kSendAtOnceBytes made while the group has nothing queued or running (but receives that it
-// passes: Note [Sends before receives]) is written by its caller at once, as a blocking one is, and its Work is returned complete (an error it met is raised by wait(), as for
-// any async operation). Nothing else changes: the group's operations still run one at a time in the order they
-// were submitted, and the message goes into the ring or the socket's buffer, which the peer drains whatever it
-// is doing (Note [Messages out of order] in transport/channel.cpp). The caller waits only where the peer has left
-// that buffer full (1 MiB of shared-memory ring, or the socket's), where the communication thread would have
-// waited in its place with every operation behind it. Larger sends stay on the thread: from 8 KiB up
-// shared memory may copy straight out of the sender's buffer (Note [Single-copy large messages] in shm/shm.h),
-// which waits for the receiver. Measured: 0.9-1.1 us a message after it (2 ranks, alternating with the build before).
+// send of at most kSendAtOnceBytes made while the group has nothing queued or running (but receives that it passes:
+// Note [Sends before receives]) is written by its caller at once, as a blocking one is, and its Work is returned
+// complete (an error it met is raised by wait(), as for any async operation). Nothing else changes: the group's
+// operations still run one at a time in the order they were submitted (sends passing receives aside), and the message
+// goes into the ring or the socket's buffer, which the peer drains whatever it is doing (Note [Messages out of order]
+// in transport/channel.cpp). The caller waits only where the peer has left that buffer full (1 MiB of shared-memory
+// ring, or the socket's), where the communication thread would have waited in its place with every operation behind it.
+// Larger sends stay on the thread: from 8 KiB up shared memory may copy straight out of the sender's buffer (Note
+// [Single-copy large messages] in shm/shm.h), which waits for the receiver. Measured: 0.9-1.1 us a message after it (2
+// ranks, alternating with the build before).
 ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk) {
   const OpDesc& d = w->desc_;
   const bool small_message =
