@@ -248,14 +248,10 @@ void ProcessGroup::set_state(const Work& w, FlightEntry::State s) {
 // ranks, alternating with the build before).
 ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk) {
   const OpDesc& d = w->desc_;
-  const bool small_message =
-      async && d.kind == CollectiveKind::kSendRecv && d.count * dtype_size(d.dtype) <= kSendAtOnceBytes;
+  const bool small_message = async && small(d);
   const bool sends = d.root == cfg_.rank;
   // A small send also leaves at once ahead of receives it passes (Note [Sends before receives]).
-  const bool at_once = small_message && sends && !busy_ &&
-                       std::all_of(queue_.begin(), queue_.end(), [&](const std::shared_ptr<Work>& q) {
-                         return passes(*w, *q);
-                       });
+  const bool at_once = small_message && sends && !busy_ && passes_queue(*w);
   if (async && !at_once) {  // else it leaves at once, below
     w->queued_in_ = weak_from_this();
     // A small receive is left for its waiter to run (Note [A waiter runs what it waits for]).
@@ -269,11 +265,9 @@ ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async,
   // Behind queued operations: run them here while no other thread runs one (Note [A waiter runs what it waits for]).
   // A send passes queued receives it does not read from (Note [Sends before receives]).
   bool waited = false;
-  bool passes_all = false;
   ++helpers_;
   for (;;) {
-    passes_all = is_send(*w) && std::all_of(queue_.begin(), queue_.end(),
-                                            [&](const std::shared_ptr<Work>& q) { return passes(*w, *q); });
+    const bool passes_all = passes_queue(*w);
     if (busy_) {
       if (passes_all && running_ && passes(*w, *running_)) yield_.store(true, std::memory_order_release);
       waited = true;
@@ -589,8 +583,7 @@ void ProcessGroup::help(Work& w) {
   if (helpers_ == 0 && !queue_.empty()) {
     Work& next = *queue_.front();
     const auto now = std::chrono::steady_clock::now();
-    if (next.desc_.kind == CollectiveKind::kSendRecv &&
-        next.desc_.count * dtype_size(next.desc_.dtype) <= kSendAtOnceBytes) {  // a window's next small message
+    if (small(next.desc_)) {  // a window's next small message
       next.lazy_until_ = std::max(next.lazy_until_, now + kLeftToWaiter);
       if (!comm_looks_) comm_cv_.notify_one();  // the thread learns its time
     } else if (!(comm_looks_ && next.lazy_until_ > now)) {

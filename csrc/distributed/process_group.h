@@ -41,6 +41,7 @@
 // leaves "no record"; the local record is always there.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -249,6 +250,15 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   }
   bool passes(const Work& s, const Work& q) const {
     return is_recv(q) && !(s.buf_ < q.buf_ + q.bytes_ && q.buf_ < s.buf_ + s.bytes_);
+  }
+  // Whether send w passes every queued operation (true for an empty queue; false for anything but a send).
+  bool passes_queue(const Work& w) const {
+    return is_send(w) && std::all_of(queue_.begin(), queue_.end(),
+                                     [&](const std::shared_ptr<Work>& q) { return passes(w, *q); });
+  }
+  // A send or receive of at most kSendAtOnceBytes (Note [Small sends that leave at once]).
+  static bool small(const OpDesc& d) {
+    return d.kind == CollectiveKind::kSendRecv && d.count * dtype_size(d.dtype) <= kSendAtOnceBytes;
   }
   // Queues w where Note [Sends before receives] puts it; a receive gives way if one runs.
   void queue_in_place(const std::shared_ptr<Work>& w);

@@ -382,14 +382,8 @@ int MeshTransport::wait_any_message() {
       if (next == Channel::Next::kRaise) return j;
       if (next == Channel::Next::kFrame && d.kind == CollectiveKind::kSendRecv && d.root == j) {
         if (d.tag == op_.desc.tag) return j;
-        // Another tag's message: read it aside, so that one of ours behind it can be seen.
-        const Req aside = static_cast<Req>(op_.done.size());
-        op_.done.push_back(0);
-        peer_of_.push_back(j);
-        ++op_.pending;
-        c->irecv_aside(aside);
-        wait(aside);
-        --j;  // this peer again
+        read_next_aside(j);  // another tag's message, so that one of ours behind it can be seen
+        --j;                 // this peer again
         continue;
       }
       if (next == Channel::Next::kEnded) {
@@ -422,6 +416,15 @@ int MeshTransport::wait_any_message() {
 // receive is posted; only sends that could not finish before they would sleep pay it, and a collective never.
 // Over TCP a send also wakes for the peer's bytes (TcpChannel::wait_on); through shared memory a peer's write
 // rings our doorbell either way.
+void MeshTransport::read_next_aside(int j) {
+  const Req aside = static_cast<Req>(op_.done.size());
+  op_.done.push_back(0);
+  peer_of_.push_back(j);
+  ++op_.pending;
+  channels_[j]->irecv_aside(aside);
+  wait(aside);
+}
+
 bool MeshTransport::read_aside() {
   bool any = false;
   for (int j = 0; j < world_; ++j) {
@@ -429,12 +432,7 @@ bool MeshTransport::read_aside() {
     if (!c || c->receiving()) continue;  // a posted receive reads what comes on its own
     OpDesc d;
     if (c->peek(&d) != Channel::Next::kFrame || d.kind != CollectiveKind::kSendRecv || d.root != j) continue;
-    const Req aside = static_cast<Req>(op_.done.size());
-    op_.done.push_back(0);
-    peer_of_.push_back(j);
-    ++op_.pending;
-    c->irecv_aside(aside);
-    wait(aside);
+    read_next_aside(j);
     any = true;
   }
   return any;

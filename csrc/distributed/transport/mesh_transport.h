@@ -68,6 +68,8 @@ class MeshTransport : public Transport {
   // Note [Sends that read while they wait]: reads into the stash every peer's next message, where it is a
   // send/recv message and no receive is posted to that peer; true if it read any.
   bool read_aside();
+  // Reads peer j's next message, a send/recv message (peek said so), whole into its channel's stash.
+  void read_next_aside(int j);
   [[noreturn]] void timed_out();
 
   int rank_;
