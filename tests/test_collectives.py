@@ -391,7 +391,7 @@ def async_mix_body(order_seed):
     # its own: Note [A waiter runs what it waits for]). Every message and sum must be what was sent, in order.
     r, p = D.get_rank(), D.get_world_size()
     rng = np.random.default_rng(order_seed + r)
-    sizes = [4, 1024, 4096, 4097, 70000, 3, 300000, 16]
+    sizes = [4, 1024, 4096, 4097, 65536, 65537, 3, 300000, 16]
     works, checks = [], []
     for i, n in enumerate(sizes):
         x = np.full(5, float(r + i), np.float64)

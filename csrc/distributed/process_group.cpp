@@ -243,9 +243,13 @@ void ProcessGroup::set_state(const Work& w, FlightEntry::State s) {
 // goes into the ring or the socket's buffer, which the peer drains whatever it is doing (Note [Messages out of order]
 // in transport/channel.cpp). The caller waits only where the peer has left that buffer full (1 MiB of shared-memory
 // ring, or the socket's), where the communication thread would have waited in its place with every operation behind it.
-// Larger sends stay on the thread: from 8 KiB up shared memory may copy straight out of the sender's buffer (Note
-// [Single-copy large messages] in shm/shm.h), which waits for the receiver. Measured: 0.9-1.1 us a message after it (2
-// ranks, alternating with the build before).
+// Measured: 0.9-1.1 us a message after it (2 ranks, alternating with the build before), at up to 4 KiB. That
+// bound came from a belief that from 8 KiB up shared memory may copy a send straight out of the sender's buffer,
+// which would wait for the receiver; but it never does for send/recv (single_copy_pays in shm/shm.h). At 64 KiB
+// (the copy into the ring or the socket takes a few us, the hand-over to the thread as long), with receives up to
+// the same size left to their waiters: osu_bw's loop on 2 ranks (benchmarks/osu.py's lib_column, 6 runs, the
+// order of the settings flipped each run, medians) 1.4-2.5x through shared memory at 8-64 KiB and 1.2-1.3x over
+// TCP, level at 1-4 KiB. Larger sends stay on the thread, where the caller may compute while they are copied.
 ProcessGroup::WorkPtr ProcessGroup::enqueue(std::shared_ptr<Work> w, bool async, std::unique_lock<std::mutex>& lk) {
   const OpDesc& d = w->desc_;
   const bool small_message = async && small(d);
@@ -526,7 +530,10 @@ void ProcessGroup::publish_record(const std::string& key) {
 // never waits for anything but room in the ring or the socket, and while it waits for that it reads the peers'
 // messages aside (Note [Sends that read while they wait] in mesh_transport.cpp), so running sends earlier cannot
 // leave anyone waiting; a receive passing a send could (the peer may answer only what we send). Messages of a
-// pair and tag keep their order, sends among sends and receives among receives. Collectives are never passed.
+// pair and tag keep their order, sends among sends and receives among receives. Collectives are never passed. A
+// receive from any source gives way too while it looks for a sender (MeshTransport::wait_any_message); once it has
+// taken one and the pair's message number, it keeps them for its next run (CpuBackend::recv_any), and
+// any_pending_ still counts it, so no receive naming a source takes a number meanwhile.
 void ProcessGroup::queue_in_place(const std::shared_ptr<Work>& w) {
   if (!is_send(*w)) {
     queue_.push_back(w);
@@ -933,14 +940,18 @@ ProcessGroup::WorkPtr ProcessGroup::recv_any(void* buf, size_t count, DataType d
     ++any_pending_;
   }
   Backend::Body body = [inner = std::move(inner), end, source] {
-    struct Ended {
-      std::function<void()> f;
-      ~Ended() { f(); }
-    } guard{end};
-    inner();
+    try {
+      inner();
+    } catch (const OpYielded&) {
+      throw;  // gave way to sends (Note [Sends before receives]): still pending, it runs again
+    } catch (...) {
+      end();
+      throw;
+    }
+    end();
   };
   try {
-    return submit(d, std::move(body), async);
+    return submit(d, std::move(body), async, buf, count * dtype_size(dt));
   } catch (...) {
     end();  // refused before it ran, or it ran and failed (then it ended already)
     throw;

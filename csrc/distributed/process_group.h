@@ -196,9 +196,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::string describe_setup() const;
 
   static constexpr size_t kFlightEntries = 64;
-  // Async sends up to this size leave on the caller's thread when the group is idle (Note [Small sends that leave
-  // at once] in process_group.cpp): below every single-copy threshold (shm/shm.h).
-  static constexpr size_t kSendAtOnceBytes = 4096;
+  // Async sends up to this size leave on the caller's thread when the group is idle, and async receives up to it
+  // are left to their waiters (Notes [Small sends that leave at once], [A waiter runs what it waits for] in
+  // process_group.cpp). Shared memory never copies a send/recv straight out of the sender's buffer (shm/shm.h).
+  static constexpr size_t kSendAtOnceBytes = 64 * 1024;
   // How long the comm thread leaves a small async receive to its waiter, and a small message that a waiter left at
   // the front to the next; while waiters keep taking them it looks at most every kMostPatience (Note [A waiter runs
   // what it waits for]).

@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <random>
+#include <utility>
 
 #include "common/env.h"
 #include "distributed/store/store.h"
@@ -469,9 +472,16 @@ Backend::Body CpuBackend::recv(void* buf, size_t count, DataType dt, int src, ui
 
 Backend::Body CpuBackend::recv_any(void* buf, size_t count, DataType dt, std::function<OpDesc(int)> desc_of,
                                    int* source) {
-  return [t = t_.get(), buf, bytes = count * dtype_size(dt), desc_of = std::move(desc_of), source] {
-    const int j = t->wait_any_message();
-    t->set_desc(desc_of(j));
+  // The sender and the message number, once taken: a receive that gives way to sends (OpYielded, Note [Sends before
+  // receives] in process_group.cpp) after it took them runs again with them, not with the next number.
+  auto taken = std::make_shared<std::optional<std::pair<int, OpDesc>>>();
+  return [t = t_.get(), buf, bytes = count * dtype_size(dt), desc_of = std::move(desc_of), source, taken] {
+    if (!*taken) {
+      const int j = t->wait_any_message();
+      *taken = std::make_pair(j, desc_of(j));
+    }
+    const int j = (*taken)->first;
+    t->set_desc((*taken)->second);
     t->wait(t->irecv(j, buf, bytes));
     *source = j;
   };
