@@ -1054,6 +1054,41 @@ def test_recv_from_any_source_takes_each_message_once_in_each_senders_order(shm)
     assert out["late"] == (1, [99.0] * 5), out
 
 
+def any_source_waits_asleep() -> dict:
+    import torch.distributed as dist
+
+    _init()
+    r = dist.get_rank()
+    out: dict = {}
+    t = torch.zeros(4)
+    if r == 0:
+        c0, w0 = time.process_time(), time.monotonic()
+        out["source"] = dist.recv(t)  # from any source: rank 1's, 1.5 s from now
+        out["cpu"], out["wall"] = time.process_time() - c0, time.monotonic() - w0
+        out["got"] = t.tolist()
+    elif r == 1:
+        time.sleep(1.5)
+        dist.send(torch.full((4,), 5.0), 0)
+    parts = [torch.zeros(1) for _ in range(3)] if r == 0 else None
+    dist.gather(torch.full((1,), float(r)), parts, dst=0)  # rank 2 is in it from the start: its data is for later
+    if r == 0:
+        out["gathered"] = [p.item() for p in parts]
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_recv_from_any_source_sleeps_while_it_waits(shm):
+    # Note [Receiving from any source]: the wait sleeps until a peer with nothing yet may have sent (its socket, or
+    # the doorbell of the rings); it used to wake every 50 us, 0.48-0.54 s of CPU in a wait of 3 s. Rank 2's frame
+    # of the gather that follows comes first and is not waited on (its socket would stay readable).
+    out = ranks.run(any_source_waits_asleep, 3, init=False, timeout=90, env={"CX_SHM": shm})[0]
+    assert out["source"] == 1 and out["got"] == [5.0] * 4, out
+    assert out["gathered"] == [0.0, 1.0, 2.0], out
+    assert out["wall"] > 1.0, out
+    assert out["cpu"] < 0.1 * out["wall"], out  # asleep, not polling
+
+
 def any_source_behind_another_tag() -> list:
     import torch.distributed as dist
 

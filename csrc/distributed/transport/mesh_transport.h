@@ -65,6 +65,9 @@ class MeshTransport : public Transport {
  private:
   bool progress();  // one pass over the busy channels; true if any byte moved
   void block();     // sleeps until something may have moved, up to one slice or the deadline
+  // Note [Receiving from any source]: sleeps until one of `quiet` (peers with nothing whole yet; rings: through
+  // shared memory) may have more, up to one slice or the deadline.
+  void block_any(const std::vector<Channel*>& quiet);
   // Note [Sends that read while they wait]: reads into the stash every peer's next message, where it is a
   // send/recv message and no receive is posted to that peer; true if it read any.
   bool read_aside();
