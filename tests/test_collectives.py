@@ -152,15 +152,21 @@ def all_gather_body(sizes):
         D.all_gather(lst, mine)
         whole = np.empty((p, n), np.int32)
         D.all_gather(whole, mine)
+        in_place = np.zeros((p, n), np.int32)
+        in_place[r] = mine
+        D.all_gather(in_place, in_place[r])  # the input is this rank's block of the output
         want = np.stack([np.arange(n, dtype=np.int32) + 1000 * k for k in range(p)])
-        if not (np.array_equal(np.stack(lst), want) and np.array_equal(whole, want)):
+        if not (np.array_equal(np.stack(lst), want) and np.array_equal(whole, want) and
+                np.array_equal(in_place, want)):
             fails.append(n)
     return fails
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 def test_all_gather_list_and_array_forms(world):
-    for fails in ranks.run(all_gather_body, world, args=([0, 1, 3, 1000, 70000],)):
+    # From 4 ranks, blocks up to 8 KiB go by Bruck's algorithm (Note [Bruck's all_gather] in allgather.cpp; 2048
+    # int32 are 8 KiB), larger ones by the ring; 5 ranks are no power of two.
+    for fails in ranks.run(all_gather_body, world, args=([0, 1, 3, 1000, 2048, 2049, 70000],)):
         assert fails == []
 
 

@@ -9,6 +9,7 @@
 // | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
 // | broadcast      | root to all, single copies (p > 2)    | 1          | n (root: (p-1) * n)  |
 // | all_gather     | ring                                 | p-1        | (p-1) * n            |
+// | all_gather     | Bruck (p >= 4, n <= threshold)        | log2(p)    | (p-1) * n            |
 // | reduce_scatter | ring                                 | p-1        | (p-1) * n            |
 // | reduce         | binomial tree, chunked               | log2(p)    | n                    |
 // | scatter/gather | direct to/from root                  | 1          | n (root: (p-1) * n)  |
@@ -32,6 +33,8 @@ struct AlgoOptions {
   size_t chunk_bytes = 512 * 1024;        // pipelining unit of the ring and chain algorithms
   size_t small_allreduce_bytes = 128 * 1024;  // at or below: recursive doubling
   size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
+  // p >= 4 and each rank's block at or below: Bruck's all_gather (Note [Bruck's all_gather] in allgather.cpp)
+  size_t small_all_gather_bytes = 8 * 1024;
   // p > 2, above small_broadcast_bytes and outside [star_broadcast_skip_from, star_broadcast_skip_to): the root
   // sends to every rank at once, each copying once out of its memory. Off unless every rank can (agreed at init:
   // Note [Broadcast from the root to all] in broadcast.cpp).

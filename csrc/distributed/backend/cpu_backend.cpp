@@ -255,7 +255,9 @@ std::string CpuBackend::flat_description() const {
           : std::string();
   return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
-                        " bytes, else the ring; broadcast: binomial tree up to ", opt_.small_broadcast_bytes,
+                        " bytes, else the ring; all_gather: Bruck's (4 ranks or more) up to ",
+                        opt_.small_all_gather_bytes, " bytes a rank, else the ring; broadcast: binomial tree up to ",
+                        opt_.small_broadcast_bytes,
                         !opt_.star_broadcast ? std::string(" bytes, else a pipelined chain")
                         : opt_.star_broadcast_skip_to
                             ? detail::concat(" bytes, a pipelined chain from ", opt_.star_broadcast_skip_from,
