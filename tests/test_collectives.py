@@ -164,9 +164,10 @@ def all_gather_body(sizes):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 def test_all_gather_list_and_array_forms(world):
-    # From 4 ranks, blocks up to 8 KiB go by Bruck's algorithm (Note [Bruck's all_gather] in allgather.cpp; 2048
-    # int32 are 8 KiB), larger ones by the ring; 5 ranks are no power of two.
-    for fails in ranks.run(all_gather_body, world, args=([0, 1, 3, 1000, 2048, 2049, 70000],)):
+    # From 4 ranks, blocks up to 8 KiB through shared memory and 128 KiB over TCP go by Bruck's algorithm (Note
+    # [Bruck's all_gather] in allgather.cpp; 2048 and 32768 int32), larger ones by the ring; 5 ranks are no power
+    # of two.
+    for fails in ranks.run(all_gather_body, world, args=([0, 1, 3, 1000, 2048, 2049, 32768, 32769, 70000],)):
         assert fails == []
 
 
@@ -201,9 +202,12 @@ def reduce_scatter_body(sizes):
     return fails
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_reduce_scatter_every_op(world):
-    for fails in ranks.run(reduce_scatter_body, world, args=([0, 1, 5, 1000, 50000],)):
+    # On 4 and 8 ranks blocks up to 16 KiB over TCP and 1 KiB through shared memory go by recursive halving (Note
+    # [Reduce-scatter by recursive halving] in allreduce_hd.cpp; 4096 and 256 four-byte elements), larger ones by
+    # the ring.
+    for fails in ranks.run(reduce_scatter_body, world, args=([0, 1, 5, 256, 257, 1000, 4096, 4097, 50000],)):
         assert fails == []
 
 

@@ -9,8 +9,9 @@
 // | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
 // | broadcast      | root to all, single copies (p > 2)    | 1          | n (root: (p-1) * n)  |
 // | all_gather     | ring                                 | p-1        | (p-1) * n            |
-// | all_gather     | Bruck (p >= 4, n <= threshold)        | log2(p)    | (p-1) * n            |
+// | all_gather     | Bruck (p >= 4, n small)              | log2(p)    | (p-1) * n            |
 // | reduce_scatter | ring                                 | p-1        | (p-1) * n            |
+// | reduce_scatter | halving (p = 2^k >= 4, n small)      | log2(p)    | (p-1) * n            |
 // | reduce         | binomial tree, chunked               | log2(p)    | n                    |
 // | scatter/gather | direct to/from root                  | 1          | n (root: (p-1) * n)  |
 // | all_to_all     | direct, all pairs at once            | 1          | (p-1) * n            |
@@ -33,8 +34,12 @@ struct AlgoOptions {
   size_t chunk_bytes = 512 * 1024;        // pipelining unit of the ring and chain algorithms
   size_t small_allreduce_bytes = 128 * 1024;  // at or below: recursive doubling
   size_t small_broadcast_bytes = 64 * 1024;  // at or below: binomial tree
-  // p >= 4 and each rank's block at or below: Bruck's all_gather (Note [Bruck's all_gather] in allgather.cpp)
+  // p >= 4 and each rank's block at or below: Bruck's all_gather (Note [Bruck's all_gather] in allgather.cpp).
+  // Agreed at init by whether every pair goes through shared-memory rings (CpuBackend::agree_on_single_copies).
   size_t small_all_gather_bytes = 8 * 1024;
+  // p a power of two >= 4 and each block at or below: reduce-scatter by recursive halving (Note [Reduce-scatter by
+  // recursive halving] in allreduce_hd.cpp); agreed as small_all_gather_bytes.
+  size_t small_reduce_scatter_bytes = 1024;
   // p > 2, above small_broadcast_bytes and outside [star_broadcast_skip_from, star_broadcast_skip_to): the root
   // sends to every rank at once, each copying once out of its memory. Off unless every rank can (agreed at init:
   // Note [Broadcast from the root to all] in broadcast.cpp).
@@ -98,6 +103,9 @@ void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, c
 // nothing more travels. Every rank passes one or none.
 void reduce_scatter(Transport& t, const void* const* ins, void* out, size_t count, DataType dt, ReduceOp op,
                     const AlgoOptions& o, const ProbeView* pv = nullptr);
+// p a power of two; no probe.
+void reduce_scatter_halving(Transport& t, const void* const* ins, void* out, size_t count, DataType dt,
+                            ReduceOp op, const AlgoOptions& o);
 
 // The result lands in buf on `root`; other ranks' buf hold partial results afterwards.
 void reduce(Transport& t, void* buf, size_t count, DataType dt, ReduceOp op, int root, const AlgoOptions& o);

@@ -22,8 +22,12 @@ namespace {
 // runs on 4 ranks and 2 on 8, the order flipped each run, medians of the time per call): at 8 B-8 KiB over TCP
 // 0.45-0.55x the ring's time on 4 ranks and 0.52-0.60x on 8, through shared memory 0.75-0.84x and 0.39-0.70x.
 // Above 8 KiB it kept winning over TCP (0.55-0.82x up to 256 KiB), but through shared memory it lost from 32 KiB on
-// 8 ranks (1.2-2.1x) and from 256 KiB on 4 (where the ring copies once, out of the sender's memory); the
-// threshold (AlgoOptions::small_all_gather_bytes) is one for both.
+// 8 ranks (1.2-2.1x) and from 256 KiB on 4 (where the ring copies once, out of the sender's memory). So the
+// threshold (AlgoOptions::small_all_gather_bytes) is 8 KiB where every pair goes through rings and 128 KiB where
+// sockets carry some (agreed at init: CpuBackend::agree_on_single_copies).
+// Its scratch holds the whole result and is kept for the thread's next collective (scratch.h): at most this.
+constexpr size_t kBruckMostBytes = 4u << 20;
+
 void all_gather_bruck(Transport& t, const void* in, void* const* outs, size_t bytes) {
   const int p = t.size(), r = t.rank();
   char* tmp = scratch_space(static_cast<size_t>(p) * bytes);
@@ -48,7 +52,7 @@ void all_gather_bruck(Transport& t, const void* in, void* const* outs, size_t by
 // (except at the last step). No scratch. Small blocks on 4 ranks or more: Bruck's.
 void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, const AlgoOptions& o) {
   const int p = t.size(), r = t.rank();
-  if (p >= 4 && bytes && bytes <= o.small_all_gather_bytes) {
+  if (p >= 4 && bytes && bytes <= o.small_all_gather_bytes && static_cast<size_t>(p) * bytes <= kBruckMostBytes) {
     all_gather_bruck(t, in, outs, bytes);
     return;
   }

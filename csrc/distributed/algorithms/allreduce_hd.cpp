@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <cstring>
 #include <deque>
 #include <vector>
 
@@ -47,6 +49,49 @@ void exchange_copy(Transport& t, int partner, char* buf, size_t send_lo, size_t 
 
 }  // namespace
 
+namespace {
+
+struct Step {
+  int partner, keep_lo, keep_hi, give_lo, give_hi;
+};
+
+// The halving half: afterwards segment r of buf (off[r] .. off[r+1]) is reduced (AVG divided); the steps, for the
+// doubling half to retrace.
+std::vector<Step> recursive_halving(Transport& t, char* buf, const std::vector<size_t>& off, DataType dt, ReduceOp op,
+                                    size_t ce, size_t depth, char* scratch, const ProbeView* pv) {
+  const int p = t.size(), r = t.rank();
+  const size_t es = dtype_size(dt);
+  // Halving: the partner at step k is r ^ masks[k]; each step keeps the half of
+  // the current range on our side of that bit. The doubling steps retrace them
+  // backwards, so at each one our range is exactly what we kept there and the
+  // partner's is what we gave.
+  // (Pairing nearest partners first instead made no measurable difference.)
+  std::vector<Step> steps;
+  int lo = 0, hi = p;
+  for (int mask = p / 2; mask >= 1; mask >>= 1) {
+    const int mid = (lo + hi) / 2;
+    const bool upper = (r & mask) != 0;
+    Step st{r ^ mask, upper ? mid : lo, upper ? hi : mid, upper ? lo : mid, upper ? mid : hi};
+    const bool first = mask == p / 2;
+    exchange_reduce(t, st.partner, buf, off[st.give_lo], off[st.give_hi], off[st.keep_lo], off[st.keep_hi], dt, op,
+                    ce, depth, scratch, pv, first ? r : -1, first ? st.partner : -1, mask == 1);
+    steps.push_back(st);
+    lo = st.keep_lo;
+    hi = st.keep_hi;
+  }
+  finish_avg(buf + off[lo] * es, off[hi] - off[lo], dt, op, p);
+  return steps;
+}
+
+// Each step is one exchange with one partner, pipelined within itself only:
+// smaller chunks than the ring's start the reduction sooner (measured: 256 KiB
+// beats 1 MiB by 1.5-2x at 1 MiB messages on 4 ranks).
+size_t hd_chunk(size_t count, size_t es, const AlgoOptions& o) {
+  return std::max<size_t>(1, std::min(count / 2 + 1, std::min<size_t>(o.chunk_bytes, 256 * 1024) / es));
+}
+
+}  // namespace
+
 // Halving-doubling (Rabenseifner): a reduce-scatter by recursive halving, then an
 // all-gather by recursive doubling; p must be a power of two.
 //
@@ -66,45 +111,47 @@ void exchange_copy(Transport& t, int partner, char* buf, size_t send_lo, size_t 
 // copy of it, which it never reads; the last step finishes our segment.
 void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp op,
                                  const AlgoOptions& o, const ProbeView* pv) {
-  const int p = t.size(), r = t.rank();
+  const int p = t.size();
   const size_t es = dtype_size(dt);
   char* buf = static_cast<char*>(buf_v);
-  // Each step is one exchange with one partner, pipelined within itself only:
-  // smaller chunks than the ring's start the reduction sooner (measured: 256 KiB
-  // beats 1 MiB by 1.5-2x at 1 MiB messages on 4 ranks).
-  const size_t ce = std::max<size_t>(1, std::min(count / 2 + 1, std::min<size_t>(o.chunk_bytes, 256 * 1024) / es));
+  const size_t ce = hd_chunk(count, es, o);
   const size_t depth = static_cast<size_t>(std::max(1, o.depth));
   std::vector<size_t> off(static_cast<size_t>(p) + 1);
   for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count / p + (static_cast<size_t>(i) < count % p ? 1 : 0);
   char* scratch = scratch_space(depth * ce * es);
   if (pv) pv->probe->local_only = true;  // each rank finished one segment; the caller does the OR
-
-  // Halving: the partner at step k is r ^ masks[k]; each step keeps the half of
-  // the current range on our side of that bit. The doubling steps retrace them
-  // backwards, so at each one our range is exactly what we kept there and the
-  // partner's is what we gave.
-  // (Pairing nearest partners first instead made no measurable difference.)
-  struct Step {
-    int partner, keep_lo, keep_hi, give_lo, give_hi;
-  };
-  std::vector<Step> steps;
-  int lo = 0, hi = p;
-  for (int mask = p / 2; mask >= 1; mask >>= 1) {
-    const int mid = (lo + hi) / 2;
-    const bool upper = (r & mask) != 0;
-    Step st{r ^ mask, upper ? mid : lo, upper ? hi : mid, upper ? lo : mid, upper ? mid : hi};
-    const bool first = mask == p / 2;
-    exchange_reduce(t, st.partner, buf, off[st.give_lo], off[st.give_hi], off[st.keep_lo], off[st.keep_hi], dt, op,
-                    ce, depth, scratch, pv, first ? r : -1, first ? st.partner : -1, mask == 1);
-    steps.push_back(st);
-    lo = st.keep_lo;
-    hi = st.keep_hi;
-  }
-  finish_avg(buf + off[lo] * es, off[hi] - off[lo], dt, op, p);
+  const std::vector<Step> steps = recursive_halving(t, buf, off, dt, op, ce, depth, scratch, pv);
   for (size_t k = steps.size(); k-- > 0;) {
     const Step& st = steps[k];
     exchange_copy(t, st.partner, buf, off[st.keep_lo], off[st.keep_hi], off[st.give_lo], off[st.give_hi], es, ce);
   }
+}
+
+// Note [Reduce-scatter by recursive halving]
+// The ring reduce-scatter takes p-1 steps one after the other; with small blocks each costs its latency, a wake-up
+// of a rank that shares its core where ranks outnumber cores (4 ranks on 2 vCPUs over TCP: 85-130 us up to 64 KiB
+// in all, 0.45-0.80x Open MPI's). Where p is a power of two (4 or more) and the blocks are small, the halving half
+// of all_reduce_halving_doubling does it in log2 p steps: the blocks copied in rank order into one buffer, each
+// step sends the half of the range that the partner keeps and reduces the half it keeps, and block r ends reduced
+// here. The same bytes leave each rank as in the ring, plus a copy of the inputs. Measured against the ring on 2
+// vCPUs (osu_reduce_scatter's loop, benchmarks/osu.py's lib_column, 4 runs on 4 ranks and 2 on 8, the order flipped
+// each run, medians of the time per call; sizes are the whole input): over TCP 0.38-0.52x the ring's time up to 64
+// KiB on 4 ranks (0.69-0.79x at 128-256 KiB) and 0.39-0.66x up to 64 KiB on 8 (level at 256 KiB, 1.25x at 1 MiB);
+// through shared memory 0.31-0.48x up to 16 KiB on 8 ranks, but on 4 level up to 4 KiB and 2x slower from 16 KiB,
+// where the ring's few steps through the rings are cheap. So the largest block (AlgoOptions::
+// small_reduce_scatter_bytes) is 16 KiB where sockets carry some pair and 1 KiB through rings.
+void reduce_scatter_halving(Transport& t, const void* const* ins, void* out, size_t count, DataType dt,
+                            ReduceOp op, const AlgoOptions& o) {
+  const int p = t.size(), r = t.rank();
+  const size_t es = dtype_size(dt), bytes = count * es;
+  std::vector<char> all(static_cast<size_t>(p) * bytes);
+  for (int i = 0; i < p; ++i) std::memcpy(all.data() + static_cast<size_t>(i) * bytes, ins[i], bytes);
+  std::vector<size_t> off(static_cast<size_t>(p) + 1);
+  for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count;
+  const size_t ce = hd_chunk(count * static_cast<size_t>(p), es, o);
+  const size_t depth = static_cast<size_t>(std::max(1, o.depth));
+  recursive_halving(t, all.data(), off, dt, op, ce, depth, scratch_space(depth * ce * es), nullptr);
+  std::memcpy(out, all.data() + static_cast<size_t>(r) * bytes, bytes);
 }
 
 }  // namespace cx::distributed::algo

@@ -56,6 +56,10 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     }
     return;
   }
+  if (!pv && count && p >= 4 && (p & (p - 1)) == 0 && count * es <= o.small_reduce_scatter_bytes) {
+    reduce_scatter_halving(t, ins, out, count, dt, op, o);
+    return;
+  }
   const int left = (r - 1 + p) % p, right = (r + 1) % p;
   const size_t ce = std::max<size_t>(1, std::min(count, o.chunk_bytes / es));
   const size_t nc = count == 0 ? 1 : (count + ce - 1) / ce;

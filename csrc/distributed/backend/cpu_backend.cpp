@@ -111,6 +111,12 @@ constexpr size_t kHierarchicalMinBytes = 32 * 1024;
 // Note [Broadcast from the root to all] in broadcast.cpp: on three ranks the chain's two hops are faster here.
 constexpr size_t kStarBroadcastSkipFromThreeRanks = 768u << 10;
 constexpr size_t kStarBroadcastSkipToThreeRanks = 4u << 20;
+// Note [Bruck's all_gather] in allgather.cpp and Note [Reduce-scatter by recursive halving] in allreduce_hd.cpp:
+// the largest block each goes to, through shared-memory rings and where sockets carry some pair.
+constexpr size_t kSmallAllGatherBytesRings = 8 * 1024;
+constexpr size_t kSmallAllGatherBytesSockets = 128 * 1024;
+constexpr size_t kSmallReduceScatterBytesRings = 1024;
+constexpr size_t kSmallReduceScatterBytesSockets = 16 * 1024;
 
 // Note [Tuning agreed at init]
 // Chunk size and the small-message threshold decide message boundaries, so all
@@ -180,10 +186,14 @@ CpuBackend::CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOpt
 
 void CpuBackend::agree_on_single_copies() {
   if (t_->size() < 3) return;  // the broadcast from the root to all is for more than two ranks
-  int32_t all = t_->reads_peers() ? 1 : 0;
-  algo::all_reduce(*t_, &all, 1, DataType::kInt32, ReduceOp::kMin, opt_);
-  opt_.star_broadcast = all == 1;
-  if (all == 1 && t_->size() == 3) {
+  int32_t all[2] = {t_->reads_peers() ? 1 : 0, t_->through_rings() ? 1 : 0};
+  algo::all_reduce(*t_, all, 2, DataType::kInt32, ReduceOp::kMin, opt_);
+  opt_.star_broadcast = all[0] == 1;
+  // Note [Bruck's all_gather] in allgather.cpp, Note [Reduce-scatter by recursive halving] in allreduce_hd.cpp:
+  // where a step costs a socket's latency they pay to larger blocks than through rings.
+  opt_.small_all_gather_bytes = all[1] == 1 ? kSmallAllGatherBytesRings : kSmallAllGatherBytesSockets;
+  opt_.small_reduce_scatter_bytes = all[1] == 1 ? kSmallReduceScatterBytesRings : kSmallReduceScatterBytesSockets;
+  if (all[0] == 1 && t_->size() == 3) {
     opt_.star_broadcast_skip_from = kStarBroadcastSkipFromThreeRanks;
     opt_.star_broadcast_skip_to = kStarBroadcastSkipToThreeRanks;
   }
@@ -256,7 +266,9 @@ std::string CpuBackend::flat_description() const {
   return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
                         " bytes, else the ring; all_gather: Bruck's (4 ranks or more) up to ",
-                        opt_.small_all_gather_bytes, " bytes a rank, else the ring; broadcast: binomial tree up to ",
+                        opt_.small_all_gather_bytes, " bytes a rank, else the ring; reduce_scatter: recursive halving "
+                        "(4, 8, ... ranks) up to ", opt_.small_reduce_scatter_bytes, " bytes a rank, else the ring; "
+                        "broadcast: binomial tree up to ",
                         opt_.small_broadcast_bytes,
                         !opt_.star_broadcast ? std::string(" bytes, else a pipelined chain")
                         : opt_.star_broadcast_skip_to

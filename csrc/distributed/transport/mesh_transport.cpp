@@ -330,6 +330,13 @@ bool MeshTransport::reads_peers() const {
   return world_ > 1;
 }
 
+bool MeshTransport::through_rings() const {
+  for (const auto& c : channels_) {
+    if (c && !c->wait_on().bell) return false;
+  }
+  return world_ > 1;
+}
+
 Transport::Req MeshTransport::isend(int peer, const void* buf, size_t bytes) {
   Req id = static_cast<Req>(op_.done.size());
   op_.done.push_back(0);

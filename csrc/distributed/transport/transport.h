@@ -81,6 +81,8 @@ class Transport {
   // (shared memory with single copies: Note [Single-copy large messages] in shm/shm.h). What this rank knows of
   // its own pairs; valid once every rank has made its transport (after the first operation).
   virtual bool reads_peers() const { return false; }
+  // Whether every pair of this rank's moves its messages through shared-memory rings (no socket).
+  virtual bool through_rings() const { return false; }
 
   // Starts an operation: messages sent from now on carry `desc`, messages
   // received must carry an equal one, and every wait gives up at `dl`.
