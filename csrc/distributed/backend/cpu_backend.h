@@ -52,7 +52,9 @@ class CpuBackend : public Backend {
 
   // At init, inside its operation, on every rank at once: whether every rank copies every other's messages once
   // (Transport::reads_peers), which decides the mid-size broadcast (Note [Broadcast from the root to all] in
-  // algorithms/broadcast.cpp).
+  // algorithms/broadcast.cpp), and whether every pair goes through shared-memory rings (Transport::through_rings),
+  // which sets the small all_gather and reduce_scatter thresholds (Note [Bruck's all_gather] in
+  // algorithms/allgather.cpp).
   void agree_on_single_copies();
   // At init, the same way, where three or more hosts take part: the link between hosts, timed by rank 0 and
   // sent to every rank (Note [Choosing by the link] in algorithms/allreduce.cpp).
