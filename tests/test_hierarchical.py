@@ -158,8 +158,11 @@ def run_job(h, tmp_path, mode, per_host, tag, timeout=300, world=None, **extra):
     return results
 
 
-@pytest.mark.parametrize("n_hosts,per_host", [(2, 2), (3, 1), (2, 3)])
+@pytest.mark.parametrize("n_hosts,per_host", [(2, 2), (3, 1), (2, 3), (2, 4)])
 def test_hierarchical_and_flat_give_numpy_results_and_the_same_bits(tmp_path, n_hosts, per_host):
+    # 2 x 4: inside a host 4 ranks run Bruck's all_gather and the reduce-scatter by recursive halving at small
+    # blocks, by the thresholds of the rings there (hierarchical.cpp's in_host_options); 8 ranks flat, at those
+    # of sockets.
     with hosts.Hosts(n_hosts) as h:
         hier = run_job(h, tmp_path, "collectives", per_host, "hier", CX_ALGORITHM="hierarchical",
                        CX_CHUNK_BYTES=4096)

@@ -40,6 +40,10 @@ struct AlgoOptions {
   // p a power of two >= 4 and each block at or below: reduce-scatter by recursive halving (Note [Reduce-scatter by
   // recursive halving] in allreduce_hd.cpp); agreed as small_all_gather_bytes.
   size_t small_reduce_scatter_bytes = 1024;
+  // The two above for the all_gather and reduce_scatter that a hierarchical one runs inside a host, agreed by
+  // whether every pair of ranks on one host goes through rings.
+  size_t in_host_all_gather_bytes = 8 * 1024;
+  size_t in_host_reduce_scatter_bytes = 1024;
   // p > 2, above small_broadcast_bytes and outside [star_broadcast_skip_from, star_broadcast_skip_to): the root
   // sends to every rank at once, each copying once out of its memory. Off unless every rank can (agreed at init:
   // Note [Broadcast from the root to all] in broadcast.cpp).

@@ -82,6 +82,16 @@ char* between_phases(size_t bytes) { return scratch_space<Pool::kBetweenPhases>(
 
 ReduceOp summed(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
 
+// For the flat all_gather and reduce_scatter run inside a host: their thresholds for the pairs there (through rings
+// where shared memory carries them, Note [Bruck's all_gather] in allgather.cpp), not the world's, which sockets
+// between hosts decide.
+AlgoOptions in_host_options(const AlgoOptions& o) {
+  AlgoOptions inside = o;
+  inside.small_all_gather_bytes = o.in_host_all_gather_bytes;
+  inside.small_reduce_scatter_bytes = o.in_host_reduce_scatter_bytes;
+  return inside;
+}
+
 }  // namespace
 
 // Note [Pipelined hierarchical all_reduce]
@@ -297,6 +307,7 @@ void reduce_scatter_hierarchical(Transport& t, const Hierarchy& h, const void* c
   const std::vector<int>& host_ranks = h.ranks[static_cast<size_t>(host)];
   SubTransport in_host(t, host_ranks);
   SubTransport across(t, h.column(h.local_of[me]));
+  const AlgoOptions inside = in_host_options(o);
   std::vector<const void*> blocks(static_cast<size_t>(h.per_host));
   auto sum_in_host = [&](int j, void* into) {  // our host's sum of the blocks for (host j, our local index)
     const std::vector<int>& theirs = h.ranks[static_cast<size_t>(j)];
@@ -305,7 +316,7 @@ void reduce_scatter_hierarchical(Transport& t, const Hierarchy& h, const void* c
     if (pv)
       v = {pv->probe, &host_ranks, pv->base, pv->raw, pv->result && n_hosts == 1, pv->stride ? pv->stride : count,
            &theirs};
-    reduce_scatter(in_host, blocks.data(), into, count, dt, summed(op), o, pv ? &v : nullptr);
+    reduce_scatter(in_host, blocks.data(), into, count, dt, summed(op), inside, pv ? &v : nullptr);
   };
   const ProbeView sums_v{pv ? pv->probe : nullptr, nullptr, 0, false, pv && pv->result};  // host sums: the result
   if (n_hosts > kPipelinedMaxHosts) {
@@ -352,10 +363,11 @@ void all_gather_hierarchical(Transport& t, const Hierarchy& h, const void* in, v
   SubTransport in_host(t, h.ranks[static_cast<size_t>(host)]);
   SubTransport across(t, h.column(h.local_of[me]));
   char* theirs = between_phases(static_cast<size_t>(n_hosts) * bytes);  // host j's block of our column
+  const AlgoOptions inside = in_host_options(o);
   std::vector<void*> local_outs(static_cast<size_t>(h.per_host));
   auto gather_in_host = [&](int j, const void* from) {
     for (int i = 0; i < h.per_host; ++i) local_outs[i] = outs[h.ranks[static_cast<size_t>(j)][static_cast<size_t>(i)]];
-    all_gather(in_host, from, local_outs.data(), bytes, o);
+    all_gather(in_host, from, local_outs.data(), bytes, inside);
   };
   if (n_hosts > kPipelinedMaxHosts) {
     // Across hosts by column (the ring), then inside the host once per host's blocks.

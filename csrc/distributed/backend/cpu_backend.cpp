@@ -186,13 +186,15 @@ CpuBackend::CpuBackend(std::unique_ptr<Transport> transport, const algo::AlgoOpt
 
 void CpuBackend::agree_on_single_copies() {
   if (t_->size() < 3) return;  // the broadcast from the root to all is for more than two ranks
-  int32_t all[2] = {t_->reads_peers() ? 1 : 0, t_->through_rings() ? 1 : 0};
-  algo::all_reduce(*t_, all, 2, DataType::kInt32, ReduceOp::kMin, opt_);
+  int32_t all[3] = {t_->reads_peers() ? 1 : 0, t_->through_rings() ? 1 : 0, t_->host_through_rings() ? 1 : 0};
+  algo::all_reduce(*t_, all, 3, DataType::kInt32, ReduceOp::kMin, opt_);
   opt_.star_broadcast = all[0] == 1;
   // Note [Bruck's all_gather] in allgather.cpp, Note [Reduce-scatter by recursive halving] in allreduce_hd.cpp:
   // where a step costs a socket's latency they pay to larger blocks than through rings.
   opt_.small_all_gather_bytes = all[1] == 1 ? kSmallAllGatherBytesRings : kSmallAllGatherBytesSockets;
   opt_.small_reduce_scatter_bytes = all[1] == 1 ? kSmallReduceScatterBytesRings : kSmallReduceScatterBytesSockets;
+  opt_.in_host_all_gather_bytes = all[2] == 1 ? kSmallAllGatherBytesRings : kSmallAllGatherBytesSockets;
+  opt_.in_host_reduce_scatter_bytes = all[2] == 1 ? kSmallReduceScatterBytesRings : kSmallReduceScatterBytesSockets;
   if (all[0] == 1 && t_->size() == 3) {
     opt_.star_broadcast_skip_from = kStarBroadcastSkipFromThreeRanks;
     opt_.star_broadcast_skip_to = kStarBroadcastSkipToThreeRanks;

@@ -337,6 +337,18 @@ bool MeshTransport::through_rings() const {
   return world_ > 1;
 }
 
+bool MeshTransport::host_through_rings() const {
+  if (static_cast<int>(hosts_.size()) != world_) return false;
+  bool any = false;
+  for (int j = 0; j < world_; ++j) {
+    const Channel* c = channels_[static_cast<size_t>(j)].get();
+    if (!c || hosts_[static_cast<size_t>(j)] != hosts_[static_cast<size_t>(rank_)]) continue;
+    if (!c->wait_on().bell) return false;
+    any = true;
+  }
+  return any;
+}
+
 Transport::Req MeshTransport::isend(int peer, const void* buf, size_t bytes) {
   Req id = static_cast<Req>(op_.done.size());
   op_.done.push_back(0);

@@ -51,6 +51,7 @@ class MeshTransport : public Transport {
   std::vector<int> hosts() const override { return hosts_; }
   bool reads_peers() const override;
   bool through_rings() const override;
+  bool host_through_rings() const override;
   void begin(const OpDesc& desc, const Deadline& dl) override;
   Req isend(int peer, const void* buf, size_t bytes) override;
   Req irecv(int peer, void* buf, size_t bytes) override;

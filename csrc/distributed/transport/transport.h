@@ -83,6 +83,8 @@ class Transport {
   virtual bool reads_peers() const { return false; }
   // Whether every pair of this rank's moves its messages through shared-memory rings (no socket).
   virtual bool through_rings() const { return false; }
+  // The same for the pairs of this rank's on its own host (false where the hosts are unknown or it has none).
+  virtual bool host_through_rings() const { return false; }
 
   // Starts an operation: messages sent from now on carry `desc`, messages
   // received must carry an equal one, and every wait gives up at `dl`.
