@@ -47,10 +47,6 @@ void exchange_copy(Transport& t, int partner, char* buf, size_t send_lo, size_t 
   t.wait_all();
 }
 
-}  // namespace
-
-namespace {
-
 struct Step {
   int partner, keep_lo, keep_hi, give_lo, give_hi;
 };
@@ -143,15 +139,15 @@ void all_reduce_halving_doubling(Transport& t, void* buf_v, size_t count, DataTy
 void reduce_scatter_halving(Transport& t, const void* const* ins, void* out, size_t count, DataType dt,
                             ReduceOp op, const AlgoOptions& o) {
   const int p = t.size(), r = t.rank();
-  const size_t es = dtype_size(dt), bytes = count * es;
-  std::vector<char> all(static_cast<size_t>(p) * bytes);
-  for (int i = 0; i < p; ++i) std::memcpy(all.data() + static_cast<size_t>(i) * bytes, ins[i], bytes);
-  std::vector<size_t> off(static_cast<size_t>(p) + 1);
-  for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count;
+  const size_t es = dtype_size(dt), bytes = count * es, whole = static_cast<size_t>(p) * bytes;
   const size_t ce = hd_chunk(count * static_cast<size_t>(p), es, o);
   const size_t depth = static_cast<size_t>(std::max(1, o.depth));
-  recursive_halving(t, all.data(), off, dt, op, ce, depth, scratch_space(depth * ce * es), nullptr);
-  std::memcpy(out, all.data() + static_cast<size_t>(r) * bytes, bytes);
+  char* all = scratch_space(whole + depth * ce * es);  // the blocks in rank order, then the chunks received
+  for (int i = 0; i < p; ++i) std::memcpy(all + static_cast<size_t>(i) * bytes, ins[i], bytes);
+  std::vector<size_t> off(static_cast<size_t>(p) + 1);
+  for (int i = 0; i < p; ++i) off[i + 1] = off[i] + count;
+  recursive_halving(t, all, off, dt, op, ce, depth, all + whole, nullptr);
+  std::memcpy(out, all + static_cast<size_t>(r) * bytes, bytes);
 }
 
 }  // namespace cx::distributed::algo

@@ -330,19 +330,12 @@ bool MeshTransport::reads_peers() const {
   return world_ > 1;
 }
 
-bool MeshTransport::through_rings() const {
-  for (const auto& c : channels_) {
-    if (c && !c->wait_on().bell) return false;
-  }
-  return world_ > 1;
-}
-
-bool MeshTransport::host_through_rings() const {
-  if (static_cast<int>(hosts_.size()) != world_) return false;
+bool MeshTransport::rings_only(bool own_host) const {
+  if (own_host && static_cast<int>(hosts_.size()) != world_) return false;
   bool any = false;
   for (int j = 0; j < world_; ++j) {
     const Channel* c = channels_[static_cast<size_t>(j)].get();
-    if (!c || hosts_[static_cast<size_t>(j)] != hosts_[static_cast<size_t>(rank_)]) continue;
+    if (!c || (own_host && hosts_[static_cast<size_t>(j)] != hosts_[static_cast<size_t>(rank_)])) continue;
     if (!c->wait_on().bell) return false;
     any = true;
   }

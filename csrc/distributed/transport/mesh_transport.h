@@ -50,8 +50,8 @@ class MeshTransport : public Transport {
   int size() const override { return world_; }
   std::vector<int> hosts() const override { return hosts_; }
   bool reads_peers() const override;
-  bool through_rings() const override;
-  bool host_through_rings() const override;
+  bool through_rings() const override { return rings_only(false); }
+  bool host_through_rings() const override { return rings_only(true); }
   void begin(const OpDesc& desc, const Deadline& dl) override;
   Req isend(int peer, const void* buf, size_t bytes) override;
   Req irecv(int peer, void* buf, size_t bytes) override;
@@ -75,6 +75,8 @@ class MeshTransport : public Transport {
   bool read_aside();
   // Reads peer j's next message, a send/recv message (peek said so), whole into its channel's stash.
   void read_next_aside(int j);
+  // Whether every pair of this rank's (own_host: on its host) goes through rings, and it has one.
+  bool rings_only(bool own_host) const;
   [[noreturn]] void timed_out();
 
   int rank_;
