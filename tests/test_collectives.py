@@ -202,10 +202,11 @@ def reduce_scatter_body(sizes):
     return fails
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_reduce_scatter_every_op(world):
-    # On 4 and 8 ranks blocks up to 16 KiB over TCP and 1 KiB through shared memory go by recursive halving (Note
-    # [Reduce-scatter by recursive halving] in allreduce_hd.cpp; 4096 and 256 four-byte elements), larger ones by
+    # On 4, 6, 7 and 8 ranks blocks up to 16 KiB over TCP and 1 KiB through shared memory go by recursive halving
+    # (Note [Reduce-scatter by recursive halving] in allreduce_hd.cpp; 4096 and 256 four-byte elements), 6 and 7
+    # folded onto 4 (Note [Reduce-scatter on a world that is not a power of two]); larger ones, and 5 ranks, by
     # the ring.
     for fails in ranks.run(reduce_scatter_body, world, args=([0, 1, 5, 256, 257, 1000, 4096, 4097, 50000],)):
         assert fails == []
@@ -306,7 +307,7 @@ def inputs_that_are_outputs():
     return wrong
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 6])
 def test_all_to_all_and_reduce_scatter_whose_output_is_their_input_reduce_right(world):
     # Note [Inputs that are also outputs] in cpu_backend.cpp: reduce_scatter's result was wrong every time,
     # all_to_all's in some calls.

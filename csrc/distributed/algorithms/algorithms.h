@@ -11,7 +11,7 @@
 // | all_gather     | ring                                 | p-1        | (p-1) * n            |
 // | all_gather     | Bruck (p >= 4, n small)              | log2(p)    | (p-1) * n            |
 // | reduce_scatter | ring                                 | p-1        | (p-1) * n            |
-// | reduce_scatter | halving (p = 2^k >= 4, n small)      | log2(p)    | (p-1) * n            |
+// | reduce_scatter | halving (p >= 4, n small)            | log2(p) +2 | (p-1) * n (+ p * n)  |
 // | reduce         | binomial tree, chunked               | log2(p)    | n                    |
 // | scatter/gather | direct to/from root                  | 1          | n (root: (p-1) * n)  |
 // | all_to_all     | direct, all pairs at once            | 1          | (p-1) * n            |
@@ -37,8 +37,8 @@ struct AlgoOptions {
   // p >= 4 and each rank's block at or below: Bruck's all_gather (Note [Bruck's all_gather] in allgather.cpp).
   // Agreed at init by whether every pair goes through shared-memory rings (CpuBackend::agree_on_single_copies).
   size_t small_all_gather_bytes = 8 * 1024;
-  // p a power of two >= 4 and each block at or below: reduce-scatter by recursive halving (Note [Reduce-scatter by
-  // recursive halving] in allreduce_hd.cpp); agreed as small_all_gather_bytes.
+  // p >= 4 and each block at or below: reduce-scatter by recursive halving (Note [Reduce-scatter by recursive
+  // halving] in allreduce_hd.cpp); agreed as small_all_gather_bytes.
   size_t small_reduce_scatter_bytes = 1024;
   // The two above for the all_gather and reduce_scatter that a hierarchical one runs inside a host, agreed by
   // whether every pair of ranks on one host goes through rings.
@@ -107,7 +107,7 @@ void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, c
 // nothing more travels. Every rank passes one or none.
 void reduce_scatter(Transport& t, const void* const* ins, void* out, size_t count, DataType dt, ReduceOp op,
                     const AlgoOptions& o, const ProbeView* pv = nullptr);
-// p a power of two; no probe.
+// p >= 4 (not a power of two: folded, Note [Reduce-scatter on a world that is not a power of two]); no probe.
 void reduce_scatter_halving(Transport& t, const void* const* ins, void* out, size_t count, DataType dt,
                             ReduceOp op, const AlgoOptions& o);
 

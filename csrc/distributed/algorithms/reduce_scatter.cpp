@@ -56,7 +56,8 @@ void reduce_scatter(Transport& t, const void* const* ins, void* out_v, size_t co
     }
     return;
   }
-  if (!pv && count && p >= 4 && (p & (p - 1)) == 0 && count * es <= o.small_reduce_scatter_bytes) {
+  // p >= 4: Note [Reduce-scatter on a world that is not a power of two] in allreduce_hd.cpp
+  if (!pv && count && p >= 4 && count * es <= o.small_reduce_scatter_bytes) {
     reduce_scatter_halving(t, ins, out, count, dt, op, o);
     return;
   }

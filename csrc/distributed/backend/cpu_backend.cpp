@@ -269,7 +269,7 @@ std::string CpuBackend::flat_description() const {
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
                         " bytes, else the ring; all_gather: Bruck's (4 ranks or more) up to ",
                         opt_.small_all_gather_bytes, " bytes a rank, else the ring; reduce_scatter: recursive halving "
-                        "(4, 8, ... ranks) up to ", opt_.small_reduce_scatter_bytes, " bytes a rank, else the ring; "
+                        "(4 ranks or more) up to ", opt_.small_reduce_scatter_bytes, " bytes a rank, else the ring; "
                         "broadcast: binomial tree up to ",
                         opt_.small_broadcast_bytes,
                         !opt_.star_broadcast ? std::string(" bytes, else a pipelined chain")
