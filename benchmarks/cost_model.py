@@ -46,8 +46,8 @@ it and that arrive) against the largest message inside a host (alpha_s + m beta_
                        their block back at the end (a step of b); log2(pof2) halving steps among pof2 virtual
                        ranks, farthest partner first, each sending the blocks of the half of its range that the
                        partner keeps (p b/2, p b/4, ... where p is a power of two; virtual ranks standing for two
-                       hold two blocks each); pycyxwiz: p >= 4 and (p a power of two or p >= 6), b <= 1 KiB
-                       through rings / 16 KiB with sockets
+                       hold two blocks each); pycyxwiz: p >= 4 (5, 6, 7, ... folded: main's 837b1fd),
+                       b <= 1 KiB through rings / 16 KiB with sockets
   hierarchical         up to 8 hosts direct: all_gather posts its block to its column's H-1 peers at once (the
   (both, --op)         NIC carries L(H-1) b each way, every block arriving at its end: alpha_n + L(H-1) b beta_n)
                        and gathers inside its host H times (g: the flat all_gather of L blocks, shared memory),
@@ -323,7 +323,6 @@ def scale_table(per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024),
 SMALL_ALL_GATHER = {"rings": 8 << 10, "sockets": 128 << 10}   # kSmallAllGatherBytes{Rings,Sockets}
 SMALL_REDUCE_SCATTER = {"rings": 1 << 10, "sockets": 16 << 10}  # kSmallReduceScatterBytes{Rings,Sockets}
 BRUCK_MOST_BYTES = 4 << 20      # kBruckMostBytes: Bruck's whole result (its kept scratch) at most this
-HALVING_FOLD_FROM = 6           # recursive halving on a world that is not a power of two: from 6 ranks
 SMALL_BROADCAST = 64 << 10      # AlgoOptions::small_broadcast_bytes: binomial tree at or below
 STAR_SKIP_THREE_RANKS = (768 << 10, 4 << 20)  # kStarBroadcastSkip{From,To}ThreeRanks: the chain there
 HIERARCHICAL_FROM = Thresholds.hierarchical_from  # kHierarchicalMinBytes: of the whole (p * b) for the two above
@@ -473,10 +472,10 @@ def reduce_scatter_halving_nearest(H: int, L: int, b: float, net: Link, shm: Lin
 
 
 def pick_reduce_scatter_flat(p: int, b: float, most: int) -> str:
-    """reduce_scatter in reduce_scatter.cpp (no probe): recursive halving on 4, 8, ... ranks and on 6 or more,
-    blocks up to `most`; else the ring."""
-    ok = p >= 4 and (_is_pof2(p) or p >= HALVING_FOLD_FROM)
-    return "halving" if ok and 0 < b <= most else "ring"
+    """reduce_scatter in reduce_scatter.cpp (no probe): recursive halving on 4 ranks or more (folded where p is
+    not a power of two: Note [Reduce-scatter on a world that is not a power of two] in allreduce_hd.cpp), blocks
+    up to `most`; else the ring."""
+    return "halving" if p >= 4 and 0 < b <= most else "ring"
 
 
 # broadcast -----------------------------------------------------------------------------------------------------
@@ -715,11 +714,11 @@ def op_scale_table(op: str, per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 10
 
 
 def _size(n: float) -> str:
-    """human_size for any size: 8 GiB, 1.5 MiB."""
+    """human_size for any size, three digits: 8 GiB, 21.3 KiB."""
     for name, unit in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= unit:
-            return f"{n / unit:g} {name}"
-    return f"{n:g} B"
+            return f"{n / unit:.3g} {name}"
+    return f"{n:.3g} B"
 
 
 # ---- validation against measured runs (netns hosts, shaped links) -----------------------------------------
@@ -783,9 +782,10 @@ def validate(link: str, points, sizes, log=print, op: str = "all_reduce") -> dic
             out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n, "block_bytes": x,
                         "measured_s": t, "predicted_s": pred, "error": err, "reason": run.reason})
             block = [] if op in ("all_reduce", "broadcast") else [_size(x)]
+            ms = "{:.1f} ms" if op == "all_reduce" else "{:.3g} ms"  # three digits where 64 KiB takes 0.2 ms
             rows.append([f"{H}x{L}", col, shown, human_size(n), *block,
-                         f"{t * 1e3:.1f} ms" if t else f"n/a ({run.reason})",
-                         f"{pred * 1e3:.1f} ms" if pred is not None else "n/a",
+                         ms.format(t * 1e3) if t else f"n/a ({run.reason})",
+                         ms.format(pred * 1e3) if pred is not None else "n/a",
                          f"{100 * err:+.0f}%" if err is not None else ""])
             log(f"  {H}x{L} {col} {human_size(n)}: " + " ".join(rows[-1][-3:]))
     block_header = [] if op in ("all_reduce", "broadcast") else ["block"]

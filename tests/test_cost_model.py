@@ -52,9 +52,9 @@ def test_reduce_scatter_through_rings_is_halving_up_to_1_kib_blocks():
     assert cm.picked_reduce_scatter(1, 8, 1 * KiB + 4) == "ring"
 
 
-@pytest.mark.parametrize("p, algorithm", [(3, "ring"), (4, "halving"), (5, "ring"), (6, "halving"),
-                                          (7, "halving"), (8, "halving"), (9, "halving"), (12, "halving")])
-def test_reduce_scatter_halves_on_powers_of_two_and_from_6_ranks_with_the_fold(p, algorithm):
+@pytest.mark.parametrize("p, algorithm", [(2, "ring"), (3, "ring"), (4, "halving"), (5, "halving"),
+                                          (6, "halving"), (7, "halving"), (8, "halving"), (12, "halving")])
+def test_reduce_scatter_halves_from_4_ranks_folding_those_that_are_not_a_power_of_two(p, algorithm):
     assert cm.picked_reduce_scatter(p, 1, 1 * KiB) == algorithm
 
 
@@ -123,7 +123,7 @@ def test_bruck_and_the_ring_send_the_same_bytes_each_and_bruck_copies_the_whole(
     assert cm.all_gather_bruck(1, p, 8, FREE, BETA) == (p - 1) * 8 + p * 8  # through shared memory, + its copy
 
 
-@pytest.mark.parametrize("p, steps", [(4, 2), (8, 3), (1024, 10), (6, 4), (7, 4), (12, 5)])
+@pytest.mark.parametrize("p, steps", [(4, 2), (8, 3), (1024, 10), (5, 4), (6, 4), (7, 4), (12, 5)])
 def test_halving_takes_log2_pof2_steps_and_two_more_to_fold(p, steps):
     assert cm.reduce_scatter_halving(p, 1, 8, ALPHA, FREE) == steps
 
