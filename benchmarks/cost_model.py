@@ -1,7 +1,8 @@
-"""An alpha-beta cost model of pycyxwiz's all_reduce algorithms on H hosts of L ranks each: what each
-algorithm costs, which is fastest, and which one pycyxwiz picks.
+"""An alpha-beta cost model of pycyxwiz's all_reduce, all_gather, reduce_scatter and broadcast algorithms on H hosts
+of L ranks each: what each algorithm costs, which is fastest, and which one pycyxwiz picks.
 
     python -m benchmarks.cost_model --table                 # the choice at 8 .. 1024 ranks, 10 and 100 Gbit/s
+    python -m benchmarks.cost_model --table --op all_gather # the same for all_gather, reduce_scatter, broadcast
     python -m benchmarks.cost_model --validate --link 1gbit # measure the links, predict, compare with runs
 
 Model (Hockney): a message of m bytes over a link costs alpha + m * beta. Links: shared memory inside a
@@ -29,8 +30,47 @@ message in bytes, pof2 = the largest power of two <= p):
   tree (reference)     a pipelined binary tree (reduce then broadcast), as NCCL's: 2 log2(p) alpha_n +
                        2 n beta_n (the pipeline's fill ignored); not implemented in pycyxwiz
 
+all_gather and reduce_scatter (--op) are sized by the block b that each rank gives or keeps, the unit of the
+C++ thresholds (the whole result or input is p b); broadcast by its message n, root 0. A step of the three
+is costed from its messages: the busiest host's NIC (alpha_n + beta_n times the more of the bytes that leave
+it and that arrive) against the largest message inside a host (alpha_s + m beta_s), the slower of the two.
+
+  all_gather ring      p-1 steps of b: (p-1) max(alpha_n + b beta_n, alpha_s + b beta_s)
+  Bruck                ceil(log2 p) steps, at distance d = 1, 2, 4, ... each rank sends min(d, p-d) blocks to
+                       r-d (d of a host's ranks cross to the next host while d < L, all L from d >= L), plus a
+                       copy of the whole result, p b beta_s; pycyxwiz: p >= 4, b <= 8 KiB through rings only /
+                       128 KiB where sockets carry a pair, p b <= 4 MiB
+  reduce_scatter ring  p-1 steps of b, as the all_gather's
+  recursive halving    the blocks copied into one buffer (p b beta_s); where p is not a power of two the even
+                       ranks below 2 rem (rem = p - pof2) send all p b to the next rank (a step of p b) and get
+                       their block back at the end (a step of b); log2(pof2) halving steps among pof2 virtual
+                       ranks, farthest partner first, each sending the blocks of the half of its range that the
+                       partner keeps (p b/2, p b/4, ... where p is a power of two; virtual ranks standing for two
+                       hold two blocks each); pycyxwiz: p >= 4 (5, 6, 7, ... folded: main's 837b1fd),
+                       b <= 1 KiB through rings / 16 KiB with sockets
+  hierarchical         up to 8 hosts direct: all_gather posts its block to its column's H-1 peers at once (the
+  (both, --op)         NIC carries L(H-1) b each way, every block arriving at its end: alpha_n + L(H-1) b beta_n)
+                       and gathers inside its host H times (g: the flat all_gather of L blocks, shared memory),
+                       its own host's first: max(g, alpha_n + L(H-1) b beta_n) + (H-1) g; reduce_scatter sums
+                       inside its host H times (g), the other hosts' first, posting each sum at once:
+                       max(H g, g + alpha_n + L(H-1) b beta_n, (H-1) g + alpha_n + L b beta_n). Above 8 hosts one
+                       after the other: the columns' flat all_gather (L x the bytes through the NIC) then H g, or
+                       H g then the columns' flat reduce_scatter
+  broadcast tree       binomial, farthest child first: ceil(log2 p) rounds of n; the rounds of distance >= L
+                       cross hosts (one message per host's NIC)
+  chain                pipelined in chunks c (512 KiB between hosts, 256 KiB on one host): the first chunk over
+                       all p-1 hops, then one slowest hop per further chunk: (H-1)(alpha_n + c beta_n) +
+                       (p-H)(alpha_s + c beta_s) + (n/c - 1) max(alpha_n + c beta_n, alpha_s + c beta_s)
+  star                 one host, single copies, above 64 KiB: alpha_s + n beta_s (the p-1 readers at once, not
+                       slowing each other down)
+  hierarchical         the root's column (H ranks, one a host) then inside every host (L ranks), one after the
+                       other, each by the flat rule (no star: every pair agreed it)
+  scatter+AG, chain    (reference, not pycyxwiz's) van de Geijn's binomial scatter of n/p a rank and ring
+  (best chunk)         all_gather; the chain with its cheapest chunk
+
 CPU costs (reduction arithmetic, the copies of TCP) are left out: the model holds where the links, not
-the CPUs, are the bottleneck (shaped links between hosts); --validate measures it there.
+the CPUs, are the bottleneck (shaped links between hosts); --validate measures it there. Bruck's and the
+halving's copy of the whole is the one copy counted (it is what they add to the ring).
 """
 from __future__ import annotations
 
@@ -40,6 +80,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 if __package__ in (None, ""):
     from pathlib import Path
@@ -166,8 +207,9 @@ def by_link(p: int, n: float, link: Link, share: int, hd: bool, rd_ok: bool = Tr
     return "recursive_doubling" if rd_ok and rd <= ring_t else "ring"
 
 
-FLAT = {"ring": ring, "recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling,
-        "halving_doubling_nearest": halving_doubling_nearest}
+FLAT: dict[str, Callable[..., float | None]] = {
+    "ring": ring, "recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling,
+    "halving_doubling_nearest": halving_doubling_nearest}
 
 
 def hierarchical(H: int, L: int, n: float, net: Link, shm: Link = SHM, inner: str | None = None,
@@ -230,8 +272,8 @@ def cost(name: str, H: int, L: int, n: float, net: Link, shm: Link = SHM) -> flo
 
 
 CANDIDATES = ("ring", "recursive_doubling", "halving_doubling", "hierarchical/ring",
-              "hierarchical/recursive_doubling", "hierarchical/halving_doubling", "hier-pipe", "halving_doubling_nearest",
-              "tree")
+              "hierarchical/recursive_doubling", "hierarchical/halving_doubling", "hier-pipe",
+              "halving_doubling_nearest", "tree")
 NOT_IMPLEMENTED = ("tree", "halving_doubling_nearest")
 
 
@@ -272,6 +314,413 @@ def scale_table(per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024),
     return headers, rows
 
 
+# ---- all_gather, reduce_scatter, broadcast -------------------------------------------------------------------
+# Sizes: all_gather and reduce_scatter by the block b each rank gives or keeps (the unit of the C++ thresholds; the
+# whole result, or input, is p * b); broadcast by its message n, root 0.
+
+# cpu_backend.cpp, algorithms.h, allgather.cpp, hierarchical.cpp (Note [Bruck's all_gather], Note [Reduce-scatter by
+# recursive halving], Note [Broadcast from the root to all], Note [When to go hierarchical])
+SMALL_ALL_GATHER = {"rings": 8 << 10, "sockets": 128 << 10}   # kSmallAllGatherBytes{Rings,Sockets}
+SMALL_REDUCE_SCATTER = {"rings": 1 << 10, "sockets": 16 << 10}  # kSmallReduceScatterBytes{Rings,Sockets}
+BRUCK_MOST_BYTES = 4 << 20      # kBruckMostBytes: Bruck's whole result (its kept scratch) at most this
+SMALL_BROADCAST = 64 << 10      # AlgoOptions::small_broadcast_bytes: binomial tree at or below
+STAR_SKIP_THREE_RANKS = (768 << 10, 4 << 20)  # kStarBroadcastSkip{From,To}ThreeRanks: the chain there
+HIERARCHICAL_FROM = Thresholds.hierarchical_from  # kHierarchicalMinBytes: of the whole (p * b) for the two above
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agree on at init for the three collectives (CpuBackend::agree_on_single_copies and
+    default_options in cpu_backend.cpp): the largest block of Bruck's all_gather and of the halving reduce_scatter
+    in the world and inside a host, whether a broadcast goes from the root to all (and where not, on 3 ranks), and
+    the chunk of the chain."""
+    all_gather: int = SMALL_ALL_GATHER["rings"]  # the AlgoOptions defaults: what a world of 2 keeps
+    reduce_scatter: int = SMALL_REDUCE_SCATTER["rings"]
+    in_host_all_gather: int = SMALL_ALL_GATHER["rings"]
+    in_host_reduce_scatter: int = SMALL_REDUCE_SCATTER["rings"]
+    star: bool = False
+    star_skip: tuple[int, int] = (0, 0)
+    chunk: int = 512 << 10
+
+
+def agreed(H: int, L: int, shm_on: bool = True, single_copies: bool = True, oversubscribed: bool = False) -> Agreed:
+    """For H hosts of L ranks, shared memory inside a host (CX_SHM) on or off: every pair goes through shared-memory
+    rings only on one host with it on (the Rings thresholds), else some pair through sockets (the Sockets ones);
+    a host's own pairs through rings where it is on; the root to all only on one host with single copies. The
+    chunk: 256 KiB on one host with shared memory, 1 MiB where a host has more ranks than cores, else 512 KiB."""
+    p = H * L
+    chunk = (256 << 10) if shm_on and H == 1 else (1 << 20) if oversubscribed else (512 << 10)
+    if p < 3:  # agree_on_single_copies returns at once: the defaults stand
+        return Agreed(chunk=chunk)
+    world = "rings" if shm_on and H == 1 else "sockets"
+    host = "rings" if shm_on and L > 1 else "sockets"
+    star = shm_on and single_copies and H == 1
+    return Agreed(SMALL_ALL_GATHER[world], SMALL_REDUCE_SCATTER[world], SMALL_ALL_GATHER[host],
+                  SMALL_REDUCE_SCATTER[host], star, STAR_SKIP_THREE_RANKS if star and p == 3 else (0, 0), chunk)
+
+
+def _step(msgs, L: int, net: Link, shm: Link) -> float:
+    """One step whose messages (from rank, to rank, bytes) are all under way at once: the busiest host's NIC (the
+    more of what leaves it and what arrives) against the largest message between two ranks of one host."""
+    out: dict[int, float] = {}
+    into: dict[int, float] = {}
+    inside = -1.0
+    for a, b, m in msgs:
+        ha, hb = a // L, b // L
+        if ha != hb:
+            out[ha] = out.get(ha, 0.0) + m
+            into[hb] = into.get(hb, 0.0) + m
+        else:
+            inside = max(inside, m)
+    t = shm.cost(inside) if inside >= 0 else 0.0
+    return max(t, net.cost(max(max(out.values()), max(into.values())))) if out else t
+
+
+def _ring_step(H: int, L: int, m: float, net: Link, shm: Link) -> float:
+    """A ring step of m bytes a rank: one ring edge leaves each host (_step over the ring, in closed form)."""
+    return max(net.cost(m) if H > 1 else 0.0, shm.cost(m) if L > 1 else 0.0)
+
+
+def _is_pof2(p: int) -> bool:
+    return p > 0 and not p & (p - 1)
+
+
+# all_gather ----------------------------------------------------------------------------------------------------
+
+def all_gather_ring(H: int, L: int, b: float, net: Link, shm: Link = SHM) -> float:
+    return (H * L - 1) * _ring_step(H, L, b, net, shm)
+
+
+def all_gather_bruck(H: int, L: int, b: float, net: Link, shm: Link = SHM) -> float:
+    """Steps d = 1, 2, 4, ... < p: every rank sends min(d, p-d) blocks to rank r-d; then the blocks go from its
+    scratch to their places, a copy of the whole (p b at shared memory's time per byte)."""
+    p, d = H * L, 1
+    t = p * b * shm.beta
+    while d < p:
+        m = min(d, p - d) * b
+        t += _step(((r, (r - d) % p, m) for r in range(p)), L, net, shm)
+        d *= 2
+    return t
+
+
+def all_gather_recursive_doubling(H: int, L: int, b: float, net: Link, shm: Link = SHM) -> float | None:
+    """Not in pycyxwiz: p a power of two, log2 p exchanges with r ^ d of d blocks, nearest first."""
+    p = H * L
+    if not _is_pof2(p):
+        return None
+    return sum(_step(((r, r ^ d, d * b) for r in range(p)), L, net, shm) for d in (1 << k for k in range(_log2(p))))
+
+
+def pick_all_gather_flat(p: int, b: float, most: int) -> str:
+    """all_gather in allgather.cpp: Bruck's on 4 ranks or more, blocks up to `most`, the whole at most 4 MiB."""
+    return "bruck" if p >= 4 and 0 < b <= most and p * b <= BRUCK_MOST_BYTES else "ring"
+
+
+# reduce_scatter ------------------------------------------------------------------------------------------------
+
+def reduce_scatter_ring(H: int, L: int, b: float, net: Link, shm: Link = SHM) -> float:
+    return (H * L - 1) * _ring_step(H, L, b, net, shm)
+
+
+def reduce_scatter_halving(H: int, L: int, b: float, net: Link, shm: Link = SHM) -> float | None:
+    """reduce_scatter_halving: on pof2 virtual ranks (rem = p - pof2; virtual v < rem is rank 2v+1 and holds the
+    blocks 2v and 2v+1, the others rank v+rem and block v+rem): the blocks copied into one buffer (p b at shared
+    memory's time per byte), the even ranks below 2 rem send it (p b) to the next (the fold), log2(pof2) halving
+    steps, farthest partner first, each sending the blocks of the half of its range that the partner keeps, then
+    the odd ones send block r-1 back (b)."""
+    p = H * L
+    if p < 2:
+        return None
+    pof2 = _pof2(p)
+    rem = p - pof2
+
+    def real(v: int) -> int:
+        return 2 * v + 1 if v < rem else v + rem
+
+    # bound[v]: the first block of virtual rank v's segment, bound[pof2] = p
+    bound = [2 * v if v < rem else v + rem for v in range(pof2)] + [p]
+    t = p * b * shm.beta  # the blocks copied into one buffer first
+    if rem:
+        t += _step(((r, r + 1, p * b) for r in range(0, 2 * rem, 2)), L, net, shm)
+    ranges = [(0, pof2)] * pof2
+    mask = pof2 // 2
+    while mask:
+        msgs = []
+        for v in range(pof2):
+            lo, hi = ranges[v]
+            mid = (lo + hi) // 2
+            upper = bool(v & mask)
+            give = (lo, mid) if upper else (mid, hi)
+            ranges[v] = (mid, hi) if upper else (lo, mid)
+            msgs.append((real(v), real(v ^ mask), (bound[give[1]] - bound[give[0]]) * b))
+        t += _step(msgs, L, net, shm)
+        mask //= 2
+    if rem:
+        t += _step(((r, r - 1, b) for r in range(1, 2 * rem, 2)), L, net, shm)
+    return t
+
+
+def reduce_scatter_halving_nearest(H: int, L: int, b: float, net: Link, shm: Link = SHM) -> float | None:
+    """Not in pycyxwiz: the halving with the nearest partner first (p a power of two): partner r ^ 1 gets p b/2,
+    r ^ 2 p b/4, ...: the steps that cross hosts are the last, smallest ones."""
+    p = H * L
+    if not _is_pof2(p) or p < 2:
+        return None
+    k = _log2(p)
+    steps = sum(_step(((r, r ^ (1 << j), p * b / 2 ** (j + 1)) for r in range(p)), L, net, shm) for j in range(k))
+    return p * b * shm.beta + steps
+
+
+def pick_reduce_scatter_flat(p: int, b: float, most: int) -> str:
+    """reduce_scatter in reduce_scatter.cpp (no probe): recursive halving on 4 ranks or more (folded where p is
+    not a power of two: Note [Reduce-scatter on a world that is not a power of two] in allreduce_hd.cpp), blocks
+    up to `most`; else the ring."""
+    return "halving" if p >= 4 and 0 < b <= most else "ring"
+
+
+# broadcast -----------------------------------------------------------------------------------------------------
+
+def broadcast_tree(H: int, L: int, n: float, net: Link, shm: Link = SHM) -> float:
+    """Binomial tree from rank 0, farthest child first: rounds of mask = P/2, P/4, ..., 1 (P the power of two
+    >= p), in each every rank that has the message sends it to rank + mask."""
+    p, t = H * L, 0.0
+    mask = (1 << math.ceil(math.log2(p))) // 2 if p > 1 else 0
+    while mask:
+        t += _step(((v, v + mask, n) for v in range(0, p, 2 * mask) if v + mask < p), L, net, shm)
+        mask //= 2
+    return t
+
+
+def broadcast_chain(H: int, L: int, n: float, net: Link, shm: Link = SHM, chunk: int = 512 << 10) -> float:
+    """Pipelined chain 0 -> 1 -> ... -> p-1 in chunks: the first chunk crosses every hop (H-1 between hosts), the
+    others follow one hop time apart, the slowest hop's."""
+    p = H * L
+    if p < 2:
+        return 0.0
+    nc = max(1, math.ceil(n / chunk))
+    c1 = min(n, chunk)
+    first = (H - 1) * net.cost(c1) + (p - H) * shm.cost(c1)
+    rest = (nc - 1) * _ring_step(H, L, (n - c1) / (nc - 1), net, shm) if nc > 1 else 0.0
+    return first + rest
+
+
+def broadcast_chain_best_chunk(H: int, L: int, n: float, net: Link, shm: Link = SHM) -> float:
+    """The chain with the cheapest chunk of 4 KiB, 8 KiB, ... n (pycyxwiz takes CX_CHUNK_BYTES for every chunked
+    algorithm at once; the default is 256 KiB-1 MiB)."""
+    chunks = [4096 << k for k in range(max(1, math.ceil(math.log2(max(n, 4096) / 4096)) + 1))]
+    return min(broadcast_chain(H, L, n, net, shm, c) for c in chunks)
+
+
+def broadcast_star(H: int, L: int, n: float, net: Link, shm: Link = SHM) -> float | None:
+    """The root to every rank at once, each reading it in one copy: one host, more than 2 ranks, above 64 KiB (its
+    readers not slowing each other down, which the model does not count). Below, where it does not run, its p-1
+    messages would go through the rings, which a term per message of the root's would have to count."""
+    return shm.cost(n) if H == 1 and L > 2 and n > SMALL_BROADCAST else None
+
+
+def broadcast_scatter_all_gather(H: int, L: int, n: float, net: Link, shm: Link = SHM) -> float:
+    """Not in pycyxwiz (van de Geijn): a binomial scatter of n/p a rank (the subtree's share per message), then the
+    ring all_gather of n/p blocks."""
+    p, t = H * L, 0.0
+    mask = (1 << math.ceil(math.log2(p))) // 2 if p > 1 else 0
+    while mask:
+        t += _step(((v, v + mask, n / p * min(mask, p - v - mask)) for v in range(0, p, 2 * mask) if v + mask < p),
+                   L, net, shm)
+        mask //= 2
+    return t + all_gather_ring(H, L, n / p, net, shm)
+
+
+def pick_broadcast_flat(p: int, n: float, a: Agreed) -> str:
+    """broadcast in broadcast.cpp: the root to all (p > 2, above the tree's threshold, outside the 3 ranks' skip),
+    the binomial tree up to 64 KiB, else the chain."""
+    if a.star and p > 2 and n > SMALL_BROADCAST and not a.star_skip[0] <= n < a.star_skip[1]:
+        return "star"
+    return "tree" if n <= SMALL_BROADCAST else "chain"
+
+
+# the three, flat and hierarchical ------------------------------------------------------------------------------
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+FLAT_OPS: dict[str, dict[str, Callable[..., float | None]]] = {
+    "all_gather": {"ring": all_gather_ring, "bruck": all_gather_bruck, "rd": all_gather_recursive_doubling},
+    "reduce_scatter": {"ring": reduce_scatter_ring, "halving": reduce_scatter_halving,
+                       "halving-near": reduce_scatter_halving_nearest},
+    "broadcast": {"tree": broadcast_tree, "chain": broadcast_chain, "star": broadcast_star,
+                  "vdg": broadcast_scatter_all_gather, "chain*": broadcast_chain_best_chunk},
+}
+
+
+def _flat_op(op: str, name: str, H: int, L: int, x: float, net: Link, shm: Link, a: Agreed) -> float | None:
+    if name == "bruck" and H * L * x > BRUCK_MOST_BYTES:
+        return None  # its scratch is capped: "bruck-nocap" is the not implemented one
+    if name == "bruck-nocap":
+        return all_gather_bruck(H, L, x, net, shm) if H * L * x > BRUCK_MOST_BYTES else None
+    if name == "chain":
+        return broadcast_chain(H, L, x, net, shm, a.chunk)
+    return FLAT_OPS[op][name](H, L, x, net, shm)
+
+
+def hierarchical_op(op: str, across: str, inner: str, H: int, L: int, x: float, net: Link, shm: Link = SHM,
+                    a: Agreed | None = None) -> float | None:
+    """hierarchical.cpp's reduce_scatter, all_gather and broadcast; `inner`: the flat algorithm inside a host,
+    `across`: "direct" (up to 8 hosts) or the flat algorithm of the columns (above 8, and broadcast's).
+
+    all_gather, direct: each rank posts its block to its column's H-1 peers at once (the NIC carries L(H-1) b each
+    way, all arriving together: alpha_n + L(H-1) b beta_n), and gathers inside the host H times, its own host's
+    blocks first: max(g, that) + (H-1) g, g the gather of L blocks of b. Above 8 hosts the columns' all_gather (all
+    L at once through the NIC) and then the H gathers: + H g.
+    reduce_scatter, direct: H reduce-scatters inside the host (g each), the other hosts' first, each sum posted to
+    its host at once: max(H g, g + alpha_n + L(H-1) b beta_n, (H-1) g + alpha_n + L b beta_n). Above 8 hosts, H g
+    and then the columns' reduce_scatter.
+    broadcast: the root's column (one rank a host) then inside every host, one after the other."""
+    a = a or agreed(H, L)
+    if H < 2 or op != "broadcast" and (across == "direct") != (H <= PIPELINED_MAX_HOSTS):
+        return None
+    in_host = _flat_op(op, inner, 1, L, x, shm, shm, a)
+    if in_host is None:
+        return None
+    g = in_host if L > 1 else 0.0
+    if op == "broadcast":
+        t = _flat_op(op, across, H, 1, x, net, shm, a)
+        return None if t is None else t + g
+    if across == "direct":
+        if op == "all_gather":
+            return max(g, net.cost(L * (H - 1) * x)) + (H - 1) * g
+        return max(H * g, g + net.cost(L * (H - 1) * x), (H - 1) * g + net.cost(L * x))
+    wide = Link(net.alpha, net.beta * L)  # the L columns at once through every host's NIC
+    t = _flat_op(op, across, H, 1, x, wide, shm, a)
+    return None if t is None else t + H * g
+
+
+def picked_all_gather(H: int, L: int, b: float, a: Agreed | None = None, algorithm: str = "auto") -> str:
+    """What pycyxwiz runs for blocks of b bytes (CpuBackend::all_gather): hierarchical across hosts of several
+    ranks once the whole result is 32 KiB (`algorithm`: CX_ALGORITHM, "auto", "flat" or "hierarchical")."""
+    a = a or agreed(H, L)
+    if _goes_hierarchical(H, L, H * L * b, HIERARCHICAL_FROM, algorithm):
+        inner = pick_all_gather_flat(L, b, a.in_host_all_gather)
+        across = "direct" if H <= PIPELINED_MAX_HOSTS else pick_all_gather_flat(H, b, a.all_gather)
+        return f"hier/{across}/{inner}"
+    return pick_all_gather_flat(H * L, b, a.all_gather)
+
+
+def picked_reduce_scatter(H: int, L: int, b: float, a: Agreed | None = None, algorithm: str = "auto") -> str:
+    """What pycyxwiz runs for blocks of b bytes (CpuBackend::reduce_scatter, no probe): as picked_all_gather."""
+    a = a or agreed(H, L)
+    if _goes_hierarchical(H, L, H * L * b, HIERARCHICAL_FROM, algorithm):
+        inner = pick_reduce_scatter_flat(L, b, a.in_host_reduce_scatter)
+        across = "direct" if H <= PIPELINED_MAX_HOSTS else pick_reduce_scatter_flat(H, b, a.reduce_scatter)
+        return f"hier/{across}/{inner}"
+    return pick_reduce_scatter_flat(H * L, b, a.reduce_scatter)
+
+
+def picked_broadcast(H: int, L: int, n: float, a: Agreed | None = None, algorithm: str = "auto") -> str:
+    """What pycyxwiz runs for n bytes (CpuBackend::broadcast): hierarchical from the tree's threshold (64 KiB) up,
+    the world's options inside the hosts too (the root to all is off: it was agreed by every pair, some between
+    hosts)."""
+    a = a or agreed(H, L)
+    if _goes_hierarchical(H, L, n, SMALL_BROADCAST, algorithm):
+        return f"hier/{pick_broadcast_flat(H, n, a)}/{pick_broadcast_flat(L, n, a)}"
+    return pick_broadcast_flat(H * L, n, a)
+
+
+def _goes_hierarchical(H: int, L: int, nbytes: float, from_bytes: int, algorithm: str) -> bool:
+    """CpuBackend::hierarchical: a Hierarchy where it pays (several hosts of several ranks) or forced."""
+    if algorithm == "flat" or H < 2:
+        return False
+    return algorithm == "hierarchical" or (L > 1 and nbytes >= from_bytes)
+
+
+PICKED = {"all_gather": picked_all_gather, "reduce_scatter": picked_reduce_scatter, "broadcast": picked_broadcast}
+
+
+def op_cost(op: str, name: str, H: int, L: int, x: float, net: Link, shm: Link = SHM,
+            a: Agreed | None = None) -> float | None:
+    """The cost of algorithm `name` ("ring", "bruck", ..., "hier/<across>/<inner>") of `op`; None where it cannot
+    run there."""
+    a = a or agreed(H, L)
+    if H * L == 1:
+        return 0.0
+    if name.startswith("hier/"):
+        _, across, inner = name.split("/")
+        return hierarchical_op(op, across, inner, H, L, x, net, shm, a)
+    return _flat_op(op, name, H, L, x, net, shm, a)
+
+
+OP_FLAT = {"all_gather": ("ring", "bruck"), "reduce_scatter": ("ring", "halving"),
+           "broadcast": ("tree", "chain", "star")}
+OP_NOT_IMPLEMENTED = {"all_gather": ("bruck-nocap", "rd"), "reduce_scatter": ("halving-near",),
+                      "broadcast": ("vdg", "chain*")}
+
+
+def op_candidates(op: str, H: int, L: int, implemented_only: bool = True) -> list[str]:
+    names = list(OP_FLAT[op]) + ([] if implemented_only else list(OP_NOT_IMPLEMENTED[op]))
+    if H > 1 and L > 1:
+        inners = [n for n in OP_FLAT[op] if n != "star"]
+        if op == "broadcast":
+            acrosses = inners
+        else:
+            acrosses = ["direct"] if H <= PIPELINED_MAX_HOSTS else inners
+        names += [f"hier/{x}/{i}" for x in acrosses for i in inners]
+    return names
+
+
+def op_best(op: str, H: int, L: int, x: float, net: Link, shm: Link = SHM, implemented_only: bool = True,
+            a: Agreed | None = None) -> tuple[str, float]:
+    costs = [(c, op_cost(op, c, H, L, x, net, shm, a)) for c in op_candidates(op, H, L, implemented_only)]
+    return min(((c, t) for c, t in costs if t is not None), key=lambda ct: ct[1])
+
+
+OP_SHORT = {"ring": "ring", "bruck": "Bruck", "bruck-nocap": "Bruck (no 4 MiB cap)", "rd": "RD",
+            "halving": "halving", "halving-near": "halving-near", "tree": "tree", "chain": "chain", "star": "star",
+            "vdg": "scatter+AG", "chain*": "chain (best chunk)", "direct": "direct"}
+
+
+def op_short(name: str) -> str:
+    if name.startswith("hier/"):
+        _, across, inner = name.split("/")
+        return f"hier({OP_SHORT[across]}, {OP_SHORT[inner]})"
+    return OP_SHORT[name]
+
+
+OP_SIZES = {"all_gather": (8, 1 << 10, 8 << 10, 16 << 10, 128 << 10, 1 << 20, 16 << 20),
+            "reduce_scatter": (8, 1 << 10, 8 << 10, 16 << 10, 128 << 10, 1 << 20, 16 << 20),
+            "broadcast": (8, 64 << 10, 1 << 20, 16 << 20, 256 << 20)}
+
+
+def op_scale_table(op: str, per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024), sizes=None,
+                   alpha: float = 20e-6) -> tuple[list, list]:
+    """As scale_table, for all_gather, reduce_scatter (size: each rank's block, and the whole) or broadcast."""
+    sizes = sizes or OP_SIZES[op]
+    headers = ["Gbit/s", "ranks", "hosts x ranks", "block (whole)" if op != "broadcast" else "size",
+               "pycyxwiz picks", "its time", "best (implemented)", "best time", "picked/best",
+               "best of all (incl. not implemented)"]
+    rows = []
+    for g in gbits:
+        net = nic(g, alpha)
+        for p in ranks:
+            H, L = max(1, p // per_host), min(per_host, p)
+            a = agreed(H, L)
+            for x in sizes:
+                pick = PICKED[op](H, L, x, a)
+                tp = op_cost(op, pick, H, L, x, net, SHM, a)
+                assert tp is not None, (op, pick, H, L, x)
+                b, tb = op_best(op, H, L, x, net, SHM, True, a)
+                ba, ta = op_best(op, H, L, x, net, SHM, False, a)
+                size = human_size(x) if op == "broadcast" else f"{human_size(x)} ({_size(p * x)})"
+                rows.append([str(g), str(p), f"{H}x{L}", size, op_short(pick), f"{tp * 1e3:.3f} ms", op_short(b),
+                             f"{tb * 1e3:.3f} ms", f"{tp / tb:.2f}x", f"{op_short(ba)} {ta * 1e3:.3f} ms"])
+    return headers, rows
+
+
+def _size(n: float) -> str:
+    """human_size for any size, three digits: 8 GiB, 21.3 KiB."""
+    for name, unit in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= unit:
+            return f"{n / unit:.3g} {name}"
+    return f"{n:.3g} B"
+
+
 # ---- validation against measured runs (netns hosts, shaped links) -----------------------------------------
 
 def _median_time(run, nominal: int) -> float | None:
@@ -300,8 +749,10 @@ def measure_link(link: str | None, log=print) -> Link:
     return Link(alpha, beta)
 
 
-def validate(link: str, points, sizes, log=print) -> dict:
-    """Every (hosts, ranks per host, algorithm column) in `points` at every size: measured against predicted."""
+def validate(link: str, points, sizes, log=print, op: str = "all_reduce") -> dict:
+    """Every (hosts, ranks per host, algorithm column) in `points` at every size: measured against predicted. Sizes
+    as benchmarks._collective_worker takes them: all_gather's the whole result, reduce_scatter's the whole input
+    (each rank's block: size/p, in float32 elements)."""
     from benchmarks._launch import run_ranks
 
     net, shm = measure_link(link, log), measure_link(None, log)
@@ -309,47 +760,67 @@ def validate(link: str, points, sizes, log=print) -> dict:
     for H, L, col in points:
         lib = {"flat": "pycyxwiz-flat", "hier": "pycyxwiz-hier"}[col]
         run = run_ranks(lib, "benchmarks._collective_worker",
-                        ["--op", "all_reduce", "--iters-scale", "0.3", "--sizes", *map(str, sizes)], H * L, 600,
+                        ["--op", op, "--iters-scale", "0.3", "--sizes", *map(str, sizes)], H * L, 600,
                         link=link, per_host=L)
         for n in sizes:
             t = _median_time(run, n)
-            th = Thresholds()
-            measured = net if H >= 3 else None  # what rank 0 measures at init (Note [Choosing by the link])
-            name = ((("hier-pipe" if pipelines(H, L, n, th) else
-                      "hierarchical/" + th.flat(H * L, n / L, H, measured, L)))
-                    if col == "hier" else th.flat(H * L, n, None, measured if L == 1 else None))
-            pred = cost(name, H, L, n, net, shm)
-            err = (pred / t - 1) if t else None
-            out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n,
+            if op == "all_reduce":
+                th = Thresholds()
+                measured = net if H >= 3 else None  # what rank 0 measures at init (Note [Choosing by the link])
+                name = ((("hier-pipe" if pipelines(H, L, n, th) else
+                          "hierarchical/" + th.flat(H * L, n / L, H, measured, L)))
+                        if col == "hier" else th.flat(H * L, n, None, measured if L == 1 else None))
+                pred = cost(name, H, L, n, net, shm)
+                x, shown = n, short(name)
+            else:
+                x = n if op == "broadcast" else max(1, n // 4 // (H * L)) * 4  # _counts in _collective_worker.py
+                a = agreed(H, L)
+                name = PICKED[op](H, L, x, a, "hierarchical" if col == "hier" else "flat")
+                pred = op_cost(op, name, H, L, x, net, shm, a)
+                shown = op_short(name)
+            err = (pred / t - 1) if t and pred is not None else None
+            out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n, "block_bytes": x,
                         "measured_s": t, "predicted_s": pred, "error": err, "reason": run.reason})
-            rows.append([f"{H}x{L}", col, short(name), human_size(n),
-                         f"{t * 1e3:.1f} ms" if t else f"n/a ({run.reason})", f"{pred * 1e3:.1f} ms",
+            block = [] if op in ("all_reduce", "broadcast") else [_size(x)]
+            ms = "{:.1f} ms" if op == "all_reduce" else "{:.3g} ms"  # three digits where 64 KiB takes 0.2 ms
+            rows.append([f"{H}x{L}", col, shown, human_size(n), *block,
+                         ms.format(t * 1e3) if t else f"n/a ({run.reason})",
+                         ms.format(pred * 1e3) if pred is not None else "n/a",
                          f"{100 * err:+.0f}%" if err is not None else ""])
-            log(f"  {H}x{L} {col} {human_size(n)}: " + " ".join(rows[-1][4:]))
-    return {"link": link, "alpha_s": net.alpha, "beta_s_per_byte": net.beta, "shm_alpha_s": shm.alpha,
+            log(f"  {H}x{L} {col} {human_size(n)}: " + " ".join(rows[-1][-3:]))
+    block_header = [] if op in ("all_reduce", "broadcast") else ["block"]
+    return {"op": op, "link": link, "alpha_s": net.alpha, "beta_s_per_byte": net.beta, "shm_alpha_s": shm.alpha,
             "shm_beta_s_per_byte": shm.beta, "points": out,
-            "table": format_table(["hosts x ranks", "column", "algorithm", "size", "measured", "predicted",
-                                   "error"], rows, markdown=True)}
+            "table": format_table(["hosts x ranks", "column", "algorithm", "size", *block_header, "measured",
+                                   "predicted", "error"], rows, markdown=True)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", action="store_true", help="the choice at scale (markdown)")
     ap.add_argument("--validate", action="store_true", help="measure links and runs, compare with the model")
+    ap.add_argument("--op", choices=OPS, default="all_reduce", help="the collective (default all_reduce)")
     ap.add_argument("--link", default="1gbit")
     ap.add_argument("--alpha-us", type=float, default=20.0, help="the NIC's alpha in the scale table")
-    ap.add_argument("--sizes", nargs="+", type=int, default=[1 << 20, 16 << 20, 64 << 20])
+    ap.add_argument("--per-host", type=int, default=8, help="ranks per host in the scale table")
+    ap.add_argument("--sizes", nargs="+", type=int, default=[1 << 20, 16 << 20, 64 << 20],
+                    help="--validate's sizes in bytes, as benchmarks._collective_worker takes them (all_gather: "
+                         "the whole result, reduce_scatter: the whole input)")
     a = ap.parse_args(argv)
-    payload: dict = {"benchmark": "cost_model"}
+    payload: dict = {"benchmark": "cost_model", "op": a.op}
     if a.validate:
         points = [(2, 1, "flat"), (3, 1, "flat"), (4, 1, "flat"), (2, 2, "flat"), (2, 2, "hier")]
-        payload["validation"] = validate(a.link, points, a.sizes)
+        payload["validation"] = validate(a.link, points, a.sizes, op=a.op)
         print(payload["validation"]["table"])
     if a.table or not a.validate:
-        headers, rows = scale_table(alpha=a.alpha_us * 1e-6)
-        payload["scale"] = {"headers": headers, "rows": rows, "per_host": 8, "alpha_us": a.alpha_us}
+        if a.op == "all_reduce":
+            headers, rows = scale_table(per_host=a.per_host, alpha=a.alpha_us * 1e-6)
+        else:
+            headers, rows = op_scale_table(a.op, per_host=a.per_host, alpha=a.alpha_us * 1e-6)
+        payload["scale"] = {"headers": headers, "rows": rows, "per_host": a.per_host, "alpha_us": a.alpha_us}
         print(format_table(headers, rows, markdown=True))
-    print(f"\nwrote {write_json('cost_model', payload)}")
+    name = "cost_model" if a.op == "all_reduce" else f"cost_model_{a.op}"
+    print(f"\nwrote {write_json(name, payload)}")
     return 0
 
 
