@@ -39,7 +39,7 @@ it and that arrive) against the largest message inside a host (alpha_s + m beta_
   Bruck                ceil(log2 p) steps, at distance d = 1, 2, 4, ... each rank sends min(d, p-d) blocks to
                        r-d (d of a host's ranks cross to the next host while d < L, all L from d >= L), plus a
                        copy of the whole result, p b beta_s; pycyxwiz: p >= 4, b <= 8 KiB through rings only /
-                       128 KiB where sockets carry a pair, p b <= 4 MiB
+                       128 KiB where sockets carry a pair, p b <= 64 MiB
   reduce_scatter ring  p-1 steps of b, as the all_gather's
   recursive halving    the blocks copied into one buffer (p b beta_s); where p is not a power of two the even
                        ranks below 2 rem (rem = p - pof2) send all p b to the next rank (a step of p b) and get
@@ -322,7 +322,7 @@ def scale_table(per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024),
 # recursive halving], Note [Broadcast from the root to all], Note [When to go hierarchical])
 SMALL_ALL_GATHER = {"rings": 8 << 10, "sockets": 128 << 10}   # kSmallAllGatherBytes{Rings,Sockets}
 SMALL_REDUCE_SCATTER = {"rings": 1 << 10, "sockets": 16 << 10}  # kSmallReduceScatterBytes{Rings,Sockets}
-BRUCK_MOST_BYTES = 4 << 20      # kBruckMostBytes: Bruck's whole result (its kept scratch) at most this
+BRUCK_MOST_BYTES = 64 << 20     # kBruckMostBytes: Bruck's whole result (its scratch) at most this
 SMALL_BROADCAST = 64 << 10      # AlgoOptions::small_broadcast_bytes: binomial tree at or below
 STAR_SKIP_THREE_RANKS = (768 << 10, 4 << 20)  # kStarBroadcastSkip{From,To}ThreeRanks: the chain there
 HIERARCHICAL_FROM = Thresholds.hierarchical_from  # kHierarchicalMinBytes: of the whole (p * b) for the two above
@@ -341,22 +341,26 @@ class Agreed:
     star: bool = False
     star_skip: tuple[int, int] = (0, 0)
     chunk: int = 512 << 10
+    link: Link | None = None  # the link between hosts as rank 0 measured it at init (from 3 hosts up)
 
 
-def agreed(H: int, L: int, shm_on: bool = True, single_copies: bool = True, oversubscribed: bool = False) -> Agreed:
+def agreed(H: int, L: int, shm_on: bool = True, single_copies: bool = True, oversubscribed: bool = False,
+           net: Link | None = None) -> Agreed:
     """For H hosts of L ranks, shared memory inside a host (CX_SHM) on or off: every pair goes through shared-memory
     rings only on one host with it on (the Rings thresholds), else some pair through sockets (the Sockets ones);
     a host's own pairs through rings where it is on; the root to all only on one host with single copies. The
-    chunk: 256 KiB on one host with shared memory, 1 MiB where a host has more ranks than cores, else 512 KiB."""
+    chunk: 256 KiB on one host with shared memory, 1 MiB where a host has more ranks than cores, else 512 KiB.
+    `net`: the link between hosts, which CpuBackend::measure_link measures from 3 hosts up."""
     p = H * L
     chunk = (256 << 10) if shm_on and H == 1 else (1 << 20) if oversubscribed else (512 << 10)
+    link = net if H >= 3 else None
     if p < 3:  # agree_on_single_copies returns at once: the defaults stand
-        return Agreed(chunk=chunk)
+        return Agreed(chunk=chunk, link=link)
     world = "rings" if shm_on and H == 1 else "sockets"
     host = "rings" if shm_on and L > 1 else "sockets"
     star = shm_on and single_copies and H == 1
     return Agreed(SMALL_ALL_GATHER[world], SMALL_REDUCE_SCATTER[world], SMALL_ALL_GATHER[host],
-                  SMALL_REDUCE_SCATTER[host], star, STAR_SKIP_THREE_RANKS if star and p == 3 else (0, 0), chunk)
+                  SMALL_REDUCE_SCATTER[host], star, STAR_SKIP_THREE_RANKS if star and p == 3 else (0, 0), chunk, link)
 
 
 def _step(msgs, L: int, net: Link, shm: Link) -> float:
@@ -412,7 +416,7 @@ def all_gather_recursive_doubling(H: int, L: int, b: float, net: Link, shm: Link
 
 
 def pick_all_gather_flat(p: int, b: float, most: int) -> str:
-    """all_gather in allgather.cpp: Bruck's on 4 ranks or more, blocks up to `most`, the whole at most 4 MiB."""
+    """all_gather in allgather.cpp: Bruck's on 4 ranks or more, blocks up to `most`, the whole at most 64 MiB."""
     return "bruck" if p >= 4 and 0 < b <= most and p * b <= BRUCK_MOST_BYTES else "ring"
 
 
@@ -530,9 +534,24 @@ def broadcast_scatter_all_gather(H: int, L: int, n: float, net: Link, shm: Link 
     return t + all_gather_ring(H, L, n / p, net, shm)
 
 
-def pick_broadcast_flat(p: int, n: float, a: Agreed) -> str:
-    """broadcast in broadcast.cpp: the root to all (p > 2, above the tree's threshold, outside the 3 ranks' skip),
-    the binomial tree up to 64 KiB, else the chain."""
+# Note [Broadcast between hosts] in broadcast.cpp: the tree only where the model gives it at most this share of the
+# chain's time (its root's sends share its link, which the model's tree does not count)
+TREE_SHARE = 0.6
+
+
+def tree_by_link(p: int, n: float, chunk: int, link: Link) -> bool:
+    """broadcast.cpp's tree_by_link: the binomial tree's rounds against the chain's hops and chunks on `link`."""
+    c = min(n, max(1, chunk))
+    rounds = math.ceil(math.log2(p))
+    return rounds * link.cost(n) <= TREE_SHARE * (p - 2 + math.ceil(n / c)) * link.cost(c)
+
+
+def pick_broadcast_flat(p: int, n: float, a: Agreed, across_hosts: bool = False) -> str:
+    """broadcast in broadcast.cpp: among 3 ranks or more each on a host of its own (`across_hosts`) with the link
+    measured, above 64 KiB, the tree or the chain by the link (tree_by_link); else the root to all (p > 2, above
+    the tree's threshold, outside the 3 ranks' skip), the binomial tree up to 64 KiB, else the chain."""
+    if across_hosts and a.link is not None and p >= 3 and n > SMALL_BROADCAST:
+        return "tree" if tree_by_link(p, n, a.chunk, a.link) else "chain"
     if a.star and p > 2 and n > SMALL_BROADCAST and not a.star_skip[0] <= n < a.star_skip[1]:
         return "star"
     return "tree" if n <= SMALL_BROADCAST else "chain"
@@ -620,8 +639,8 @@ def picked_broadcast(H: int, L: int, n: float, a: Agreed | None = None, algorith
     hosts)."""
     a = a or agreed(H, L)
     if _goes_hierarchical(H, L, n, SMALL_BROADCAST, algorithm):
-        return f"hier/{pick_broadcast_flat(H, n, a)}/{pick_broadcast_flat(L, n, a)}"
-    return pick_broadcast_flat(H * L, n, a)
+        return f"hier/{pick_broadcast_flat(H, n, a, across_hosts=True)}/{pick_broadcast_flat(L, n, a)}"
+    return pick_broadcast_flat(H * L, n, a, across_hosts=L == 1)
 
 
 def _goes_hierarchical(H: int, L: int, nbytes: float, from_bytes: int, algorithm: str) -> bool:
@@ -671,7 +690,7 @@ def op_best(op: str, H: int, L: int, x: float, net: Link, shm: Link = SHM, imple
     return min(((c, t) for c, t in costs if t is not None), key=lambda ct: ct[1])
 
 
-OP_SHORT = {"ring": "ring", "bruck": "Bruck", "bruck-nocap": "Bruck (no 4 MiB cap)", "rd": "RD",
+OP_SHORT = {"ring": "ring", "bruck": "Bruck", "bruck-nocap": "Bruck (no 64 MiB cap)", "rd": "RD",
             "halving": "halving", "halving-near": "halving-near", "tree": "tree", "chain": "chain", "star": "star",
             "vdg": "scatter+AG", "chain*": "chain (best chunk)", "direct": "direct"}
 
@@ -700,7 +719,7 @@ def op_scale_table(op: str, per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 10
         net = nic(g, alpha)
         for p in ranks:
             H, L = max(1, p // per_host), min(per_host, p)
-            a = agreed(H, L)
+            a = agreed(H, L, net=net)
             for x in sizes:
                 pick = PICKED[op](H, L, x, a)
                 tp = op_cost(op, pick, H, L, x, net, SHM, a)
@@ -774,7 +793,7 @@ def validate(link: str, points, sizes, log=print, op: str = "all_reduce") -> dic
                 x, shown = n, short(name)
             else:
                 x = n if op == "broadcast" else max(1, n // 4 // (H * L)) * 4  # _counts in _collective_worker.py
-                a = agreed(H, L)
+                a = agreed(H, L, net=net)
                 name = PICKED[op](H, L, x, a, "hierarchical" if col == "hier" else "flat")
                 pred = op_cost(op, name, H, L, x, net, shm, a)
                 shown = op_short(name)

@@ -36,9 +36,26 @@ def test_all_gather_where_sockets_carry_a_pair_is_bruck_up_to_128_kib_blocks():
     assert cm.picked_all_gather(1, 4, 128 * KiB, cm.agreed(1, 4, shm_on=False)) == "bruck"
 
 
-def test_bruck_stops_where_its_whole_result_passes_4_mib():
-    assert cm.picked_all_gather(512, 1, 8 * KiB) == "bruck"  # 4 MiB exactly
-    assert cm.picked_all_gather(1024, 1, 8 * KiB) == "ring"
+def test_bruck_stops_where_its_whole_result_passes_64_mib():
+    assert cm.picked_all_gather(1024, 1, 8 * KiB) == "bruck"  # 8 MiB: above the kept scratch, in one of the call's
+    assert cm.picked_all_gather(512, 1, 128 * KiB) == "bruck"  # 64 MiB exactly
+    assert cm.picked_all_gather(1024, 1, 128 * KiB) == "ring"
+
+
+def test_broadcast_between_hosts_takes_the_tree_only_where_the_model_gives_it_at_most_0_6_of_the_chain():
+    # Note [Broadcast between hosts] in broadcast.cpp: the link is measured from 3 hosts up
+    for gbit in (1, 10, 100):
+        net = cm.nic(gbit)
+        for n in (128 * KiB, 1 * MiB, 16 * MiB):  # never on 3 or 4 hosts
+            assert cm.picked_broadcast(3, 1, n, cm.agreed(3, 1, net=net)) == "chain"
+            assert cm.picked_broadcast(4, 1, n, cm.agreed(4, 1, net=net)) == "chain"
+        assert cm.picked_broadcast(8, 1, 512 * KiB, cm.agreed(8, 1, net=net)) == "tree"  # 3 rounds, 7 hops
+        assert cm.picked_broadcast(8, 1, 16 * MiB, cm.agreed(8, 1, net=net)) == "chain"
+        assert cm.picked_broadcast(1024, 1, 1 * MiB, cm.agreed(1024, 1, net=net)) == "tree"
+    net = cm.nic(10)
+    assert cm.picked_broadcast(128, 8, 1 * MiB, cm.agreed(128, 8, net=net)) == "hier/tree/chain"  # the column
+    assert cm.picked_broadcast(2, 1, 1 * MiB, cm.agreed(2, 1, net=net)) == "chain"  # 2 hosts: nothing measured
+    assert cm.picked_broadcast(8, 1, 1 * MiB) == "chain"  # no link given: the loopback rule
 
 
 def test_reduce_scatter_on_8_ranks_over_sockets_is_halving_up_to_16_kib_blocks():

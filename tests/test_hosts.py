@@ -103,6 +103,15 @@ WORKER = textwrap.dedent("""
                 D.all_reduce(x)
                 if not np.array_equal(x, base * (p * (p + 1) // 2)):
                     bad.append(f"all_reduce {n} {np.dtype(dt).name}")
+        # broadcast above the tree's threshold: the tree or the chain by the link (Note [Broadcast between hosts]
+        # in broadcast.cpp; on 7 hosts of one rank the tree up to the chunk, the chain above)
+        for n in (100_000, 700_000):
+            for root in (0, p - 1):
+                want = (np.arange(n) % 89 + root).astype(np.float32)
+                x = want.copy() if r == root else np.zeros(n, np.float32)
+                D.broadcast(x, src=root)
+                if not np.array_equal(x, want):
+                    bad.append(f"broadcast {n} from {root}")
         setup = cx._core.dist._describe_setup()
         D.finalize()
         return {"bad": bad, "setup": setup}
@@ -244,7 +253,7 @@ def _link_part(setup):
     return setup[at:] if at >= 0 else ""
 
 
-@pytest.mark.parametrize("n_hosts,per_host", [(3, 1), (4, 1), (3, 2)])
+@pytest.mark.parametrize("n_hosts,per_host", [(3, 1), (4, 1), (3, 2), (7, 1)])
 def test_three_hosts_or_more_measure_the_link_and_every_rank_takes_the_same_numbers(tmp_path, n_hosts, per_host):
     with hosts.Hosts(n_hosts) as h:
         for i in range(n_hosts):

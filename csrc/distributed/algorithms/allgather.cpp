@@ -25,12 +25,17 @@ namespace {
 // 8 ranks (1.2-2.1x) and from 256 KiB on 4 (where the ring copies once, out of the sender's memory). So the
 // threshold (AlgoOptions::small_all_gather_bytes) is 8 KiB where every pair goes through rings and 128 KiB where
 // sockets carry some (agreed at init: CpuBackend::agree_on_single_copies).
-// Its scratch holds the whole result and is kept for the thread's next collective (scratch.h): at most this.
-constexpr size_t kBruckMostBytes = 4u << 20;
+// Its scratch holds the whole result (CallScratch: kept for the thread's next collective up to 4 MiB, allocated for
+// the call above): at most this. Bruck takes log2 p steps where the ring takes p - 1, and sends the same bytes; the
+// cost model (benchmarks/cost_model.py --op all_gather --per-host 1) has it at 0.28x the ring's time on 1024 hosts of
+// one rank with 8 KiB blocks on 10 Gbit/s links (8 MiB in all), 0.08x on 100 Gbit/s; not measured (a 4 MiB cap kept
+// those on the ring until a later session).
+constexpr size_t kBruckMostBytes = 64u << 20;
 
 void all_gather_bruck(Transport& t, const void* in, void* const* outs, size_t bytes) {
   const int p = t.size(), r = t.rank();
-  char* tmp = scratch_space(static_cast<size_t>(p) * bytes);
+  const CallScratch scratch(static_cast<size_t>(p) * bytes);
+  char* tmp = scratch.get();
   std::memcpy(tmp, in, bytes);
   for (int d = 1; d < p; d *= 2) {
     const size_t n = static_cast<size_t>(std::min(d, p - d)) * bytes;

@@ -170,7 +170,8 @@ void reduce_scatter_halving(Transport& t, const void* const* ins, void* out, siz
   const size_t total = static_cast<size_t>(p) * count;
   const size_t ce = hd_chunk(total, es, o);
   const size_t depth = static_cast<size_t>(std::max(1, o.depth));
-  char* all = scratch_space(whole + depth * ce * es);  // the blocks in rank order, then the chunks received
+  const CallScratch scratch(whole + depth * ce * es);  // the blocks in rank order, then the chunks received
+  char* all = scratch.get();
   for (int i = 0; i < p; ++i) std::memcpy(all + static_cast<size_t>(i) * bytes, ins[i], bytes);
   const bool paired = r < 2 * f.rem;  // Note [Reduce-scatter on a world that is not a power of two]
   if (paired && r % 2 == 0) {  // the odd rank after us stands for us: our blocks to it, our result from it

@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <cmath>
 #include <deque>
 
 #include "distributed/algorithms/algorithms.h"
@@ -87,10 +89,42 @@ void broadcast_star(Transport& t, void* buf, size_t bytes, int root) {
   t.wait_all();
 }
 
+// Note [Broadcast between hosts]
+// Above small_broadcast_bytes the chain was measured best over loopback and through shared memory, where ranks
+// share cores and the tree's root sends the whole message log2 p times. Between hosts each of the chain's p - 1
+// hops adds a chunk's time on the link before the last rank has its first chunk: (p - 2 + k)(a + c b) for k chunks
+// of c bytes, against the binomial tree's ceil(log2 p)(a + n b). The cost model (benchmarks/cost_model.py --op
+// broadcast) put the chain at 5.5x the tree's time on 64 hosts of one rank at 1 MiB and 10 Gbit/s, 52x on 1024.
+// But the tree's figure is a floor: its root posts the sends to all its children at once, which share its link.
+// Behind 1 Gbit/s links (network namespaces, 4 hosts of one rank) the tree took 1.14x and 1.25x the model's time
+// at 512 KiB and 1 MiB, and 1.25x the chain's at 1 MiB, where the model has them level; taken wherever the model
+// had it cheaper, it lost 0.48-0.85x on 3 and 4 hosts. So where the ranks of a transport are each on a host of
+// their own and at least three, and the link was measured at init (Note [Choosing by the link] in allreduce.cpp; a
+// hierarchical broadcast's column too), the tree takes over only where the model gives it at most kTreeShare of
+// the chain's time: never on 3 or 4 hosts; on 8 up to 512 KiB, where it measured 1.21x and 1.44x the chain's
+// speed at 256 and 512 KiB behind the same links (benchmarks/README.md, "Acting on it").
+constexpr double kTreeShare = 0.6;
+
+bool tree_by_link(int p, size_t bytes, const AlgoOptions& o) {
+  const double a = o.link_alpha, b = o.link_beta, n = static_cast<double>(bytes);
+  const double c = std::min(n, static_cast<double>(std::max<size_t>(1, o.chunk_bytes)));
+  int rounds = 0;
+  while ((1 << rounds) < p) ++rounds;
+  return rounds * (a + n * b) <= kTreeShare * (p - 2 + std::ceil(n / c)) * (a + c * b);
+}
+
 }  // namespace
 
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o) {
   if (t.size() == 1) return;
+  if (o.across_hosts && o.link_beta > 0 && t.size() >= 3 && bytes > o.small_broadcast_bytes) {
+    if (tree_by_link(t.size(), bytes, o)) {
+      broadcast_tree(t, buf, bytes, root);
+    } else {
+      broadcast_chain(t, buf, bytes, root, o);
+    }
+    return;
+  }
   if (o.star_broadcast && t.size() > 2 && bytes > o.small_broadcast_bytes &&
       !(bytes >= o.star_broadcast_skip_from && bytes < o.star_broadcast_skip_to)) {
     broadcast_star(t, buf, bytes, root);

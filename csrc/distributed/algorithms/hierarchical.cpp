@@ -396,7 +396,9 @@ void broadcast_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t 
   const int me = t.rank(), root_local = h.local_of[root];
   if (h.local_of[me] == root_local) {
     SubTransport across(t, h.column(root_local));
-    broadcast(across, buf, bytes, h.host_of[root], o);  // the column is in host order
+    AlgoOptions column = o;  // a host each (Note [Broadcast between hosts] in broadcast.cpp)
+    column.across_hosts = true;
+    broadcast(across, buf, bytes, h.host_of[root], column);  // the column is in host order
   }
   SubTransport in_host(t, h.ranks[static_cast<size_t>(h.host_of[me])]);
   broadcast(in_host, buf, bytes, root_local, o);

@@ -30,4 +30,26 @@ inline char* scratch_space(size_t bytes) {
   return buf.get();
 }
 
+// Memory for one call of a collective whose scratch grows with the world (Bruck's all_gather and the recursive-halving
+// reduce_scatter hold p blocks): the thread's kept scratch_space up to kKeptMostBytes, so that small calls allocate
+// nothing, and above it a fresh allocation freed when the call ends, so that the kept pool stays bounded.
+inline constexpr size_t kKeptMostBytes = 4u << 20;
+
+class CallScratch {
+ public:
+  explicit CallScratch(size_t bytes) {
+    if (bytes <= kKeptMostBytes) {
+      p_ = scratch_space(bytes);
+    } else {
+      own_.reset(new char[bytes]);
+      p_ = own_.get();
+    }
+  }
+  char* get() const { return p_; }
+
+ private:
+  std::unique_ptr<char[]> own_;
+  char* p_ = nullptr;
+};
+
 }  // namespace cx::distributed::algo
