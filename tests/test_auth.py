@@ -319,7 +319,9 @@ def test_a_stranger_with_a_sniffed_group_nonce_cannot_join_as_a_rank(capfd):
     # The issue's impersonation: a stranger who knows the group's nonce connects to rank 0's data
     # port as the rank that has not come yet, and would add 1000 to every sum. The nonce is not
     # enough: without the secret, rank 0 drops it and the real rank is taken.
-    # Rank 2 starts only once the attack is over (attacked): a fixed delay lost the race on a loaded machine.
+    # Rank 2 starts only once the attack is over (attacked): a fixed delay lost the race on a loaded machine. The
+    # others wait for it at init up to 60 s, past the 20 s the attack may take to find the nonce (with the harness's
+    # 20 s both ran out together: in a full run beside two busy loops, rank 1 timed out waiting for rank 2).
     stop, attacked, found, attack = threading.Event(), threading.Event(), {}, {}
     sniffer = threading.Thread(target=sniff_mesh_hello, args=(stop, found))
     sniffer.start()
@@ -352,7 +354,9 @@ def test_a_stranger_with_a_sniffed_group_nonce_cannot_join_as_a_rank(capfd):
     t = threading.Thread(target=impersonate)
     t.start()
     try:
-        values = ranks.run(sum_of_ranks, world=3, env={"CX_AUTH_TOKEN": SECRET, "CX_SHM": "0"}, start_delay={2: attacked})
+        values = ranks.run(sum_of_ranks, world=3, env={"CX_AUTH_TOKEN": SECRET, "CX_SHM": "0",
+                                                       "DISTRIBUTED_TIMEOUT_MS": 60000},
+                           start_delay={2: attacked}, timeout=120)
     finally:
         stop.set()
         sniffer.join(10)
