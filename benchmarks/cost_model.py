@@ -415,9 +415,18 @@ def all_gather_recursive_doubling(H: int, L: int, b: float, net: Link, shm: Link
     return sum(_step(((r, r ^ d, d * b) for r in range(p)), L, net, shm) for d in (1 << k for k in range(_log2(p))))
 
 
-def pick_all_gather_flat(p: int, b: float, most: int) -> str:
-    """all_gather in allgather.cpp: Bruck's on 4 ranks or more, blocks up to `most`, the whole at most 64 MiB."""
-    return "bruck" if p >= 4 and 0 < b <= most and p * b <= BRUCK_MOST_BYTES else "ring"
+# Note [Bruck's all_gather between hosts] in allgather.cpp: among ranks a host each with the link measured, Bruck's
+# blocks also at most this many of the link's alpha in bytes
+BRUCK_MOST_ALPHAS = 16
+
+
+def pick_all_gather_flat(p: int, b: float, most: int, link: Link | None = None, share: int = 1) -> str:
+    """all_gather in allgather.cpp (bruck_pays): Bruck's on 4 ranks or more, blocks up to `most`, the whole at most
+    64 MiB, and where the ranks are each on a host of their own with the link measured (`link`, `share` transports
+    using it at once), a block's time on the link at most BRUCK_MOST_ALPHAS alphas; else the ring."""
+    if not (p >= 4 and 0 < b <= most and p * b <= BRUCK_MOST_BYTES):
+        return "ring"
+    return "bruck" if link is None or b * link.beta * share <= BRUCK_MOST_ALPHAS * link.alpha else "ring"
 
 
 # reduce_scatter ------------------------------------------------------------------------------------------------
@@ -618,9 +627,9 @@ def picked_all_gather(H: int, L: int, b: float, a: Agreed | None = None, algorit
     a = a or agreed(H, L)
     if _goes_hierarchical(H, L, H * L * b, HIERARCHICAL_FROM, algorithm):
         inner = pick_all_gather_flat(L, b, a.in_host_all_gather)
-        across = "direct" if H <= PIPELINED_MAX_HOSTS else pick_all_gather_flat(H, b, a.all_gather)
+        across = "direct" if H <= PIPELINED_MAX_HOSTS else pick_all_gather_flat(H, b, a.all_gather, a.link, L)
         return f"hier/{across}/{inner}"
-    return pick_all_gather_flat(H * L, b, a.all_gather)
+    return pick_all_gather_flat(H * L, b, a.all_gather, a.link if L == 1 else None)
 
 
 def picked_reduce_scatter(H: int, L: int, b: float, a: Agreed | None = None, algorithm: str = "auto") -> str:

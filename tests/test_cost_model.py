@@ -42,6 +42,16 @@ def test_bruck_stops_where_its_whole_result_passes_64_mib():
     assert cm.picked_all_gather(1024, 1, 128 * KiB) == "ring"
 
 
+def test_bruck_between_hosts_of_a_rank_each_takes_blocks_of_at_most_16_link_alphas():
+    # Note [Bruck's all_gather between hosts] in allgather.cpp: 1 Gbit/s with 12 us: 16 alphas are 23 KB
+    net = cm.Link(alpha=12e-6, beta=8 / 1e9)
+    assert cm.picked_all_gather(4, 1, 16 * KiB, cm.agreed(4, 1, net=net)) == "bruck"
+    assert cm.picked_all_gather(4, 1, 64 * KiB, cm.agreed(4, 1, net=net)) == "ring"
+    assert cm.picked_all_gather(4, 1, 64 * KiB) == "bruck"  # no link measured: the loopback bound
+    assert cm.picked_all_gather(64, 1, 128 * KiB, cm.agreed(64, 1, net=cm.nic(10))) == "bruck"  # 400 KB at 10 Gbit/s
+    assert cm.picked_all_gather(2, 2, 16 * KiB, cm.agreed(2, 2, net=net), "flat") == "bruck"  # 2 hosts: not measured
+
+
 def test_broadcast_between_hosts_takes_the_tree_only_where_the_model_gives_it_at_most_0_6_of_the_chain():
     # Note [Broadcast between hosts] in broadcast.cpp: the link is measured from 3 hosts up
     for gbit in (1, 10, 100):

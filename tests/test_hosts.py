@@ -112,6 +112,13 @@ WORKER = textwrap.dedent("""
                 D.broadcast(x, src=root)
                 if not np.array_equal(x, want):
                     bad.append(f"broadcast {n} from {root}")
+        # all_gather on both sides of Bruck's bound by the link (Note [Bruck's all_gather between hosts] in
+        # allgather.cpp; 16 KiB blocks by Bruck's on 4 hosts or more behind 1 Gbit/s, 64 KiB by the ring)
+        for n in (4096, 16_384):
+            out = np.empty((p, n), np.int32)
+            D.all_gather(out, np.arange(n, dtype=np.int32) + 1000 * r)
+            if not np.array_equal(out, np.arange(n, dtype=np.int32) + 1000 * np.arange(p, dtype=np.int32)[:, None]):
+                bad.append(f"all_gather {n}")
         setup = cx._core.dist._describe_setup()
         D.finalize()
         return {"bad": bad, "setup": setup}

@@ -50,6 +50,27 @@ void all_gather_bruck(Transport& t, const void* in, void* const* outs, size_t by
   }
 }
 
+// Note [Bruck's all_gather between hosts]
+// The 128 KiB bound where sockets carry a pair was measured over loopback, where a step costs a wake-up and a byte
+// a fraction of a nanosecond. Bruck saves the ring p - 1 - ceil(log2 p) steps' latency, no bytes, and adds a copy
+// of the whole and messages of several blocks at once. Behind 1 Gbit/s links (network namespaces, a rank a host,
+// alpha 12 us, 8.3 ns a byte; `python -m benchmarks.allreduce --op all_gather --link 1gbit`, against a build with
+// the ring above 8 KiB, 2 runs each alternating): on 8 hosts 0.91x the ring's time at 16 KiB blocks (a block's
+// bytes 11 alphas), 1.03x at 64 and 128 KiB (45 and 90 alphas); on 4 hosts level at 16 and 64 KiB and 1.24x at
+// 128 KiB. So where the ranks are each on a host of their own and the link was measured at init (Note [Choosing
+// by the link] in allreduce.cpp; a hierarchical all_gather's columns too, which share the link), Bruck's blocks
+// are also at most kBruckMostAlphas of the link's alpha in bytes: on a 10 Gbit/s link with 20 us that is 400 KB
+// (the loopback bound stands), on 1 Gbit/s 23 KB. Against the build before it on the same links (3 runs on 4
+// hosts, 2 on 8): 1.17x the speed at 128 KiB blocks on 4 hosts, 1.03-1.05x at 64-128 KiB on 8, level at 16 KiB.
+constexpr double kBruckMostAlphas = 16;
+
+bool bruck_pays(int p, size_t bytes, const AlgoOptions& o) {
+  if (p < 4 || !bytes || bytes > o.small_all_gather_bytes || static_cast<size_t>(p) * bytes > kBruckMostBytes)
+    return false;
+  return !(o.across_hosts && o.link_beta > 0) ||
+         static_cast<double>(bytes) * o.link_beta * std::max(1, o.link_share) <= kBruckMostAlphas * o.link_alpha;
+}
+
 }  // namespace
 
 // Ring all-gather: at step s rank r receives block (r-s-1) mod p from the left
@@ -57,7 +78,7 @@ void all_gather_bruck(Transport& t, const void* in, void* const* outs, size_t by
 // (except at the last step). No scratch. Small blocks on 4 ranks or more: Bruck's.
 void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, const AlgoOptions& o) {
   const int p = t.size(), r = t.rank();
-  if (p >= 4 && bytes && bytes <= o.small_all_gather_bytes && static_cast<size_t>(p) * bytes <= kBruckMostBytes) {
+  if (bruck_pays(p, bytes, o)) {
     all_gather_bruck(t, in, outs, bytes);
     return;
   }

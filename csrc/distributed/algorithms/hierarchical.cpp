@@ -373,7 +373,10 @@ void all_gather_hierarchical(Transport& t, const Hierarchy& h, const void* in, v
     // Across hosts by column (the ring), then inside the host once per host's blocks.
     std::vector<void*> column_outs(static_cast<size_t>(n_hosts));
     for (int j = 0; j < n_hosts; ++j) column_outs[j] = theirs + j * bytes;
-    all_gather(across, in, column_outs.data(), bytes, o);
+    AlgoOptions column = o;  // a host each, per_host columns through every host's link at once
+    column.across_hosts = true;
+    column.link_share = h.per_host;
+    all_gather(across, in, column_outs.data(), bytes, column);
     for (int j = 0; j < n_hosts; ++j) gather_in_host(j, theirs + j * bytes);
     return;
   }
