@@ -263,7 +263,8 @@ std::string CpuBackend::flat_description() const {
       opt_.link_beta > 0
           ? detail::concat("; between hosts ", static_cast<int>(opt_.link_alpha * 1e6 + 0.5), " us and ",
                            static_cast<int>(1e-6 / opt_.link_beta + 0.5),
-                           " MB/s measured at init: all_reduce and broadcast among ranks a host each by that link's cost")
+                           " MB/s measured at init: all_reduce, broadcast and all_gather among ranks a host each "
+                           "by that link's cost")
           : std::string();
   return detail::concat("all_reduce: recursive doubling up to ", opt_.small_allreduce_bytes,
                         " bytes, halving-doubling (4, 8, ... ranks) up to ", opt_.halving_doubling_max_bytes,
