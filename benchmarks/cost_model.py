@@ -148,7 +148,7 @@ def recursive_doubling(H: int, L: int, n: float, net: Link, shm: Link = SHM) -> 
 def halving_doubling(H: int, L: int, n: float, net: Link, shm: Link = SHM, nearest_first: bool = False
                      ) -> float | None:
     p = H * L
-    if p & (p - 1) or p < 2:
+    if not _is_pof2(p) or p < 2:
         return None
     k = _log2(p)
     # farthest first (allreduce_hd.cpp): distance p/2 moves n/2, p/4 moves n/4, ...; the all-gather

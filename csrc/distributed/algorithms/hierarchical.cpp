@@ -92,6 +92,15 @@ AlgoOptions in_host_options(const AlgoOptions& o) {
   return inside;
 }
 
+// For the flat collective a column runs across hosts: its ranks are each on a host of their own (Note [Choosing by
+// the link] in allreduce.cpp), `share` columns using every host's link at once.
+AlgoOptions column_options(const AlgoOptions& o, int share) {
+  AlgoOptions column = o;
+  column.across_hosts = true;
+  column.link_share = share;
+  return column;
+}
+
 }  // namespace
 
 // Note [Pipelined hierarchical all_reduce]
@@ -164,9 +173,7 @@ void all_reduce_in_phases(Transport& t, const Hierarchy& h, void* buf, size_t co
     across_v = {pv->probe, nullptr, pv->base + off, false, pv->result && h.ranks.size() > 1};
   }
   ring_reduce_scatter_inplace(in_host, buf, count, dt, summed(op), o, pv ? &in_v : nullptr);
-  AlgoOptions column = o;  // a host each, per_host columns through every host's link at once
-  column.across_hosts = true;
-  column.link_share = per_host;
+  const AlgoOptions column = column_options(o, per_host);  // every column at once
   all_reduce(across, static_cast<char*>(buf) + off * dtype_size(dt), n, dt, summed(op), column,
              pv ? &across_v : nullptr);
   ring_all_gather_inplace(in_host, buf, count, dt, o);
@@ -373,10 +380,7 @@ void all_gather_hierarchical(Transport& t, const Hierarchy& h, const void* in, v
     // Across hosts by column (the ring), then inside the host once per host's blocks.
     std::vector<void*> column_outs(static_cast<size_t>(n_hosts));
     for (int j = 0; j < n_hosts; ++j) column_outs[j] = theirs + j * bytes;
-    AlgoOptions column = o;  // a host each, per_host columns through every host's link at once
-    column.across_hosts = true;
-    column.link_share = h.per_host;
-    all_gather(across, in, column_outs.data(), bytes, column);
+    all_gather(across, in, column_outs.data(), bytes, column_options(o, h.per_host));  // every column at once
     for (int j = 0; j < n_hosts; ++j) gather_in_host(j, theirs + j * bytes);
     return;
   }
@@ -399,9 +403,8 @@ void broadcast_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t 
   const int me = t.rank(), root_local = h.local_of[root];
   if (h.local_of[me] == root_local) {
     SubTransport across(t, h.column(root_local));
-    AlgoOptions column = o;  // a host each (Note [Broadcast between hosts] in broadcast.cpp)
-    column.across_hosts = true;
-    broadcast(across, buf, bytes, h.host_of[root], column);  // the column is in host order
+    // The root's column alone (Note [Broadcast between hosts] in broadcast.cpp), in host order.
+    broadcast(across, buf, bytes, h.host_of[root], column_options(o, 1));
   }
   SubTransport in_host(t, h.ranks[static_cast<size_t>(h.host_of[me])]);
   broadcast(in_host, buf, bytes, root_local, o);
