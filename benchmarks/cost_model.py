@@ -548,6 +548,25 @@ def broadcast_scatter_all_gather(H: int, L: int, n: float, net: Link, shm: Link 
 TREE_SHARE = 0.6
 
 
+# Note [The chain's chunk between hosts] in broadcast.cpp: the chunk that minimises the chain's time on the link,
+# in multiples of 4 KiB, at least this, at most the agreed chunk
+LEAST_LINK_CHUNK = 16 << 10
+
+
+def chunk_by_link(p: int, n: float, chunk: int, link: Link) -> int:
+    """broadcast.cpp's chunk_by_link: (p - 2 + k)(alpha + n/k beta) over k chunks is least at k = sqrt(n beta (p - 2)
+    / alpha); the better of the whole numbers beside it, its chunk rounded up to 4 KiB, within [16 KiB, chunk]."""
+    if not link.alpha > 0:
+        return min(LEAST_LINK_CHUNK, chunk)
+
+    def cost(k: float) -> float:
+        return (p - 2 + k) * (link.alpha + n / k * link.beta)
+    best = max(1.0, math.sqrt(n * link.beta * (p - 2) / link.alpha))
+    k = math.floor(best) if cost(math.floor(best)) <= cost(math.ceil(best)) else math.ceil(best)
+    c = (math.ceil(n / k) + 4095) // 4096 * 4096
+    return min(max(c, min(LEAST_LINK_CHUNK, chunk)), chunk)
+
+
 def tree_by_link(p: int, n: float, chunk: int, link: Link) -> bool:
     """broadcast.cpp's tree_by_link: the binomial tree's rounds against the chain's hops and chunks on `link`."""
     c = min(n, max(1, chunk))
@@ -557,10 +576,11 @@ def tree_by_link(p: int, n: float, chunk: int, link: Link) -> bool:
 
 def pick_broadcast_flat(p: int, n: float, a: Agreed, across_hosts: bool = False) -> str:
     """broadcast in broadcast.cpp: among 3 ranks or more each on a host of its own (`across_hosts`) with the link
-    measured, above 64 KiB, the tree or the chain by the link (tree_by_link); else the root to all (p > 2, above
-    the tree's threshold, outside the 3 ranks' skip), the binomial tree up to 64 KiB, else the chain."""
+    measured, above 64 KiB, the tree or the chain in the link's chunks by the link (tree_by_link); else the root to
+    all (p > 2, above the tree's threshold, outside the 3 ranks' skip), the binomial tree up to 64 KiB, else the
+    chain."""
     if across_hosts and a.link is not None and p >= 3 and n > SMALL_BROADCAST:
-        return "tree" if tree_by_link(p, n, a.chunk, a.link) else "chain"
+        return "tree" if tree_by_link(p, n, chunk_by_link(p, n, a.chunk, a.link), a.link) else "chain"
     if a.star and p > 2 and n > SMALL_BROADCAST and not a.star_skip[0] <= n < a.star_skip[1]:
         return "star"
     return "tree" if n <= SMALL_BROADCAST else "chain"
@@ -584,8 +604,9 @@ def _flat_op(op: str, name: str, H: int, L: int, x: float, net: Link, shm: Link,
         return None  # its scratch is capped: "bruck-nocap" is the not implemented one
     if name == "bruck-nocap":
         return all_gather_bruck(H, L, x, net, shm) if H * L * x > BRUCK_MOST_BYTES else None
-    if name == "chain":
-        return broadcast_chain(H, L, x, net, shm, a.chunk)
+    if name == "chain":  # between hosts of a rank each, with the link measured: its chunk by the link
+        across = L == 1 and H >= 3 and a.link is not None
+        return broadcast_chain(H, L, x, net, shm, chunk_by_link(H, x, a.chunk, a.link) if across else a.chunk)
     return FLAT_OPS[op][name](H, L, x, net, shm)
 
 

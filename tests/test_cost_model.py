@@ -53,17 +53,20 @@ def test_bruck_between_hosts_of_a_rank_each_takes_blocks_of_at_most_16_link_alph
 
 
 def test_broadcast_between_hosts_takes_the_tree_only_where_the_model_gives_it_at_most_0_6_of_the_chain():
-    # Note [Broadcast between hosts] in broadcast.cpp: the link is measured from 3 hosts up
+    # Note [Broadcast between hosts] in broadcast.cpp: the link is measured from 3 hosts up; the chain's chunk is the
+    # link's (Note [The chain's chunk between hosts])
     for gbit in (1, 10, 100):
         net = cm.nic(gbit)
         for n in (128 * KiB, 1 * MiB, 16 * MiB):  # never on 3 or 4 hosts
             assert cm.picked_broadcast(3, 1, n, cm.agreed(3, 1, net=net)) == "chain"
             assert cm.picked_broadcast(4, 1, n, cm.agreed(4, 1, net=net)) == "chain"
-        assert cm.picked_broadcast(8, 1, 512 * KiB, cm.agreed(8, 1, net=net)) == "tree"  # 3 rounds, 7 hops
         assert cm.picked_broadcast(8, 1, 16 * MiB, cm.agreed(8, 1, net=net)) == "chain"
         assert cm.picked_broadcast(1024, 1, 1 * MiB, cm.agreed(1024, 1, net=net)) == "tree"
+    for gbit in (1, 10):  # 8 hosts: the chain in chunks of 16-48 KiB beats the tree's 3 rounds of the whole
+        assert cm.picked_broadcast(8, 1, 512 * KiB, cm.agreed(8, 1, net=cm.nic(gbit))) == "chain"
+    assert cm.picked_broadcast(8, 1, 128 * KiB, cm.agreed(8, 1, net=cm.nic(100))) == "tree"  # alpha is most of it
     net = cm.nic(10)
-    assert cm.picked_broadcast(128, 8, 1 * MiB, cm.agreed(128, 8, net=net)) == "hier/tree/chain"  # the column
+    assert cm.picked_broadcast(512, 8, 1 * MiB, cm.agreed(512, 8, net=net)) == "hier/tree/chain"  # the column
     assert cm.picked_broadcast(2, 1, 1 * MiB, cm.agreed(2, 1, net=net)) == "chain"  # 2 hosts: nothing measured
     assert cm.picked_broadcast(8, 1, 1 * MiB) == "chain"  # no link given: the loopback rule
 
@@ -175,6 +178,24 @@ def test_a_step_costs_the_busiest_nic_with_every_rank_of_the_host_that_crosses()
 @pytest.mark.parametrize("p, rounds", [(2, 1), (5, 3), (8, 3), (1000, 10)])
 def test_the_binomial_broadcast_takes_ceil_log2_p_rounds(p, rounds):
     assert cm.broadcast_tree(p, 1, 8, ALPHA, FREE) == rounds
+
+
+def test_the_chains_chunk_between_hosts_is_the_best_whole_number_of_chunks_within_16_kib_and_the_agreed_chunk():
+    net = cm.nic(1, alpha=12e-6)  # as measured behind the namespaces' 1 Gbit/s links
+    for p in (3, 8, 64):
+        for n in (100_000, 1 * MiB, 16 * MiB):
+            c = cm.chunk_by_link(p, n, 512 * KiB, net)
+            assert c % 4096 == 0 and 16 * KiB <= c <= 512 * KiB
+            k = math.ceil(n / c)
+            chain = (p - 2 + k) * net.cost(n / k)
+            best = min((p - 2 + j) * net.cost(n / j) for j in range(1, 4096))
+            if 16 * KiB < c < 512 * KiB:  # not clamped: within the 4 KiB rounding of the best
+                assert chain <= best * 1.02, (p, n, c)
+    assert cm.chunk_by_link(8, 16 * MiB, 512 * KiB, net) == 64 * KiB
+    assert cm.chunk_by_link(3, 1 * MiB, 512 * KiB, net) == 40 * KiB
+    assert cm.chunk_by_link(8, 1 * MiB, 512 * KiB, net) == 16 * KiB     # the least
+    assert cm.chunk_by_link(3, 256 * MiB, 512 * KiB, net) == 512 * KiB   # the agreed chunk at most
+    assert cm.chunk_by_link(3, 256 * MiB, 64 * KiB, net) == 64 * KiB
 
 
 def test_the_chain_takes_p_minus_1_hops_then_a_hop_per_further_chunk():

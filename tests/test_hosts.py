@@ -103,12 +103,13 @@ WORKER = textwrap.dedent("""
                 D.all_reduce(x)
                 if not np.array_equal(x, base * (p * (p + 1) // 2)):
                     bad.append(f"all_reduce {n} {np.dtype(dt).name}")
-        # broadcast above the tree's threshold: the tree or the chain by the link (Note [Broadcast between hosts]
-        # in broadcast.cpp; on 7 hosts of one rank the tree up to the chunk, the chain above)
-        for n in (100_000, 700_000):
+        # broadcast above the tree's threshold: the tree or the chain by the link, the chain in chunks of the link's
+        # (Notes [Broadcast between hosts], [The chain's chunk between hosts] in broadcast.cpp; behind 1 Gbit/s the
+        # chain in chunks of 16 KiB and more, the last one short: 65,537 bytes end in a chunk of one)
+        for n, dt in ((65_537, np.uint8), (100_000, np.float32), (700_000, np.float32)):
             for root in (0, p - 1):
-                want = (np.arange(n) % 89 + root).astype(np.float32)
-                x = want.copy() if r == root else np.zeros(n, np.float32)
+                want = (np.arange(n) % 89 + root).astype(dt)
+                x = want.copy() if r == root else np.zeros(n, dt)
                 D.broadcast(x, src=root)
                 if not np.array_equal(x, want):
                     bad.append(f"broadcast {n} from {root}")

@@ -7,7 +7,8 @@
 // | all_reduce     | recursive doubling (n <= threshold)  | log2(p)+2  | log2(p) * n          |
 // (threshold: 128 KiB for 2 ranks, 512 KiB for more; Note [small all_reduce threshold])
 // | broadcast      | pipelined chain (binomial tree small) | p-1+chunks | n                    |
-// (between hosts of a rank each, from 3: the tree where the link makes it cheaper; Note [Broadcast between hosts])
+// (between hosts of a rank each, from 3: the chain in the link's chunks, the tree where the link makes it cheaper;
+// Notes [Broadcast between hosts], [The chain's chunk between hosts])
 // | broadcast      | root to all, single copies (p > 2)    | 1          | n (root: (p-1) * n)  |
 // | all_gather     | ring                                 | p-1        | (p-1) * n            |
 // | all_gather     | Bruck (p >= 4, n small)              | log2(p)    | (p-1) * n            |

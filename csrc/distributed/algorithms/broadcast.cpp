@@ -31,16 +31,16 @@ void broadcast_tree(Transport& t, void* buf, size_t bytes, int root) {
 
 // Pipelined chain root -> root+1 -> ... : each chunk is forwarded as soon as it
 // arrives, so the time is ~(chunks + p - 2) chunk transfers, not (p-1) messages.
-void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, const AlgoOptions& o) {
+void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, size_t chunk) {
   const int p = t.size();
   const int vr = (t.rank() - root + p) % p;
   const int prev = (t.rank() - 1 + p) % p, next = (t.rank() + 1) % p;
   char* buf = static_cast<char*>(buf_v);
-  const size_t nc = chunk_count(bytes, o.chunk_bytes);
+  const size_t nc = chunk_count(bytes, chunk);
   if (vr == 0) {
     for (size_t c = 0; c < nc; ++c) {
       size_t off, n;
-      chunk_at(bytes, o.chunk_bytes, c, &off, &n);
+      chunk_at(bytes, chunk, c, &off, &n);
       t.isend(next, buf + off, n);
     }
     t.wait_all();
@@ -50,7 +50,7 @@ void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, const Al
   std::deque<std::pair<Transport::Req, size_t>> inflight;
   for (size_t c = 0; c < nc; ++c) {
     size_t off, n;
-    chunk_at(bytes, o.chunk_bytes, c, &off, &n);
+    chunk_at(bytes, chunk, c, &off, &n);
     inflight.emplace_back(t.irecv(prev, buf + off, n), c);
   }
   while (!inflight.empty()) {
@@ -59,7 +59,7 @@ void broadcast_chain(Transport& t, void* buf_v, size_t bytes, int root, const Al
     t.wait(req);
     if (vr + 1 < p) {
       size_t off, n;
-      chunk_at(bytes, o.chunk_bytes, c, &off, &n);
+      chunk_at(bytes, chunk, c, &off, &n);
       t.isend(next, buf + off, n);
     }
   }
@@ -101,13 +101,39 @@ void broadcast_star(Transport& t, void* buf, size_t bytes, int root) {
 // had it cheaper, it lost 0.48-0.85x on 3 and 4 hosts. So where the ranks of a transport are each on a host of
 // their own and at least three, and the link was measured at init (Note [Choosing by the link] in allreduce.cpp; a
 // hierarchical broadcast's column too), the tree takes over only where the model gives it at most kTreeShare of
-// the chain's time: never on 3 or 4 hosts; on 8 up to 512 KiB, where it measured 1.21x and 1.44x the chain's
-// speed at 256 and 512 KiB behind the same links (benchmarks/README.md, "Acting on it").
+// the chain's time, the chain's in chunks of the link's (below). With a latency of 20 us the model takes it at 1
+// MiB from 384 hosts of one rank on 10 Gbit/s and from 24 on 100, at 128 KiB from 32 and 8, never below 32 hosts
+// on 1 Gbit/s.
 constexpr double kTreeShare = 0.6;
 
-bool tree_by_link(int p, size_t bytes, const AlgoOptions& o) {
+// Note [The chain's chunk between hosts]
+// The chain's time between hosts, (p - 2 + k)(a + n/k b) for k chunks of a message of n bytes, is least at
+// k = sqrt(n b (p - 2) / a): the first chunk's p - 2 hops are a fill that small chunks make short, and each chunk
+// costs a latency. With the agreed chunk (512 KiB) the fill was most of a broadcast's time: behind 1 Gbit/s links
+// on 8 hosts of one rank a 1 MiB broadcast took 29 ms, 3.3 times the link's time for its bytes. So where the chain
+// runs between hosts with the link measured (as the tree's choice above), its chunk is the one of the better whole
+// number of chunks beside that k, rounded up to 4 KiB, at least kLeastLinkChunk (below it the calls, not the link,
+// would cost) and at most the agreed chunk (larger chunks, which the model gives 100 Gbit/s links for 256 MiB, are
+// not measured here). Behind the namespaces' 1 Gbit/s links (alpha about 12 us) that is 16-64 KiB for 128 KiB to
+// 16 MiB on 8 hosts: measured against the agreed chunk, side by side (benchmarks/README.md, "The chain's chunk
+// between hosts"), 3.1-3.7x the speed at 128 KiB-1 MiB on 8 hosts, 1.7-2.4x at 256 KiB-1 MiB on 4, 1.1-1.6x on 3;
+// 1.2-1.9x for the column of 3 and 4 hosts of 2 ranks. Every size from 128 KiB up then runs at the link's rate.
+constexpr size_t kLeastLinkChunk = 16 * 1024;
+
+size_t chunk_by_link(int p, size_t bytes, const AlgoOptions& o) {
+  const size_t least = std::min(kLeastLinkChunk, o.chunk_bytes);
   const double a = o.link_alpha, b = o.link_beta, n = static_cast<double>(bytes);
-  const double c = std::min(n, static_cast<double>(std::max<size_t>(1, o.chunk_bytes)));
+  if (!(a > 0)) return least;
+  auto cost = [&](double k) { return (p - 2 + k) * (a + n / k * b); };
+  const double best = std::max(1.0, std::sqrt(n * b * (p - 2) / a));
+  const double k = cost(std::floor(best)) <= cost(std::ceil(best)) ? std::floor(best) : std::ceil(best);
+  const size_t c = (static_cast<size_t>(std::ceil(n / k)) + 4095) / 4096 * 4096;
+  return std::clamp(c, least, o.chunk_bytes);
+}
+
+bool tree_by_link(int p, size_t bytes, size_t chunk, const AlgoOptions& o) {
+  const double a = o.link_alpha, b = o.link_beta, n = static_cast<double>(bytes);
+  const double c = std::min(n, static_cast<double>(std::max<size_t>(1, chunk)));
   int rounds = 0;
   while ((1 << rounds) < p) ++rounds;
   return rounds * (a + n * b) <= kTreeShare * (p - 2 + std::ceil(n / c)) * (a + c * b);
@@ -118,10 +144,11 @@ bool tree_by_link(int p, size_t bytes, const AlgoOptions& o) {
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o) {
   if (t.size() == 1) return;
   if (o.across_hosts && o.link_beta > 0 && t.size() >= 3 && bytes > o.small_broadcast_bytes) {
-    if (tree_by_link(t.size(), bytes, o)) {
+    const size_t chunk = chunk_by_link(t.size(), bytes, o);
+    if (tree_by_link(t.size(), bytes, chunk, o)) {
       broadcast_tree(t, buf, bytes, root);
     } else {
-      broadcast_chain(t, buf, bytes, root, o);
+      broadcast_chain(t, buf, bytes, root, chunk);
     }
     return;
   }
@@ -132,12 +159,12 @@ void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOption
   }
   if (bytes <= o.small_broadcast_bytes || t.size() == 2) {
     if (t.size() == 2 && bytes > o.small_broadcast_bytes) {
-      broadcast_chain(t, buf, bytes, root, o);  // chunking still helps the receiver start early
+      broadcast_chain(t, buf, bytes, root, o.chunk_bytes);  // chunking still helps the receiver start early
     } else {
       broadcast_tree(t, buf, bytes, root);
     }
   } else {
-    broadcast_chain(t, buf, bytes, root, o);
+    broadcast_chain(t, buf, bytes, root, o.chunk_bytes);
   }
 }
 
