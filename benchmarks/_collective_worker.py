@@ -25,8 +25,8 @@ import numpy as np
 
 from benchmarks._worker_io import run_rank
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather", "barrier",
-       "pingpong")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather", "reduce",
+       "barrier", "pingpong")
 
 
 def iterations(nbytes: int, scale: float = 1.0) -> tuple[int, int]:
@@ -43,7 +43,7 @@ def iterations(nbytes: int, scale: float = 1.0) -> tuple[int, int]:
 def _counts(op: str, nbytes: int, world: int) -> tuple[int, int]:
     """(input elements, output elements) per rank for a nominal size in bytes."""
     n = max(1, nbytes // 4)
-    if op in ("all_reduce", "broadcast", "pingpong"):
+    if op in ("all_reduce", "broadcast", "reduce", "pingpong"):
         return n, n
     per_rank = max(1, n // world)
     if op in ("all_gather", "gather"):
@@ -62,7 +62,7 @@ class Case:
         self.op, self.comm = op, comm
         n_in, n_out = _counts(op, nbytes, comm.world)
         self.inp = np.zeros(n_in, np.float32)
-        self.out = self.inp if op in ("all_reduce", "broadcast", "pingpong") else np.zeros(n_out, np.float32)
+        self.out = self.inp if op in ("all_reduce", "broadcast", "reduce", "pingpong") else np.zeros(n_out, np.float32)
         self.bytes = (n_in if op not in ("all_gather", "gather") else n_out) * 4
         self.call = self._bind()
 
@@ -84,6 +84,7 @@ class Case:
                 "gather": lambda: d.gather(inp, out2 if root else None, dst=0),
                 "all_reduce": lambda: d.all_reduce(inp, op=d.ReduceOp.SUM),
                 "broadcast": lambda: d.broadcast(inp, src=0),
+                "reduce": lambda: d.reduce(inp, dst=0, op=d.ReduceOp.SUM),
                 "all_gather": lambda: d.all_gather(out, inp),
                 "reduce_scatter": lambda: d.reduce_scatter(out, inp),
                 "all_to_all": lambda: d.all_to_all(out2, inp2),
@@ -99,6 +100,7 @@ class Case:
                 "gather": lambda: dist.gather(ti, blocks if root else None, dst=0),
                 "all_reduce": lambda: dist.all_reduce(ti),
                 "broadcast": lambda: dist.broadcast(ti, 0),
+                "reduce": lambda: dist.reduce(ti, 0),
                 "all_gather": lambda: gather(to, ti),
                 "reduce_scatter": lambda: scatter(to, ti),
                 "all_to_all": lambda: dist.all_to_all_single(to, ti),
@@ -110,6 +112,8 @@ class Case:
                 "gather": lambda: comm.Gather(inp, out, root=0),
                 "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, inp, op=MPI.SUM),
                 "broadcast": lambda: comm.Bcast(inp, root=0),
+                "reduce": lambda: comm.Reduce(MPI.IN_PLACE if root else inp, inp if root else None, op=MPI.SUM,
+                                              root=0),
                 "all_gather": lambda: comm.Allgather(inp, out),
                 "reduce_scatter": lambda: comm.Reduce_scatter_block(inp, out, op=MPI.SUM),
                 "all_to_all": lambda: comm.Alltoall(inp, out),
@@ -143,8 +147,10 @@ class Case:
         self.call()
         idx = np.unique(np.array([0, self.out.size // 2, self.out.size - 1]))
         got = self.out[idx]
-        if self.op in ("all_reduce", "reduce_scatter"):
+        if self.op in ("all_reduce", "reduce_scatter") or self.op == "reduce" and r == 0:
             ok = np.all(got == n * (n + 1) / 2)
+        elif self.op == "reduce":
+            ok = True  # off the root the buffer is the library's scratch
         elif self.op in ("broadcast", "scatter"):  # the root's buffer, all ones
             ok = np.all(got == 1)
         elif self.op == "gather" and r != 0:

@@ -64,13 +64,14 @@ QUICK_SIZES = [8, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
 LATENCY_BELOW = 64 << 10
 CEILING_FROM = 64 << 20  # from here on data streams from memory, the TCP ceiling applies
 SHORT_NAME = {"all_reduce": "allreduce", "broadcast": "broadcast", "all_gather": "allgather",
-              "reduce_scatter": "reducescatter", "all_to_all": "alltoall", "scatter": "scatter", "gather": "gather", "barrier": "barrier", "pingpong": "pingpong"}
+              "reduce_scatter": "reducescatter", "all_to_all": "alltoall", "scatter": "scatter", "gather": "gather",
+              "reduce": "reduce", "barrier": "barrier", "pingpong": "pingpong"}
 
 
 def bus_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
             "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
-            "scatter": (n - 1) / n, "gather": (n - 1) / n, "broadcast": 1.0, "barrier": 0.0,
+            "scatter": (n - 1) / n, "gather": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0,
             "pingpong": 0.0}[op]
 
 

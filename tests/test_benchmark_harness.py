@@ -64,7 +64,7 @@ def test_the_activations_benchmark_prints_both_libraries_side_by_side():
     assert "activations.json" in r.stdout
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "all_to_all", "scatter", "gather"])
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "all_to_all", "scatter", "gather", "reduce"])
 def test_the_collective_benchmark_checks_the_exchanges_and_rooted_collectives_it_times(op, tmp_path):
     # Its own check (rank-dependent inputs, outputs against the closed form) passes for pycyxwiz and, where
     # PyTorch is installed, gloo, on 3 ranks, at 8 bytes (fewer elements than ranks) and 96 KiB.

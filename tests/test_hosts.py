@@ -113,6 +113,23 @@ WORKER = textwrap.dedent("""
                 D.broadcast(x, src=root)
                 if not np.array_equal(x, want):
                     bad.append(f"broadcast {n} from {root}")
+        # reduce above the tree's threshold: the chain in the link's chunks (Note [Reduce between hosts] in
+        # reduce.cpp), every op's result at the root against NumPy's
+        for n, dt in ((65_537, np.uint8), (100_000, np.float32), (300_001, np.float64), (700_000, np.int32)):
+            for root in (0, p - 1):
+                for op in (D.ReduceOp.SUM, D.ReduceOp.MAX, D.ReduceOp.AVG):
+                    if op == D.ReduceOp.AVG and np.dtype(dt).kind != "f":
+                        continue
+                    mine = lambda q: ((np.arange(n) * (q + 3)) % 61 + q).astype(dt)  # noqa: E731
+                    x = mine(r)
+                    D.reduce(x, dst=root, op=op)
+                    every = np.stack([mine(q) for q in range(p)]).astype(np.float64)
+                    want = {D.ReduceOp.SUM: every.sum(0), D.ReduceOp.MAX: every.max(0),
+                            D.ReduceOp.AVG: every.sum(0) / p}[op]
+                    if dt == np.uint8 and op == D.ReduceOp.SUM:
+                        want = want % 256
+                    if r == root and not np.allclose(x.astype(np.float64), want, rtol=1e-6, atol=0):
+                        bad.append(f"reduce {n} {np.dtype(dt).name} {op} to {root}")
         # all_gather on both sides of Bruck's bound by the link (Note [Bruck's all_gather between hosts] in
         # allgather.cpp; 16 KiB blocks by Bruck's on 4 hosts or more behind 1 Gbit/s, 64 KiB by the ring)
         for n in (4096, 16_384):

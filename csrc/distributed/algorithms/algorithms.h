@@ -98,6 +98,11 @@ void all_reduce_cast(Transport& t, float* buf, uint16_t* wire, size_t count, Dat
                      const AlgoOptions& o, ReduceProbe* probe = nullptr, int rank = 0);
 
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o);
+// Between hosts with the link measured (o.across_hosts, o.link_beta > 0), p >= 3: the chunk of a pipelined chain of
+// p ranks for `bytes` (Note [The chain's chunk between hosts] in broadcast.cpp), and whether the binomial tree takes
+// at most kTreeShare of that chain's time (Note [Broadcast between hosts]). reduce's chain and tree use them too.
+size_t chain_chunk_by_link(int p, size_t bytes, const AlgoOptions& o);
+bool tree_by_link(int p, size_t bytes, size_t chunk, const AlgoOptions& o);
 
 // outs[i] receives rank i's `bytes`; `in` may be outs[rank].
 void all_gather(Transport& t, const void* in, void* const* outs, size_t bytes, const AlgoOptions& o);

@@ -89,6 +89,8 @@ void broadcast_star(Transport& t, void* buf, size_t bytes, int root) {
   t.wait_all();
 }
 
+}  // namespace
+
 // Note [Broadcast between hosts]
 // Above small_broadcast_bytes the chain was measured best over loopback and through shared memory, where ranks
 // share cores and the tree's root sends the whole message log2 p times. Between hosts each of the chain's p - 1
@@ -120,7 +122,7 @@ constexpr double kTreeShare = 0.6;
 // 1.2-1.9x for the column of 3 and 4 hosts of 2 ranks. Every size from 128 KiB up then runs at the link's rate.
 constexpr size_t kLeastLinkChunk = 16 * 1024;
 
-size_t chunk_by_link(int p, size_t bytes, const AlgoOptions& o) {
+size_t chain_chunk_by_link(int p, size_t bytes, const AlgoOptions& o) {
   const size_t least = std::min(kLeastLinkChunk, o.chunk_bytes);
   const double a = o.link_alpha, b = o.link_beta, n = static_cast<double>(bytes);
   if (!(a > 0)) return least;
@@ -139,12 +141,10 @@ bool tree_by_link(int p, size_t bytes, size_t chunk, const AlgoOptions& o) {
   return rounds * (a + n * b) <= kTreeShare * (p - 2 + std::ceil(n / c)) * (a + c * b);
 }
 
-}  // namespace
-
 void broadcast(Transport& t, void* buf, size_t bytes, int root, const AlgoOptions& o) {
   if (t.size() == 1) return;
   if (o.across_hosts && o.link_beta > 0 && t.size() >= 3 && bytes > o.small_broadcast_bytes) {
-    const size_t chunk = chunk_by_link(t.size(), bytes, o);
+    const size_t chunk = chain_chunk_by_link(t.size(), bytes, o);
     if (tree_by_link(t.size(), bytes, chunk, o)) {
       broadcast_tree(t, buf, bytes, root);
     } else {
