@@ -67,6 +67,13 @@ WORKER = textwrap.dedent("""
                     if not np.array_equal(got, want):
                         bad.append(f"reduce_scatter {dtype} {op} n={n}")
                     digest.update(got.tobytes())
+                    for root in (0, p - 1):  # reduce: the root's result (the others' buffers are scratch)
+                        x = contribution(r, n, dtype, op)
+                        D.reduce(x, dst=root, op=getattr(D.ReduceOp, op))
+                        if r == root:
+                            if not np.array_equal(x, expected(p, n, dtype, op)):
+                                bad.append(f"reduce {dtype} {op} n={n} root={root}")
+                            digest.update(x.tobytes())
             for n in SIZES:
                 if dtype == "bfloat16":
                     continue

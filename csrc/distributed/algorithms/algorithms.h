@@ -19,7 +19,7 @@
 // | all_to_all     | direct, all pairs at once            | 1          | (p-1) * n            |
 // | barrier        | dissemination, 8-byte fingerprints   | log2(p)    | 0                    |
 // (n = bytes per rank's block; p = world size.) Across hosts with more than one
-// rank each, all_reduce, reduce_scatter, all_gather and broadcast go
+// rank each, all_reduce, reduce_scatter, all_gather, broadcast and reduce go
 // hierarchical (hierarchical.h, Note [Hierarchical collectives]).
 //
 // Every rank must pass the same AlgoOptions: they decide message boundaries.

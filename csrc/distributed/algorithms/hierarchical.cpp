@@ -410,4 +410,24 @@ void broadcast_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t 
   broadcast(in_host, buf, bytes, root_local, o);
 }
 
+// Note [Reduce across hosts of several ranks]
+// The flat binomial tree's root takes the message through its host's link from every child on another host (on 4
+// hosts of 2 ranks, two of its three children). So a hierarchical reduce, like broadcast the other way round: every
+// host reduces onto its rank in the root's column (the flat tree through shared memory), then that column reduces
+// across hosts, one rank a host (Note [Reduce between hosts] in reduce.cpp: the chain in the link's chunks where
+// the link was measured). AVG is summed in both and divided once at the root.
+void reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t count, DataType dt, ReduceOp op, int root,
+                         const AlgoOptions& o) {
+  const int me = t.rank(), root_local = h.local_of[root];
+  {
+    SubTransport in_host(t, h.ranks[static_cast<size_t>(h.host_of[me])]);
+    reduce(in_host, buf, count, dt, summed(op), root_local, o);
+  }
+  if (h.local_of[me] == root_local) {
+    SubTransport across(t, h.column(root_local));
+    reduce(across, buf, count, dt, summed(op), h.host_of[root], column_options(o, 1));
+  }
+  if (me == root) finish_avg(buf, count, dt, op, t.size());
+}
+
 }  // namespace cx::distributed::algo

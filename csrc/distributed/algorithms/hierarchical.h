@@ -1,5 +1,5 @@
 // defines: Hierarchy (which ranks share a host) and the hierarchical all_reduce,
-// reduce_scatter, all_gather and broadcast: shared memory inside a host, one
+// reduce_scatter, all_gather, broadcast and reduce: shared memory inside a host, one
 // rank per host and per slice of the data across hosts (Note [Hierarchical
 // collectives] in hierarchical.cpp).
 #pragma once
@@ -34,5 +34,8 @@ void all_gather_hierarchical(Transport& t, const Hierarchy& h, const void* in, v
                              const AlgoOptions& o);
 void broadcast_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t bytes, int root,
                             const AlgoOptions& o);
+// The result lands in buf on `root`; other ranks' buf hold partial results afterwards (as algo::reduce).
+void reduce_hierarchical(Transport& t, const Hierarchy& h, void* buf, size_t count, DataType dt, ReduceOp op, int root,
+                         const AlgoOptions& o);
 
 }  // namespace cx::distributed::algo

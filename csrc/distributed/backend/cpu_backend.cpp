@@ -244,10 +244,11 @@ void CpuBackend::measure_link() {
 std::string CpuBackend::describe() const {
   if (hier_) {
     return detail::concat("hierarchical across ", hier_->ranks.size(), " hosts of ", hier_->per_host,
-                          " ranks (all_reduce, reduce_scatter, all_gather, broadcast",
+                          " ranks (all_reduce, reduce_scatter, all_gather, broadcast, reduce",
                           forced_ ? std::string()
-                                  : detail::concat(" from ", kHierarchicalMinBytes, " bytes, broadcast from ",
-                                                   opt_.small_broadcast_bytes, " bytes"),
+                                  : detail::concat(" from ", kHierarchicalMinBytes,
+                                                   " bytes, broadcast and reduce from ", opt_.small_broadcast_bytes,
+                                                   " bytes"),
                           "): ring inside a host, the flat algorithms across hosts by column (all_reduce: direct "
                           "across hosts, pipelined in slices ",
                           opt_.hierarchical_slice_bytes ? detail::concat("of ", opt_.hierarchical_slice_bytes, " bytes")
@@ -439,6 +440,11 @@ Backend::Body CpuBackend::reduce_scatter_probed(std::vector<const float*> ins, f
 }
 
 Backend::Body CpuBackend::reduce(void* buf, size_t count, DataType dt, ReduceOp op, int root, uintptr_t) {
+  if (hierarchical(count * dtype_size(dt), opt_.small_broadcast_bytes)) {  // as broadcast, the other way round
+    return [t = t_.get(), h = &*hier_, o = opt_, buf, count, dt, op, root] {
+      agreeing_on_the_root(*t, [&] { algo::reduce_hierarchical(*t, *h, buf, count, dt, op, root, o); });
+    };
+  }
   return [t = t_.get(), o = opt_, buf, count, dt, op, root] {
     agreeing_on_the_root(*t, [&] { algo::reduce(*t, buf, count, dt, op, root, o); });
   };
