@@ -1,8 +1,8 @@
-"""An alpha-beta cost model of pycyxwiz's all_reduce, all_gather, reduce_scatter and broadcast algorithms on H hosts
-of L ranks each: what each algorithm costs, which is fastest, and which one pycyxwiz picks.
+"""An alpha-beta cost model of pycyxwiz's all_reduce, all_gather, reduce_scatter, broadcast and reduce algorithms.
+On H hosts of L ranks each: what each algorithm costs, which is fastest, and which one pycyxwiz picks.
 
     python -m benchmarks.cost_model --table                 # the choice at 8 .. 1024 ranks, 10 and 100 Gbit/s
-    python -m benchmarks.cost_model --table --op all_gather # the same for all_gather, reduce_scatter, broadcast
+    python -m benchmarks.cost_model --table --op all_gather # the same for all_gather, reduce_scatter, broadcast, reduce
     python -m benchmarks.cost_model --validate --link 1gbit # measure the links, predict, compare with runs
 
 Model (Hockney): a message of m bytes over a link costs alpha + m * beta. Links: shared memory inside a
@@ -67,6 +67,10 @@ it and that arrive) against the largest message inside a host (alpha_s + m beta_
                        other, each by the flat rule (no star: every pair agreed it)
   scatter+AG, chain    (reference, not pycyxwiz's) van de Geijn's binomial scatter of n/p a rank and ring
   (best chunk)         all_gather; the chain with its cheapest chunk
+  reduce               broadcast's tree and chain with every message the other way round (the same bytes through
+                       each NIC, which the model counts the more of what leaves and what arrives); the tree's
+                       rounds summed, where the C++ pipelines its chunks across them; the reduction's arithmetic
+                       left out. Hierarchical: the tree inside every host, then the root's column
 
 CPU costs (reduction arithmetic, the copies of TCP) are left out: the model holds where the links, not
 the CPUs, are the bottleneck (shaped links between hosts); --validate measures it there. Bruck's and the
@@ -307,6 +311,7 @@ def scale_table(per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024),
             for n in sizes:
                 pick = picked(H, L, n, net=net)
                 tp = cost(pick, H, L, n, net)
+                assert tp is not None, (pick, H, L, n)
                 b, tb = best(H, L, n, net)
                 ba, ta = best(H, L, n, net, implemented_only=False)
                 rows.append([str(g), str(p), human_size(n), short(pick), f"{tp * 1e3:.3f} ms", short(b),
@@ -586,9 +591,18 @@ def pick_broadcast_flat(p: int, n: float, a: Agreed, across_hosts: bool = False)
     return "tree" if n <= SMALL_BROADCAST else "chain"
 
 
+def pick_reduce_flat(p: int, n: float, a: Agreed, across_hosts: bool = False) -> str:
+    """reduce in reduce.cpp: among 3 ranks or more each on a host of its own with the link measured, above 64 KiB,
+    broadcast's rule (the chain in the link's chunks, or the tree by tree_by_link); else the binomial tree."""
+    if across_hosts and a.link is not None and p >= 3 and n > SMALL_BROADCAST:
+        return "tree" if tree_by_link(p, n, chunk_by_link(p, n, a.chunk, a.link), a.link) else "chain"
+    return "tree"
+
+
 # the three, flat and hierarchical ------------------------------------------------------------------------------
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+ROOTED = ("broadcast", "reduce")  # sized by the message n, hierarchical as the root's column and the hosts
 
 FLAT_OPS: dict[str, dict[str, Callable[..., float | None]]] = {
     "all_gather": {"ring": all_gather_ring, "bruck": all_gather_bruck, "rd": all_gather_recursive_doubling},
@@ -596,6 +610,7 @@ FLAT_OPS: dict[str, dict[str, Callable[..., float | None]]] = {
                        "halving-near": reduce_scatter_halving_nearest},
     "broadcast": {"tree": broadcast_tree, "chain": broadcast_chain, "star": broadcast_star,
                   "vdg": broadcast_scatter_all_gather, "chain*": broadcast_chain_best_chunk},
+    "reduce": {"tree": broadcast_tree, "chain": broadcast_chain, "chain*": broadcast_chain_best_chunk},
 }
 
 
@@ -605,8 +620,8 @@ def _flat_op(op: str, name: str, H: int, L: int, x: float, net: Link, shm: Link,
     if name == "bruck-nocap":
         return all_gather_bruck(H, L, x, net, shm) if H * L * x > BRUCK_MOST_BYTES else None
     if name == "chain":  # between hosts of a rank each, with the link measured: its chunk by the link
-        across = L == 1 and H >= 3 and a.link is not None
-        return broadcast_chain(H, L, x, net, shm, chunk_by_link(H, x, a.chunk, a.link) if across else a.chunk)
+        link = a.link if L == 1 and H >= 3 else None
+        return broadcast_chain(H, L, x, net, shm, chunk_by_link(H, x, a.chunk, link) if link else a.chunk)
     return FLAT_OPS[op][name](H, L, x, net, shm)
 
 
@@ -624,13 +639,13 @@ def hierarchical_op(op: str, across: str, inner: str, H: int, L: int, x: float, 
     and then the columns' reduce_scatter.
     broadcast: the root's column (one rank a host) then inside every host, one after the other."""
     a = a or agreed(H, L)
-    if H < 2 or op != "broadcast" and (across == "direct") != (H <= PIPELINED_MAX_HOSTS):
+    if H < 2 or op not in ROOTED and (across == "direct") != (H <= PIPELINED_MAX_HOSTS):
         return None
     in_host = _flat_op(op, inner, 1, L, x, shm, shm, a)
     if in_host is None:
         return None
     g = in_host if L > 1 else 0.0
-    if op == "broadcast":
+    if op in ROOTED:
         t = _flat_op(op, across, H, 1, x, net, shm, a)
         return None if t is None else t + g
     if across == "direct":
@@ -680,7 +695,17 @@ def _goes_hierarchical(H: int, L: int, nbytes: float, from_bytes: int, algorithm
     return algorithm == "hierarchical" or (L > 1 and nbytes >= from_bytes)
 
 
-PICKED = {"all_gather": picked_all_gather, "reduce_scatter": picked_reduce_scatter, "broadcast": picked_broadcast}
+def picked_reduce(H: int, L: int, n: float, a: Agreed | None = None, algorithm: str = "auto") -> str:
+    """What pycyxwiz runs for n bytes (CpuBackend::reduce): hierarchical from 64 KiB up, as broadcast (the tree
+    inside a host, the column by pick_reduce_flat)."""
+    a = a or agreed(H, L)
+    if _goes_hierarchical(H, L, n, SMALL_BROADCAST, algorithm):
+        return f"hier/{pick_reduce_flat(H, n, a, across_hosts=True)}/tree"
+    return pick_reduce_flat(H * L, n, a, across_hosts=L == 1)
+
+
+PICKED = {"all_gather": picked_all_gather, "reduce_scatter": picked_reduce_scatter, "broadcast": picked_broadcast,
+          "reduce": picked_reduce}
 
 
 def op_cost(op: str, name: str, H: int, L: int, x: float, net: Link, shm: Link = SHM,
@@ -697,16 +722,16 @@ def op_cost(op: str, name: str, H: int, L: int, x: float, net: Link, shm: Link =
 
 
 OP_FLAT = {"all_gather": ("ring", "bruck"), "reduce_scatter": ("ring", "halving"),
-           "broadcast": ("tree", "chain", "star")}
+           "broadcast": ("tree", "chain", "star"), "reduce": ("tree", "chain")}
 OP_NOT_IMPLEMENTED = {"all_gather": ("bruck-nocap", "rd"), "reduce_scatter": ("halving-near",),
-                      "broadcast": ("vdg", "chain*")}
+                      "broadcast": ("vdg", "chain*"), "reduce": ("chain*",)}
 
 
 def op_candidates(op: str, H: int, L: int, implemented_only: bool = True) -> list[str]:
     names = list(OP_FLAT[op]) + ([] if implemented_only else list(OP_NOT_IMPLEMENTED[op]))
     if H > 1 and L > 1:
         inners = [n for n in OP_FLAT[op] if n != "star"]
-        if op == "broadcast":
+        if op in ROOTED:
             acrosses = inners
         else:
             acrosses = ["direct"] if H <= PIPELINED_MAX_HOSTS else inners
@@ -734,14 +759,15 @@ def op_short(name: str) -> str:
 
 OP_SIZES = {"all_gather": (8, 1 << 10, 8 << 10, 16 << 10, 128 << 10, 1 << 20, 16 << 20),
             "reduce_scatter": (8, 1 << 10, 8 << 10, 16 << 10, 128 << 10, 1 << 20, 16 << 20),
-            "broadcast": (8, 64 << 10, 1 << 20, 16 << 20, 256 << 20)}
+            "broadcast": (8, 64 << 10, 1 << 20, 16 << 20, 256 << 20),
+            "reduce": (8, 64 << 10, 1 << 20, 16 << 20, 256 << 20)}
 
 
 def op_scale_table(op: str, per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 1024), sizes=None,
                    alpha: float = 20e-6) -> tuple[list, list]:
-    """As scale_table, for all_gather, reduce_scatter (size: each rank's block, and the whole) or broadcast."""
+    """As scale_table, for all_gather, reduce_scatter (size: each rank's block, and the whole), broadcast or reduce."""
     sizes = sizes or OP_SIZES[op]
-    headers = ["Gbit/s", "ranks", "hosts x ranks", "block (whole)" if op != "broadcast" else "size",
+    headers = ["Gbit/s", "ranks", "hosts x ranks", "block (whole)" if op not in ROOTED else "size",
                "pycyxwiz picks", "its time", "best (implemented)", "best time", "picked/best",
                "best of all (incl. not implemented)"]
     rows = []
@@ -756,7 +782,7 @@ def op_scale_table(op: str, per_host: int = 8, gbits=(10, 100), ranks=(8, 64, 10
                 assert tp is not None, (op, pick, H, L, x)
                 b, tb = op_best(op, H, L, x, net, SHM, True, a)
                 ba, ta = op_best(op, H, L, x, net, SHM, False, a)
-                size = human_size(x) if op == "broadcast" else f"{human_size(x)} ({_size(p * x)})"
+                size = human_size(x) if op in ROOTED else f"{human_size(x)} ({_size(p * x)})"
                 rows.append([str(g), str(p), f"{H}x{L}", size, op_short(pick), f"{tp * 1e3:.3f} ms", op_short(b),
                              f"{tb * 1e3:.3f} ms", f"{tp / tb:.2f}x", f"{op_short(ba)} {ta * 1e3:.3f} ms"])
     return headers, rows
@@ -822,7 +848,7 @@ def validate(link: str, points, sizes, log=print, op: str = "all_reduce") -> dic
                 pred = cost(name, H, L, n, net, shm)
                 x, shown = n, short(name)
             else:
-                x = n if op == "broadcast" else max(1, n // 4 // (H * L)) * 4  # _counts in _collective_worker.py
+                x = n if op in ROOTED else max(1, n // 4 // (H * L)) * 4  # _counts in _collective_worker.py
                 a = agreed(H, L, net=net)
                 name = PICKED[op](H, L, x, a, "hierarchical" if col == "hier" else "flat")
                 pred = op_cost(op, name, H, L, x, net, shm, a)
@@ -830,14 +856,14 @@ def validate(link: str, points, sizes, log=print, op: str = "all_reduce") -> dic
             err = (pred / t - 1) if t and pred is not None else None
             out.append({"hosts": H, "per_host": L, "column": col, "algorithm": name, "bytes": n, "block_bytes": x,
                         "measured_s": t, "predicted_s": pred, "error": err, "reason": run.reason})
-            block = [] if op in ("all_reduce", "broadcast") else [_size(x)]
+            block = [] if op in ("all_reduce", *ROOTED) else [_size(x)]
             ms = "{:.1f} ms" if op == "all_reduce" else "{:.3g} ms"  # three digits where 64 KiB takes 0.2 ms
             rows.append([f"{H}x{L}", col, shown, human_size(n), *block,
                          ms.format(t * 1e3) if t else f"n/a ({run.reason})",
                          ms.format(pred * 1e3) if pred is not None else "n/a",
                          f"{100 * err:+.0f}%" if err is not None else ""])
             log(f"  {H}x{L} {col} {human_size(n)}: " + " ".join(rows[-1][-3:]))
-    block_header = [] if op in ("all_reduce", "broadcast") else ["block"]
+    block_header = [] if op in ("all_reduce", *ROOTED) else ["block"]
     return {"op": op, "link": link, "alpha_s": net.alpha, "beta_s_per_byte": net.beta, "shm_alpha_s": shm.alpha,
             "shm_beta_s_per_byte": shm.beta, "points": out,
             "table": format_table(["hosts x ranks", "column", "algorithm", "size", *block_header, "measured",

@@ -180,6 +180,23 @@ def test_the_binomial_broadcast_takes_ceil_log2_p_rounds(p, rounds):
     assert cm.broadcast_tree(p, 1, 8, ALPHA, FREE) == rounds
 
 
+def test_reduce_takes_broadcasts_rule_between_hosts_and_the_tree_elsewhere():
+    # Note [Reduce between hosts] in reduce.cpp, Note [Reduce across hosts of several ranks] in hierarchical.cpp
+    net = cm.nic(1, alpha=12e-6)
+    for H in (3, 4, 8):
+        assert cm.picked_reduce(H, 1, 64 * KiB, cm.agreed(H, 1, net=net)) == "tree"  # the threshold: at or below
+        assert cm.picked_reduce(H, 1, 128 * KiB, cm.agreed(H, 1, net=net)) == "chain"
+        assert cm.picked_reduce(H, 2, 1 * MiB, cm.agreed(H, 2, net=net)) == "hier/chain/tree"  # the root's column
+    assert cm.picked_reduce(2, 1, 1 * MiB, cm.agreed(2, 1, net=net)) == "tree"  # 2 hosts: nothing measured
+    assert cm.picked_reduce(2, 2, 1 * MiB, cm.agreed(2, 2, net=net)) == "hier/tree/tree"
+    assert cm.picked_reduce(2, 2, 32 * KiB) == "tree"  # below 64 KiB: flat
+    assert cm.picked_reduce(1, 4, 16 * MiB) == "tree"  # one host: the tree at every size
+    assert cm.picked_reduce(1024, 1, 1 * MiB, cm.agreed(1024, 1, net=cm.nic(10))) == "tree"  # 10 rounds, 1022 hops
+    # the chain's and the tree's messages are broadcast's the other way round: the same bytes through each NIC
+    assert cm.op_cost("reduce", "tree", 8, 1, 1 * MiB, net) == cm.op_cost("broadcast", "tree", 8, 1, 1 * MiB, net)
+    assert cm.op_cost("reduce", "tree", 8, 1, 1 * MiB, net) == pytest.approx(3 * net.cost(1 * MiB))
+
+
 def test_the_chains_chunk_between_hosts_is_the_best_whole_number_of_chunks_within_16_kib_and_the_agreed_chunk():
     net = cm.nic(1, alpha=12e-6)  # as measured behind the namespaces' 1 Gbit/s links
     for p in (3, 8, 64):
