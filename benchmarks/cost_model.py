@@ -559,7 +559,7 @@ LEAST_LINK_CHUNK = 16 << 10
 
 
 def chunk_by_link(p: int, n: float, chunk: int, link: Link) -> int:
-    """broadcast.cpp's chunk_by_link: (p - 2 + k)(alpha + n/k beta) over k chunks is least at k = sqrt(n beta (p - 2)
+    """broadcast.cpp's chain_chunk_by_link: (p - 2 + k)(alpha + n/k beta) over k chunks is least at k = sqrt(n beta (p - 2)
     / alpha); the better of the whole numbers beside it, its chunk rounded up to 4 KiB, within [16 KiB, chunk]."""
     if not link.alpha > 0:
         return min(LEAST_LINK_CHUNK, chunk)
@@ -579,13 +579,23 @@ def tree_by_link(p: int, n: float, chunk: int, link: Link) -> bool:
     return rounds * link.cost(n) <= TREE_SHARE * (p - 2 + math.ceil(n / c)) * link.cost(c)
 
 
+def _by_link(p: int, n: float, a: Agreed, across_hosts: bool) -> str | None:
+    """broadcast's and reduce's rule between hosts: among 3 ranks or more each on a host of its own with the link
+    measured, above 64 KiB, the tree where tree_by_link gives it, else the chain in the link's chunks; None
+    elsewhere."""
+    if across_hosts and a.link is not None and p >= 3 and n > SMALL_BROADCAST:
+        return "tree" if tree_by_link(p, n, chunk_by_link(p, n, a.chunk, a.link), a.link) else "chain"
+    return None
+
+
 def pick_broadcast_flat(p: int, n: float, a: Agreed, across_hosts: bool = False) -> str:
     """broadcast in broadcast.cpp: among 3 ranks or more each on a host of its own (`across_hosts`) with the link
     measured, above 64 KiB, the tree or the chain in the link's chunks by the link (tree_by_link); else the root to
     all (p > 2, above the tree's threshold, outside the 3 ranks' skip), the binomial tree up to 64 KiB, else the
     chain."""
-    if across_hosts and a.link is not None and p >= 3 and n > SMALL_BROADCAST:
-        return "tree" if tree_by_link(p, n, chunk_by_link(p, n, a.chunk, a.link), a.link) else "chain"
+    between = _by_link(p, n, a, across_hosts)
+    if between:
+        return between
     if a.star and p > 2 and n > SMALL_BROADCAST and not a.star_skip[0] <= n < a.star_skip[1]:
         return "star"
     return "tree" if n <= SMALL_BROADCAST else "chain"
@@ -594,9 +604,7 @@ def pick_broadcast_flat(p: int, n: float, a: Agreed, across_hosts: bool = False)
 def pick_reduce_flat(p: int, n: float, a: Agreed, across_hosts: bool = False) -> str:
     """reduce in reduce.cpp: among 3 ranks or more each on a host of its own with the link measured, above 64 KiB,
     broadcast's rule (the chain in the link's chunks, or the tree by tree_by_link); else the binomial tree."""
-    if across_hosts and a.link is not None and p >= 3 and n > SMALL_BROADCAST:
-        return "tree" if tree_by_link(p, n, chunk_by_link(p, n, a.chunk, a.link), a.link) else "chain"
-    return "tree"
+    return _by_link(p, n, a, across_hosts) or "tree"
 
 
 # the three, flat and hierarchical ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "distributed/algorithms/algorithms.h"
+#include "distributed/algorithms/chunks.h"
 #include "distributed/algorithms/scratch.h"
 #include "distributed/algorithms/reduction_kernels.h"
 
@@ -30,16 +31,12 @@ void reduce_chain(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp
   const int toward = (t.rank() - 1 + p) % p, from = (t.rank() + 1) % p;
   const size_t es = dtype_size(dt);
   char* buf = static_cast<char*>(buf_v);
-  const size_t ce = std::max<size_t>(1, std::min(count, chunk / es));
-  const size_t nc = count == 0 ? 1 : (count + ce - 1) / ce;
-  auto span = [&](size_t c, size_t* off, size_t* n) {
-    *off = c * ce;
-    *n = std::min(count - std::min(count, *off), ce);
-  };
+  const size_t ce = std::max<size_t>(1, std::min(count, chunk / es));  // elements a chunk
+  const size_t nc = chunk_count(count, ce);
   if (vr == p - 1) {
     for (size_t c = 0; c < nc; ++c) {
       size_t off, n;
-      span(c, &off, &n);
+      chunk_at(count, ce, c, &off, &n);
       t.isend(toward, buf + off * es, n * es);
     }
     t.wait_all();
@@ -50,13 +47,13 @@ void reduce_chain(Transport& t, void* buf_v, size_t count, DataType dt, ReduceOp
   std::vector<Transport::Req> reqs(slots);
   auto post = [&](size_t c) {
     size_t off, n;
-    span(c, &off, &n);
+    chunk_at(count, ce, c, &off, &n);
     reqs[c % slots] = t.irecv(from, scratch + (c % slots) * ce * es, n * es);
   };
   for (size_t c = 0; c < slots; ++c) post(c);
   for (size_t c = 0; c < nc; ++c) {
     size_t off, n;
-    span(c, &off, &n);
+    chunk_at(count, ce, c, &off, &n);
     t.wait(reqs[c % slots]);
     reduce_into(buf + off * es, scratch + (c % slots) * ce * es, n, dt, op);
     if (vr > 0) t.isend(toward, buf + off * es, n * es);
