@@ -630,6 +630,71 @@ def test_a_small_async_send_to_a_dead_peer_raises_from_wait_naming_it(shm):
     assert "rank 1" in message and "send" in message, message
 
 
+def send_to_a_rank_in_a_collective():
+    # Rank 0 sends 64 MiB to rank 2, which is in an all_reduce with rank 1 and never reads it; rank 2's ring frames
+    # of that all_reduce lie unread in rank 0's socket (Note [A send whose peer sent something else]).
+    r = D.get_rank()
+    t0, c0 = time.monotonic(), time.process_time()
+    try:
+        if r == 0:
+            D.send(np.ones(16 << 20, np.float32), 2)
+        else:
+            D.all_reduce(np.ones(1 << 20, np.float32))
+        err = None
+    except D.DistributedError as e:
+        err = (type(e).__name__, str(e))
+    return err, time.monotonic() - t0, time.process_time() - c0
+
+
+def test_a_send_whose_peer_is_in_a_collective_sleeps_until_its_deadline():
+    # Over TCP the send used to wake at once, again and again, for the readable socket: a core spinning until the
+    # deadline. Through shared memory it sleeps on its doorbell.
+    outs = ranks.spawn(send_to_a_rank_in_a_collective, 3, timeout=90,
+                       env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 3000})
+    assert all(o.ok for o in outs), outs
+    for r, o in enumerate(outs):
+        err, _, _ = o.value
+        assert err is not None and err[0] == "DistributedTimeoutError", (r, err)
+    err, wall, cpu = outs[0].value
+    # its own timeout waiting for rank 2, or rank 2's, which rank 2 sent it
+    assert "rank 2" in err[1] and "send/recv(count=16777216, dtype=float32, src=0)" in err[1], err
+    assert wall > 2.5, wall
+    assert cpu < 0.2 * wall, (cpu, wall)  # asleep, not polling
+
+
+def send_to_a_rank_that_gave_up():
+    # Rank 1 receives int32 where rank 0 sends float32: it raises the mismatch, tells rank 0 (its ABORT frame) and
+    # stays on for 6 s, its connections open, as a program that catches the error may.
+    r = D.get_rank()
+    t0 = time.monotonic()
+    try:
+        if r == 0:
+            D.send(np.ones(16 << 20, np.float32), 1)
+        else:
+            D.recv(np.ones(16 << 20, np.int32), 0)
+        err = None
+    except D.DistributedError as e:
+        err = (type(e).__name__, str(e))
+    wall = time.monotonic() - t0
+    if r == 1:
+        time.sleep(6)
+    return err, wall
+
+
+def test_a_send_whose_peer_gave_up_raises_its_reason_at_once():
+    # Over TCP the send used to find the peer's ABORT frame only once the peer's process had gone (6 s here).
+    outs = ranks.spawn(send_to_a_rank_that_gave_up, 2, timeout=90,
+                       env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 30000})
+    assert all(o.ok for o in outs), outs
+    for r, o in enumerate(outs):
+        err, _ = o.value
+        assert err is not None and err[0] == "CollectiveMismatchError", (r, err)
+        assert "dtype=int32" in err[1] and "dtype=float32" in err[1], (r, err)
+    err, wall = outs[0].value
+    assert "rank 1 aborted the group" in err[1], err
+    assert wall < 4.0, wall
+
+
 # ---- keyword arguments ---------------------------------------------------------------
 # The module's collectives read their keywords before pybind11 does (Note [Keyword arguments before pybind11's
 # dispatcher] in csrc/bindings/keywords.h): every form a caller writes must land each value in its parameter.

@@ -90,6 +90,29 @@ def test_timeout_names_this_rank_the_peer_the_operation_and_the_deadline():
     assert "rank 0" in o1.value[1]
 
 
+def recv_from_the_wrong_rank():
+    # Rank 0 sends to rank 1, which receives from rank 2 by mistake; rank 2 sends nothing.
+    r = D.get_rank()
+    if r == 0:
+        D.send(np.arange(10, dtype=np.float32), 1)
+    elif r == 1:
+        try:
+            D.recv(np.zeros(10, np.float32), 2)
+        except D.DistributedTimeoutError as e:
+            return str(e)
+    time.sleep(2.5)  # the others stay until rank 1 has timed out
+    return None
+
+
+def test_a_receive_that_times_out_names_the_message_it_left_unreceived():
+    # Note [A receive that timed out names the messages nobody took]
+    outs = ranks.spawn(recv_from_the_wrong_rank, 3, env={"DISTRIBUTED_OPERATION_TIMEOUT_MS": 1000}, timeout=60)
+    msg = outs[1].value
+    assert outs[1].ok and msg is not None, outs[1]
+    assert "src=2) as message #1 between the pair timed out after 1000 ms waiting for rank 2" in msg, msg
+    assert "no receive has taken: from rank 0, 10 x float32, tag 0. This receive names src=2, tag 0" in msg, msg
+
+
 def busy_rank_0_between_collectives():
     x = np.full(3, D.get_rank() + 1.0, np.float32)
     D.all_reduce(x)

@@ -1135,8 +1135,37 @@ def test_a_recv_from_any_source_that_nobody_answers_times_out_by_name_on_every_r
     outs = ranks.spawn(nobody_sends, 2, init=False, timeout=60)
     assert time.monotonic() - t0 < 30
     assert not outs[0].ok and outs[0].is_a("DistributedTimeoutError"), (outs[0].exc_type, outs[0].message)
-    assert "send/recv(count=3, dtype=float32, peer=any) from any rank timed out" in outs[0].message, outs[0].message
+    assert "send/recv(count=3, dtype=float32, src=any) from any rank timed out" in outs[0].message, outs[0].message
     assert not outs[1].ok and outs[1].is_a("DistributedError"), (outs[1].exc_type, outs[1].message)
+
+
+def recv_of_the_wrong_tag(src) -> str:
+    import datetime
+
+    import torch.distributed as dist
+
+    import pycyxwiz.torch  # noqa: F401
+
+    dist.init_process_group("cyxwiz", timeout=datetime.timedelta(seconds=5))
+    msg = ""
+    if dist.get_rank() == 0:
+        try:
+            dist.recv(torch.zeros(3), src=src, tag=8)  # rank 1 sent its message with tag 7
+        except Exception as e:
+            msg = str(e)
+    else:
+        dist.send(torch.ones(3), 0, tag=7)
+    time.sleep(6)  # until rank 0 has timed out
+    return msg
+
+
+@pytest.mark.parametrize("src", [None, 1])
+def test_a_recv_of_the_wrong_tag_times_out_naming_the_message_it_left(src):
+    # Note [A receive that timed out names the messages nobody took] in mesh_transport.cpp
+    msg = ranks.spawn(recv_of_the_wrong_tag, 2, args=(src,), init=False, timeout=60)[0].value
+    assert "timed out after 5000 ms" in msg, msg
+    want = f"no receive has taken: from rank 1, 3 x float32, tag 7. This receive names src={src or 'any'}, tag 8"
+    assert want in msg, msg
 
 
 def waits_for_any_source_while_the_sender_dies() -> None:

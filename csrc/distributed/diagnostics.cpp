@@ -62,7 +62,8 @@ std::pair<ErrorKind, std::string> explain(Store& store, const FlightRecord& mine
                            ". Every rank must call the same collectives in the same order with the same count, dtype, "
                            "op and root. (Rank ", me, "'s error: ", msg, ")", what_each_was_doing(recs))};
   }
-  return {kind, msg + (!msg.empty() && msg.back() == '.' ? "" : ".") + what_each_was_doing(recs)};
+  const bool ended = !msg.empty() && (msg.back() == '.' || msg.back() == '?');
+  return {kind, msg + (ended ? "" : ".") + what_each_was_doing(recs)};
 }
 
 void check_at_finalize(Store& store, const FlightRecord& mine, int world, bool full, int64_t wait_ms,

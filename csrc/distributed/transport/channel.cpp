@@ -45,6 +45,12 @@ bool Channel::has_stashed(int root, uint32_t tag) const {
   return false;
 }
 
+std::vector<OpDesc> Channel::stashed() const {
+  std::vector<OpDesc> out;
+  for (const Stashed& m : stash_) out.push_back(m.desc);
+  return out;
+}
+
 void Channel::start_diverting() {
   div_.desc = frame::desc(rhdr_);
   div_.payload.resize(frame::payload_len(rhdr_));

@@ -65,6 +65,8 @@ class Channel {
   void irecv(Transport::Req id, char* buf, size_t len);
   // A send/recv message from `root` with `tag` was read ahead and waits for its receive.
   bool has_stashed(int root, uint32_t tag) const;
+  // The send/recv messages read ahead that wait for their receives, oldest first.
+  std::vector<OpDesc> stashed() const;
   // Request `id` completes once the peer's next frame, a send/recv message (peek said so), is in the stash.
   void irecv_aside(Transport::Req id) { recvs_.push_back(RecvOp{nullptr, 0, 0, id, true}); }
 

@@ -75,9 +75,13 @@ class MeshTransport : public Transport {
   bool read_aside();
   // Reads peer j's next message, a send/recv message (peek said so), whole into its channel's stash.
   void read_next_aside(int j);
+  // Note [A send whose peer sent something else]: whether peer j's socket may yet bring a message to read aside.
+  bool aside_may_come(int j);
   // Whether every pair of this rank's (own_host: on its host) goes through rings, and it has one.
   bool rings_only(bool own_host) const;
   [[noreturn]] void timed_out();
+  // Note [A receive that timed out names the messages nobody took]: "" where there are none.
+  std::string unreceived();
 
   int rank_;
   int world_;

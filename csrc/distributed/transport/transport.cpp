@@ -12,8 +12,9 @@ std::string OpDesc::describe() const {
   os << kind_name(kind) << "(count=" << count;
   if (dtype != DataType::kBytes) os << ", dtype=" << dtype_name(dtype);
   if (op != ReduceOp::kNone) os << ", op=" << op_name(op);
-  if (root >= 0) os << ", " << (kind == CollectiveKind::kSendRecv ? "peer" : "root") << "=" << root;
-  if (root < 0 && kind == CollectiveKind::kSendRecv) os << ", peer=any";
+  // A message's root is its sender, on both sides (the receiver's peer, the sender itself).
+  if (root >= 0) os << ", " << (kind == CollectiveKind::kSendRecv ? "src" : "root") << "=" << root;
+  if (root < 0 && kind == CollectiveKind::kSendRecv) os << ", src=any";
   if (tag) os << ", tag=" << tag;
   os << ")";
   if (site) os << " at " << call_site_text(site);
