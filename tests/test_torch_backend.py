@@ -1124,7 +1124,8 @@ def nobody_sends() -> None:
 
     import pycyxwiz.torch  # noqa: F401
 
-    dist.init_process_group("cyxwiz", timeout=datetime.timedelta(seconds=2))
+    # 5 s, not less: the same timeout bounds torch's TCPStore connecting, which took over 2 s on a loaded machine
+    dist.init_process_group("cyxwiz", timeout=datetime.timedelta(seconds=5))
     if dist.get_rank() == 0:
         dist.recv(torch.zeros(3))  # rank 1 sends nothing: it goes on to a barrier
     dist.barrier()
